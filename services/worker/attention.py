@@ -1,0 +1,126 @@
+"""Attention over a paged KV cache: the per-step metadata and the backend interface.
+
+The model never sees batching details beyond `AttentionMetadata`; a backend writes the
+step's new keys/values into the block pool through the slot mapping, then attends each
+query token to its request's context through the request's block table.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64, flat slot of each new token; -1 = skip
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor  # [num_reqs] int32, context length after this step
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32
+    # Host copies, so backends can plan without device syncs.
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.query_lens_cpu)
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """key/value: [num_tokens, kv_heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim]."""
+
+    @abstractmethod
+    def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """query: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim]."""
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Reference backend for CPU: single-token queries (decodes) are batched into one padded
+    attention; longer queries (prefill chunks) each get one causal attention call."""
+
+    name = "torch"
+
+    def write_kv(self, key, value, key_cache, value_cache, slot_mapping):
+        valid = slot_mapping >= 0
+        if not bool(valid.all()):
+            slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
+        key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key)
+        value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+
+    def attend(self, query, key_cache, value_cache, meta, scale):
+        out = torch.empty_like(query)
+        query_lens, seq_lens = meta.query_lens_cpu, meta.seq_lens_cpu
+        single = [i for i, n in enumerate(query_lens) if n == 1]
+        if single:
+            self._attend_single_token(query, key_cache, value_cache, meta, scale, single, out)
+        if len(single) < len(query_lens):
+            starts = meta.query_start_loc.tolist()
+            for i, n in enumerate(query_lens):
+                if n > 1:
+                    s = starts[i]
+                    out[s:s + n] = self._attend_chunk(query[s:s + n], key_cache, value_cache,
+                                                      meta.block_tables[i], seq_lens[i], scale)
+        return out
+
+    @staticmethod
+    def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int) -> torch.Tensor:
+        # [..., num_blocks] block ids -> [..., kv_heads, num_blocks * block_size, head_dim]
+        blocks = cache[block_table[..., :num_blocks].long()]
+        lead = blocks.shape[:-4]
+        blocks = blocks.reshape(*lead, num_blocks * cache.shape[1], cache.shape[2], cache.shape[3])
+        return blocks.transpose(-3, -2)
+
+    def _attend_single_token(self, query, key_cache, value_cache, meta, scale, rows, out):
+        block_size = key_cache.shape[1]
+        kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+        rows_t = torch.tensor(rows, dtype=torch.long)
+        token_index = meta.query_start_loc[rows_t].long()
+        lens = meta.seq_lens[rows_t]
+        num_blocks = -(-max(meta.seq_lens_cpu[i] for i in rows) // block_size)
+        tables = meta.block_tables[rows_t]
+        keys = self._gather_context(key_cache, tables, num_blocks)  # [B, kvh, L, d]
+        values = self._gather_context(value_cache, tables, num_blocks)
+        # The query heads sharing one KV head become that head's "query length" (GQA).
+        q = query[token_index].view(len(rows), kv_heads, -1, head_dim)
+        positions = torch.arange(keys.shape[-2], device=query.device)
+        mask = (positions[None, :] < lens[:, None].to(positions.dtype))[:, None, None, :]
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        out[token_index] = attn.reshape(len(rows), -1, head_dim)
+
+    def _attend_chunk(self, query, key_cache, value_cache, block_table, seq_len, scale):
+        n, heads, head_dim = query.shape
+        num_blocks = -(-seq_len // key_cache.shape[1])
+        keys = self._gather_context(key_cache, block_table, num_blocks)[:, :seq_len]
+        values = self._gather_context(value_cache, block_table, num_blocks)[:, :seq_len]
+        q = query.transpose(0, 1)  # [heads, n, d]
+        kv_heads = keys.shape[0]
+        if kv_heads != heads:
+            keys = keys.repeat_interleave(heads // kv_heads, dim=0)
+            values = values.repeat_interleave(heads // kv_heads, dim=0)
+        if n == seq_len:
+            attn = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
+        else:  # the chunk starts after cached tokens: query j sits at position seq_len - n + j
+            q_pos = torch.arange(seq_len - n, seq_len, device=query.device)
+            mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        return attn.transpose(0, 1)
+
+
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
+
+
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and "triton" in ATTENTION_BACKENDS else "torch"
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend {name!r} is not available (available: {sorted(ATTENTION_BACKENDS)})")
+    return ATTENTION_BACKENDS[name]()

@@ -1,0 +1,145 @@
+"""One worker step: apply the plan's diff, build inputs, run the model, sample."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from services.common.model_loading import ModelLoadError, load_model_spec, load_state_dict, resolve_model_dir
+from services.common.model_spec import ModelSpec
+from services.common.step_types import StepPlan, StepResult
+from services.worker.attention import AttentionBackend, make_attention_backend
+from services.worker.kv_cache import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_CUDA_MEMORY_FRACTION,
+    KVCache,
+    kv_cache_budget,
+)
+from services.worker.model import DecoderModel, MissingWeightError
+from services.worker.persistent_batch import PersistentBatch, PlanError, StepInputs
+from services.worker.sampler import Sampler, SamplerOutput, SamplingBatch
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class WorkerConfig:
+    model: str | None = None  # None: the embedded default model
+    cache_dir: str | None = None
+    device: str = "auto"
+    dtype: str = "float32"
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_cache_memory: int | None = None  # bytes; None: default budget for the device
+    kv_cache_memory_fraction: float = DEFAULT_CUDA_MEMORY_FRACTION
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None: the model's own context length
+    attention_backend: str = "auto"
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderModel, kv_cache: KVCache, backend: AttentionBackend,
+                 max_num_seqs: int, max_model_len: int):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.max_model_len = max_model_len
+        self.batch = PersistentBatch(max_num_seqs, max_model_len, kv_cache.block_size, model.device)
+        self.sampler = Sampler()
+        self.last_step = -1
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.model.spec
+
+    @classmethod
+    def load(cls, config: WorkerConfig) -> ModelRunner:
+        model_dir = resolve_model_dir(config.model, config.cache_dir)
+        spec = load_model_spec(model_dir)
+        device = resolve_device(config.device)
+        dtype = DTYPES[config.dtype]
+        max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+        try:
+            model = DecoderModel(spec, load_state_dict(model_dir), device, dtype, max_model_len)
+        except MissingWeightError as exc:
+            raise ModelLoadError(f"checkpoint in {model_dir} lacks tensor {exc.args[0]}") from exc
+        budget = kv_cache_budget(device, config.kv_cache_memory, config.kv_cache_memory_fraction)
+        kv_cache = KVCache.from_budget(spec, budget, config.block_size, device, dtype)
+        backend = make_attention_backend(config.attention_backend, device)
+        return cls(model, kv_cache, backend, config.max_num_seqs, max_model_len)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        if plan.step != self.last_step + 1:
+            raise PlanError(f"step {plan.step} does not follow step {self.last_step}")
+        self.batch.apply(plan)
+        self.last_step = plan.step
+        if not plan.scheduled_handles:
+            return StepResult(step=plan.step, handles=[], sampled_token_ids=[])
+        started = time.perf_counter()
+        inputs = self.batch.prepare_inputs(plan)
+        logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.attention, self.kv_cache,
+                                    self.backend, inputs.logits_indices)
+        forward_done = time.perf_counter()
+        sampled = self.sampler(logits, self._sampling_batch(inputs))
+        produced = self.batch.finish_step(inputs, sampled.token_ids.cpu())
+        result = self._result(plan, inputs, produced, sampled)
+        result.forward_seconds = forward_done - started
+        result.sampling_seconds = time.perf_counter() - forward_done
+        return result
+
+    def _sampling_batch(self, inputs: StepInputs) -> SamplingBatch:
+        b, rows = self.batch, inputs.rows
+        device = self.model.device
+        row_list = rows.tolist()
+        columns = {name: col[rows].to(device) for name, col in b.float_params.items()}
+        sampling = SamplingBatch(
+            top_k=b.top_k[rows].to(device), num_logprobs=b.num_logprobs[rows].to(device),
+            generators=[b.generators[r] for r in row_list], seeds=[b.seeds[r] for r in row_list],
+            positions=b.num_tokens[rows].tolist(), **columns,
+        )
+        penalized = [r for r in row_list if b.sampling[r].has_penalties]
+        if penalized:
+            sampling.seen_token_ids, sampling.output_token_ids = self._penalty_tokens(rows)
+        return sampling
+
+    def _penalty_tokens(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b = self.batch
+        width = int(b.num_tokens[rows].max())
+        tokens = b.token_ids[rows, :width]
+        index = torch.arange(width)
+        known = index[None, :] < b.num_tokens[rows][:, None]
+        output = known & (index[None, :] >= b.num_prompt_tokens[rows][:, None])
+        device = self.model.device
+        return tokens.masked_fill(~known, -1).to(device), tokens.masked_fill(~output, -1).to(device)
+
+    def _result(self, plan: StepPlan, inputs: StepInputs, produced: torch.Tensor, sampled: SamplerOutput) -> StepResult:
+        handles = torch.tensor(plan.scheduled_handles)
+        token_ids = sampled.token_ids.cpu()
+        result = StepResult(step=plan.step, handles=handles[produced].tolist(),
+                            sampled_token_ids=token_ids[produced].tolist())
+        if sampled.logprob_rows is not None:
+            rows = sampled.logprob_rows.cpu()
+            keep = produced[rows]
+            rows = rows[keep]
+            counts = self.batch.num_logprobs[inputs.rows[rows]]
+            top_ids = sampled.top_token_ids.cpu()[keep]
+            top_lps = sampled.top_logprobs.cpu()[keep]
+            width = torch.arange(top_ids.shape[1])
+            take = width[None, :] < counts[:, None]
+            result.logprobs_handles = handles[rows].tolist()
+            result.sampled_logprobs = sampled.sampled_logprobs.cpu()[keep].tolist()
+            result.sampled_ranks = sampled.sampled_ranks.cpu()[keep].tolist()
+            result.top_token_ids = top_ids[take].tolist()
+            result.top_logprobs = top_lps[take].tolist()
+            result.num_top = counts.tolist()
+        return result

@@ -1,0 +1,212 @@
+"""The worker's persistent batch: one row per running request, changed only by step diffs.
+
+Rows live in fixed preallocated tensors (token ids, computed-token counts, block table,
+sampling parameters). A plan removes rows (the last row moves into the hole, so rows stay
+dense), adds rows for new requests, appends block ids, and names the tokens to compute.
+The step's input tensors are gathered from the rows in the plan's order, so they depend
+only on the requests' states, never on where their rows happen to sit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.common.sampling_params import SamplingParams
+from services.common.step_types import NewRequest, StepPlan
+from services.worker.attention import AttentionMetadata
+
+
+class PlanError(ValueError):
+    """A plan that does not fit the batch's state (unknown handle, duplicate, overflow)."""
+
+
+@dataclass
+class StepInputs:
+    rows: torch.Tensor  # [num_reqs] row of each scheduled request, in plan order
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    logits_indices: torch.Tensor  # [num_reqs] last scheduled token of each request
+    attention: AttentionMetadata
+    num_scheduled: torch.Tensor  # [num_reqs]
+
+
+# Sampling parameters kept as columns, and the SamplingParams attribute each one mirrors.
+_FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+class PersistentBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device):
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.device = device
+        max_blocks = -(-max_model_len // block_size)
+        self.token_ids = torch.zeros((max_num_reqs, max_model_len), dtype=torch.int64)
+        self.num_tokens = torch.zeros(max_num_reqs, dtype=torch.int64)
+        self.num_prompt_tokens = torch.zeros(max_num_reqs, dtype=torch.int64)
+        self.num_computed_tokens = torch.zeros(max_num_reqs, dtype=torch.int64)
+        self.block_table = torch.zeros((max_num_reqs, max_blocks), dtype=torch.int64)
+        self.num_blocks = torch.zeros(max_num_reqs, dtype=torch.int64)
+        self.float_params = {name: torch.zeros(max_num_reqs, dtype=torch.float32) for name in _FLOAT_COLUMNS}
+        self.top_k = torch.zeros(max_num_reqs, dtype=torch.int64)
+        self.num_logprobs = torch.full((max_num_reqs,), -1, dtype=torch.int64)
+        self.seeds: list[int | None] = [None] * max_num_reqs
+        self.generators: list[torch.Generator | None] = [None] * max_num_reqs
+        self.sampling: list[SamplingParams | None] = [None] * max_num_reqs
+        self.handle_of_row: list[int] = []
+        self.row_of_handle: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.handle_of_row)
+
+    def __contains__(self, handle: int) -> bool:
+        return handle in self.row_of_handle
+
+    # --- diffs -----------------------------------------------------------------------------
+
+    def apply(self, plan: StepPlan) -> None:
+        for handle in plan.removed_handles:
+            self.remove(handle)
+        for request in plan.new_requests:
+            self.add(request)
+        if len(plan.num_scheduled_tokens) != len(plan.scheduled_handles) or (
+            plan.num_new_blocks and len(plan.num_new_blocks) != len(plan.scheduled_handles)
+        ):
+            raise PlanError("scheduled columns have different lengths")
+        if plan.new_block_ids:
+            offset = 0
+            for handle, count in zip(plan.scheduled_handles, plan.num_new_blocks):
+                if count:
+                    self.append_blocks(handle, plan.new_block_ids[offset:offset + count])
+                    offset += count
+            if offset != len(plan.new_block_ids):
+                raise PlanError("new_block_ids does not match num_new_blocks")
+
+    def add(self, request: NewRequest) -> None:
+        if request.handle in self.row_of_handle:
+            raise PlanError(f"request handle {request.handle} is already in the batch")
+        if len(self) == self.max_num_reqs:
+            raise PlanError(f"the batch is full ({self.max_num_reqs} requests)")
+        n = len(request.token_ids)
+        if not 0 < n <= self.max_model_len:
+            raise PlanError(f"request {request.handle} has {n} tokens (max {self.max_model_len})")
+        if not 0 <= request.num_computed_tokens < n:
+            raise PlanError(f"request {request.handle}: num_computed_tokens {request.num_computed_tokens} "
+                            f"outside [0, {n})")
+        row = len(self)
+        self.handle_of_row.append(request.handle)
+        self.row_of_handle[request.handle] = row
+        self.token_ids[row, :n] = torch.tensor(request.token_ids, dtype=torch.int64)
+        self.num_tokens[row] = n
+        self.num_prompt_tokens[row] = request.num_prompt_tokens
+        self.num_computed_tokens[row] = request.num_computed_tokens
+        self.num_blocks[row] = 0
+        self._write_blocks(row, request.block_ids)
+        params = request.sampling
+        for name, column in self.float_params.items():
+            column[row] = getattr(params, name)
+        self.top_k[row] = params.top_k if params.top_k > 0 else 0
+        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.seeds[row] = params.seed
+        self.generators[row] = torch.Generator() if params.seed is not None else None
+        self.sampling[row] = params
+
+    def append_blocks(self, handle: int, block_ids: list[int]) -> None:
+        self._write_blocks(self._row(handle), block_ids)
+
+    def remove(self, handle: int) -> None:
+        row = self.row_of_handle.pop(handle, None)
+        if row is None:
+            raise PlanError(f"cannot remove unknown request handle {handle}")
+        last = len(self.handle_of_row) - 1
+        if row != last:
+            self._move_row(last, row)
+            moved = self.handle_of_row[last]
+            self.handle_of_row[row] = moved
+            self.row_of_handle[moved] = row
+        self.handle_of_row.pop()
+        self.seeds[last] = self.generators[last] = self.sampling[last] = None
+
+    def _row(self, handle: int) -> int:
+        row = self.row_of_handle.get(handle)
+        if row is None:
+            raise PlanError(f"unknown request handle {handle}")
+        return row
+
+    def _write_blocks(self, row: int, block_ids: list[int]) -> None:
+        start = int(self.num_blocks[row])
+        end = start + len(block_ids)
+        if end > self.block_table.shape[1]:
+            raise PlanError(f"block table of row {row} overflows ({end} > {self.block_table.shape[1]})")
+        self.block_table[row, start:end] = torch.tensor(block_ids, dtype=torch.int64)
+        self.num_blocks[row] = end
+
+    def _move_row(self, src: int, dst: int) -> None:
+        n, nb = int(self.num_tokens[src]), int(self.num_blocks[src])
+        self.token_ids[dst, :n] = self.token_ids[src, :n]
+        self.block_table[dst, :nb] = self.block_table[src, :nb]
+        for column in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, self.num_blocks,
+                       self.top_k, self.num_logprobs, *self.float_params.values()):
+            column[dst] = column[src]
+        self.seeds[dst], self.generators[dst], self.sampling[dst] = (
+            self.seeds[src], self.generators[src], self.sampling[src])
+
+    # --- per-step inputs -------------------------------------------------------------------
+
+    def prepare_inputs(self, plan: StepPlan) -> StepInputs:
+        rows = torch.tensor([self._row(h) for h in plan.scheduled_handles], dtype=torch.int64)
+        num_scheduled = torch.tensor(plan.num_scheduled_tokens, dtype=torch.int64)
+        start = self.num_computed_tokens[rows]
+        seq_lens = start + num_scheduled
+        if bool((num_scheduled < 1).any()) or bool((seq_lens > self.num_tokens[rows]).any()):
+            bad = int(torch.nonzero((num_scheduled < 1) | (seq_lens > self.num_tokens[rows]))[0, 0])
+            raise PlanError(f"request {plan.scheduled_handles[bad]}: cannot compute "
+                            f"{plan.num_scheduled_tokens[bad]} tokens after {int(start[bad])} "
+                            f"of {int(self.num_tokens[rows[bad]])} known")
+        if bool((seq_lens > self.num_blocks[rows] * self.block_size).any()):
+            bad = int(torch.nonzero(seq_lens > self.num_blocks[rows] * self.block_size)[0, 0])
+            raise PlanError(f"request {plan.scheduled_handles[bad]}: {int(seq_lens[bad])} tokens do not fit "
+                            f"its {int(self.num_blocks[rows[bad]])} blocks")
+        query_start = torch.zeros(len(rows) + 1, dtype=torch.int64)
+        torch.cumsum(num_scheduled, 0, out=query_start[1:])
+        total = int(query_start[-1])
+        request_of_token = torch.repeat_interleave(torch.arange(len(rows)), num_scheduled, output_size=total)
+        row_of_token = rows[request_of_token]
+        positions = torch.arange(total) - query_start[request_of_token] + start[request_of_token]
+        input_ids = self.token_ids[row_of_token, positions]
+        slots = self.block_table[row_of_token, positions // self.block_size] * self.block_size
+        slots += positions % self.block_size
+        max_blocks = -(-int(seq_lens.max()) // self.block_size)
+        device = self.device
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(device, non_blocking=True),
+            query_start_loc=query_start.to(device=device, dtype=torch.int32, non_blocking=True),
+            seq_lens=seq_lens.to(device=device, dtype=torch.int32, non_blocking=True),
+            block_tables=self.block_table[rows, :max_blocks].to(device=device, dtype=torch.int32,
+                                                                  non_blocking=True),
+            query_lens_cpu=plan.num_scheduled_tokens,
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        return StepInputs(
+            rows=rows,
+            input_ids=input_ids.to(device, non_blocking=True),
+            positions=positions.to(device, non_blocking=True),
+            logits_indices=(query_start[1:] - 1).to(device, non_blocking=True),
+            attention=meta,
+            num_scheduled=num_scheduled,
+        )
+
+    def finish_step(self, inputs: StepInputs, sampled: torch.Tensor) -> torch.Tensor:
+        """Advance computed counts and append each request's sampled token when its step
+        reached the end of its known tokens. Returns the mask of requests that produced one."""
+        rows = inputs.rows
+        self.num_computed_tokens[rows] += inputs.num_scheduled
+        produced = self.num_computed_tokens[rows] == self.num_tokens[rows]
+        out_rows = rows[produced]
+        if bool((self.num_tokens[out_rows] >= self.max_model_len).any()):
+            raise PlanError("a request would grow past max_model_len")
+        self.token_ids[out_rows, self.num_tokens[out_rows]] = sampled[produced].to(torch.int64)
+        self.num_tokens[out_rows] += 1
+        return produced

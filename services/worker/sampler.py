@@ -1,0 +1,146 @@
+"""Vectorised sampling over a batch of logits rows.
+
+Order: penalties on the raw logits; greedy rows take the argmax; other rows are divided
+by their temperature, restricted by top-k, top-p and min-p, and drawn with the
+exponential-race trick (argmax of p / q, q ~ Exp(1)), which needs no cumulative sum.
+A seeded row draws q from its own generator, reseeded from (seed, position), so its token
+depends only on its own logits, never on its batch neighbours, on preemption or on how
+many steps it waited. Logprobs always come from the raw logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.common.sampling_params import GREEDY_TEMPERATURE_EPS
+
+_MASKED = float("-inf")
+_SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct positions give distinct seeds
+
+
+@dataclass
+class SamplingBatch:
+    temperature: torch.Tensor  # [B] float32
+    top_k: torch.Tensor  # [B] int64, 0 = disabled
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+    repetition_penalty: torch.Tensor  # [B]
+    presence_penalty: torch.Tensor  # [B]
+    frequency_penalty: torch.Tensor  # [B]
+    num_logprobs: torch.Tensor  # [B] int64, -1 = none
+    generators: list[torch.Generator | None]  # per row; None = the global generator
+    seeds: list[int | None]
+    positions: list[int]  # index of the token being sampled, for reseeding
+    # Only when some row has penalties: prompt+output token ids padded with -1, and the
+    # output tokens alone (the part presence/frequency penalties count).
+    seen_token_ids: torch.Tensor | None = None
+    output_token_ids: torch.Tensor | None = None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    # For rows with num_logprobs >= 0 (in row order): sampled logprob, rank and top-N.
+    logprob_rows: torch.Tensor | None = None
+    sampled_logprobs: torch.Tensor | None = None
+    sampled_ranks: torch.Tensor | None = None
+    top_token_ids: torch.Tensor | None = None  # [R, max_n]
+    top_logprobs: torch.Tensor | None = None
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition penalty over prompt and output tokens (divide positive logits, multiply
+    negative ones); presence and frequency penalties over output tokens only."""
+    vocab = logits.shape[-1]
+    logits = logits.clone()
+    if batch.seen_token_ids is not None:
+        seen = _token_counts(batch.seen_token_ids, vocab) > 0
+        penalty = batch.repetition_penalty.unsqueeze(1).to(logits.dtype)
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalized, logits)
+    if batch.output_token_ids is not None:
+        counts = _token_counts(batch.output_token_ids, vocab).to(logits.dtype)
+        logits -= batch.frequency_penalty.unsqueeze(1) * counts
+        logits -= batch.presence_penalty.unsqueeze(1) * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _token_counts(token_ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    counts = torch.zeros((token_ids.shape[0], vocab + 1), dtype=torch.int64, device=token_ids.device)
+    # -1 padding lands in the extra last column, which is dropped.
+    counts.scatter_add_(1, token_ids.masked_fill(token_ids < 0, vocab), torch.ones_like(token_ids))
+    return counts[:, :vocab]
+
+
+def restrict_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) every token outside each row's top-k, top-p nucleus and min-p floor.
+    Ties at a threshold are kept."""
+    vocab = logits.shape[-1]
+    use_top_k = bool((top_k > 0).any())
+    use_top_p = bool((top_p < 1.0).any())
+    if use_top_k or use_top_p:
+        sorted_logits, _ = logits.sort(dim=-1, descending=True)
+        keep_threshold = sorted_logits[:, :1].clone()  # the max: always kept
+        if use_top_k:
+            k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+            kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _MASKED)
+            keep_threshold = kth
+        if use_top_p:
+            probs = sorted_logits.softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs
+            # A row with top_p == 1 keeps everything, whatever the cumulative sum's rounding.
+            inside = (mass_before < top_p.unsqueeze(1)) | (top_p >= 1.0).unsqueeze(1)
+            # The smallest logit still inside the nucleus is the row's threshold.
+            last_inside = inside.sum(dim=-1, keepdim=True).clamp(min=1) - 1
+            keep_threshold = torch.maximum(keep_threshold, sorted_logits.gather(1, last_inside))
+        logits = logits.masked_fill(logits < keep_threshold, _MASKED)
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, _MASKED)
+    return logits
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        raw = logits
+        if batch.seen_token_ids is not None or batch.output_token_ids is not None:
+            logits = apply_penalties(logits, batch)
+        greedy = batch.temperature < GREEDY_TEMPERATURE_EPS
+        token_ids = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            token_ids = torch.where(greedy, token_ids, self._draw(logits, batch, greedy))
+        output = SamplerOutput(token_ids=token_ids)
+        if bool((batch.num_logprobs >= 0).any()):
+            self._logprobs(raw, batch, output)
+        return output
+
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch, greedy: torch.Tensor) -> torch.Tensor:
+        temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
+        logits = restrict_logits(logits / temperature.unsqueeze(1), batch.top_k, batch.top_p, batch.min_p)
+        probs = logits.softmax(dim=-1)
+        race = torch.empty_like(probs).exponential_()
+        for row, generator in enumerate(batch.generators):
+            if generator is not None:
+                seed = (batch.seeds[row] * _SEED_MIX + batch.positions[row]) & 0x7FFFFFFFFFFFFFFF
+                generator.manual_seed(seed)
+                race[row].exponential_(generator=generator)
+        return (probs / race).argmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, batch: SamplingBatch, output: SamplerOutput) -> None:
+        rows = torch.nonzero(batch.num_logprobs >= 0).squeeze(1)
+        logprobs = raw[rows].float().log_softmax(dim=-1)
+        sampled = output.token_ids[rows]
+        sampled_lp = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
+        output.logprob_rows = rows
+        output.sampled_logprobs = sampled_lp
+        output.sampled_ranks = (logprobs > sampled_lp.unsqueeze(1)).sum(dim=-1) + 1
+        max_n = int(batch.num_logprobs[rows].max())
+        top = logprobs.topk(max_n, dim=-1) if max_n > 0 else None
+        output.top_logprobs = top.values if top else logprobs[:, :0]
+        output.top_token_ids = top.indices if top else sampled[:, None][:, :0]

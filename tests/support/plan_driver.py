@@ -1,0 +1,80 @@
+"""A deliberately simple driver that feeds hand-built step plans to a ModelRunner, so the
+worker core is tested without the scheduler: blocks come from a counter, each request
+computes at most `chunk` prompt tokens per step, and requests join at given steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.sampling_params import SamplingParams
+from services.common.step_types import NewRequest, StepPlan
+from services.worker.model_runner import ModelRunner
+
+
+@dataclass
+class DrivenRequest:
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
+    join_step: int = 0
+    handle: int = -1
+    computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)
+    logprob_results: list[tuple[float, int, list[int], list[float]]] = field(default_factory=list)
+    sent: bool = False
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+
+def drive(runner: ModelRunner, requests: list[DrivenRequest], chunk: int = 1 << 30, step_offset: int = 0) -> None:
+    block_size = runner.kv_cache.block_size
+    next_block = 0
+    for i, r in enumerate(requests):
+        r.handle = i
+    step = step_offset
+    while not all(r.done for r in requests):
+        plan = StepPlan(step=step)
+        for r in requests:
+            if r.done or step - step_offset < r.join_step:
+                continue
+            n = min(chunk, r.num_tokens - r.computed)
+            need = -(-(r.computed + n) // block_size) - len(r.blocks)
+            new_blocks = list(range(next_block, next_block + need))
+            next_block += need
+            r.blocks += new_blocks
+            if not r.sent:
+                plan.new_requests.append(NewRequest(r.handle, list(r.prompt), len(r.prompt), r.sampling,
+                                                    list(r.blocks)))
+                r.sent = True
+                new_blocks = []
+            plan.scheduled_handles.append(r.handle)
+            plan.num_scheduled_tokens.append(n)
+            plan.num_new_blocks.append(len(new_blocks))
+            plan.new_block_ids += new_blocks
+            r.computed += n
+        assert next_block <= runner.kv_cache.num_blocks, "test KV pool too small"
+        result = runner.execute(plan)
+        by_handle = dict(zip(result.handles, result.sampled_token_ids))
+        offset = 0
+        for j, h in enumerate(result.logprobs_handles):
+            n = result.num_top[j]
+            requests[h].logprob_results.append((result.sampled_logprobs[j], result.sampled_ranks[j],
+                                                result.top_token_ids[offset:offset + n],
+                                                result.top_logprobs[offset:offset + n]))
+            offset += n
+        finished = []
+        for h, token in by_handle.items():
+            requests[h].output.append(token)
+            if requests[h].done:
+                finished.append(h)
+        if finished:
+            step += 1
+            runner.execute(StepPlan(step=step, removed_handles=finished))
+        step += 1
