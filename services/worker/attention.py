@@ -97,7 +97,7 @@ class TorchAttentionBackend(AttentionBackend):
         out[token_index] = attn.reshape(len(rows), -1, head_dim)
 
     def _attend_chunk(self, query, key_cache, value_cache, block_table, seq_len, scale):
-        n, heads, head_dim = query.shape
+        n, heads, _ = query.shape
         num_blocks = -(-seq_len // key_cache.shape[1])
         keys = self._gather_context(key_cache, block_table, num_blocks)[:, :seq_len]
         values = self._gather_context(value_cache, block_table, num_blocks)[:, :seq_len]

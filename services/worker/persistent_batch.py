@@ -102,6 +102,8 @@ class PersistentBatch:
         self.num_tokens[row] = n
         self.num_prompt_tokens[row] = request.num_prompt_tokens
         self.num_computed_tokens[row] = request.num_computed_tokens
+        # Entries past a row's blocks stay zero, so step inputs never show a former occupant's.
+        self.block_table[row] = 0
         self.num_blocks[row] = 0
         self._write_blocks(row, request.block_ids)
         params = request.sampling
@@ -144,9 +146,9 @@ class PersistentBatch:
         self.num_blocks[row] = end
 
     def _move_row(self, src: int, dst: int) -> None:
-        n, nb = int(self.num_tokens[src]), int(self.num_blocks[src])
+        n = int(self.num_tokens[src])
         self.token_ids[dst, :n] = self.token_ids[src, :n]
-        self.block_table[dst, :nb] = self.block_table[src, :nb]
+        self.block_table[dst] = self.block_table[src]
         for column in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, self.num_blocks,
                        self.top_k, self.num_logprobs, *self.float_params.values()):
             column[dst] = column[src]

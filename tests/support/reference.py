@@ -1,0 +1,46 @@
+"""Hugging Face transformers as the reference for greedy parity."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# DESIGN.md: a mismatch is accepted only where the reference's top-two logits are this close.
+NEAR_TIE = 1e-4
+
+
+@dataclass
+class ReferenceOutput:
+    token_ids: list[int]
+    logits: list[torch.Tensor]  # one [vocab] row per generated token
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> ReferenceOutput:
+    """Greedy continuation that ignores EOS, as vmesh does with ignore_eos."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                              pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    # generate() fills unset fields from the model's own generation config, EOS included.
+    saved_eos = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None
+    try:
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt]), generation_config=config,
+                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    finally:
+        model.generation_config.eos_token_id = saved_eos
+    return ReferenceOutput(out.sequences[0, len(prompt):].tolist(), [x[0].float() for x in out.logits])
+
+
+def assert_greedy_match(ours: list[int], reference: ReferenceOutput, label: str = "") -> None:
+    """Token-for-token equality; a divergence passes only at a genuine near-tie of the reference."""
+    for i, (a, b) in enumerate(zip(ours, reference.token_ids)):
+        if a != b:
+            top2 = reference.logits[i].topk(2).values
+            gap = float(top2[0] - top2[1])
+            assert gap < NEAR_TIE, (f"{label} diverges at token {i}: {a} != {b} (reference top-2 gap {gap:.2e})\n"
+                                    f"ours {ours}\nref  {reference.token_ids}")
+            return
+    assert len(ours) == len(reference.token_ids), f"{label}: {len(ours)} tokens vs {len(reference.token_ids)}"
