@@ -13,7 +13,7 @@ from services.common.model_spec import ModelSpec
 logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16
-DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 DEFAULT_CUDA_MEMORY_FRACTION = 0.9
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
           "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}

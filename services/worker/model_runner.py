@@ -110,7 +110,21 @@ class ModelRunner:
         penalized = [r for r in row_list if b.sampling[r].has_penalties]
         if penalized:
             sampling.seen_token_ids, sampling.output_token_ids = self._penalty_tokens(rows)
+        num_output = b.num_tokens[rows] - b.num_prompt_tokens[rows]
+        if bool((num_output < b.min_tokens[rows]).any()):
+            sampling.banned = self._banned_before_min_tokens(row_list, num_output.tolist())
         return sampling
+
+    def _banned_before_min_tokens(self, rows: list[int], num_output: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        banned_rows, banned_ids = [], []
+        for i, (row, produced) in enumerate(zip(rows, num_output)):
+            params = self.batch.sampling[row]
+            if produced < params.min_tokens:
+                ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.spec.eos_token_ids))
+                banned_rows += [i] * len(ids)
+                banned_ids += ids
+        device = self.model.device
+        return torch.tensor(banned_rows, device=device), torch.tensor(banned_ids, device=device)
 
     def _penalty_tokens(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b = self.batch

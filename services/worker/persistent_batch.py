@@ -51,6 +51,7 @@ class PersistentBatch:
         self.num_blocks = torch.zeros(max_num_reqs, dtype=torch.int64)
         self.float_params = {name: torch.zeros(max_num_reqs, dtype=torch.float32) for name in _FLOAT_COLUMNS}
         self.top_k = torch.zeros(max_num_reqs, dtype=torch.int64)
+        self.min_tokens = torch.zeros(max_num_reqs, dtype=torch.int64)
         self.num_logprobs = torch.full((max_num_reqs,), -1, dtype=torch.int64)
         self.seeds: list[int | None] = [None] * max_num_reqs
         self.generators: list[torch.Generator | None] = [None] * max_num_reqs
@@ -110,6 +111,7 @@ class PersistentBatch:
         for name, column in self.float_params.items():
             column[row] = getattr(params, name)
         self.top_k[row] = params.top_k if params.top_k > 0 else 0
+        self.min_tokens[row] = params.min_tokens
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self.seeds[row] = params.seed
         self.generators[row] = torch.Generator() if params.seed is not None else None
@@ -150,7 +152,7 @@ class PersistentBatch:
         self.token_ids[dst, :n] = self.token_ids[src, :n]
         self.block_table[dst] = self.block_table[src]
         for column in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, self.num_blocks,
-                       self.top_k, self.num_logprobs, *self.float_params.values()):
+                       self.top_k, self.min_tokens, self.num_logprobs, *self.float_params.values()):
             column[dst] = column[src]
         self.seeds[dst], self.generators[dst], self.sampling[dst] = (
             self.seeds[src], self.generators[src], self.sampling[src])

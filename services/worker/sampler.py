@@ -37,6 +37,8 @@ class SamplingBatch:
     # output tokens alone (the part presence/frequency penalties count).
     seen_token_ids: torch.Tensor | None = None
     output_token_ids: torch.Tensor | None = None
+    # (rows, token ids) that may not be sampled yet: EOS and stop ids before min_tokens.
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -110,6 +112,8 @@ class Sampler:
         raw = logits
         if batch.seen_token_ids is not None or batch.output_token_ids is not None:
             logits = apply_penalties(logits, batch)
+        if batch.banned is not None:
+            logits = logits.index_put(batch.banned, torch.tensor(_MASKED, dtype=logits.dtype))
         greedy = batch.temperature < GREEDY_TEMPERATURE_EPS
         token_ids = logits.argmax(dim=-1)
         if not bool(greedy.all()):

@@ -1,0 +1,7 @@
+.PHONY: test lint bench
+test:
+	./run.sh test
+lint:
+	.venv/bin/ruff check .
+bench:
+	.venv/bin/python benchmarks/model_runner_decode.py

@@ -1,0 +1,50 @@
+"""Scheduler and worker wired in one process, with up to `pipeline_depth` plans in flight.
+
+The worker runs on its own thread (torch releases the GIL while it computes), so with
+depth 2 the scheduler plans step N+1 while step N runs, exactly as the mesh does over gRPC.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from services.common.step_types import StepPlan, StepResult
+from services.scheduler.scheduler import RequestUpdate, Scheduler
+from services.worker.model_runner import ModelRunner
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, pipeline_depth: int = 2):
+        if pipeline_depth not in (1, 2):
+            raise ValueError(f"pipeline_depth must be 1 (synchronous) or 2 (async), got {pipeline_depth}")
+        self.scheduler = scheduler
+        self.runner = runner
+        self.pipeline_depth = pipeline_depth
+        self.in_flight: deque[Future[StepResult]] = deque()
+        # One thread: plans execute in the order they were sent.
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vmesh-worker")
+        self.busy_seconds = 0.0
+
+    def has_work(self) -> bool:
+        return bool(self.in_flight) or self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestUpdate]:
+        """Fill the pipeline, then wait for the oldest step and apply its result."""
+        while len(self.in_flight) < self.pipeline_depth:
+            plan = self.scheduler.schedule()
+            if plan is None:
+                break
+            self.in_flight.append(self._worker.submit(self._execute, plan))
+        if not self.in_flight:
+            return []
+        result = self.in_flight.popleft().result()
+        return self.scheduler.update(result)
+
+    def _execute(self, plan: StepPlan) -> StepResult:
+        result = self.runner.execute(plan)
+        self.busy_seconds += result.forward_seconds + result.sampling_seconds
+        return result
+
+    def shutdown(self) -> None:
+        self._worker.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,241 @@
+"""The in-process engine: tokenizer, scheduler, worker and detokenizer in one process.
+
+It is a library entry point and the baseline the mesh is measured against; it drives the
+same step plans the mesh carries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common.model_loading import load_tokenizer, resolve_model_dir
+from services.common.sampling_params import OutputMode, SamplingParams
+from services.detokenizer.incremental import IncrementalDetokenizer
+from services.engine.core import EngineCore
+from services.scheduler.block_pool import BlockPool
+from services.scheduler.request import FinishReason, Request
+from services.scheduler.scheduler import Scheduler, SchedulerConfig, TokenLogprobs
+from services.worker.model_runner import ModelRunner, WorkerConfig
+
+
+@dataclass
+class EngineConfig:
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    max_num_batched_tokens: int = 2048
+    policy: str = "fcfs"
+    pipeline_depth: int = 2
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    text: str  # per the request's output mode
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    logprobs: list[TokenLogprobs]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_prompt_tokens: int
+
+
+@dataclass
+class CompletionOutput:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_prompt_tokens: int
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    finished: bool = False
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner, tokenizer: Any, config: EngineConfig):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.backend_tokenizer = tokenizer.backend_tokenizer
+        self.config = config
+        kv = runner.kv_cache
+        pool = BlockPool(kv.num_blocks, kv.block_size, enable_prefix_caching=config.enable_prefix_caching)
+        self.max_model_len = min(runner.max_model_len, kv.num_blocks * kv.block_size)
+        scheduler = Scheduler(SchedulerConfig(max_model_len=self.max_model_len,
+                                              max_num_seqs=runner.batch.max_num_reqs,
+                                              max_num_batched_tokens=config.max_num_batched_tokens,
+                                              policy=config.policy), pool, runner.spec.eos_token_ids)
+        self.core = EngineCore(scheduler, runner, config.pipeline_depth)
+        self.tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig | None = None) -> LLMEngine:
+        config = config or EngineConfig()
+        model_dir = resolve_model_dir(config.worker.model, config.worker.cache_dir)
+        config.worker.model = str(model_dir)
+        return cls(ModelRunner.load(config.worker), load_tokenizer(model_dir), config)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0) -> str:
+        params = params or SamplingParams()
+        params.validate()
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.runner.spec.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        request_id = request_id or f"req-{next(self._ids)}"
+        request = Request(request_id, token_ids, params, priority=priority)
+        detokenizer = IncrementalDetokenizer(self.backend_tokenizer, params, token_ids)
+        with self._lock:
+            self.scheduler.add_request(request)
+            self.tracked[request_id] = _Tracked(request, detokenizer)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            self.tracked.pop(request_id, None)
+            return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.core.has_work()
+
+    # --- stepping ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        updates = self.core.step()
+        outputs = []
+        with self._lock:
+            for update in updates:
+                tracked = self.tracked.get(update.request_id)
+                if tracked is None:
+                    continue
+                finished = update.finish_reason is not None
+                detok = tracked.detokenizer.update(update.new_token_ids, finished)
+                reason = update.finish_reason
+                if detok.stop_hit and not finished:
+                    self.scheduler.abort(update.request_id, FinishReason.STOP)
+                    reason = FinishReason.STOP
+                request = tracked.request
+                if detok.finished:
+                    del self.tracked[update.request_id]
+                outputs.append(RequestOutput(
+                    update.request_id, detok.text, update.new_token_ids, detok.finished, reason, update.logprobs,
+                    len(request.prompt_token_ids), len(request.output_token_ids), request.num_cached_prompt_tokens))
+        return outputs
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
+        """Run every prompt to completion; outputs in prompt order."""
+        params_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        delta_mode = {i: sp.output_mode is OutputMode.DELTA for i, sp in zip(ids, params_list)}
+        results = {i: CompletionOutput(i, "", [], None, 0, 0) for i in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                result = results.get(out.request_id)
+                if result is None:
+                    continue
+                result.text = result.text + out.text if delta_mode[out.request_id] else out.text or result.text
+                result.token_ids += out.new_token_ids
+                result.logprobs += out.logprobs
+                result.num_prompt_tokens = out.num_prompt_tokens
+                result.num_cached_prompt_tokens = out.num_cached_prompt_tokens
+                if out.finished:
+                    result.finish_reason = out.finish_reason
+        # Stop strings cut text; token ids after the cut were already generated and stay listed.
+        return [results[i] for i in ids]
+
+    async def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; the engine steps in a background thread shared by all
+        concurrent streams. Cancelling the iterator aborts the request."""
+        driver = _AsyncDriver.for_engine(self)
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        request_id = self.add_request(prompt, params, request_id)
+        driver.subscribe(request_id, queue)
+        try:
+            while True:
+                out = await queue.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            driver.unsubscribe(request_id)
+            self.abort(request_id)
+
+    def shutdown(self) -> None:
+        _AsyncDriver.stop(self)
+        self.core.shutdown()
+
+
+class _AsyncDriver:
+    """Steps an engine on a thread while any async stream is open."""
+
+    _drivers: dict[int, _AsyncDriver] = {}
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.subscribers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.wake = threading.Event()
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, name="vmesh-engine", daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def for_engine(cls, engine: LLMEngine) -> _AsyncDriver:
+        driver = cls._drivers.get(id(engine))
+        if driver is None:
+            driver = cls._drivers[id(engine)] = cls(engine)
+        return driver
+
+    @classmethod
+    def stop(cls, engine: LLMEngine) -> None:
+        driver = cls._drivers.pop(id(engine), None)
+        if driver is not None:
+            driver.stopped = True
+            driver.wake.set()
+            driver.thread.join()
+
+    def subscribe(self, request_id: str, queue: asyncio.Queue) -> None:
+        self.subscribers[request_id] = (asyncio.get_running_loop(), queue)
+        self.wake.set()
+
+    def unsubscribe(self, request_id: str) -> None:
+        self.subscribers.pop(request_id, None)
+
+    def _run(self) -> None:
+        while not self.stopped:
+            if not self.engine.has_unfinished():
+                self.wake.wait(0.05)
+                self.wake.clear()
+                continue
+            for out in self.engine.step():
+                target = self.subscribers.get(out.request_id)
+                if target is not None:
+                    loop, queue = target
+                    loop.call_soon_threadsafe(queue.put_nowait, out)

@@ -1,0 +1,127 @@
+"""The scheduler's view of the KV cache: a fixed pool of blocks with reference counts, an
+O(1) LRU free list and prefix caching by chained block hashes.
+
+A full block's hash covers its parent's hash and its own tokens, so equal hashes mean equal
+prefixes; the stored tokens are compared too, so a hash collision is a miss, never a wrong
+hit. A freed block keeps its hash and stays reusable until it is evicted, least recently
+freed first.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass
+class PoolStats:
+    num_blocks: int
+    num_free: int
+    prefix_queries: int  # blocks looked up
+    prefix_hits: int  # blocks found
+    evictions: int
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.num_blocks
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_seed: int | None = None):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        # Seeded per process so that hashes cannot be predicted from outside.
+        self.hash_seed = hash_seed if hash_seed is not None else int.from_bytes(os.urandom(8), "little")
+        self.ref_counts = [0] * num_blocks
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_key: list[tuple[int, tuple[int, ...]] | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # hash -> block id
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_blocks)
+
+    def stats(self) -> PoolStats:
+        return PoolStats(self.num_blocks, self.num_free, self.prefix_queries, self.prefix_hits, self.evictions)
+
+    def hash_blocks(self, token_ids: Sequence[int], parent: int | None = None, start_block: int = 0,
+                    ) -> list[int]:
+        """Hashes of the full blocks of `token_ids` from `start_block` on, chained from `parent`."""
+        hashes = []
+        parent = self.hash_seed if parent is None else parent
+        bs = self.block_size
+        for i in range(start_block, len(token_ids) // bs):
+            parent = hash((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
+            hashes.append(parent)
+        return hashes
+
+    def lookup_prefix(self, token_ids: Sequence[int], hashes: Sequence[int]) -> list[int]:
+        """The cached blocks holding the longest prefix of `hashes`, each taken (ref += 1)."""
+        if not self.enable_prefix_caching:
+            return []
+        found = []
+        bs = self.block_size
+        for i, h in enumerate(hashes):
+            block = self.cached.get(h)
+            if block is None or self.block_key[block][1] != tuple(token_ids[i * bs:(i + 1) * bs]):
+                break
+            found.append(block)
+        self.prefix_queries += len(hashes)
+        self.prefix_hits += len(found)
+        for block in found:
+            self._take(block)
+        return found
+
+    def allocate(self, n: int) -> list[int] | None:
+        """n fresh blocks (ref 1), evicting cached free blocks LRU first; None if too few are free."""
+        if n > len(self.free_blocks):
+            return None
+        blocks = []
+        for _ in range(n):
+            block, _ = self.free_blocks.popitem(last=False)
+            self._evict(block)
+            self.ref_counts[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Release one reference to each block, tail first, so a request's last blocks are
+        evicted before its first (the first ones are the likeliest to be shared)."""
+        for block in reversed(blocks):
+            count = self.ref_counts[block] - 1
+            if count < 0:
+                raise AssertionError(f"block {block} freed more often than taken")
+            self.ref_counts[block] = count
+            if count == 0:
+                self.free_blocks[block] = None
+
+    def register(self, block: int, block_hash: int, parent: int | None, tokens: Sequence[int]) -> None:
+        """Enter a full block (whose KV is computed or being computed) in the prefix cache."""
+        if not self.enable_prefix_caching or self.block_hash[block] is not None:
+            return
+        if block_hash in self.cached:  # the same prefix computed twice: keep the older block
+            return
+        self.block_hash[block] = block_hash
+        self.block_key[block] = (self.hash_seed if parent is None else parent, tuple(tokens))
+        self.cached[block_hash] = block
+
+    def _take(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.free_blocks[block]
+        self.ref_counts[block] += 1
+
+    def _evict(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is not None:
+            del self.cached[h]
+            self.block_hash[block] = None
+            self.block_key[block] = None
+            self.evictions += 1

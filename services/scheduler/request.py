@@ -1,0 +1,64 @@
+"""A request as the scheduler tracks it."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from services.common.sampling_params import SamplingParams
+
+
+class FinishReason(Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_arrivals = itertools.count()
+
+
+@dataclass(eq=False)  # identity: requests are found in queues by object
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_order: int = field(default_factory=lambda: next(_arrivals))
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Output tokens scheduled whose sampled ids have not come back yet (async scheduling).
+    num_placeholders: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    handle: int | None = None
+    on_worker: bool = False  # the worker holds a row for this request
+    num_preemptions: int = 0
+    num_cached_prompt_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of full blocks, chained
+    num_registered_blocks: int = 0  # leading blocks entered in the prefix cache
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return self.num_tokens + self.num_placeholders
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

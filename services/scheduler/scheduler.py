@@ -1,0 +1,309 @@
+"""Continuous batching over the paged KV cache (after vLLM V1's scheduler).
+
+Each step is one map {request: tokens to compute} under a token budget: running requests
+first, then waiting ones. Prefill, chunked prefill, prefix-cache hits and decode are one
+code path: `num_computed_tokens` catching up with the request's tokens. With async
+scheduling the next plan is made before the last result is back, so every scheduled step
+that will sample adds a placeholder output token; results replace placeholders with real
+ids. Stops known in advance (max_tokens, the context length) count placeholders, so they
+never over-schedule; token-dependent stops are seen one step late and the extra token is
+dropped.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass, field
+
+from services.common.step_types import NewRequest, StepPlan, StepResult
+from services.scheduler.block_pool import BlockPool
+from services.scheduler.request import FinishReason, Request, RequestStatus
+
+
+class QueueFullError(RuntimeError):
+    pass
+
+
+@dataclass
+class SchedulerConfig:
+    max_model_len: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    policy: str = "fcfs"  # or "priority": (priority, arrival) order, lowest value first
+    max_waiting: int | None = None  # None: unbounded waiting queue
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {self.policy!r} (fcfs or priority)")
+
+
+@dataclass
+class TokenLogprobs:
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class RequestUpdate:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    kv_usage: float
+    prefix_queries: int
+    prefix_hits: int
+    evictions: int
+    num_preemptions: int
+    num_scheduled_tokens: int  # every token computed so far, prompts included
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, eos_token_ids: tuple[int, ...] = ()):
+        self.config = config
+        self.pool = pool
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self.by_handle: dict[int, Request] = {}
+        self.waiting: list[Request] = []  # sorted by _queue_key
+        self.running: list[Request] = []
+        self.pending_removals: list[int] = []
+        self.next_step = 0
+        self._handles = itertools.count()
+        self.num_preemptions = 0
+        self.num_scheduled_tokens = 0
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if self.config.max_waiting is not None and len(self.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        if len(request.prompt_token_ids) >= self.config.max_model_len:
+            raise ValueError(f"prompt of {len(request.prompt_token_ids)} tokens leaves no room in the "
+                             f"context of {self.config.max_model_len}")
+        needed_blocks = -(-(len(request.prompt_token_ids) + 1) // self.pool.block_size)
+        if needed_blocks > self.pool.num_blocks:
+            raise ValueError(f"prompt of {len(request.prompt_token_ids)} tokens needs {needed_blocks} KV blocks; "
+                             f"the cache has {self.pool.num_blocks}")
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
+        """Finish a request wherever it is; False if it is unknown or already finished."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return False
+        self._finish(request, reason)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stats(self) -> SchedulerStats:
+        pool = self.pool.stats()
+        return SchedulerStats(len(self.running), len(self.waiting), pool.num_free, pool.num_blocks, pool.usage,
+                              pool.prefix_queries, pool.prefix_hits, pool.evictions, self.num_preemptions,
+                              self.num_scheduled_tokens)
+
+    # --- planning ----------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan | None:
+        """The next step's plan, or None when nothing can be computed now."""
+        plan = StepPlan(step=self.next_step)
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[int] = set()
+        block_size = self.pool.block_size
+
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING or not self._can_produce(request):
+                continue
+            n = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
+            need = -(-(request.num_computed_tokens + n) // block_size) - len(request.block_ids)
+            new_blocks = self.pool.allocate(need) if need > 0 else []
+            while new_blocks is None:
+                victim = self._pick_victim(exclude=scheduled)
+                self._preempt(victim)
+                if victim is request:
+                    break
+                new_blocks = self.pool.allocate(need)
+            if new_blocks is None:
+                continue
+            request.block_ids += new_blocks
+            self._schedule(plan, request, n, new_blocks)
+            scheduled.add(id(request))
+            budget -= n
+
+        for request in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if request.num_placeholders:  # preempted with a result still in flight
+                continue
+            if not self._admit(plan, request, budget):
+                break
+            scheduled.add(id(request))
+            budget -= plan.num_scheduled_tokens[-1]
+
+        if not plan.scheduled_handles:
+            return None
+        plan.removed_handles, self.pending_removals = self.pending_removals, []
+        self.next_step += 1
+        return plan
+
+    def _admit(self, plan: StepPlan, request: Request, budget: int) -> bool:
+        block_size = self.pool.block_size
+        tokens = request.all_token_ids
+        # Never take the last token from the cache: its logits are needed.
+        cacheable = (len(tokens) - 1) // block_size
+        request.block_hashes = self.pool.hash_blocks(tokens[:cacheable * block_size])
+        cached = self.pool.lookup_prefix(tokens, request.block_hashes)
+        computed = len(cached) * block_size
+        n = min(len(tokens) - computed, budget)
+        new_blocks = self.pool.allocate(-(-(computed + n) // block_size) - len(cached))
+        if new_blocks is None:
+            self.pool.free(cached)
+            return False
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        request.block_ids = cached + new_blocks
+        request.num_registered_blocks = len(cached)
+        request.num_computed_tokens = computed
+        if request.num_preemptions == 0:
+            request.num_cached_prompt_tokens = computed
+        if request.handle is None:
+            request.handle = next(self._handles)
+            self.by_handle[request.handle] = request
+        self.running.append(request)
+        plan.new_requests.append(NewRequest(request.handle, tokens, len(request.prompt_token_ids),
+                                            request.sampling, list(request.block_ids), computed))
+        request.on_worker = True
+        self._schedule(plan, request, n, [])
+        return True
+
+    def _schedule(self, plan: StepPlan, request: Request, n: int, new_blocks: list[int]) -> None:
+        plan.scheduled_handles.append(request.handle)
+        plan.num_scheduled_tokens.append(n)
+        plan.num_new_blocks.append(len(new_blocks))
+        plan.new_block_ids += new_blocks
+        request.num_computed_tokens += n
+        self.num_scheduled_tokens += n
+        if request.num_computed_tokens == request.num_tokens_with_placeholders:
+            request.num_placeholders += 1  # this step samples the request's next token
+        self._register_full_blocks(request)
+
+    def _can_produce(self, request: Request) -> bool:
+        produced = len(request.output_token_ids) + request.num_placeholders
+        return (produced < request.sampling.max_tokens
+                and request.num_tokens_with_placeholders < self.config.max_model_len)
+
+    def _register_full_blocks(self, request: Request) -> None:
+        # Only blocks whose tokens are all known: a placeholder's block is never cached.
+        block_size = self.pool.block_size
+        full = min(request.num_computed_tokens, request.num_tokens) // block_size
+        if full <= request.num_registered_blocks:
+            return
+        tokens = request.all_token_ids
+        if len(request.block_hashes) < full:
+            parent = request.block_hashes[-1] if request.block_hashes else None
+            request.block_hashes += self.pool.hash_blocks(tokens[:full * block_size], parent,
+                                                          start_block=len(request.block_hashes))
+        for i in range(request.num_registered_blocks, full):
+            parent = request.block_hashes[i - 1] if i else None
+            self.pool.register(request.block_ids[i], request.block_hashes[i], parent,
+                               tokens[i * block_size:(i + 1) * block_size])
+        request.num_registered_blocks = full
+
+    def _pick_victim(self, exclude: set[int]) -> Request:
+        candidates = [r for r in self.running if id(r) not in exclude]
+        if self.config.policy == "priority":
+            return max(candidates, key=self._queue_key)
+        return candidates[-1]
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute later: free every block, forget computed tokens, back to the queue front."""
+        self.running.remove(request)
+        self.pool.free(request.block_ids)
+        request.block_ids, request.block_hashes = [], []
+        request.num_registered_blocks = 0
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self._leave_worker(request)
+        self._enqueue(request)
+
+    # --- results -----------------------------------------------------------------------------
+
+    def update(self, result: StepResult) -> list[RequestUpdate]:
+        updates: dict[int, RequestUpdate] = {}
+        for handle, token in zip(result.handles, result.sampled_token_ids):
+            request = self.by_handle.get(handle)
+            if request is None:
+                continue  # sampled after the request had already stopped: dropped
+            request.num_placeholders -= 1
+            request.output_token_ids.append(token)
+            reason = self._stop_reason(request, token)
+            updates[handle] = RequestUpdate(request.request_id, [token], reason)
+            if reason is not None:
+                self._finish(request, reason)
+        offset = 0
+        for i, handle in enumerate(result.logprobs_handles):
+            n = result.num_top[i]
+            update = updates.get(handle)
+            if update is not None:
+                update.logprobs.append(TokenLogprobs(result.sampled_logprobs[i], result.sampled_ranks[i],
+                                                     result.top_token_ids[offset:offset + n],
+                                                     result.top_logprobs[offset:offset + n]))
+            offset += n
+        return list(updates.values())
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        params = request.sampling
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:
+            if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+                return FinishReason.STOP
+        if num_output >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._register_full_blocks(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self.pool.free(request.block_ids)
+        request.block_ids = []
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self._leave_worker(request)
+        del self.requests[request.request_id]
+        if request.handle is not None:
+            del self.by_handle[request.handle]
+
+    def _leave_worker(self, request: Request) -> None:
+        if request.on_worker:
+            self.pending_removals.append(request.handle)
+            request.on_worker = False
+
+    def _enqueue(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=self._queue_key)
+
+    def _queue_key(self, request: Request) -> tuple[int, int]:
+        if self.config.policy == "priority":
+            return (request.priority, request.arrival_order)
+        return (0, request.arrival_order)
