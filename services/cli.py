@@ -30,7 +30,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                    help="on CUDA without --kv-cache-memory: fraction of free memory for the KV cache")
     g.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", "256")))
     g.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN") and int(_env("MAX_MODEL_LEN")))
-    g.add_argument("--attention-backend", default=_env("ATTENTION_BACKEND", "auto"), choices=["auto", "torch", "triton"])
+    g.add_argument("--attention-backend", default=_env("ATTENTION_BACKEND", "auto"),
+                   choices=["auto", "torch", "triton"])
     g.add_argument("--max-num-batched-tokens", type=int, default=int(_env("MAX_NUM_BATCHED_TOKENS", "2048")))
     g.add_argument("--pipeline-depth", type=int, default=int(_env("PIPELINE_DEPTH", "2")), choices=[1, 2],
                    help="1: synchronous steps; 2: plan step N+1 while step N computes (default)")

@@ -80,6 +80,7 @@ class LLMEngine:
         self.tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        self._driver: _AsyncDriver | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig | None = None) -> LLMEngine:
@@ -174,7 +175,9 @@ class LLMEngine:
                      request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; the engine steps in a background thread shared by all
         concurrent streams. Cancelling the iterator aborts the request."""
-        driver = _AsyncDriver.for_engine(self)
+        if self._driver is None:
+            self._driver = _AsyncDriver(self)
+        driver = self._driver
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         request_id = self.add_request(prompt, params, request_id)
         driver.subscribe(request_id, queue)
@@ -189,14 +192,14 @@ class LLMEngine:
             self.abort(request_id)
 
     def shutdown(self) -> None:
-        _AsyncDriver.stop(self)
+        if self._driver is not None:
+            self._driver.stop()
+            self._driver = None
         self.core.shutdown()
 
 
 class _AsyncDriver:
     """Steps an engine on a thread while any async stream is open."""
-
-    _drivers: dict[int, _AsyncDriver] = {}
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -206,20 +209,10 @@ class _AsyncDriver:
         self.thread = threading.Thread(target=self._run, name="vmesh-engine", daemon=True)
         self.thread.start()
 
-    @classmethod
-    def for_engine(cls, engine: LLMEngine) -> _AsyncDriver:
-        driver = cls._drivers.get(id(engine))
-        if driver is None:
-            driver = cls._drivers[id(engine)] = cls(engine)
-        return driver
-
-    @classmethod
-    def stop(cls, engine: LLMEngine) -> None:
-        driver = cls._drivers.pop(id(engine), None)
-        if driver is not None:
-            driver.stopped = True
-            driver.wake.set()
-            driver.thread.join()
+    def stop(self) -> None:
+        self.stopped = True
+        self.wake.set()
+        self.thread.join()
 
     def subscribe(self, request_id: str, queue: asyncio.Queue) -> None:
         self.subscribers[request_id] = (asyncio.get_running_loop(), queue)

@@ -273,9 +273,9 @@ class Scheduler:
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.sampling
         num_output = len(request.output_token_ids)
-        if num_output >= params.min_tokens:
-            if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
-                return FinishReason.STOP
+        stop_token = (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids
+        if stop_token and num_output >= params.min_tokens:
+            return FinishReason.STOP
         if num_output >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH
         return None
