@@ -71,8 +71,7 @@ class LLMEngine:
         self.config = config
         kv = runner.kv_cache
         pool = BlockPool(kv.num_blocks, kv.block_size, enable_prefix_caching=config.enable_prefix_caching)
-        self.max_model_len = min(runner.max_model_len, kv.num_blocks * kv.block_size)
-        scheduler = Scheduler(SchedulerConfig(max_model_len=self.max_model_len,
+        scheduler = Scheduler(SchedulerConfig(max_model_len=runner.max_model_len,
                                               max_num_seqs=runner.batch.max_num_reqs,
                                               max_num_batched_tokens=config.max_num_batched_tokens,
                                               policy=config.policy), pool, runner.spec.eos_token_ids)

@@ -72,6 +72,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool, eos_token_ids: tuple[int, ...] = ()):
         self.config = config
         self.pool = pool
+        # A request may never need more KV than the whole pool, or preemption could not help it.
+        self.max_model_len = min(config.max_model_len, pool.num_blocks * pool.block_size)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.by_handle: dict[int, Request] = {}
@@ -90,13 +92,9 @@ class Scheduler:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         if self.config.max_waiting is not None and len(self.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
-        if len(request.prompt_token_ids) >= self.config.max_model_len:
+        if len(request.prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(request.prompt_token_ids)} tokens leaves no room in the "
-                             f"context of {self.config.max_model_len}")
-        needed_blocks = -(-(len(request.prompt_token_ids) + 1) // self.pool.block_size)
-        if needed_blocks > self.pool.num_blocks:
-            raise ValueError(f"prompt of {len(request.prompt_token_ids)} tokens needs {needed_blocks} KV blocks; "
-                             f"the cache has {self.pool.num_blocks}")
+                             f"context of {self.max_model_len}")
         self.requests[request.request_id] = request
         self._enqueue(request)
 
@@ -120,7 +118,8 @@ class Scheduler:
     # --- planning ----------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
-        """The next step's plan, or None when nothing can be computed now."""
+        """The next step's plan, or None when there is nothing to compute and nothing to remove.
+        A plan may only remove rows: an idle worker still learns promptly what finished."""
         plan = StepPlan(step=self.next_step)
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
@@ -157,7 +156,7 @@ class Scheduler:
             scheduled.add(id(request))
             budget -= plan.num_scheduled_tokens[-1]
 
-        if not plan.scheduled_handles:
+        if not plan.scheduled_handles and not self.pending_removals:
             return None
         plan.removed_handles, self.pending_removals = self.pending_removals, []
         self.next_step += 1
@@ -207,7 +206,7 @@ class Scheduler:
     def _can_produce(self, request: Request) -> bool:
         produced = len(request.output_token_ids) + request.num_placeholders
         return (produced < request.sampling.max_tokens
-                and request.num_tokens_with_placeholders < self.config.max_model_len)
+                and request.num_tokens_with_placeholders < self.max_model_len)
 
     def _register_full_blocks(self, request: Request) -> None:
         # Only blocks whose tokens are all known: a placeholder's block is never cached.
@@ -276,7 +275,7 @@ class Scheduler:
         stop_token = (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids
         if stop_token and num_output >= params.min_tokens:
             return FinishReason.STOP
-        if num_output >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+        if num_output >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

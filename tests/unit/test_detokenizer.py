@@ -1,0 +1,89 @@
+"""Incremental detokenization on the embedded model's tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.sampling_params import OutputMode, SamplingParams
+from services.detokenizer.incremental import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(embedded_tokenizer):
+    return embedded_tokenizer.backend_tokenizer
+
+
+def stream(tok, ids, params, per_step=1, finish=True):
+    detok = IncrementalDetokenizer(tok, params, prompt_token_ids=[1, 9690, 198])
+    outs = []
+    for i in range(0, len(ids), per_step):
+        last = i + per_step >= len(ids)
+        out = detok.update(ids[i:i + per_step], finished=finish and last)
+        outs.append(out)
+        if out.stop_hit:
+            break
+    return outs
+
+
+@pytest.mark.parametrize("text", ["Hello 😀🎉 world", "世界你好，天气很好。", "naïve café 🇫🇷 — ok", "emoji 👩‍👩‍👧 family"])
+def test_multibyte_characters_stream_as_valid_deltas(tok, text):
+    ids = tok.encode(text, add_special_tokens=False).ids
+    # Some character spans several byte-level tokens, so partial sequences must be held.
+    pieces = [tok.decode([i]) for i in ids]
+    assert any("\ufffd" in p for p in pieces), "test text should split characters across tokens"
+    outs = stream(tok, ids, SamplingParams())
+    assert all("\ufffd" not in o.text for o in outs)
+    assert "".join(o.text for o in outs) == tok.decode(ids) == text
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_spanning_tokens_stops_exactly(tok, include):
+    text = "The answer is forty-two, said the computer."
+    ids = tok.encode(text, add_special_tokens=False).ids
+    stop = "forty-two"
+    boundaries = {len(tok.decode(ids[:i])) for i in range(len(ids) + 1)}
+    start = text.index(stop)
+    assert any(start < b < start + len(stop) for b in boundaries), "stop string should span tokens"
+    outs = stream(tok, ids, SamplingParams(stop=[stop], include_stop_str_in_output=include), finish=False)
+    assert outs[-1].stop_hit and outs[-1].finished
+    expected = text[:start + len(stop)] if include else text[:start]
+    assert "".join(o.text for o in outs) == expected
+    # Text that could still become the stop string was never sent early.
+    sent = ""
+    for o in outs[:-1]:
+        sent += o.text
+        assert not sent.endswith("forty")
+
+
+def test_held_back_text_is_released_when_no_stop_follows(tok):
+    text = "I like forty cats and forty-one dogs."
+    ids = tok.encode(text, add_special_tokens=False).ids
+    outs = stream(tok, ids, SamplingParams(stop=["forty-two"]))
+    assert not any(o.stop_hit for o in outs)
+    assert "".join(o.text for o in outs) == text
+
+
+def test_stop_strings_only_count_after_min_tokens(tok):
+    text = "stop here, then more text and stop again"
+    ids = tok.encode(text, add_special_tokens=False).ids
+    outs = stream(tok, ids, SamplingParams(stop=["stop"], min_tokens=3), finish=False)
+    assert outs[-1].stop_hit
+    assert "".join(o.text for o in outs) == "stop here, then more text and "
+
+
+def test_special_tokens_skipped_or_kept(tok):
+    ids = tok.encode("Hi there", add_special_tokens=False).ids + [2]  # <|im_end|>
+    skipped = "".join(o.text for o in stream(tok, ids, SamplingParams(skip_special_tokens=True)))
+    kept = "".join(o.text for o in stream(tok, ids, SamplingParams(skip_special_tokens=False)))
+    assert skipped == "Hi there"
+    assert kept == "Hi there<|im_end|>"
+
+
+def test_output_modes(tok):
+    ids = tok.encode("one two three", add_special_tokens=False).ids
+    delta = [o.text for o in stream(tok, ids, SamplingParams(output_mode=OutputMode.DELTA))]
+    cumulative = [o.text for o in stream(tok, ids, SamplingParams(output_mode=OutputMode.CUMULATIVE))]
+    final = [o.text for o in stream(tok, ids, SamplingParams(output_mode=OutputMode.FINAL_ONLY))]
+    assert "".join(delta) == "one two three"
+    assert cumulative[-1] == "one two three" and all(cumulative[-1].startswith(c) for c in cumulative)
+    assert final[:-1] == [""] * (len(final) - 1) and final[-1] == "one two three"
