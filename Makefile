@@ -4,4 +4,4 @@ test:
 lint:
 	.venv/bin/ruff check .
 bench:
-	.venv/bin/python benchmarks/model_runner_decode.py
+	PYTHONPATH=. .venv/bin/python benchmarks/model_runner_decode.py

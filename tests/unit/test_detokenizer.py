@@ -25,7 +25,8 @@ def stream(tok, ids, params, per_step=1, finish=True):
     return outs
 
 
-@pytest.mark.parametrize("text", ["Hello 😀🎉 world", "世界你好，天气很好。", "naïve café 🇫🇷 — ok", "emoji 👩‍👩‍👧 family"])
+@pytest.mark.parametrize("text", ["Hello 😀🎉 world", "世界你好，天气很好。", "naïve café 🇫🇷 — ok",
+                                  "emoji 👩‍👩‍👧 family"])
 def test_multibyte_characters_stream_as_valid_deltas(tok, text):
     ids = tok.encode(text, add_special_tokens=False).ids
     # Some character spans several byte-level tokens, so partial sequences must be held.
@@ -72,7 +73,7 @@ def test_stop_strings_only_count_after_min_tokens(tok):
 
 
 def test_special_tokens_skipped_or_kept(tok):
-    ids = tok.encode("Hi there", add_special_tokens=False).ids + [2]  # <|im_end|>
+    ids = [*tok.encode("Hi there", add_special_tokens=False).ids, 2]  # <|im_end|>
     skipped = "".join(o.text for o in stream(tok, ids, SamplingParams(skip_special_tokens=True)))
     kept = "".join(o.text for o in stream(tok, ids, SamplingParams(skip_special_tokens=False)))
     assert skipped == "Hi there"

@@ -95,10 +95,10 @@ def test_preemption_by_recompute_keeps_outputs(depth):
 def test_prefix_cache_hits_skip_shared_prompt_blocks_but_never_the_last_token():
     scheduler, worker = make()
     shared = list(range(1, 17))  # four full blocks
-    first = Request("a", shared + [50, 51], SamplingParams(temperature=0, max_tokens=3))
+    first = Request("a", [*shared, 50, 51], SamplingParams(temperature=0, max_tokens=3))
     scheduler.add_request(first)
     run(scheduler, worker)
-    second = Request("b", shared + [60], SamplingParams(temperature=0, max_tokens=3))
+    second = Request("b", [*shared, 60], SamplingParams(temperature=0, max_tokens=3))
     exact = Request("c", list(shared), SamplingParams(temperature=0, max_tokens=3))
     scheduler.add_request(second)
     scheduler.add_request(exact)
@@ -106,7 +106,7 @@ def test_prefix_cache_hits_skip_shared_prompt_blocks_but_never_the_last_token():
     assert second.num_cached_prompt_tokens == 16
     # The whole prompt is cached, but its last token must be computed: 3 blocks reused.
     assert exact.num_cached_prompt_tokens == 12
-    assert outputs["b"] == reference_tokens(shared + [60], 3)
+    assert outputs["b"] == reference_tokens([*shared, 60], 3)
     assert outputs["c"] == reference_tokens(shared, 3)
     assert scheduler.pool.prefix_hits == 7
     assert_all_free(scheduler)
@@ -197,7 +197,7 @@ def test_abort_at_every_lifecycle_point_frees_everything():
 
 
 def test_priority_policy_orders_waiting_and_picks_victims():
-    scheduler, worker = make(max_num_seqs=1, policy="priority")
+    scheduler, _worker = make(max_num_seqs=1, policy="priority")
     low = Request("low", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2), priority=5)
     high = Request("high", [4, 5, 6], SamplingParams(temperature=0, max_tokens=2), priority=0)
     scheduler.add_request(low)
