@@ -87,7 +87,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vmesh", description="LLM serving with vLLM V1's architecture over gRPC")
-    parser.add_argument("--log-level", default=_env("LOG_LEVEL", "WARNING"))
+    parser.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="command", required=True)
 
     warm = sub.add_parser("warm-cache", help="convert the model once so later starts are fast")

@@ -8,7 +8,8 @@ query token to its request's context through the request's block table.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,8 @@ class AttentionMetadata:
     # Host copies, so backends can plan without device syncs.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Whatever a backend derives from this metadata once per step and reuses in every layer.
+    backend_cache: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:
@@ -59,10 +62,12 @@ class TorchAttentionBackend(AttentionBackend):
     def attend(self, query, key_cache, value_cache, meta, scale):
         out = torch.empty_like(query)
         query_lens, seq_lens = meta.query_lens_cpu, meta.seq_lens_cpu
-        single = [i for i, n in enumerate(query_lens) if n == 1]
-        if single:
-            self._attend_single_token(query, key_cache, value_cache, meta, scale, single, out)
-        if len(single) < len(query_lens):
+        if "single" not in meta.backend_cache:
+            meta.backend_cache["single"] = self._plan_single_tokens(meta, key_cache.shape[1])
+        single = meta.backend_cache["single"]
+        if single is not None:
+            self._attend_single_token(query, key_cache, value_cache, scale, single, out)
+        if single is None or len(single[0]) < len(query_lens):
             starts = meta.query_start_loc.tolist()
             for i, n in enumerate(query_lens):
                 if n > 1:
@@ -79,20 +84,26 @@ class TorchAttentionBackend(AttentionBackend):
         blocks = blocks.reshape(*lead, num_blocks * cache.shape[1], cache.shape[2], cache.shape[3])
         return blocks.transpose(-3, -2)
 
-    def _attend_single_token(self, query, key_cache, value_cache, meta, scale, rows, out):
-        block_size = key_cache.shape[1]
-        kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-        rows_t = torch.tensor(rows, dtype=torch.long)
+    @staticmethod
+    def _plan_single_tokens(meta: AttentionMetadata, block_size: int):
+        rows = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
+        if not rows:
+            return None
+        rows_t = torch.tensor(rows, dtype=torch.long, device=meta.seq_lens.device)
         token_index = meta.query_start_loc[rows_t].long()
-        lens = meta.seq_lens[rows_t]
         num_blocks = -(-max(meta.seq_lens_cpu[i] for i in rows) // block_size)
         tables = meta.block_tables[rows_t]
+        positions = torch.arange(num_blocks * block_size, device=meta.seq_lens.device)
+        mask = (positions[None, :] < meta.seq_lens[rows_t].to(positions.dtype)[:, None])[:, None, None, :]
+        return rows, token_index, tables, num_blocks, mask
+
+    def _attend_single_token(self, query, key_cache, value_cache, scale, single, out):
+        rows, token_index, tables, num_blocks, mask = single
+        head_dim = key_cache.shape[3]
         keys = self._gather_context(key_cache, tables, num_blocks)  # [B, kvh, L, d]
         values = self._gather_context(value_cache, tables, num_blocks)
         # The query heads sharing one KV head become that head's "query length" (GQA).
-        q = query[token_index].view(len(rows), kv_heads, -1, head_dim)
-        positions = torch.arange(keys.shape[-2], device=query.device)
-        mask = (positions[None, :] < lens[:, None].to(positions.dtype))[:, None, None, :]
+        q = query[token_index].view(len(rows), key_cache.shape[2], -1, head_dim)
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
         out[token_index] = attn.reshape(len(rows), -1, head_dim)
 

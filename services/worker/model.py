@@ -52,18 +52,18 @@ class DecoderLayer:
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim ** -0.5
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
         spec = self.spec
         residual = hidden
         x = rms_norm(hidden, self.input_norm, spec.rms_norm_eps)
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, spec.num_heads, spec.head_dim)
-        k = k.view(-1, spec.num_kv_heads, spec.head_dim)
-        v = v.view(-1, spec.num_kv_heads, spec.head_dim)
-        q, k = rotary(positions, q, k)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # Queries and keys rotate in one pass.
+        qk = RotaryEmbedding.apply(qk.reshape(-1, spec.num_heads + spec.num_kv_heads, spec.head_dim), *rope)
+        q, k = qk.split([spec.num_heads, spec.num_kv_heads], dim=1)
+        v = v.reshape(-1, spec.num_kv_heads, spec.head_dim)
         backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         attn = backend.attend(q, key_cache, value_cache, meta, self.scale)
         hidden = residual + F.linear(attn.reshape(-1, self.q_size), self.o_weight, self.o_bias)
@@ -100,8 +100,9 @@ class DecoderModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache, backend: AttentionBackend, logits_indices: torch.Tensor) -> torch.Tensor:
         hidden = self.embed[input_ids]
+        rope = self.rotary.tables(positions)
         for i, layer in enumerate(self.layers):
-            hidden = layer.forward(hidden, positions, self.rotary, kv_cache.key_caches[i],
+            hidden = layer.forward(hidden, rope, kv_cache.key_caches[i],
                                    kv_cache.value_caches[i], meta, backend)
         last = rms_norm(hidden[logits_indices], self.final_norm, self.spec.rms_norm_eps)
         return (last @ self.lm_head_t).float()

@@ -1,0 +1,76 @@
+from vmesh.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SubmitRequestRequest(_message.Message):
+    __slots__ = ("request_id", "frontend_id", "frontend_key", "prompt_token_ids", "sampling", "priority", "trace_context")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
+    FRONTEND_KEY_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    frontend_id: str
+    frontend_key: int
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    priority: int
+    trace_context: _common_pb2.TraceContext
+    def __init__(self, request_id: _Optional[str] = ..., frontend_id: _Optional[str] = ..., frontend_key: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
+
+class SubmitRequestResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AbortRequestRequest(_message.Message):
+    __slots__ = ("frontend_id", "request_id")
+    FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    frontend_id: str
+    request_id: str
+    def __init__(self, frontend_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class AbortRequestResponse(_message.Message):
+    __slots__ = ("aborted",)
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    aborted: bool
+    def __init__(self, aborted: _Optional[bool] = ...) -> None: ...
+
+class GetSchedulerStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetSchedulerStatsResponse(_message.Message):
+    __slots__ = ("num_running", "num_waiting", "num_used_blocks", "num_free_blocks", "num_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "steps", "plan_bytes_sent", "pipeline_depth", "stateless_worker")
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    STATELESS_WORKER_FIELD_NUMBER: _ClassVar[int]
+    num_running: int
+    num_waiting: int
+    num_used_blocks: int
+    num_free_blocks: int
+    num_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    steps: int
+    plan_bytes_sent: int
+    pipeline_depth: int
+    stateless_worker: bool
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., steps: _Optional[int] = ..., plan_bytes_sent: _Optional[int] = ..., pipeline_depth: _Optional[int] = ..., stateless_worker: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,114 @@
+from vmesh.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetWorkerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetWorkerInfoResponse(_message.Message):
+    __slots__ = ("model_name", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "max_num_seqs")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_num_seqs: int
+    def __init__(self, model_name: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
+
+class NewRequest(_message.Message):
+    __slots__ = ("handle", "token_ids", "num_prompt_tokens", "sampling", "block_ids", "num_computed_tokens", "trace_context")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_prompt_tokens: int
+    sampling: _common_pb2.SamplingParams
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_computed_tokens: int
+    trace_context: _common_pb2.TraceContext
+    def __init__(self, handle: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
+
+class ExecuteRequest(_message.Message):
+    __slots__ = ("step", "new_requests", "removed_handles", "scheduled_handles", "num_scheduled_tokens", "new_block_ids", "num_new_blocks", "full_state")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FULL_STATE_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
+    removed_handles: _containers.RepeatedScalarFieldContainer[int]
+    scheduled_handles: _containers.RepeatedScalarFieldContainer[int]
+    num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_new_blocks: _containers.RepeatedScalarFieldContainer[int]
+    full_state: bool
+    def __init__(self, step: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., removed_handles: _Optional[_Iterable[int]] = ..., scheduled_handles: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., full_state: _Optional[bool] = ...) -> None: ...
+
+class ExecuteResponse(_message.Message):
+    __slots__ = ("step", "handles", "sampled_token_ids", "logprobs_handles", "sampled_logprobs", "sampled_ranks", "top_token_ids", "top_logprobs", "num_top", "forward_seconds", "sampling_seconds")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOP_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    handles: _containers.RepeatedScalarFieldContainer[int]
+    sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs_handles: _containers.RepeatedScalarFieldContainer[int]
+    sampled_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    sampled_ranks: _containers.RepeatedScalarFieldContainer[int]
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    num_top: _containers.RepeatedScalarFieldContainer[int]
+    forward_seconds: float
+    sampling_seconds: float
+    def __init__(self, step: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs_handles: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Iterable[float]] = ..., sampled_ranks: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., num_top: _Optional[_Iterable[int]] = ..., forward_seconds: _Optional[float] = ..., sampling_seconds: _Optional[float] = ...) -> None: ...
+
+class GetWorkerStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetWorkerStatsResponse(_message.Message):
+    __slots__ = ("steps", "busy_seconds", "wall_seconds", "duty_cycle", "bytes_received", "num_rows")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DUTY_CYCLE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    busy_seconds: float
+    wall_seconds: float
+    duty_cycle: float
+    bytes_received: int
+    num_rows: int
+    def __init__(self, steps: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., duty_cycle: _Optional[float] = ..., bytes_received: _Optional[int] = ..., num_rows: _Optional[int] = ...) -> None: ...
