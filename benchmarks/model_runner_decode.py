@@ -4,7 +4,7 @@ Each batch of B requests holds a prompt of PROMPT_LEN tokens already in the KV c
 timed step computes one new token per request (forward + sampling for vmesh, forward with a
 DynamicCache for transformers, which then also holds PROMPT_LEN cached tokens).
 
-    .venv/bin/python benchmarks/model_runner_decode.py [--batch-sizes 1 8 32 64] [--steps 10]
+    PYTHONPATH=. .venv/bin/python benchmarks/model_runner_decode.py [--batch-sizes 1 8 32 64] [--steps 10] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import time
 
 import torch
@@ -69,6 +70,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per batch size; medians reported")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
@@ -79,8 +81,11 @@ def main() -> None:
     rows = []
     print(f"{'batch':>5} {'vmesh tok/s':>12} {'transformers tok/s':>19} {'ratio':>6}")
     for batch in args.batch_sizes:
-        ours = bench_vmesh(runner, batch, args.steps)
-        theirs = bench_transformers(reference, batch, args.steps)
+        # Alternate the two so that drift in the machine's speed hits both alike.
+        samples = [(bench_vmesh(runner, batch, args.steps), bench_transformers(reference, batch, args.steps))
+                   for _ in range(args.rounds)]
+        ours = statistics.median(s[0] for s in samples)
+        theirs = statistics.median(s[1] for s in samples)
         rows.append({"batch": batch, "vmesh_tokens_per_s": ours, "transformers_tokens_per_s": theirs,
                      "ratio": ours / theirs})
         print(f"{batch:>5} {ours:>12.1f} {theirs:>19.1f} {ours / theirs:>6.2f}")

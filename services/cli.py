@@ -1,4 +1,5 @@
-"""The `vmesh` command line."""
+"""The `vmesh` command line. Every flag can also come from the environment as VMESH_<FLAG>
+(e.g. --kv-cache-memory from VMESH_KV_CACHE_MEMORY)."""
 
 from __future__ import annotations
 
@@ -10,48 +11,139 @@ import sys
 
 from services.common.model_loading import CACHE_DIR_ENV
 
+DEFAULT_PUBLIC_PORT = 50051
 
-def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(f"VMESH_{name}", default)
+
+def _arg(group, flag: str, **kwargs) -> None:
+    """add_argument whose default can be overridden by VMESH_<FLAG>."""
+    env = "VMESH_" + flag.lstrip("-").upper().replace("-", "_")
+    value = os.environ.get(env)
+    if value is not None:
+        if kwargs.get("action") == "store_true":
+            kwargs["default"] = value.lower() in ("1", "true", "yes")
+        else:
+            kwargs["default"] = kwargs.get("type", str)(value)
+    kwargs["help"] = (kwargs.get("help", "") + f" [env {env}]").strip()
+    group.add_argument(flag, **kwargs)
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("model and worker")
-    g.add_argument("--model", default=_env("MODEL"),
-                   help="Hugging Face directory or GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    g = parser.add_argument_group("model")
+    _arg(g, "--model", default=None,
+         help="Hugging Face directory or GGUF file (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--cache-dir", default=os.environ.get(CACHE_DIR_ENV),
-                   help=f"where converted GGUF models are cached (env {CACHE_DIR_ENV}; default ~/.cache/vmesh)")
-    g.add_argument("--device", default=_env("DEVICE", "auto"), help="cpu, cuda, cuda:N or auto")
-    g.add_argument("--dtype", default=_env("DTYPE", "float32"), choices=["float32", "float16", "bfloat16"])
-    g.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", "16")))
-    g.add_argument("--kv-cache-memory", default=_env("KV_CACHE_MEMORY"),
-                   help="KV cache budget, e.g. 2GiB (default: 1GiB on CPU, a fraction of free memory on CUDA)")
-    g.add_argument("--kv-cache-memory-fraction", type=float, default=float(_env("KV_CACHE_MEMORY_FRACTION", "0.9")),
-                   help="on CUDA without --kv-cache-memory: fraction of free memory for the KV cache")
-    g.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", "256")))
-    g.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN") and int(_env("MAX_MODEL_LEN")))
-    g.add_argument("--attention-backend", default=_env("ATTENTION_BACKEND", "auto"),
-                   choices=["auto", "torch", "triton"])
-    g.add_argument("--max-num-batched-tokens", type=int, default=int(_env("MAX_NUM_BATCHED_TOKENS", "2048")))
-    g.add_argument("--pipeline-depth", type=int, default=int(_env("PIPELINE_DEPTH", "2")), choices=[1, 2],
-                   help="1: synchronous steps; 2: plan step N+1 while step N computes (default)")
-    g.add_argument("--scheduling-policy", default=_env("SCHEDULING_POLICY", "fcfs"), choices=["fcfs", "priority"])
-    g.add_argument("--no-prefix-caching", action="store_true")
+                   help=f"where converted GGUF models are cached (default ~/.cache/vmesh) [env {CACHE_DIR_ENV}]")
 
 
-def engine_config(args: argparse.Namespace):
-    from services.engine.llm import EngineConfig
+def add_worker_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("worker")
+    _arg(g, "--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    _arg(g, "--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    _arg(g, "--block-size", type=int, default=16)
+    _arg(g, "--kv-cache-memory", default=None,
+         help="KV cache budget, e.g. 2GiB (default: 1GiB on CPU, a fraction of free memory on CUDA)")
+    _arg(g, "--kv-cache-memory-fraction", type=float, default=0.9,
+         help="on CUDA without --kv-cache-memory: fraction of free memory for the KV cache")
+    _arg(g, "--max-num-seqs", type=int, default=256)
+    _arg(g, "--max-model-len", type=int, default=None)
+    _arg(g, "--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+
+
+def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("scheduler")
+    _arg(g, "--max-num-batched-tokens", type=int, default=2048)
+    _arg(g, "--pipeline-depth", type=int, default=2, choices=[1, 2],
+         help="1: synchronous steps (V0); 2: plan step N+1 while step N computes")
+    _arg(g, "--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    _arg(g, "--no-prefix-caching", action="store_true")
+    _arg(g, "--stateless-worker", action="store_true",
+         help="resend every scheduled request in full each step (V0), for measurement")
+    _arg(g, "--max-waiting", type=int, default=4096, help="waiting-queue size; beyond it: RESOURCE_EXHAUSTED")
+
+
+def add_server_args(parser: argparse.ArgumentParser, port: int = 0) -> None:
+    g = parser.add_argument_group("server")
+    _arg(g, "--host", default="127.0.0.1")
+    _arg(g, "--port", type=int, default=port, help="0: any free port")
+    _arg(g, "--ready-file", default=None, help="write the bound address here once listening")
+
+
+def _addresses(text: str) -> list[str]:
+    return [a.strip() for a in text.split(",") if a.strip()]
+
+
+def worker_config(args: argparse.Namespace):
     from services.worker.kv_cache import parse_memory_size
     from services.worker.model_runner import WorkerConfig
 
-    worker = WorkerConfig(
+    return WorkerConfig(
         model=args.model, cache_dir=args.cache_dir, device=args.device, dtype=args.dtype, block_size=args.block_size,
         kv_cache_memory=parse_memory_size(args.kv_cache_memory) if args.kv_cache_memory else None,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, attention_backend=args.attention_backend)
-    return EngineConfig(worker=worker, max_num_batched_tokens=args.max_num_batched_tokens,
+
+
+def engine_config(args: argparse.Namespace):
+    from services.engine.llm import EngineConfig
+
+    return EngineConfig(worker=worker_config(args), max_num_batched_tokens=args.max_num_batched_tokens,
                         policy=args.scheduling_policy, pipeline_depth=args.pipeline_depth,
                         enable_prefix_caching=not args.no_prefix_caching)
+
+
+def _tokenizer_loader(args: argparse.Namespace):
+    from services.common.model_loading import load_tokenizer, resolve_model_dir
+
+    return lambda: load_tokenizer(resolve_model_dir(args.model, args.cache_dir))
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    from services.common.model_loading import EMBEDDED_MODEL_NAME
+
+    return os.path.basename(os.path.normpath(args.model)) if args.model else EMBEDDED_MODEL_NAME
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from services.worker.model_runner import ModelRunner
+    from services.worker.server import serve
+
+    config = worker_config(args)
+    asyncio.run(serve(lambda: ModelRunner.load(config), _model_name(args), args.host, args.port, args.ready_file))
+    return 0
+
+
+def cmd_detokenizer(args: argparse.Namespace) -> int:
+    from services.detokenizer.server import serve
+
+    loader = _tokenizer_loader(args)
+    asyncio.run(serve(lambda: loader().backend_tokenizer, args.host, args.port, args.ready_file))
+    return 0
+
+
+def cmd_scheduler(args: argparse.Namespace) -> int:
+    from services.scheduler.server import MeshSchedulerConfig, serve
+
+    config = MeshSchedulerConfig(
+        worker_addresses=_addresses(args.workers), detokenizer_addresses=_addresses(args.detokenizer_addresses),
+        max_num_batched_tokens=args.max_num_batched_tokens, policy=args.scheduling_policy,
+        pipeline_depth=args.pipeline_depth, stateless_worker=args.stateless_worker,
+        enable_prefix_caching=not args.no_prefix_caching, max_waiting=args.max_waiting)
+    asyncio.run(serve(config, args.host, args.port, args.ready_file))
+    return 0
+
+
+def cmd_frontend(args: argparse.Namespace) -> int:
+    from services.frontend.server import serve
+
+    asyncio.run(serve(_tokenizer_loader(args), args.scheduler, _addresses(args.detokenizer_addresses),
+                      args.host, args.port, args.ready_file))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from services.launcher import serve_mesh
+
+    return serve_mesh(args)
 
 
 def cmd_warm_cache(args: argparse.Namespace) -> int:
@@ -63,12 +155,39 @@ def cmd_warm_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--seed", type=int, default=None)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.local:
+        return _generate_in_process(args)
+    from services.client import VmeshClient
+
+    async def run() -> None:
+        async with VmeshClient(args.address) as client:
+            chat = None if args.raw else [{"role": "user", "content": args.prompt}]
+            async for out in client.generate(text=args.prompt if args.raw else None, chat=chat,
+                                             max_tokens=args.max_tokens, temperature=args.temperature,
+                                             top_p=args.top_p, top_k=args.top_k, seed=args.seed):
+                sys.stdout.write(out.text)
+                sys.stdout.flush()
+        sys.stdout.write("\n")
+
+    asyncio.run(run())
+    return 0
+
+
+def _generate_in_process(args: argparse.Namespace) -> int:
     from services.common.sampling_params import SamplingParams
     from services.engine.llm import LLMEngine
 
     engine = LLMEngine.from_config(engine_config(args))
-    prompt = engine.encode_chat([{"role": "user", "content": args.prompt}]) if not args.raw else args.prompt
+    prompt = args.prompt if args.raw else engine.encode_chat([{"role": "user", "content": args.prompt}])
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
 
@@ -85,25 +204,94 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    from services.client import VmeshClient
+
+    async def run() -> None:
+        history: list[dict[str, str]] = []
+        async with VmeshClient(args.address) as client:
+            while True:
+                try:
+                    line = await asyncio.get_running_loop().run_in_executor(None, input, "you> ")
+                except EOFError:
+                    return
+                if not line.strip():
+                    continue
+                history.append({"role": "user", "content": line})
+                sys.stdout.write("assistant> ")
+                reply = ""
+                async for out in client.generate(chat=history, max_tokens=args.max_tokens,
+                                                 temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                                 seed=args.seed):
+                    reply += out.text
+                    sys.stdout.write(out.text)
+                    sys.stdout.flush()
+                sys.stdout.write("\n")
+                history.append({"role": "assistant", "content": reply})
+
+    asyncio.run(run())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vmesh", description="LLM serving with vLLM V1's architecture over gRPC")
-    parser.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    _arg(parser, "--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="start the whole mesh as local processes")
+    add_server_args(serve, port=DEFAULT_PUBLIC_PORT)
+    _arg(serve, "--detokenizers", type=int, default=1, help="detokenizer replicas")
+    add_model_args(serve)
+    add_worker_args(serve)
+    add_scheduler_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    worker = sub.add_parser("worker", help="run a worker (model, KV cache, persistent batch)")
+    add_server_args(worker)
+    add_model_args(worker)
+    add_worker_args(worker)
+    worker.set_defaults(func=cmd_worker)
+
+    scheduler = sub.add_parser("scheduler", help="run the scheduler")
+    add_server_args(scheduler)
+    _arg(scheduler, "--workers", required=False, default="", help="worker rank addresses, comma-separated")
+    _arg(scheduler, "--detokenizer-addresses", default="", help="detokenizer replica addresses, comma-separated")
+    add_scheduler_args(scheduler)
+    scheduler.set_defaults(func=cmd_scheduler)
+
+    detok = sub.add_parser("detokenizer", help="run a detokenizer replica")
+    add_server_args(detok)
+    add_model_args(detok)
+    detok.set_defaults(func=cmd_detokenizer)
+
+    frontend = sub.add_parser("frontend", help="run a frontend (the public API)")
+    add_server_args(frontend, port=DEFAULT_PUBLIC_PORT)
+    _arg(frontend, "--scheduler", default="127.0.0.1:50052", help="scheduler address")
+    _arg(frontend, "--detokenizer-addresses", default="", help="detokenizer replica addresses, comma-separated")
+    add_model_args(frontend)
+    frontend.set_defaults(func=cmd_frontend)
 
     warm = sub.add_parser("warm-cache", help="convert the model once so later starts are fast")
     add_model_args(warm)
     warm.set_defaults(func=cmd_warm_cache)
 
-    gen = sub.add_parser("generate", help="stream a completion from the model, in process")
+    gen = sub.add_parser("generate", help="stream a completion from a running mesh")
     gen.add_argument("prompt")
+    _arg(gen, "--address", default=f"127.0.0.1:{DEFAULT_PUBLIC_PORT}", help="the mesh's frontend")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    gen.add_argument("--max-tokens", type=int, default=256)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--local", action="store_true", help="run the engine in this process instead of a mesh")
+    _sampling_args(gen)
     add_model_args(gen)
+    add_worker_args(gen)
+    add_scheduler_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="chat with a running mesh")
+    _arg(chat, "--address", default=f"127.0.0.1:{DEFAULT_PUBLIC_PORT}")
+    _sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+    for subparser in sub.choices.values():  # also accepted after the subcommand
+        subparser.add_argument("--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING or ERROR")
     return parser
 
 
@@ -117,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelLoadError, ValueError) as exc:
         print(f"vmesh: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

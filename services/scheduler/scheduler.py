@@ -52,6 +52,7 @@ class RequestUpdate:
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_cached_prompt_tokens: int = 0
 
 
 @dataclass
@@ -255,7 +256,8 @@ class Scheduler:
             request.num_placeholders -= 1
             request.output_token_ids.append(token)
             reason = self._stop_reason(request, token)
-            updates[handle] = RequestUpdate(request.request_id, [token], reason)
+            updates[handle] = RequestUpdate(request.request_id, [token], reason,
+                                            num_cached_prompt_tokens=request.num_cached_prompt_tokens)
             if reason is not None:
                 self._finish(request, reason)
         offset = 0

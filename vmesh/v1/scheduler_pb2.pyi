@@ -26,8 +26,10 @@ class SubmitRequestRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., frontend_id: _Optional[str] = ..., frontend_key: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
 
 class SubmitRequestResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("detokenizer",)
+    DETOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    detokenizer: str
+    def __init__(self, detokenizer: _Optional[str] = ...) -> None: ...
 
 class AbortRequestRequest(_message.Message):
     __slots__ = ("frontend_id", "request_id")
@@ -48,7 +50,7 @@ class GetSchedulerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetSchedulerStatsResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_used_blocks", "num_free_blocks", "num_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "steps", "plan_bytes_sent", "pipeline_depth", "stateless_worker")
+    __slots__ = ("num_running", "num_waiting", "num_used_blocks", "num_free_blocks", "num_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "steps", "plan_bytes_sent", "pipeline_depth", "stateless_worker", "model_name", "max_model_len", "vocab_size")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +63,9 @@ class GetSchedulerStatsResponse(_message.Message):
     PLAN_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     STATELESS_WORKER_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_used_blocks: int
@@ -73,4 +78,7 @@ class GetSchedulerStatsResponse(_message.Message):
     plan_bytes_sent: int
     pipeline_depth: int
     stateless_worker: bool
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., steps: _Optional[int] = ..., plan_bytes_sent: _Optional[int] = ..., pipeline_depth: _Optional[int] = ..., stateless_worker: _Optional[bool] = ...) -> None: ...
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., steps: _Optional[int] = ..., plan_bytes_sent: _Optional[int] = ..., pipeline_depth: _Optional[int] = ..., stateless_worker: _Optional[bool] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,87 @@
+"""A small Python client for a running mesh.
+
+    async with VmeshClient("127.0.0.1:50051") as client:
+        async for out in client.generate(chat=[{"role": "user", "content": "Hi"}], max_tokens=32):
+            print(out.text, end="")
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+
+from services.common.grpc_server import channel
+from vmesh.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
+
+_OUTPUT_MODES = {"delta": common_pb2.OUTPUT_MODE_DELTA, "cumulative": common_pb2.OUTPUT_MODE_CUMULATIVE,
+                 "final_only": common_pb2.OUTPUT_MODE_FINAL_ONLY}
+
+
+def sampling_params(**fields: Any) -> common_pb2.SamplingParams:
+    """SamplingParams from keyword arguments; None leaves a field at its server-side default."""
+    pb = common_pb2.SamplingParams()
+    for name, value in fields.items():
+        if value is None:
+            continue
+        if name == "output_mode":
+            value = _OUTPUT_MODES[value]
+        if isinstance(value, (list, tuple)):
+            getattr(pb, name).extend(value)
+        else:
+            setattr(pb, name, value)
+    return pb
+
+
+def generate_request(text: str | None = None, chat: Sequence[dict[str, str]] | None = None,
+                     token_ids: Sequence[int] | None = None, model: str = "", priority: int = 0,
+                     **sampling: Any) -> frontend_pb2.GenerateRequest:
+    request = frontend_pb2.GenerateRequest(model=model, sampling=sampling_params(**sampling), priority=priority)
+    if text is not None:
+        request.text = text
+    elif chat is not None:
+        request.chat.messages.extend(frontend_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in chat)
+    elif token_ids is not None:
+        request.token_ids.ids.extend(token_ids)
+    return request
+
+
+class VmeshClient:
+    def __init__(self, address: str):
+        self.address = address
+        self._channel: grpc.aio.Channel | None = None
+        self.stub: frontend_pb2_grpc.FrontendServiceStub | None = None
+
+    async def __aenter__(self) -> VmeshClient:
+        self._channel = channel(self.address)
+        self.stub = frontend_pb2_grpc.FrontendServiceStub(self._channel)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._channel.close()
+
+    async def generate(self, text: str | None = None, chat: Sequence[dict[str, str]] | None = None,
+                       token_ids: Sequence[int] | None = None, *, timeout: float | None = None,
+                       **sampling: Any) -> AsyncIterator[frontend_pb2.GenerateResponse]:
+        call = self.stub.Generate(generate_request(text, chat, token_ids, **sampling), timeout=timeout)
+        try:
+            async for response in call:
+                yield response
+        finally:
+            call.cancel()  # a no-op when complete; aborts the request when the caller stops early
+
+    async def complete(self, **kwargs: Any) -> tuple[str, list[int], frontend_pb2.GenerateResponse]:
+        """The whole text and token ids of one request, and its last response (finish reason, usage)."""
+        text, ids, last = "", [], None
+        async for out in self.generate(**kwargs):
+            text += out.text
+            ids += out.token_ids
+            last = out
+        return text, ids, last
+
+    async def tokenize(self, text: str) -> list[int]:
+        return list((await self.stub.Tokenize(frontend_pb2.TokenizeRequest(text=text))).token_ids)
+
+    async def model_info(self) -> frontend_pb2.GetModelInfoResponse:
+        return await self.stub.GetModelInfo(frontend_pb2.GetModelInfoRequest())

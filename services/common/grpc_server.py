@@ -1,0 +1,87 @@
+"""What every vmesh gRPC server shares: health and reflection, loopback-or-configured
+binding, and an orderly shutdown on SIGTERM (health NOT_SERVING -> stop accepting -> drain
+-> release)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+logger = logging.getLogger(__name__)
+
+OVERALL = ""  # the health service's name for the whole server
+MAX_MESSAGE_BYTES = 64 << 20
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+                   ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 1)]
+
+
+class ServiceShell:
+    def __init__(self, service_names: list[str], host: str, port: int):
+        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME],
+                                            self.server)
+        self.service_names = service_names
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {host}:{port}")
+        self.address = f"{host}:{self.port}"
+        self.stopping = asyncio.Event()
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in [OVERALL, *self.service_names]:
+            await self.health.set(name, status)
+
+    async def run(self, warm_up: Callable[[], Awaitable[None]], drain: Callable[[], Awaitable[None]],
+                  ready_file: str | None = None, grace_seconds: float = 30.0) -> None:
+        """Start NOT_SERVING, warm up, serve until SIGTERM/SIGINT, then drain and stop."""
+        await self.set_serving(False)
+        await self.server.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        if ready_file:  # lets a launcher that asked for port 0 learn the port
+            Path(ready_file).write_text(self.address)
+        await warm_up()
+        await self.set_serving(True)
+        logger.info("serving %s on %s", ", ".join(self.service_names), self.address)
+        await self.stopping.wait()
+        logger.info("draining")
+        await self.set_serving(False)
+        try:
+            await asyncio.wait_for(drain(), grace_seconds)
+        except asyncio.TimeoutError:
+            logger.warning("drain did not finish within %.0f s", grace_seconds)
+        await self.server.stop(grace=1.0)
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+async def wait_until_serving(address: str, timeout: float) -> None:
+    """Block until `address` reports SERVING; raise TimeoutError otherwise."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    async with channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=OVERALL), timeout=2.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"{address} did not become healthy within {timeout:.0f} s")
+            await asyncio.sleep(0.2)

@@ -1,0 +1,148 @@
+"""The detokenizer's gRPC shell. The scheduler streams each step's token ids for the requests
+it routed here; this replica turns them into text and pushes the outputs down the owning
+frontend's subscription. Stop-string hits go back to the scheduler on the same stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from services.common import wire
+from services.common.grpc_server import ServiceShell
+from services.detokenizer.incremental import IncrementalDetokenizer
+from vmesh.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Tracked:
+    detokenizer: IncrementalDetokenizer
+    frontend_id: str
+    frontend_key: int
+    num_prompt_tokens: int
+    num_output_tokens: int = 0
+    wants_logprobs: bool = False
+
+
+class _FrontendBatch:
+    """Columns of one SubscribeResponse under construction."""
+
+    def __init__(self) -> None:
+        self.pb = detokenizer_pb2.SubscribeResponse()
+
+    def add(self, key: int, text: str, token_ids: list[int], reason: int, tracked: _Tracked, cached: int,
+            logprob_rows: list[LogprobRow]) -> None:
+        pb = self.pb
+        pb.frontend_keys.append(key)
+        pb.texts.append(text)
+        pb.num_tokens.append(len(token_ids))
+        pb.token_ids.extend(token_ids)
+        pb.finish_reasons.append(reason)
+        pb.num_prompt_tokens.append(tracked.num_prompt_tokens)
+        pb.num_output_tokens.append(tracked.num_output_tokens)
+        pb.num_cached_prompt_tokens.append(cached)
+        pb.num_logprobs_rows.append(len(logprob_rows))
+        for logprob, rank, top_ids, top_lps in logprob_rows:
+            pb.sampled_logprobs.append(logprob)
+            pb.sampled_ranks.append(rank)
+            pb.num_top.append(len(top_ids))
+            pb.top_token_ids.extend(top_ids)
+            pb.top_logprobs.extend(top_lps)
+
+
+class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.requests: dict[int, _Tracked] = {}
+        self.subscribers: dict[str, asyncio.Queue[detokenizer_pb2.SubscribeResponse]] = {}
+        self.tokens_processed = 0
+
+    async def Subscribe(self, request, context):
+        queue: asyncio.Queue = asyncio.Queue()
+        self.subscribers[request.frontend_id] = queue
+        logger.info("frontend %s subscribed", request.frontend_id)
+        await context.send_initial_metadata(())  # tells the frontend it is registered
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            if self.subscribers.get(request.frontend_id) is queue:
+                del self.subscribers[request.frontend_id]
+
+    async def Detokenize(self, request_iterator, context):
+        async for batch in request_iterator:
+            stopped = self.process(batch)
+            if stopped:
+                yield detokenizer_pb2.DetokenizeResponse(stopped_handles=stopped)
+
+    def process(self, batch: detokenizer_pb2.DetokenizeRequest) -> list[int]:
+        for info in batch.new_requests:
+            params = wire.sampling_from_proto(info.sampling)
+            self.requests[info.handle] = _Tracked(
+                IncrementalDetokenizer(self.tokenizer, params, list(info.prompt_tail)), info.frontend_id,
+                info.frontend_key, info.num_prompt_tokens, wants_logprobs=params.logprobs is not None)
+        logprobs = _logprob_rows(batch)
+        out: dict[str, _FrontendBatch] = {}
+        stopped = []
+        offset = 0
+        for i, handle in enumerate(batch.handles):
+            n = batch.num_tokens[i]
+            token_ids = list(batch.token_ids[offset:offset + n])
+            offset += n
+            tracked = self.requests.get(handle)
+            if tracked is None:
+                continue
+            reason = batch.finish_reasons[i]
+            finished = reason != common_pb2.FINISH_REASON_UNSPECIFIED
+            tracked.num_output_tokens += n
+            self.tokens_processed += n
+            result = tracked.detokenizer.update(token_ids, finished)
+            if result.stop_hit and not finished:
+                reason = common_pb2.FINISH_REASON_STOP
+                stopped.append(handle)
+            if result.finished:
+                del self.requests[handle]
+            if not result.text and not token_ids and not result.finished:
+                continue
+            out.setdefault(tracked.frontend_id, _FrontendBatch()).add(
+                tracked.frontend_key, result.text, token_ids, reason, tracked,
+                batch.num_cached_prompt_tokens[i], logprobs.get(handle, []))
+        for frontend_id, frontend_batch in out.items():
+            queue = self.subscribers.get(frontend_id)
+            if queue is None:
+                logger.warning("no subscription from frontend %s; dropping its outputs", frontend_id)
+                continue
+            queue.put_nowait(frontend_batch.pb)
+        return stopped
+
+
+LogprobRow = tuple[float, int, list[int], list[float]]  # sampled logprob, rank, top ids, top logprobs
+
+
+def _logprob_rows(batch: detokenizer_pb2.DetokenizeRequest) -> dict[int, list[LogprobRow]]:
+    rows: dict[int, list] = {}
+    offset = 0
+    for i, handle in enumerate(batch.logprobs_handles):
+        n = batch.num_top[i]
+        rows.setdefault(handle, []).append((batch.sampled_logprobs[i], batch.sampled_ranks[i],
+                                            list(batch.top_token_ids[offset:offset + n]),
+                                            list(batch.top_logprobs[offset:offset + n])))
+        offset += n
+    return rows
+
+
+async def serve(load_tokenizer, host: str, port: int, ready_file: str | None) -> None:
+    shell = ServiceShell([detokenizer_pb2.DESCRIPTOR.services_by_name["DetokenizerService"].full_name], host, port)
+    servicer = DetokenizerServicer(None)
+    detokenizer_pb2_grpc.add_DetokenizerServiceServicer_to_server(servicer, shell.server)
+
+    async def warm_up() -> None:
+        servicer.tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer)
+
+    async def drain() -> None:
+        while servicer.requests:
+            await asyncio.sleep(0.05)
+
+    await shell.run(warm_up, drain, ready_file)

@@ -1,0 +1,50 @@
+"""A per-request outbox with one slot: outputs that arrive while the client is still reading
+the previous one are merged, so a slow client never stalls the engine or grows a queue."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from vmesh.v1 import common_pb2, frontend_pb2
+
+
+@dataclass
+class PendingOutput:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[frontend_pb2.GeneratedTokenLogprobs] = field(default_factory=list)
+    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
+    usage: frontend_pb2.Usage | None = None
+    error: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED or bool(self.error)
+
+
+class Outbox:
+    def __init__(self, delta_text: bool):
+        self.delta_text = delta_text  # delta mode concatenates text; other modes keep the latest
+        self.pending: PendingOutput | None = None
+        self.ready = asyncio.Event()
+        self.detokenizer: str | None = None
+
+    def put(self, out: PendingOutput) -> None:
+        if self.pending is None:
+            self.pending = out
+        else:
+            merged = self.pending
+            merged.text = merged.text + out.text if self.delta_text else out.text
+            merged.token_ids += out.token_ids
+            merged.logprobs += out.logprobs
+            merged.finish_reason = out.finish_reason or merged.finish_reason
+            merged.usage = out.usage or merged.usage
+            merged.error = out.error or merged.error
+        self.ready.set()
+
+    async def get(self) -> PendingOutput:
+        await self.ready.wait()
+        self.ready.clear()
+        out, self.pending = self.pending, None
+        return out

@@ -1,0 +1,207 @@
+"""The frontend's gRPC shell: the public API. Tokenizes and validates, submits to the
+scheduler, and streams each request's outputs, which arrive from the detokenizer replicas
+over one subscription per replica."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import uuid
+
+import grpc
+
+from services.common.grpc_server import ServiceShell, channel
+from services.frontend.outbox import Outbox, PendingOutput
+from services.frontend.validation import InvalidRequest, ModelLimits, validate_generate
+from vmesh.v1 import (
+    detokenizer_pb2,
+    detokenizer_pb2_grpc,
+    frontend_pb2,
+    frontend_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
+
+logger = logging.getLogger(__name__)
+
+SUBMIT_TIMEOUT_S = 30.0
+_PASSED_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
+    def __init__(self, tokenizer, scheduler_address: str, detokenizer_addresses: list[str]):
+        self.tokenizer = tokenizer
+        self.frontend_id = f"frontend-{uuid.uuid4().hex[:12]}"
+        self.scheduler_address = scheduler_address
+        self.detokenizer_addresses = detokenizer_addresses
+        self.outboxes: dict[int, Outbox] = {}
+        self.keys = itertools.count(1)
+        self.limits: ModelLimits | None = None
+        self.subscribed: set[str] = set()
+        self._tasks: list[asyncio.Task] = []
+        self.in_flight = 0
+
+    async def connect(self) -> None:
+        self.scheduler_channel = channel(self.scheduler_address)
+        self.scheduler = scheduler_pb2_grpc.SchedulerServiceStub(self.scheduler_channel)
+        stats = await self.scheduler.GetSchedulerStats(scheduler_pb2.GetSchedulerStatsRequest(), wait_for_ready=True,
+                                                       timeout=600)
+        self.limits = ModelLimits(stats.model_name, stats.max_model_len, stats.vocab_size)
+        subscribed = [asyncio.get_running_loop().create_future() for _ in self.detokenizer_addresses]
+        for address, ready in zip(self.detokenizer_addresses, subscribed):
+            self._tasks.append(asyncio.create_task(self._subscribe(address, ready)))
+        await asyncio.gather(*subscribed)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await self.scheduler_channel.close()
+
+    # --- subscriptions -----------------------------------------------------------------------
+
+    async def _subscribe(self, address: str, ready: asyncio.Future) -> None:
+        async with channel(address) as ch:
+            stub = detokenizer_pb2_grpc.DetokenizerServiceStub(ch)
+            call = stub.Subscribe(detokenizer_pb2.SubscribeRequest(frontend_id=self.frontend_id), wait_for_ready=True)
+            # The replica registers us when it reads our request; one metadata round trip proves it.
+            await call.initial_metadata()
+            self.subscribed.add(address)
+            ready.set_result(None)
+            try:
+                async for batch in call:
+                    self._dispatch(batch)
+                raise ConnectionError("subscription closed")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.subscribed.discard(address)
+                self._fail_replica(address, f"detokenizer {address} unavailable: {exc}")
+
+    def _dispatch(self, batch: detokenizer_pb2.SubscribeResponse) -> None:
+        token_offset = logprob_row = top_offset = 0
+        for i, key in enumerate(batch.frontend_keys):
+            n = batch.num_tokens[i]
+            token_ids = list(batch.token_ids[token_offset:token_offset + n])
+            token_offset += n
+            logprobs = []
+            for _ in range(batch.num_logprobs_rows[i]):
+                k = batch.num_top[logprob_row]
+                span = slice(top_offset, top_offset + k)
+                top = [frontend_pb2.TokenLogprob(token_id=t, logprob=lp)
+                       for t, lp in zip(batch.top_token_ids[span], batch.top_logprobs[span])]
+                logprobs.append(frontend_pb2.GeneratedTokenLogprobs(
+                    logprob=batch.sampled_logprobs[logprob_row], rank=batch.sampled_ranks[logprob_row], top=top))
+                top_offset += k
+                logprob_row += 1
+            outbox = self.outboxes.get(key)
+            if outbox is None:
+                continue
+            out = PendingOutput(text=batch.texts[i], token_ids=token_ids, logprobs=logprobs,
+                                finish_reason=batch.finish_reasons[i], error=batch.errors[i] if batch.errors else "")
+            if out.finished:
+                out.usage = frontend_pb2.Usage(prompt_tokens=batch.num_prompt_tokens[i],
+                                               completion_tokens=batch.num_output_tokens[i],
+                                               cached_prompt_tokens=batch.num_cached_prompt_tokens[i])
+            outbox.put(out)
+
+    def _fail_replica(self, address: str, message: str) -> None:
+        logger.error("%s", message)
+        for outbox in self.outboxes.values():
+            if outbox.detokenizer == address:
+                outbox.put(PendingOutput(error=message))
+
+    # --- RPCs --------------------------------------------------------------------------------
+
+    def _encode(self, which: str, message) -> list[int]:
+        if which == "text":
+            return self.tokenizer.encode(message.text, add_special_tokens=False)
+        if which == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in message.chat.messages]
+            if not messages:
+                raise InvalidRequest("chat: no messages")
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=False)
+        if which == "token_ids":
+            return list(message.token_ids.ids)
+        raise InvalidRequest("input: one of text, chat or token_ids is required")
+
+    async def Generate(self, request, context):
+        try:
+            prompt = self._encode(request.WhichOneof("input"), request)
+            params = validate_generate(request, prompt, self.limits)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        key = next(self.keys)
+        request_id = f"{key}"
+        outbox = self.outboxes[key] = Outbox(delta_text=params.output_mode.value == "delta")
+        sampling = request.sampling
+        sampling.max_tokens = params.max_tokens
+        finished = False
+        self.in_flight += 1
+        try:
+            try:
+                remaining = context.time_remaining()
+                reply = await self.scheduler.SubmitRequest(scheduler_pb2.SubmitRequestRequest(
+                    request_id=request_id, frontend_id=self.frontend_id, frontend_key=key, prompt_token_ids=prompt,
+                    sampling=sampling, priority=request.priority),
+                    timeout=min(SUBMIT_TIMEOUT_S, remaining) if remaining else SUBMIT_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                finished = True  # nothing to abort
+                code = exc.code() if exc.code() in _PASSED_THROUGH else grpc.StatusCode.UNAVAILABLE
+                await context.abort(code, exc.details() or "scheduler unavailable")
+            outbox.detokenizer = reply.detokenizer
+            if reply.detokenizer not in self.subscribed:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"detokenizer {reply.detokenizer} unavailable")
+            while True:
+                out = await outbox.get()
+                if out.error:
+                    finished = True
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, out.error)
+                finished = out.finished
+                yield frontend_pb2.GenerateResponse(
+                    request_id=request_id, text=out.text, token_ids=out.token_ids, logprobs=out.logprobs,
+                    finish_reason=out.finish_reason, usage=out.usage)
+                if finished:
+                    return
+        finally:
+            self.in_flight -= 1
+            del self.outboxes[key]
+            if not finished:  # the client went away or its deadline passed: abort everywhere
+                asyncio.get_running_loop().create_task(self._abort(request_id))
+
+    async def _abort(self, request_id: str) -> None:
+        try:
+            await self.scheduler.AbortRequest(scheduler_pb2.AbortRequestRequest(
+                frontend_id=self.frontend_id, request_id=request_id), timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("abort of %s failed: %s", request_id, exc.details())
+
+    async def Tokenize(self, request, context):
+        try:
+            return frontend_pb2.TokenizeResponse(token_ids=self._encode(request.WhichOneof("input"), request))
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def GetModelInfo(self, request, context):
+        return frontend_pb2.GetModelInfoResponse(model=self.limits.name, max_model_len=self.limits.max_model_len,
+                                                 vocab_size=self.limits.vocab_size)
+
+    async def drain(self) -> None:
+        while self.in_flight:
+            await asyncio.sleep(0.05)
+
+
+async def serve(load_tokenizer, scheduler_address: str, detokenizer_addresses: list[str], host: str, port: int,
+                ready_file: str | None) -> None:
+    shell = ServiceShell([frontend_pb2.DESCRIPTOR.services_by_name["FrontendService"].full_name], host, port)
+    servicer = FrontendServicer(None, scheduler_address, detokenizer_addresses)
+    frontend_pb2_grpc.add_FrontendServiceServicer_to_server(servicer, shell.server)
+
+    async def warm_up() -> None:
+        servicer.tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer)
+        await servicer.connect()
+
+    await shell.run(warm_up, servicer.drain, ready_file)
+    await servicer.close()
+

@@ -1,0 +1,140 @@
+"""`vmesh serve`: every service as its own OS process on loopback, started in dependency
+order, each waited on until healthy; one public address printed; everything stopped
+together on Ctrl-C / SIGTERM or when any process dies (naming it)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.common.grpc_server import wait_until_serving
+
+INTERNAL_HOST = "127.0.0.1"
+START_TIMEOUT_S = 900.0  # the first start converts the model
+STOP_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+    ready_file: Path
+    address: str = ""
+
+
+def _flags(args: argparse.Namespace, names: list[str]) -> list[str]:
+    argv = []
+    for name in names:
+        value = getattr(args, name.replace("-", "_"))
+        if value is None or value is False:
+            continue
+        argv += [f"--{name}"] if value is True else [f"--{name}", str(value)]
+    return argv
+
+
+MODEL_FLAGS = ["model", "cache-dir"]
+WORKER_FLAGS = ["device", "dtype", "block-size", "kv-cache-memory", "kv-cache-memory-fraction", "max-num-seqs",
+                "max-model-len", "attention-backend"]
+SCHEDULER_FLAGS = ["max-num-batched-tokens", "pipeline-depth", "scheduling-policy", "no-prefix-caching",
+                   "stateless-worker", "max-waiting"]
+
+
+class Mesh:
+    def __init__(self, args: argparse.Namespace, workdir: Path):
+        self.args = args
+        self.workdir = workdir
+        self.children: list[Child] = []
+
+    def start(self, name: str, service: str, argv: list[str], host: str = INTERNAL_HOST, port: int = 0) -> Child:
+        ready = self.workdir / f"{name}.addr"
+        command = [sys.executable, "-m", "services.cli", "--log-level", self.args.log_level, service,
+                   "--host", host, "--port", str(port), "--ready-file", str(ready), *argv]
+        child = Child(name, subprocess.Popen(command), ready)
+        self.children.append(child)
+        return child
+
+    async def wait_ready(self, children: list[Child]) -> None:
+        async def one(child: Child) -> None:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not child.ready_file.exists():
+                self.check_alive()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{child.name} did not start")
+                await asyncio.sleep(0.1)
+            child.address = child.ready_file.read_text()
+            probe = asyncio.create_task(wait_until_serving(child.address, START_TIMEOUT_S))
+            while not probe.done():
+                self.check_alive()
+                await asyncio.sleep(0.1)
+            probe.result()
+
+        await asyncio.gather(*(one(c) for c in children))
+
+    def check_alive(self) -> None:
+        for child in self.children:
+            code = child.process.poll()
+            if code is not None:
+                raise ChildDied(f"{child.name} (pid {child.process.pid}) exited with code {code}")
+
+    def stop(self) -> None:
+        """Frontend first, so no new work arrives; then the rest drain and exit."""
+        for child in reversed(self.children):
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+                try:
+                    child.process.wait(STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    child.process.kill()
+                    child.process.wait()
+
+
+class ChildDied(RuntimeError):
+    pass
+
+
+async def _run(mesh: Mesh, stop: asyncio.Event) -> int:
+    args = mesh.args
+    model = _flags(args, MODEL_FLAGS)
+    worker = mesh.start("worker", "worker", model + _flags(args, WORKER_FLAGS))
+    detokenizers = [mesh.start(f"detokenizer-{i}", "detokenizer", model) for i in range(args.detokenizers)]
+    await mesh.wait_ready([worker, *detokenizers])
+    detok_addresses = ",".join(d.address for d in detokenizers)
+    scheduler = mesh.start("scheduler", "scheduler", ["--workers", worker.address, "--detokenizer-addresses",
+                                                      detok_addresses, *_flags(args, SCHEDULER_FLAGS)])
+    await mesh.wait_ready([scheduler])
+    frontend = mesh.start("frontend", "frontend", ["--scheduler", scheduler.address, "--detokenizer-addresses",
+                                                   detok_addresses, *model], host=args.host, port=args.port)
+    await mesh.wait_ready([frontend])
+    print(f"vmesh: serving on {frontend.address} — try: vmesh generate \"Hello\" --address {frontend.address}",
+          flush=True)
+    while not stop.is_set():
+        mesh.check_alive()
+        await asyncio.sleep(0.2)
+    return 0
+
+
+def serve_mesh(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="vmesh-") as tmp:
+        mesh = Mesh(args, Path(tmp))
+
+        async def main() -> int:
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
+            return await _run(mesh, stop)
+
+        try:
+            return asyncio.run(main())
+        except ChildDied as exc:
+            print(f"vmesh: {exc}; stopping the mesh", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            mesh.stop()

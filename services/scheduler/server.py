@@ -1,0 +1,329 @@
+"""The scheduler's gRPC shell: takes requests and aborts, runs the engine-core scheduler,
+keeps one ordered stream of step plans to each worker rank (up to `pipeline_depth` in
+flight) and one stream of token batches to each detokenizer replica."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.common import wire
+from services.common.grpc_server import ServiceShell, channel
+from services.common.step_types import NewRequest, StepPlan
+from services.scheduler.block_pool import BlockPool
+from services.scheduler.request import FinishReason, Request
+from services.scheduler.scheduler import QueueFullError, RequestUpdate, Scheduler, SchedulerConfig
+from vmesh.v1 import (
+    detokenizer_pb2,
+    detokenizer_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+
+logger = logging.getLogger(__name__)
+
+PROMPT_TAIL_TOKENS = 4  # decoding context given to the detokenizer
+
+
+@dataclass
+class MeshSchedulerConfig:
+    worker_addresses: list[str]
+    detokenizer_addresses: list[str]
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int | None = None  # None: the worker's
+    policy: str = "fcfs"
+    pipeline_depth: int = 2
+    stateless_worker: bool = False
+    enable_prefix_caching: bool = True
+    max_waiting: int = 4096
+
+
+@dataclass
+class _Route:
+    handle: int  # the request's number on its detokenizer stream
+    replica: _Replica
+    frontend_id: str
+    frontend_key: int
+    prompt_tail: list[int]
+    sampling: object
+    num_prompt_tokens: int
+    introduced: bool = False
+
+
+@dataclass
+class _Replica:
+    address: str
+    call: grpc.aio.StreamStreamCall | None = None
+    alive: bool = False
+    outstanding: int = 0
+    pending: detokenizer_pb2.DetokenizeRequest = field(default_factory=detokenizer_pb2.DetokenizeRequest)
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
+    def __init__(self, config: MeshSchedulerConfig):
+        self.config = config
+        self.scheduler: Scheduler | None = None
+        self.worker_calls: list[grpc.aio.StreamStreamCall] = []
+        self.replicas = [_Replica(a) for a in config.detokenizer_addresses]
+        self.routes: dict[str, _Route] = {}
+        self.key_of_handle: dict[int, str] = {}
+        self._route_handles = itertools.count()
+        self.wake = asyncio.Event()
+        self.failure: str | None = None  # set once a worker is lost: the scheduler stops serving
+        self.accepting = True
+        self.steps = 0
+        self.plan_bytes = 0
+        self._tasks: list[asyncio.Task] = []
+        self._channels: list[grpc.aio.Channel] = []
+
+    # --- start-up ----------------------------------------------------------------------------
+
+    async def connect(self) -> None:
+        infos = []
+        for address in self.config.worker_addresses:
+            ch = channel(address)
+            self._channels.append(ch)
+            stub = worker_pb2_grpc.WorkerServiceStub(ch)
+            infos.append(await stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), wait_for_ready=True, timeout=600))
+            self.worker_calls.append(stub.Execute())
+        info = infos[0]
+        if any(i.num_kv_blocks != info.num_kv_blocks or i.block_size != info.block_size for i in infos):
+            raise RuntimeError("worker ranks disagree on their KV cache")
+        self.info = info
+        pool = BlockPool(info.num_kv_blocks, info.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_model_len=info.max_model_len, max_num_seqs=min(self.config.max_num_seqs or info.max_num_seqs,
+                                                               info.max_num_seqs),
+            max_num_batched_tokens=self.config.max_num_batched_tokens, policy=self.config.policy,
+            max_waiting=self.config.max_waiting), pool, tuple(info.eos_token_ids))
+        for replica in self.replicas:
+            ch = channel(replica.address)
+            self._channels.append(ch)
+            replica.call = detokenizer_pb2_grpc.DetokenizerServiceStub(ch).Detokenize(wait_for_ready=True)
+            replica.alive = True
+            self._tasks.append(asyncio.create_task(self._read_replica(replica)))
+        self._tasks.append(asyncio.create_task(self._engine_loop()))
+        logger.info("connected to %d worker rank(s) (%d KV blocks of %d) and %d detokenizer(s)",
+                    len(self.worker_calls), info.num_kv_blocks, info.block_size, len(self.replicas))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for ch in self._channels:
+            await ch.close()
+
+    # --- RPCs --------------------------------------------------------------------------------
+
+    async def SubmitRequest(self, request, context):
+        if self.failure:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.failure)
+        if not self.accepting or self.scheduler is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is not accepting requests")
+        replicas = [r for r in self.replicas if r.alive]
+        if not replicas:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no detokenizer replica is reachable")
+        key = _key(request.frontend_id, request.request_id)
+        sampling = wire.sampling_from_proto(request.sampling)
+        try:
+            sampling.validate()
+            self.scheduler.add_request(Request(key, list(request.prompt_token_ids), sampling,
+                                               priority=request.priority))
+        except QueueFullError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        replica = min(replicas, key=lambda r: r.outstanding)
+        replica.outstanding += 1
+        route = self.routes[key] = _Route(next(self._route_handles), replica, request.frontend_id, request.frontend_key,
+                                  list(request.prompt_token_ids[-PROMPT_TAIL_TOKENS:]), request.sampling,
+                                          len(request.prompt_token_ids))
+        self.key_of_handle[route.handle] = key
+        self.wake.set()
+        return scheduler_pb2.SubmitRequestResponse(detokenizer=replica.address)
+
+    async def AbortRequest(self, request, context):
+        key = _key(request.frontend_id, request.request_id)
+        aborted = self.scheduler is not None and self.scheduler.abort(key)
+        route = self._pop_route(key)
+        if route is not None:
+            self._end_route(route)
+            await self._flush_replicas()
+        return scheduler_pb2.AbortRequestResponse(aborted=aborted)
+
+    async def GetSchedulerStats(self, request, context):
+        if self.scheduler is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "not connected to a worker yet")
+        s = self.scheduler.stats()
+        return scheduler_pb2.GetSchedulerStatsResponse(
+            num_running=s.num_running, num_waiting=s.num_waiting, num_used_blocks=s.num_blocks - s.num_free_blocks,
+            num_free_blocks=s.num_free_blocks, num_blocks=s.num_blocks, prefix_cache_queries=s.prefix_queries,
+            prefix_cache_hits=s.prefix_hits, num_preemptions=s.num_preemptions, steps=self.steps,
+            plan_bytes_sent=self.plan_bytes, pipeline_depth=self.config.pipeline_depth,
+            stateless_worker=self.config.stateless_worker, model_name=self.info.model_name,
+            max_model_len=self.scheduler.max_model_len, vocab_size=self.info.vocab_size)
+
+    # --- the engine loop ---------------------------------------------------------------------
+
+    async def _engine_loop(self) -> None:
+        in_flight = 0
+        try:
+            while True:
+                while in_flight < self.config.pipeline_depth and (plan := self.scheduler.schedule()) is not None:
+                    message = self._plan_message(plan)
+                    self.plan_bytes += message.ByteSize()
+                    self.steps += 1
+                    for call in self.worker_calls:
+                        await call.write(message)
+                    in_flight += 1
+                if in_flight == 0:
+                    self.wake.clear()
+                    await self.wake.wait()
+                    continue
+                results = [await call.read() for call in self.worker_calls]
+                if any(r is grpc.aio.EOF for r in results):
+                    raise ConnectionError("a worker closed its stream")
+                in_flight -= 1
+                self._route(self.scheduler.update(wire.result_from_proto(results[0])))
+                await self._flush_replicas()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a lost worker: every request fails, the scheduler stops serving
+            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            self.failure = f"worker unavailable: {detail}"
+            logger.error("%s; failing %d request(s)", self.failure, len(self.routes))
+            for key in list(self.routes):
+                self.scheduler.abort(key)
+                self._end_route(self._pop_route(key), error=self.failure)
+            await self._flush_replicas()
+            self.on_failure()
+
+    def on_failure(self) -> None:
+        """Overridden by serve(): mark the service NOT_SERVING."""
+
+    def _plan_message(self, plan: StepPlan) -> worker_pb2.ExecuteRequest:
+        if not self.config.stateless_worker:
+            return wire.plan_to_proto(plan)
+        # V0 behaviour: every scheduled request travels in full, every step.
+        full = StepPlan(step=plan.step, scheduled_handles=plan.scheduled_handles,
+                        num_scheduled_tokens=plan.num_scheduled_tokens)
+        for handle, n in zip(plan.scheduled_handles, plan.num_scheduled_tokens):
+            r = self.scheduler.by_handle[handle]
+            full.new_requests.append(NewRequest(handle, r.all_token_ids, len(r.prompt_token_ids), r.sampling,
+                                                list(r.block_ids), r.num_computed_tokens - n))
+        return wire.plan_to_proto(full, full_state=True)
+
+    # --- routing to detokenizers -------------------------------------------------------------
+
+    def _route(self, updates: list[RequestUpdate]) -> None:
+        for update in updates:
+            route = self.routes.get(update.request_id)
+            if route is None:
+                continue
+            batch = route.replica.pending
+            self._introduce(route)
+            batch.handles.append(route.handle)
+            batch.num_tokens.append(len(update.new_token_ids))
+            batch.token_ids.extend(update.new_token_ids)
+            batch.finish_reasons.append(wire.FINISH_REASONS_PB[update.finish_reason])
+            batch.num_cached_prompt_tokens.append(update.num_cached_prompt_tokens)
+            batch.errors.append("")
+            for lp in update.logprobs:
+                batch.logprobs_handles.append(route.handle)
+                batch.sampled_logprobs.append(lp.logprob)
+                batch.sampled_ranks.append(lp.rank)
+                batch.num_top.append(len(lp.top_token_ids))
+                batch.top_token_ids.extend(lp.top_token_ids)
+                batch.top_logprobs.extend(lp.top_logprobs)
+            if update.finish_reason is not None:
+                self._pop_route(update.request_id)
+
+    def _pop_route(self, key: str) -> _Route | None:
+        route = self.routes.pop(key, None)
+        if route is not None:
+            del self.key_of_handle[route.handle]
+            route.replica.outstanding -= 1
+        return route
+
+    def _introduce(self, route: _Route) -> None:
+        if route.introduced:
+            return
+        route.replica.pending.new_requests.append(detokenizer_pb2.DetokenizerRequestInfo(
+            handle=route.handle, frontend_id=route.frontend_id, frontend_key=route.frontend_key,
+            prompt_tail=route.prompt_tail, sampling=route.sampling, num_prompt_tokens=route.num_prompt_tokens))
+        route.introduced = True
+
+    def _end_route(self, route: _Route, error: str = "") -> None:
+        """Tell a popped request's replica that it ended without more tokens (aborted or failed)."""
+        self._introduce(route)
+        batch = route.replica.pending
+        batch.handles.append(route.handle)
+        batch.num_tokens.append(0)
+        batch.finish_reasons.append(wire.FINISH_REASONS_PB[FinishReason.ABORT])
+        batch.num_cached_prompt_tokens.append(0)
+        batch.errors.append(error)
+
+    async def _flush_replicas(self) -> None:
+        for replica in self.replicas:
+            batch = replica.pending
+            if not batch.handles and not batch.new_requests:
+                continue
+            replica.pending = detokenizer_pb2.DetokenizeRequest()
+            if replica.alive:
+                try:
+                    await replica.call.write(batch)
+                except Exception as exc:
+                    self._replica_lost(replica, exc)
+
+    async def _read_replica(self, replica: _Replica) -> None:
+        try:
+            while True:
+                response = await replica.call.read()
+                if response is grpc.aio.EOF:
+                    raise ConnectionError("stream closed")
+                for handle in response.stopped_handles:
+                    key = self.key_of_handle.get(handle)
+                    if key is not None:  # a stop string matched: the detokenizer already ended it
+                        self.scheduler.abort(key, FinishReason.STOP)
+                        self._pop_route(key)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._replica_lost(replica, exc)
+
+    def _replica_lost(self, replica: _Replica, exc: Exception) -> None:
+        if not replica.alive:
+            return
+        replica.alive = False
+        lost = [key for key, route in self.routes.items() if route.replica is replica]
+        logger.error("detokenizer %s lost (%s); aborting its %d request(s)", replica.address, exc, len(lost))
+        for key in lost:
+            self.scheduler.abort(key)
+            self._pop_route(key)
+
+    async def drain(self) -> None:
+        self.accepting = False
+        while self.scheduler is not None and self.scheduler.has_unfinished() and not self.failure:
+            await asyncio.sleep(0.05)
+
+
+def _key(frontend_id: str, request_id: str) -> str:
+    return f"{frontend_id}/{request_id}"
+
+
+async def serve(config: MeshSchedulerConfig, host: str, port: int, ready_file: str | None) -> None:
+    shell = ServiceShell([scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name], host, port)
+    servicer = SchedulerServicer(config)
+    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, shell.server)
+
+    def on_failure() -> None:
+        asyncio.get_running_loop().create_task(shell.set_serving(False))
+
+    servicer.on_failure = on_failure
+    await shell.run(servicer.connect, servicer.drain, ready_file)
+    await servicer.close()

@@ -1,0 +1,118 @@
+"""The worker's gRPC shell: plans in, results out, over one ordered stream per scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from services.common import wire
+from services.common.grpc_server import ServiceShell
+from services.common.step_types import NewRequest, StepPlan
+from services.worker.model_runner import ModelRunner
+from services.worker.persistent_batch import PlanError
+from vmesh.v1 import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    def __init__(self, runner: ModelRunner, model_name: str):
+        self.runner = runner
+        self.model_name = model_name
+        # One thread runs the model: steps execute strictly in order, the event loop stays free.
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vmesh-model")
+        self.steps = 0
+        self.busy_seconds = 0.0
+        self.first_plan_at: float | None = None
+        self.bytes_received = 0
+        # Stateless mode: every token this worker sampled, per handle, since the scheduler may
+        # plan before it has seen them.
+        self.sampled_history: dict[int, list[int]] = {}
+
+    async def GetWorkerInfo(self, request, context):
+        spec = self.runner.spec
+        return worker_pb2.GetWorkerInfoResponse(
+            model_name=self.model_name, num_kv_blocks=self.runner.kv_cache.num_blocks,
+            block_size=self.runner.kv_cache.block_size, max_model_len=self.runner.max_model_len,
+            vocab_size=spec.vocab_size, eos_token_ids=list(spec.eos_token_ids),
+            max_num_seqs=self.runner.batch.max_num_reqs)
+
+    async def GetWorkerStats(self, request, context):
+        wall = time.perf_counter() - self.first_plan_at if self.first_plan_at else 0.0
+        return worker_pb2.GetWorkerStatsResponse(
+            steps=self.steps, busy_seconds=self.busy_seconds, wall_seconds=wall,
+            duty_cycle=self.busy_seconds / wall if wall else 0.0, bytes_received=self.bytes_received,
+            num_rows=len(self.runner.batch))
+
+    async def Execute(self, request_iterator, context):
+        loop = asyncio.get_running_loop()
+        async for request in request_iterator:
+            if self.first_plan_at is None:
+                self.first_plan_at = time.perf_counter()
+            self.bytes_received += request.ByteSize()
+            try:
+                result = await loop.run_in_executor(self.executor, self._execute, request)
+            except PlanError as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"rejected plan: {exc}")
+            yield wire.result_to_proto(result)
+
+    def _execute(self, request: worker_pb2.ExecuteRequest):
+        plan = wire.plan_from_proto(request)
+        if request.full_state:
+            self._rebuild_batch(plan)
+        result = self.runner.execute(plan)
+        self.steps += 1
+        self.busy_seconds += result.forward_seconds + result.sampling_seconds
+        if request.full_state:
+            for handle, token in zip(result.handles, result.sampled_token_ids):
+                self.sampled_history.setdefault(handle, []).append(token)
+        return result
+
+    def _rebuild_batch(self, plan: StepPlan) -> None:
+        """Stateless (V0) mode: forget every row and rebuild the batch from the plan alone."""
+        for handle in list(self.runner.batch.handle_of_row):
+            self.runner.batch.remove(handle)
+        live = {r.handle for r in plan.new_requests}
+        self.sampled_history = {h: t for h, t in self.sampled_history.items() if h in live}
+        completed: list[NewRequest] = []
+        for r in plan.new_requests:
+            known_outputs = len(r.token_ids) - r.num_prompt_tokens
+            r.token_ids += self.sampled_history.get(r.handle, [])[known_outputs:]
+            completed.append(r)
+        plan.new_requests = completed
+
+
+async def serve(load_runner: Callable[[], ModelRunner], model_name: str, host: str, port: int,
+                ready_file: str | None) -> None:
+    shell = ServiceShell([worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name], host, port)
+    servicer = WorkerServicer(None, model_name)  # type: ignore[arg-type]  # set once loaded
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, shell.server)
+
+    async def warm_up() -> None:
+        # Health stays NOT_SERVING while the model loads and runs one throwaway step.
+        loop = asyncio.get_running_loop()
+        servicer.runner = await loop.run_in_executor(servicer.executor, load_runner)
+        await loop.run_in_executor(servicer.executor, _warm_step, servicer.runner)
+
+    async def drain() -> None:
+        pass  # the scheduler drains; a worker's in-flight step ends with its stream
+
+    await shell.run(warm_up, drain, ready_file)
+    servicer.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _warm_step(runner: ModelRunner) -> None:
+    """Run one tiny request through the model so the first real step pays no first-call costs,
+    then leave the runner as if nothing happened (step numbering restarts at 0)."""
+    from services.common.sampling_params import SamplingParams
+
+    handle = -1
+    runner.execute(StepPlan(0, new_requests=[NewRequest(handle, [0, 1], 2, SamplingParams(temperature=0), [0])],
+                            scheduled_handles=[handle], num_scheduled_tokens=[2]))
+    runner.execute(StepPlan(1, removed_handles=[handle]))
+    runner.last_step = -1
