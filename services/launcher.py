@@ -112,6 +112,8 @@ async def _run(mesh: Mesh, stop: asyncio.Event) -> int:
     frontend = mesh.start("frontend", "frontend", ["--scheduler", scheduler.address, "--detokenizer-addresses",
                                                    detok_addresses, *model], host=args.host, port=args.port)
     await mesh.wait_ready([frontend])
+    for child in mesh.children:
+        print(f"vmesh: {child.name} at {child.address} (pid {child.process.pid})", flush=True)
     print(f"vmesh: serving on {frontend.address} — try: vmesh generate \"Hello\" --address {frontend.address}",
           flush=True)
     while not stop.is_set():

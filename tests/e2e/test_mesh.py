@@ -1,0 +1,231 @@
+"""The whole mesh as separate processes over real gRPC on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from services.client import VmeshClient
+from tests.e2e.conftest import scheduler_stats, wait_idle
+from tests.support.mesh import start_mesh
+from tests.support.reference import assert_greedy_match
+
+
+async def _greedy_all(address: str, prompts: list[list[int]], max_tokens: int = 32) -> list[list[int]]:
+    async with VmeshClient(address) as client:
+        results = await asyncio.gather(*(client.complete(token_ids=p, max_tokens=max_tokens, temperature=0.0,
+                                                         ignore_eos=True) for p in prompts))
+    return [ids for _text, ids, _last in results]
+
+
+def check_parity(mesh, chat_prompt_ids, reference_outputs) -> None:
+    outputs = asyncio.run(_greedy_all(mesh.address, chat_prompt_ids))
+    for i, ids in enumerate(outputs):
+        assert_greedy_match(ids, reference_outputs[i], label=f"mesh prompt {i}")
+    stats = wait_idle(mesh)
+    assert stats.num_used_blocks == 0
+
+
+def test_greedy_parity_16_concurrent(default_mesh, chat_prompt_ids, reference_outputs):
+    check_parity(default_mesh, chat_prompt_ids, reference_outputs)
+    stats = scheduler_stats(default_mesh)
+    assert stats.pipeline_depth == 2 and not stats.stateless_worker
+
+
+@pytest.mark.parametrize("flags", [
+    ("--pipeline-depth", "1", "--stateless-worker"),
+    ("--pipeline-depth", "2", "--stateless-worker", "--detokenizers", "2"),
+    ("--pipeline-depth", "1"),
+], ids=["depth1-stateless-1detok", "depth2-stateless-2detok", "depth1-stateful-1detok"])
+def test_greedy_parity_in_every_mode(flags, chat_prompt_ids, reference_outputs):
+    mesh = start_mesh(*flags)
+    try:
+        check_parity(mesh, chat_prompt_ids, reference_outputs)
+    finally:
+        assert mesh.stop() == 0
+
+
+def test_64_concurrent_streams_complete_with_usage(default_mesh, embedded_tokenizer):
+    prompts = [f"Request number {i}: say something about the number {i}." for i in range(64)]
+
+    async def one(client, i):
+        chunks, last = 0, None
+        ids: list[int] = []
+        async for out in client.generate(chat=[{"role": "user", "content": prompts[i]}], max_tokens=8 + i % 9,
+                                         temperature=0.7, seed=i, ignore_eos=True):
+            chunks += 1
+            ids += out.token_ids
+            last = out
+        return chunks, ids, last
+
+    async def main():
+        async with VmeshClient(default_mesh.address) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    results = asyncio.run(main())
+    for i, (chunks, ids, last) in enumerate(results):
+        expected_prompt = len(embedded_tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompts[i]}], add_generation_prompt=True, tokenize=True, return_dict=False))
+        assert last.finish_reason == 2  # LENGTH
+        assert len(ids) == 8 + i % 9 == last.usage.completion_tokens
+        assert last.usage.prompt_tokens == expected_prompt
+        assert chunks >= 1
+
+
+def test_seeded_sampling_is_reproducible_through_the_mesh(default_mesh):
+    async def main():
+        async with VmeshClient(default_mesh.address) as client:
+            kwargs = dict(text="Once upon a time", max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
+            alone = await client.complete(**kwargs)
+            crowd = await asyncio.gather(client.complete(**kwargs),
+                                         *(client.complete(text=f"noise {i}", max_tokens=16) for i in range(5)))
+            return alone[1], crowd[0][1]
+
+    alone, crowded = asyncio.run(main())
+    assert alone == crowded
+
+
+def test_cancelling_20_streams_frees_everything(default_mesh):
+    async def main():
+        async with VmeshClient(default_mesh.address) as client:
+            async def cancel_after_two(i):
+                got = 0
+                async for _ in client.generate(text=f"Tell me a long story number {i}", max_tokens=500,
+                                               ignore_eos=True):
+                    got += 1
+                    if got == 2:
+                        break  # closing the iterator cancels the call
+                return got
+            return await asyncio.gather(*(cancel_after_two(i) for i in range(20)))
+
+    assert asyncio.run(main()) == [2] * 20
+    stats = wait_idle(default_mesh)
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.num_used_blocks == 0
+
+
+def test_deadline_propagates_and_aborts(default_mesh):
+    async def main():
+        async with VmeshClient(default_mesh.address) as client:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in client.generate(text="Write an essay", max_tokens=1000, ignore_eos=True, timeout=1.0):
+                    pass
+            return err.value.code()
+
+    assert asyncio.run(main()) == grpc.StatusCode.DEADLINE_EXCEEDED
+    stats = wait_idle(default_mesh)
+    assert stats.num_running == 0 and stats.num_used_blocks == 0
+
+
+INVALID = [
+    (dict(text=""), "prompt"),
+    (dict(text="hi " * 9000), "prompt"),
+    (dict(text="hi", max_tokens=0), "max_tokens"),
+    (dict(text="hi", max_tokens=10_000), "max_tokens"),
+    (dict(text="hi", temperature=-0.5), "temperature"),
+    (dict(text="hi", top_p=0.0), "top_p"),
+    (dict(text="hi", top_p=1.5), "top_p"),
+    (dict(text="hi", top_k=-2), "top_k"),
+    (dict(text="hi", min_p=1.5), "min_p"),
+    (dict(text="hi", model="no-such-model"), "model"),
+    (dict(text="hi", stop=[f"s{i}" for i in range(40)]), "stop"),
+    (dict(text="hi", logprobs=21), "logprobs"),
+    (dict(token_ids=[1, 2, 999_999]), "token_ids"),
+    (dict(), "input"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "field"), INVALID, ids=[f for _, f in INVALID])
+def test_invalid_input_is_rejected_by_field(default_mesh, kwargs, field):
+    async def main():
+        async with VmeshClient(default_mesh.address) as client:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.complete(**kwargs)
+            # ...and the mesh keeps serving.
+            text, ids, _ = await client.complete(text="Say yes.", max_tokens=2)
+            return err.value, ids
+
+    error, ids = asyncio.run(main())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in error.details()
+    assert len(ids) >= 1
+
+
+def test_logprobs_stop_strings_and_modes_through_the_mesh(default_mesh):
+    async def main():
+        async with VmeshClient(default_mesh.address) as client:
+            lp = await client.complete(text="The capital of France is", max_tokens=4, temperature=0, logprobs=3)
+            stop = await client.complete(chat=[{"role": "user", "content": "Count from 1 to 10 with commas."}],
+                                         max_tokens=60, temperature=0, stop=["5"])
+            final = [o async for o in client.generate(text="Hello", max_tokens=5, temperature=0,
+                                                      output_mode="final_only")]
+            return lp, stop, final
+
+    lp, stop, final = asyncio.run(main())
+    last = lp[2]
+    assert len(lp[1]) == 4
+    stop_text, _ids, stop_last = stop
+    assert "5" not in stop_text and stop_last.finish_reason == 1  # STOP
+    assert len(final) >= 1 and all(not o.text for o in final[:-1]) and final[-1].text
+    # logprobs: one entry per token, rank 1 under greedy, top-3 sorted.
+    async def again():
+        async with VmeshClient(default_mesh.address) as client:
+            return [o async for o in client.generate(text="The capital of France is", max_tokens=4, temperature=0,
+                                                     logprobs=3)]
+    outs = asyncio.run(again())
+    entries = [e for o in outs for e in o.logprobs]
+    assert len(entries) == 4
+    for e in entries:
+        assert e.rank == 1 and len(e.top) == 3 and e.top[0].logprob == pytest.approx(e.logprob, abs=1e-5)
+    assert last.usage.completion_tokens == 4
+
+
+def test_sigterm_drains_in_flight_requests():
+    mesh = start_mesh()
+    try:
+        async def main():
+            async with VmeshClient(mesh.address) as client:
+                task = asyncio.create_task(client.complete(text="Tell me a story", max_tokens=40, ignore_eos=True))
+                await asyncio.sleep(1.0)
+                mesh.process.send_signal(15)
+                return await task
+
+        _text, ids, last = asyncio.run(main())
+        assert len(ids) == 40 and last.finish_reason == 2
+    finally:
+        assert mesh.stop() == 0
+
+
+@pytest.mark.parametrize("victim", ["worker", "detokenizer-0"])
+def test_killed_process_fails_requests_promptly(victim):
+    mesh = start_mesh("--max-waiting", "1", "--max-num-seqs", "1")
+    try:
+        async def main():
+            async with VmeshClient(mesh.address) as client:
+                if victim == "worker":  # a full waiting queue refuses with RESOURCE_EXHAUSTED
+                    calls = [asyncio.create_task(client.complete(text=f"story {i}", max_tokens=300, ignore_eos=True))
+                             for i in range(4)]
+                    done, _ = await asyncio.wait(calls, timeout=30, return_when=asyncio.FIRST_EXCEPTION)
+                    codes = [t.exception().code() for t in done if t.exception()]
+                    assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
+                    for c in calls:
+                        c.cancel()
+                    await asyncio.sleep(0.5)
+                stream = client.generate(text="Tell me a long story", max_tokens=2000, ignore_eos=True)
+                await stream.__anext__()
+                mesh.kill_service(victim)
+                started = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in stream:
+                        pass
+                return err.value.code(), time.monotonic() - started
+
+        code, elapsed = asyncio.run(main())
+        assert code == grpc.StatusCode.UNAVAILABLE
+        assert elapsed < 10
+        mesh.wait_for_output(rf"vmesh: {victim} \(pid \d+\) exited")
+    finally:
+        mesh.stop()
