@@ -84,7 +84,15 @@ class Mesh:
                 raise ChildDied(f"{child.name} (pid {child.process.pid}) exited with code {code}")
 
     def stop(self) -> None:
-        """Frontend first, so no new work arrives; then the rest drain and exit."""
+        """Frontend first, so no new work arrives; then the rest drain and exit. A second
+        SIGTERM or Ctrl-C while draining kills what is left."""
+        def force(*_: object) -> None:
+            for c in self.children:
+                if c.process.poll() is None:
+                    c.process.kill()
+
+        signal.signal(signal.SIGTERM, force)
+        signal.signal(signal.SIGINT, force)
         for child in reversed(self.children):
             if child.process.poll() is None:
                 child.process.send_signal(signal.SIGTERM)

@@ -33,8 +33,9 @@ class _FrontendBatch:
         self.pb = detokenizer_pb2.SubscribeResponse()
 
     def add(self, key: int, text: str, token_ids: list[int], reason: int, tracked: _Tracked, cached: int,
-            logprob_rows: list[LogprobRow]) -> None:
+            logprob_rows: list[LogprobRow], error: str) -> None:
         pb = self.pb
+        pb.errors.append(error)
         pb.frontend_keys.append(key)
         pb.texts.append(text)
         pb.num_tokens.append(len(token_ids))
@@ -108,7 +109,7 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
                 continue
             out.setdefault(tracked.frontend_id, _FrontendBatch()).add(
                 tracked.frontend_key, result.text, token_ids, reason, tracked,
-                batch.num_cached_prompt_tokens[i], logprobs.get(handle, []))
+                batch.num_cached_prompt_tokens[i], logprobs.get(handle, []), batch.errors[i] if batch.errors else "")
         for frontend_id, frontend_batch in out.items():
             queue = self.subscribers.get(frontend_id)
             if queue is None:
