@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine: sets up .venv (torch first, CPU build where one lies on
 # disk), warms the converted-model cache, then runs what was asked.
-#   ./run.sh generate "Why is the sky blue?"   stream a completion from the embedded model
+#   ./run.sh serve [flags]                     start the mesh serving the embedded model
 #   ./run.sh test [pytest args]                run the whole test suite
 #   ./run.sh <any vmesh subcommand>
 set -euo pipefail
@@ -25,7 +25,7 @@ if [ ! -f "$stamp" ]; then
     touch "$stamp"
 fi
 
-cmd=${1:-generate}
+cmd=${1:-serve}
 [ $# -gt 0 ] && shift
 case "$cmd" in
     test) exec "$VENV/bin/python" -m pytest -q "$@" ;;

@@ -18,15 +18,19 @@ logger = logging.getLogger(__name__)
 
 OVERALL = ""  # the health service's name for the whole server
 MAX_MESSAGE_BYTES = 64 << 20
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+_MESSAGE_LIMITS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+# Long-lived internal streams detect a dead peer by keepalive pings...
+CHANNEL_OPTIONS = [*_MESSAGE_LIMITS, ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
                    ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 1)]
+# ...which servers must accept, or they close the connection after a few ("too many pings").
+SERVER_OPTIONS = [*_MESSAGE_LIMITS, ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+                  ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_ping_strikes", 0)]
 
 
 class ServiceShell:
     def __init__(self, service_names: list[str], host: str, port: int):
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME],

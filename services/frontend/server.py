@@ -61,22 +61,28 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
     # --- subscriptions -----------------------------------------------------------------------
 
     async def _subscribe(self, address: str, ready: asyncio.Future) -> None:
-        async with channel(address) as ch:
-            stub = detokenizer_pb2_grpc.DetokenizerServiceStub(ch)
-            call = stub.Subscribe(detokenizer_pb2.SubscribeRequest(frontend_id=self.frontend_id), wait_for_ready=True)
-            # The replica registers us when it reads our request; one metadata round trip proves it.
-            await call.initial_metadata()
-            self.subscribed.add(address)
-            ready.set_result(None)
+        """Keep one subscription open to a replica; when it breaks, fail the requests it was
+        serving and subscribe again."""
+        while True:
             try:
-                async for batch in call:
-                    self._dispatch(batch)
-                raise ConnectionError("subscription closed")
+                async with channel(address) as ch:
+                    stub = detokenizer_pb2_grpc.DetokenizerServiceStub(ch)
+                    call = stub.Subscribe(detokenizer_pb2.SubscribeRequest(frontend_id=self.frontend_id),
+                                          wait_for_ready=True)
+                    # The replica sends metadata once it has registered us.
+                    await call.initial_metadata()
+                    self.subscribed.add(address)
+                    if not ready.done():
+                        ready.set_result(None)
+                    async for batch in call:
+                        self._dispatch(batch)
+                    raise ConnectionError("subscription closed")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 self.subscribed.discard(address)
                 self._fail_replica(address, f"detokenizer {address} unavailable: {exc}")
+            await asyncio.sleep(1.0)
 
     def _dispatch(self, batch: detokenizer_pb2.SubscribeResponse) -> None:
         token_offset = logprob_row = top_offset = 0
