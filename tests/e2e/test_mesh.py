@@ -145,7 +145,7 @@ def test_invalid_input_is_rejected_by_field(default_mesh, kwargs, field):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await client.complete(**kwargs)
             # ...and the mesh keeps serving.
-            text, ids, _ = await client.complete(text="Say yes.", max_tokens=2)
+            _text, ids, _ = await client.complete(text="Say yes.", max_tokens=2)
             return err.value, ids
 
     error, ids = asyncio.run(main())

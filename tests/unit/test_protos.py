@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from tools.gen_protos import ROOT, generate
 
 
