@@ -79,6 +79,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.accepting = True
         self.steps = 0
         self.plan_bytes = 0
+        self.decode_steps = 0
+        self.decode_plan_bytes = 0
         self._tasks: list[asyncio.Task] = []
         self._channels: list[grpc.aio.Channel] = []
 
@@ -166,7 +168,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             prefix_cache_hits=s.prefix_hits, num_preemptions=s.num_preemptions, steps=self.steps,
             plan_bytes_sent=self.plan_bytes, pipeline_depth=self.config.pipeline_depth,
             stateless_worker=self.config.stateless_worker, model_name=self.info.model_name,
-            max_model_len=self.scheduler.max_model_len, vocab_size=self.info.vocab_size)
+            max_model_len=self.scheduler.max_model_len, vocab_size=self.info.vocab_size,
+            decode_steps=self.decode_steps, decode_plan_bytes=self.decode_plan_bytes)
 
     # --- the engine loop ---------------------------------------------------------------------
 
@@ -176,8 +179,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             while True:
                 while in_flight < self.config.pipeline_depth and (plan := self.scheduler.schedule()) is not None:
                     message = self._plan_message(plan)
-                    self.plan_bytes += message.ByteSize()
+                    size = message.ByteSize()
+                    self.plan_bytes += size
                     self.steps += 1
+                    if not plan.new_requests and all(n == 1 for n in plan.num_scheduled_tokens):
+                        self.decode_steps += 1
+                        self.decode_plan_bytes += size
                     for call in self.worker_calls:
                         await call.write(message)
                     in_flight += 1

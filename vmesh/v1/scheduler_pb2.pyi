@@ -50,7 +50,7 @@ class GetSchedulerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetSchedulerStatsResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_used_blocks", "num_free_blocks", "num_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "steps", "plan_bytes_sent", "pipeline_depth", "stateless_worker", "model_name", "max_model_len", "vocab_size")
+    __slots__ = ("num_running", "num_waiting", "num_used_blocks", "num_free_blocks", "num_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "steps", "plan_bytes_sent", "pipeline_depth", "stateless_worker", "model_name", "max_model_len", "vocab_size", "decode_steps", "decode_plan_bytes")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,8 @@ class GetSchedulerStatsResponse(_message.Message):
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_PLAN_BYTES_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_used_blocks: int
@@ -81,4 +83,6 @@ class GetSchedulerStatsResponse(_message.Message):
     model_name: str
     max_model_len: int
     vocab_size: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., steps: _Optional[int] = ..., plan_bytes_sent: _Optional[int] = ..., pipeline_depth: _Optional[int] = ..., stateless_worker: _Optional[bool] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    decode_steps: int
+    decode_plan_bytes: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., steps: _Optional[int] = ..., plan_bytes_sent: _Optional[int] = ..., pipeline_depth: _Optional[int] = ..., stateless_worker: _Optional[bool] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., decode_steps: _Optional[int] = ..., decode_plan_bytes: _Optional[int] = ...) -> None: ...
