@@ -121,13 +121,16 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
 
     def _encode(self, which: str, message) -> list[int]:
         if which == "text":
-            return self.tokenizer.encode(message.text, add_special_tokens=False)
+            return self.tokenizer.encode(message.text) if message.text else []
         if which == "chat":
             messages = [{"role": m.role, "content": m.content} for m in message.chat.messages]
             if not messages:
                 raise InvalidRequest("chat: no messages")
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                      return_dict=False)
+            try:
+                return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=False)
+            except Exception as exc:  # the template rejects the conversation (roles, order)
+                raise InvalidRequest(f"chat: {exc}") from exc
         if which == "token_ids":
             return list(message.token_ids.ids)
         raise InvalidRequest("input: one of text, chat or token_ids is required")

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kernels.reference import write_kv_ref
+
 
 @dataclass
 class AttentionMetadata:
@@ -53,11 +55,7 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def write_kv(self, key, value, key_cache, value_cache, slot_mapping):
-        valid = slot_mapping >= 0
-        if not bool(valid.all()):
-            slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
-        key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key)
-        value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+        write_kv_ref(key, value, key_cache, value_cache, slot_mapping)
 
     def attend(self, query, key_cache, value_cache, meta, scale):
         out = torch.empty_like(query)
@@ -126,12 +124,62 @@ class TorchAttentionBackend(AttentionBackend):
         return attn.transpose(0, 1)
 
 
-ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
+class TritonAttentionBackend(AttentionBackend):
+    """The Triton kernels of `kernels/`: one unified kernel for any ragged batch, and a
+    split-KV path for decode-only batches too small to fill the device."""
+
+    name = "triton"
+    # Split the context of decode-only batches into segments when there are fewer
+    # (request, KV head) pairs than this, and contexts are long.
+    SPLIT_BELOW_PROGRAMS = 256
+    SPLIT_MIN_CONTEXT = 1024
+    TOKENS_PER_SPLIT = 512
+    MAX_SPLITS = 16
+
+    def __init__(self) -> None:
+        from kernels.kv_cache_write import write_kv
+        from kernels.paged_attention import split_kv_decode_attention, unified_attention
+
+        self._write_kv, self._unified, self._split = write_kv, unified_attention, split_kv_decode_attention
+
+    def write_kv(self, key, value, key_cache, value_cache, slot_mapping):
+        self._write_kv(key, value, key_cache, value_cache, slot_mapping)
+
+    def num_splits(self, meta: AttentionMetadata, kv_heads: int) -> int:
+        if max(meta.query_lens_cpu) != 1 or meta.num_reqs * kv_heads >= self.SPLIT_BELOW_PROGRAMS:
+            return 1
+        longest = max(meta.seq_lens_cpu)
+        if longest < self.SPLIT_MIN_CONTEXT:
+            return 1
+        return min(self.MAX_SPLITS, -(-longest // self.TOKENS_PER_SPLIT))
+
+    def attend(self, query, key_cache, value_cache, meta, scale):
+        splits = self.num_splits(meta, key_cache.shape[2])
+        if splits > 1:
+            return self._split(query, key_cache, value_cache, meta.seq_lens, meta.block_tables, scale, splits)
+        return self._unified(query, key_cache, value_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                             scale, max_query_len=max(meta.query_lens_cpu))
+
+
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend,
+                                                         "triton": TritonAttentionBackend}
+
+
+def triton_usable(device: torch.device) -> bool:
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "auto":
-        name = "triton" if device.type == "cuda" and "triton" in ATTENTION_BACKENDS else "torch"
+        name = "triton" if device.type == "cuda" and triton_usable(device) else "torch"
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend {name!r} is not available (available: {sorted(ATTENTION_BACKENDS)})")
+    if name == "triton" and not triton_usable(device):
+        raise ValueError("the triton attention backend needs triton and a CUDA device "
+                         "(or TRITON_INTERPRET=1 for testing on CPU)")
     return ATTENTION_BACKENDS[name]()

@@ -6,9 +6,13 @@ share a forward pass. Logits are computed only at each request's last scheduled 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from kernels.reference import rms_norm_ref, silu_and_mul_ref
 from services.common.model_spec import ModelSpec
 from services.worker.attention import AttentionBackend, AttentionMetadata
 from services.worker.kv_cache import KVCache
@@ -19,11 +23,21 @@ class MissingWeightError(KeyError):
     pass
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Computed in float32 whatever the model dtype, as the reference implementation does.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+@dataclass(frozen=True)
+class FusedOps:
+    """RMSNorm (optionally fused with the residual add) and SiLU-and-multiply: the torch
+    references on CPU, the Triton kernels alongside the Triton attention backend."""
+
+    rms_norm: Callable
+    silu_and_mul: Callable
+
+    @classmethod
+    def for_backend(cls, backend: AttentionBackend) -> FusedOps:
+        if backend.name == "triton":
+            from kernels.fused_ops import rms_norm, silu_and_mul
+
+            return cls(rms_norm, silu_and_mul)
+        return cls(rms_norm_ref, silu_and_mul_ref)
 
 
 class DecoderLayer:
@@ -52,12 +66,17 @@ class DecoderLayer:
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim ** -0.5
 
-    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-                backend: AttentionBackend) -> torch.Tensor:
+                backend: AttentionBackend, ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) -> (this layer's MLP output, the residual stream before it);
+        their sum is the layer's output, formed by the next norm."""
         spec = self.spec
-        residual = hidden
-        x = rms_norm(hidden, self.input_norm, spec.rms_norm_eps)
+        eps = spec.rms_norm_eps
+        if residual is None:
+            x, residual = ops.rms_norm(hidden, self.input_norm, eps), hidden
+        else:
+            x, residual = ops.rms_norm(hidden, self.input_norm, eps, residual)
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # Queries and keys rotate in one pass.
@@ -66,12 +85,9 @@ class DecoderLayer:
         v = v.reshape(-1, spec.num_kv_heads, spec.head_dim)
         backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         attn = backend.attend(q, key_cache, value_cache, meta, self.scale)
-        hidden = residual + F.linear(attn.reshape(-1, self.q_size), self.o_weight, self.o_bias)
-
-        residual = hidden
-        x = rms_norm(hidden, self.post_attention_norm, spec.rms_norm_eps)
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return residual + F.linear(F.silu(gate) * up, self.down_weight)
+        attn_out = F.linear(attn.reshape(-1, self.q_size), self.o_weight, self.o_bias)
+        x, residual = ops.rms_norm(attn_out, self.post_attention_norm, eps, residual)
+        return F.linear(ops.silu_and_mul(F.linear(x, self.gate_up_weight)), self.down_weight), residual
 
 
 class DecoderModel:
@@ -99,10 +115,12 @@ class DecoderModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache, backend: AttentionBackend, logits_indices: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed[input_ids]
+        hidden, residual = self.embed[input_ids], None
         rope = self.rotary.tables(positions)
+        ops = FusedOps.for_backend(backend)
         for i, layer in enumerate(self.layers):
-            hidden = layer.forward(hidden, rope, kv_cache.key_caches[i],
-                                   kv_cache.value_caches[i], meta, backend)
-        last = rms_norm(hidden[logits_indices], self.final_norm, self.spec.rms_norm_eps)
+            hidden, residual = layer.forward(hidden, residual, rope, kv_cache.key_caches[i],
+                                             kv_cache.value_caches[i], meta, backend, ops)
+        last, _ = ops.rms_norm(hidden[logits_indices], self.final_norm, self.spec.rms_norm_eps,
+                               residual[logits_indices])
         return (last @ self.lm_head_t).float()

@@ -229,3 +229,20 @@ def test_killed_process_fails_requests_promptly(victim):
         mesh.wait_for_output(rf"vmesh: {victim} \(pid \d+\) exited")
     finally:
         mesh.stop()
+
+
+def test_cli_generate_and_chat_stream_from_the_mesh(default_mesh):
+    import subprocess
+    import sys
+
+    from tests.support.mesh import ROOT
+
+    cli = [sys.executable, "-m", "services.cli", "--log-level", "WARNING"]
+    generated = subprocess.run([*cli, "generate", "What is 2 + 2?", "--address", default_mesh.address,
+                                "--max-tokens", "12"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert generated.returncode == 0, generated.stderr
+    assert generated.stdout.strip()
+    chat = subprocess.run([*cli, "chat", "--address", default_mesh.address, "--max-tokens", "8"], cwd=ROOT,
+                          input="Hello there\nAnd again\n", capture_output=True, text=True, timeout=60)
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stdout.count("assistant> ") == 2

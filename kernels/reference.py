@@ -1,0 +1,60 @@
+"""Torch reference implementations of every kernel in this package. They define what the
+Triton kernels must compute, and the CPU code path uses them directly."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_ref(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """key/value [tokens, kv_heads, d] -> caches [blocks, block_size, kv_heads, d] at flat slots; -1 skipped."""
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """Causal attention for a ragged batch over a paged cache, one request at a time, in float32.
+    query [tokens, heads, d]; request i owns query rows query_start_loc[i]:[i+1], the last of which
+    sits at position seq_lens[i] - 1."""
+    out = torch.empty_like(query)
+    heads = query.shape[1]
+    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        q = query[starts[i]:starts[i + 1]].float()
+        n = q.shape[0]
+        blocks = block_tables[i, :-(-seq_len // block_size)].long()
+        k = key_cache[blocks].reshape(-1, kv_heads, key_cache.shape[3])[:seq_len].float()
+        v = value_cache[blocks].reshape(-1, kv_heads, value_cache.shape[3])[:seq_len].float()
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        q_pos = torch.arange(seq_len - n, seq_len)
+        causal = torch.arange(seq_len)[None, :] <= q_pos[:, None]
+        scores = scores.masked_fill(~causal, float("-inf"))
+        out[starts[i]:starts[i + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(query.dtype)
+    return out
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm computed in float32 whatever the dtype; with `residual`, normalises x + residual
+    and also returns that sum (the next residual)."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return normed if residual is None else (normed, x)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """[tokens, 2 * inter] (gate, up) -> silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
