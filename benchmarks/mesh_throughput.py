@@ -16,12 +16,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.engine_throughput import engine_generate
 from services.client import VmeshClient
 from services.common.grpc_server import channel
 from services.common.model_loading import resolve_model_dir
-from services.common.sampling_params import SamplingParams
-from services.engine.llm import EngineConfig, LLMEngine
-from services.worker.model_runner import WorkerConfig
 from tests.support.mesh import start_mesh
 from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -56,17 +54,6 @@ async def _run_mesh(mesh, prompts: list[list[int]], max_tokens: int) -> dict:
             "decode_steps": decode_steps}
 
 
-def engine_tokens_per_s(prompts: list[list[int]], max_tokens: int) -> float:
-    engine = LLMEngine.from_config(EngineConfig(worker=WorkerConfig(model=str(resolve_model_dir(None)),
-                                                                    kv_cache_memory=1 << 30)))
-    engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4))
-    started = time.perf_counter()
-    engine.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    elapsed = time.perf_counter() - started
-    engine.shutdown()
-    return len(prompts) * max_tokens / elapsed
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=64)
@@ -86,7 +73,7 @@ def main() -> None:
             finally:
                 mesh.stop()
             print(name, rows[name], flush=True)
-    engine = engine_tokens_per_s(prompts, args.max_tokens)
+    engine = engine_generate(resolve_model_dir(None), prompts, args.max_tokens, depth=2)
     best = rows["depth2-stateful"]
     print(f"\nin-process engine: {engine:.1f} tokens/s; mesh (depth 2, stateful): {best['tokens_per_s']:.1f} tokens/s "
           f"= {best['tokens_per_s'] / engine:.2f}x the engine")

@@ -77,6 +77,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         """Stateless (V0) mode: forget every row and rebuild the batch from the plan alone."""
         for handle in list(self.runner.batch.handle_of_row):
             self.runner.batch.remove(handle)
+        # A request left out of this plan has no token in flight that the scheduler has not
+        # seen by the time it is scheduled again (two steps on at the earliest), so its history
+        # can go.
         live = {r.handle for r in plan.new_requests}
         self.sampled_history = {h: t for h, t in self.sampled_history.items() if h in live}
         completed: list[NewRequest] = []
