@@ -6,7 +6,7 @@ lint:
 protos:
 	.venv/bin/python tools/gen_protos.py
 bench:
-	PYTHONPATH=. .venv/bin/python benchmarks/model_runner_decode.py
-	PYTHONPATH=. .venv/bin/python benchmarks/scheduler_step.py
-	PYTHONPATH=. .venv/bin/python benchmarks/engine_throughput.py
-	PYTHONPATH=. .venv/bin/python benchmarks/mesh_throughput.py
+	.venv/bin/python -m benchmarks.model_runner_decode
+	.venv/bin/python -m benchmarks.scheduler_step
+	.venv/bin/python -m benchmarks.engine_throughput
+	.venv/bin/python -m benchmarks.mesh_throughput

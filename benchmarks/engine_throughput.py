@@ -2,7 +2,7 @@
 (benchmarks/standard-64x128.json: 64 chat prompts as token ids, 128 greedy tokens each, EOS
 ignored), side by side in one run.
 
-    .venv/bin/python benchmarks/engine_throughput.py [--requests 64] [--max-tokens 128]
+    .venv/bin/python -m benchmarks.engine_throughput [--requests 64] [--max-tokens 128]
 """
 
 from __future__ import annotations

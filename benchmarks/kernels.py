@@ -3,7 +3,7 @@
 scaled_dot_product_attention on realistic shapes, and prints achieved memory bandwidth as a
 fraction of the device's peak. Needs a CUDA device (interpreter timings mean nothing).
 
-    .venv/bin/python benchmarks/kernels.py [--peak-gbps 4800] [--dtype float16]
+    .venv/bin/python -m benchmarks.kernels [--peak-gbps 4800] [--dtype float16]
 """
 
 from __future__ import annotations

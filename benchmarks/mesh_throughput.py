@@ -3,7 +3,7 @@ four combinations of pipeline depth (1, 2) and worker mode (stateless, stateful)
 tokens/s, the worker's duty cycle (forward + sampling time over wall time, counted by the
 worker) and plan bytes per decode step from scheduler to worker.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/mesh_throughput.py [--requests 64] [--max-tokens 128]
+    .venv/bin/python -m benchmarks.mesh_throughput [--requests 64] [--max-tokens 128]
 """
 
 from __future__ import annotations

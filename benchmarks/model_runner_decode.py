@@ -4,7 +4,7 @@ Each batch of B requests holds a prompt of PROMPT_LEN tokens already in the KV c
 timed step computes one new token per request (forward + sampling for vmesh, forward with a
 DynamicCache for transformers, which then also holds PROMPT_LEN cached tokens).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/model_runner_decode.py [--batch-sizes 1 8 32 64] [--steps 10] [--rounds 3]
+    .venv/bin/python -m benchmarks.model_runner_decode [--batch-sizes 1 8 32 64] [--steps 10] [--rounds 3]
 """
 
 from __future__ import annotations

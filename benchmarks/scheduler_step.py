@@ -1,7 +1,7 @@
 """Scheduler cost per step: 256 running requests decoding, a stub worker, microseconds per
 schedule() + update() round.
 
-    .venv/bin/python benchmarks/scheduler_step.py [--requests 256] [--steps 200]
+    .venv/bin/python -m benchmarks.scheduler_step [--requests 256] [--steps 200]
 """
 
 from __future__ import annotations
