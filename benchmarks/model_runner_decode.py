@@ -82,8 +82,14 @@ def main() -> None:
     print(f"{'batch':>5} {'vmesh tok/s':>12} {'transformers tok/s':>19} {'ratio':>6}")
     for batch in args.batch_sizes:
         # Alternate the two so that drift in the machine's speed hits both alike.
-        samples = [(bench_vmesh(runner, batch, args.steps), bench_transformers(reference, batch, args.steps))
-                   for _ in range(args.rounds)]
+        samples = []
+        for r in range(args.rounds):  # and alternate which goes first, against order effects
+            if r % 2:
+                theirs_first = bench_transformers(reference, batch, args.steps)
+                samples.append((bench_vmesh(runner, batch, args.steps), theirs_first))
+            else:
+                ours_first = bench_vmesh(runner, batch, args.steps)
+                samples.append((ours_first, bench_transformers(reference, batch, args.steps)))
         ours = statistics.median(s[0] for s in samples)
         theirs = statistics.median(s[1] for s in samples)
         rows.append({"batch": batch, "vmesh_tokens_per_s": ours, "transformers_tokens_per_s": theirs,

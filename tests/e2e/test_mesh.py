@@ -183,17 +183,32 @@ def test_logprobs_stop_strings_and_modes_through_the_mesh(default_mesh):
     assert last.usage.completion_tokens == 4
 
 
+async def _health(address: str) -> int:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as ch:
+        reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+        return reply.status
+
+
 def test_sigterm_drains_in_flight_requests():
+    from grpc_health.v1 import health_pb2
+
     mesh = start_mesh()
     try:
         async def main():
+            assert await _health(mesh.address) == health_pb2.HealthCheckResponse.SERVING
             async with VmeshClient(mesh.address) as client:
                 task = asyncio.create_task(client.complete(text="Tell me a story", max_tokens=40, ignore_eos=True))
                 await asyncio.sleep(1.0)
                 mesh.process.send_signal(15)
-                return await task
+                await asyncio.sleep(0.5)
+                # Draining: health says NOT_SERVING while the request still streams to the end.
+                draining = await _health(mesh.address)
+                return draining, await task
 
-        _text, ids, last = asyncio.run(main())
+        draining, (_text, ids, last) = asyncio.run(main())
+        assert draining == health_pb2.HealthCheckResponse.NOT_SERVING
         assert len(ids) == 40 and last.finish_reason == 2
     finally:
         assert mesh.stop() == 0
