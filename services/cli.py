@@ -271,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(frontend)
     frontend.set_defaults(func=cmd_frontend)
 
+    sub.add_parser("bench", help="benchmarks: offline, serving, claims, detokenizer (vmesh bench -h)")
+
     warm = sub.add_parser("warm-cache", help="convert the model once so later starts are fast")
     add_model_args(warm)
     warm.set_defaults(func=cmd_warm_cache)
@@ -296,6 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":  # its own parser, in benchmarks/
+        from benchmarks.bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from services.common.model_loading import ModelLoadError

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from services.common.grpc_server import channel
-from tests.support.mesh import start_mesh
+from services.mesh_process import start_mesh
 from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 

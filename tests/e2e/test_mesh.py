@@ -9,8 +9,8 @@ import grpc
 import pytest
 
 from services.client import VmeshClient
+from services.mesh_process import start_mesh
 from tests.e2e.conftest import scheduler_stats, wait_idle
-from tests.support.mesh import start_mesh
 from tests.support.reference import assert_greedy_match
 
 
@@ -250,7 +250,7 @@ def test_cli_generate_and_chat_stream_from_the_mesh(default_mesh):
     import subprocess
     import sys
 
-    from tests.support.mesh import ROOT
+    from services.mesh_process import ROOT
 
     cli = [sys.executable, "-m", "services.cli", "--log-level", "WARNING"]
     generated = subprocess.run([*cli, "generate", "What is 2 + 2?", "--address", default_mesh.address,

@@ -1,4 +1,4 @@
-"""Start `vmesh serve` as a real process tree on loopback for a test, and stop it after."""
+"""Run `vmesh serve` as a child process tree on loopback (for tests and benchmarks) and stop it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 240
 
 

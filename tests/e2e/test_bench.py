@@ -1,0 +1,64 @@
+"""Every `vmesh bench` mode end to end on a tiny configuration: the JSON has every field.
+No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.bench import tiny_model_dir
+from services.mesh_process import ROOT
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny"))
+
+
+def bench(out, *args) -> dict:
+    done = subprocess.run([sys.executable, "-m", "services.cli", "bench", *args, "--out", str(out),
+                           "--kv-cache-memory", "64MiB"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads((out / f"{args[0]}.json").read_text())
+
+
+def positive(value) -> bool:
+    return isinstance(value, (int, float)) and value > 0
+
+
+def test_offline(tmp_path, tiny_model):
+    r = bench(tmp_path, "offline", "--model", str(tiny_model), "--requests", "3", "--max-tokens", "4")
+    assert set(r["tokens_per_s"]) == {"transformers", "engine", "mesh"}
+    assert all(positive(v) for v in r["tokens_per_s"].values())
+    assert r["ratio_to_mesh"]["mesh"] == pytest.approx(1.0)
+    assert positive(r["latency"]["ttft_ms"]) and positive(r["latency"]["mean_itl_ms"])
+    assert 0 < r["mesh_duty_cycle"] <= 1
+    assert r["command"].startswith("vmesh bench offline") and r["date"]
+
+
+def test_serving(tmp_path, tiny_model):
+    r = bench(tmp_path, "serving", "--model", str(tiny_model), "--num-requests", "6", "--max-tokens", "4",
+              "--request-rate", "20", "--max-concurrency", "3")
+    for name in ("ttft_ms", "tpot_ms", "itl_ms"):
+        assert set(r[name]) == {"p50", "p90", "p99", "mean"}
+    assert r["num_requests"] == 6
+    assert positive(r["request_throughput"]) and positive(r["output_token_throughput"])
+    assert 0 <= r["goodput_requests_per_s"] <= r["request_throughput"]
+
+
+def test_claims(tmp_path):
+    r = bench(tmp_path, "claims", "--models", "tiny", "--requests", "3", "--max-tokens", "4")
+    modes = r["models"]["tiny"]["modes"]
+    assert set(modes) == {"depth1-stateful", "depth1-stateless", "depth2-stateful", "depth2-stateless"}
+    for m in modes.values():
+        assert 0 < m["duty_cycle"] <= 1 and positive(m["bytes_per_decode_step"]) and positive(m["tokens_per_s"])
+    # Resending every request in full costs more bytes than the stateful diff: always, not a timing.
+    assert r["models"]["tiny"]["bytes_stateless_over_stateful"] > 1
+
+
+def test_detokenizer(tmp_path):
+    r = bench(tmp_path, "detokenizer", "--requests", "4", "--max-tokens", "5", "--replicas", "1", "2")
+    assert set(r["tokens_per_s"]) == {"1", "2"} and all(positive(v) for v in r["tokens_per_s"].values())
