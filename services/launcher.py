@@ -51,12 +51,13 @@ class Mesh:
         self.args = args
         self.workdir = workdir
         self.children: list[Child] = []
+        self.stop_requested = False
 
     def start(self, name: str, service: str, argv: list[str], host: str = INTERNAL_HOST, port: int = 0) -> Child:
         ready = self.workdir / f"{name}.addr"
         command = [sys.executable, "-m", "services.cli", "--log-level", self.args.log_level, service,
                    "--host", host, "--port", str(port), "--ready-file", str(ready), *argv]
-        child = Child(name, subprocess.Popen(command), ready)
+        child = Child(name, subprocess.Popen(command, preexec_fn=_die_with_parent), ready)
         self.children.append(child)
         return child
 
@@ -78,6 +79,8 @@ class Mesh:
         await asyncio.gather(*(one(c) for c in children))
 
     def check_alive(self) -> None:
+        if self.stop_requested:
+            raise StopRequested
         for child in self.children:
             code = child.process.poll()
             if code is not None:
@@ -107,7 +110,21 @@ class ChildDied(RuntimeError):
     pass
 
 
-async def _run(mesh: Mesh, stop: asyncio.Event) -> int:
+class StopRequested(Exception):
+    pass
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux for SIGTERM when the launcher dies, however it
+    dies, so that no service outlives `vmesh serve`."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+async def _run(mesh: Mesh) -> int:
     args = mesh.args
     model = _flags(args, MODEL_FLAGS)
     worker = mesh.start("worker", "worker", model + _flags(args, WORKER_FLAGS))
@@ -124,25 +141,30 @@ async def _run(mesh: Mesh, stop: asyncio.Event) -> int:
         print(f"vmesh: {child.name} at {child.address} (pid {child.process.pid})", flush=True)
     print(f"vmesh: serving on {frontend.address} — try: vmesh generate \"Hello\" --address {frontend.address}",
           flush=True)
-    while not stop.is_set():
+    while True:  # until check_alive raises: a signal, or a dead child
         mesh.check_alive()
         await asyncio.sleep(0.2)
-    return 0
 
 
 def serve_mesh(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="vmesh-") as tmp:
         mesh = Mesh(args, Path(tmp))
 
+        def request_stop(*_: object) -> None:
+            mesh.stop_requested = True
+
+        # Plain handlers rather than the event loop's: they stay installed from start-up until
+        # Mesh.stop replaces them, so no signal ever finds the default (kill at once) action.
+        signal.signal(signal.SIGTERM, request_stop)
+        signal.signal(signal.SIGINT, request_stop)
+
         async def main() -> int:
-            stop = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, stop.set)
-            return await _run(mesh, stop)
+            return await _run(mesh)
 
         try:
             return asyncio.run(main())
+        except StopRequested:
+            return 0
         except ChildDied as exc:
             print(f"vmesh: {exc}; stopping the mesh", file=sys.stderr, flush=True)
             return 1

@@ -18,6 +18,7 @@ from services.scheduler.block_pool import BlockPool
 from services.scheduler.request import FinishReason, Request
 from services.scheduler.scheduler import QueueFullError, RequestUpdate, Scheduler, SchedulerConfig
 from vmesh.v1 import (
+    common_pb2,
     detokenizer_pb2,
     detokenizer_pb2_grpc,
     scheduler_pb2,
@@ -51,7 +52,7 @@ class _Route:
     frontend_id: str
     frontend_key: int
     prompt_tail: list[int]
-    sampling: object
+    sampling: common_pb2.SamplingParams
     num_prompt_tokens: int
     introduced: bool = False
 
