@@ -46,10 +46,12 @@ class RunningMesh:
         raise AssertionError(f"no output matching {pattern!r}; got:\n" + "".join(self.output[-30:]))
 
 
-def start_mesh(*flags: str) -> RunningMesh:
+def start_mesh(*flags: str, env: dict[str, str] | None = None) -> RunningMesh:
+    """`env`: extra environment variables for every service (e.g. OTEL_*)."""
     command = [sys.executable, "-m", "services.cli", "--log-level", "WARNING", "serve", "--port", "0",
                "--kv-cache-memory", "128MiB", *flags]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, **(env or {})})
     output: list[str] = []
     services: dict[str, tuple[str, int]] = {}
     address = None

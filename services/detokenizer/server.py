@@ -8,12 +8,15 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from services.common import wire
+from opentelemetry import trace
+
+from services.common import telemetry, wire
 from services.common.grpc_server import ServiceShell
 from services.detokenizer.incremental import IncrementalDetokenizer
 from vmesh.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc
 
 logger = logging.getLogger(__name__)
+TRACER = telemetry.tracer("vmesh.detokenizer")
 
 
 @dataclass
@@ -24,6 +27,7 @@ class _Tracked:
     num_prompt_tokens: int
     num_output_tokens: int = 0
     wants_logprobs: bool = False
+    span: trace.Span = trace.INVALID_SPAN
 
 
 class _FrontendBatch:
@@ -83,7 +87,9 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
             params = wire.sampling_from_proto(info.sampling)
             self.requests[info.handle] = _Tracked(
                 IncrementalDetokenizer(self.tokenizer, params, list(info.prompt_tail)), info.frontend_id,
-                info.frontend_key, info.num_prompt_tokens, wants_logprobs=params.logprobs is not None)
+                info.frontend_key, info.num_prompt_tokens, wants_logprobs=params.logprobs is not None,
+                span=TRACER.start_span("detokenizer.request", context=telemetry.from_proto(info.trace_context))
+                if telemetry.tracing_enabled() else trace.INVALID_SPAN)
         logprobs = _logprob_rows(batch)
         out: dict[str, _FrontendBatch] = {}
         stopped = []
@@ -105,6 +111,8 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
                 stopped.append(handle)
             if result.finished:
                 del self.requests[handle]
+                tracked.span.set_attribute("vmesh.output_tokens", tracked.num_output_tokens)
+                tracked.span.end()
             if not result.text and not token_ids and not result.finished:
                 continue
             out.setdefault(tracked.frontend_id, _FrontendBatch()).add(
@@ -135,6 +143,7 @@ def _logprob_rows(batch: detokenizer_pb2.DetokenizeRequest) -> dict[int, list[Lo
 
 
 async def serve(load_tokenizer, host: str, port: int, ready_file: str | None) -> None:
+    telemetry.setup_tracing("detokenizer")
     shell = ServiceShell([detokenizer_pb2.DESCRIPTOR.services_by_name["DetokenizerService"].full_name], host, port)
     servicer = DetokenizerServicer(None)
     detokenizer_pb2_grpc.add_DetokenizerServiceServicer_to_server(servicer, shell.server)
@@ -147,3 +156,4 @@ async def serve(load_tokenizer, host: str, port: int, ready_file: str | None) ->
             await asyncio.sleep(0.05)
 
     await shell.run(warm_up, drain, ready_file)
+    telemetry.shutdown_tracing()

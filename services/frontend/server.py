@@ -10,7 +10,9 @@ import logging
 import uuid
 
 import grpc
+from opentelemetry import trace
 
+from services.common import telemetry
 from services.common.grpc_server import ServiceShell, channel
 from services.frontend.outbox import Outbox, PendingOutput
 from services.frontend.validation import InvalidRequest, ModelLimits, validate_generate
@@ -26,7 +28,9 @@ from vmesh.v1 import (
 logger = logging.getLogger(__name__)
 
 SUBMIT_TIMEOUT_S = 30.0
+TRACER = telemetry.tracer("vmesh.frontend")
 _PASSED_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
+_FINISH_NAMES = {0: "", 1: "stop", 2: "length", 3: "abort"}
 
 
 class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
@@ -136,13 +140,31 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
         raise InvalidRequest("input: one of text, chat or token_ids is required")
 
     async def Generate(self, request, context):
+        which = request.WhichOneof("input")
+        span = TRACER.start_span("generate", kind=trace.SpanKind.SERVER, attributes={
+            "gen_ai.operation.name": "chat" if which == "chat" else "text_completion",
+            "gen_ai.system": "vmesh", "gen_ai.request.model": request.model or self.limits.name})
         try:
-            prompt = self._encode(request.WhichOneof("input"), request)
+            async for response in self._generate(request, context, which, span):
+                yield response
+        except BaseException as exc:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
+            raise
+        finally:
+            span.end()
+
+    async def _generate(self, request, context, which: str, span: trace.Span):
+        try:
+            prompt = self._encode(which, request)
             params = validate_generate(request, prompt, self.limits)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        span.set_attributes({"gen_ai.request.max_tokens": params.max_tokens,
+                             "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
+                             "gen_ai.usage.input_tokens": len(prompt)})
         key = next(self.keys)
         request_id = f"{key}"
+        span.set_attribute("gen_ai.response.id", f"{self.frontend_id}/{request_id}")
         outbox = self.outboxes[key] = Outbox(delta_text=params.output_mode.value == "delta")
         sampling = request.sampling
         sampling.max_tokens = params.max_tokens
@@ -153,7 +175,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
                 remaining = context.time_remaining()
                 reply = await self.scheduler.SubmitRequest(scheduler_pb2.SubmitRequestRequest(
                     request_id=request_id, frontend_id=self.frontend_id, frontend_key=key, prompt_token_ids=prompt,
-                    sampling=sampling, priority=request.priority),
+                    sampling=sampling, priority=request.priority, trace_context=telemetry.to_proto(span)),
                     timeout=min(SUBMIT_TIMEOUT_S, remaining) if remaining else SUBMIT_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
                 finished = True  # nothing to abort
@@ -168,6 +190,9 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
                     finished = True
                     await context.abort(grpc.StatusCode.UNAVAILABLE, out.error)
                 finished = out.finished
+                if finished and out.usage is not None:
+                    span.set_attributes({"gen_ai.usage.output_tokens": out.usage.completion_tokens,
+                                         "gen_ai.response.finish_reasons": [_FINISH_NAMES[out.finish_reason]]})
                 yield frontend_pb2.GenerateResponse(
                     request_id=request_id, text=out.text, token_ids=out.token_ids, logprobs=out.logprobs,
                     finish_reason=out.finish_reason, usage=out.usage)
@@ -203,6 +228,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
 
 async def serve(load_tokenizer, scheduler_address: str, detokenizer_addresses: list[str], host: str, port: int,
                 ready_file: str | None) -> None:
+    telemetry.setup_tracing("frontend")
     shell = ServiceShell([frontend_pb2.DESCRIPTOR.services_by_name["FrontendService"].full_name], host, port)
     servicer = FrontendServicer(None, scheduler_address, detokenizer_addresses)
     frontend_pb2_grpc.add_FrontendServiceServicer_to_server(servicer, shell.server)
@@ -213,4 +239,5 @@ async def serve(load_tokenizer, scheduler_address: str, detokenizer_addresses: l
 
     await shell.run(warm_up, servicer.drain, ready_file)
     await servicer.close()
+    telemetry.shutdown_tracing()
 

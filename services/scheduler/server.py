@@ -10,8 +10,9 @@ import logging
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry import trace
 
-from services.common import wire
+from services.common import telemetry, wire
 from services.common.grpc_server import ServiceShell, channel
 from services.common.step_types import NewRequest, StepPlan
 from services.scheduler.block_pool import BlockPool
@@ -30,6 +31,7 @@ from vmesh.v1 import (
 logger = logging.getLogger(__name__)
 
 PROMPT_TAIL_TOKENS = 4  # decoding context given to the detokenizer
+TRACER = telemetry.tracer("vmesh.scheduler")
 
 
 @dataclass
@@ -55,6 +57,8 @@ class _Route:
     sampling: common_pb2.SamplingParams
     num_prompt_tokens: int
     introduced: bool = False
+    span: trace.Span = trace.INVALID_SPAN  # the request's life in the scheduler
+    queue_span: trace.Span | None = None  # from submission to first admission
 
 
 @dataclass
@@ -143,9 +147,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         replica = min(replicas, key=lambda r: r.outstanding)
         replica.outstanding += 1
-        route = self.routes[key] = _Route(next(self._route_handles), replica, request.frontend_id, request.frontend_key,
-                                  list(request.prompt_token_ids[-PROMPT_TAIL_TOKENS:]), request.sampling,
-                                          len(request.prompt_token_ids))
+        route = self.routes[key] = _Route(next(self._route_handles), replica, request.frontend_id,
+                                          request.frontend_key, list(request.prompt_token_ids[-PROMPT_TAIL_TOKENS:]),
+                                          request.sampling, len(request.prompt_token_ids))
+        route.span = TRACER.start_span("scheduler.request", context=telemetry.from_proto(request.trace_context),
+                                       attributes={"vmesh.prompt_tokens": len(request.prompt_token_ids),
+                                                   "vmesh.detokenizer": replica.address})
+        route.queue_span = TRACER.start_span("scheduler.queue", context=trace.set_span_in_context(route.span))
         self.key_of_handle[route.handle] = key
         self.wake.set()
         return scheduler_pb2.SubmitRequestResponse(detokenizer=replica.address)
@@ -215,6 +223,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         """Overridden by serve(): mark the service NOT_SERVING."""
 
     def _plan_message(self, plan: StepPlan) -> worker_pb2.ExecuteRequest:
+        message = self._plan_to_proto(plan)
+        for new in message.new_requests:  # requests entering the worker carry their trace context
+            route = self.routes.get(self.scheduler.by_handle[new.handle].request_id)
+            if route is None:
+                continue
+            if route.queue_span is not None:
+                route.queue_span.end()
+                route.queue_span = None
+            if telemetry.tracing_enabled():
+                new.trace_context.CopyFrom(telemetry.to_proto(route.span))
+        return message
+
+    def _plan_to_proto(self, plan: StepPlan) -> worker_pb2.ExecuteRequest:
         if not self.config.stateless_worker:
             return wire.plan_to_proto(plan)
         # V0 behaviour: every scheduled request travels in full, every step.
@@ -249,13 +270,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 batch.top_token_ids.extend(lp.top_token_ids)
                 batch.top_logprobs.extend(lp.top_logprobs)
             if update.finish_reason is not None:
-                self._pop_route(update.request_id)
+                self._pop_route(update.request_id, update.finish_reason.value)
 
-    def _pop_route(self, key: str) -> _Route | None:
+    def _pop_route(self, key: str, finish_reason: str = "abort") -> _Route | None:
         route = self.routes.pop(key, None)
         if route is not None:
             del self.key_of_handle[route.handle]
             route.replica.outstanding -= 1
+            if route.queue_span is not None:
+                route.queue_span.end()
+            route.span.set_attribute("vmesh.finish_reason", finish_reason)
+            route.span.end()
         return route
 
     def _introduce(self, route: _Route) -> None:
@@ -263,7 +288,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             return
         route.replica.pending.new_requests.append(detokenizer_pb2.DetokenizerRequestInfo(
             handle=route.handle, frontend_id=route.frontend_id, frontend_key=route.frontend_key,
-            prompt_tail=route.prompt_tail, sampling=route.sampling, num_prompt_tokens=route.num_prompt_tokens))
+            prompt_tail=route.prompt_tail, sampling=route.sampling, num_prompt_tokens=route.num_prompt_tokens,
+            trace_context=telemetry.to_proto(route.span) if telemetry.tracing_enabled() else None))
         route.introduced = True
 
     def _end_route(self, route: _Route, error: str = "") -> None:
@@ -298,7 +324,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                     key = self.key_of_handle.get(handle)
                     if key is not None:  # a stop string matched: the detokenizer already ended it
                         self.scheduler.abort(key, FinishReason.STOP)
-                        self._pop_route(key)
+                        self._pop_route(key, FinishReason.STOP.value)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -325,6 +351,7 @@ def _key(frontend_id: str, request_id: str) -> str:
 
 
 async def serve(config: MeshSchedulerConfig, host: str, port: int, ready_file: str | None) -> None:
+    telemetry.setup_tracing("scheduler")
     shell = ServiceShell([scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name], host, port)
     servicer = SchedulerServicer(config)
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, shell.server)
@@ -335,3 +362,4 @@ async def serve(config: MeshSchedulerConfig, host: str, port: int, ready_file: s
     servicer.on_failure = on_failure
     await shell.run(servicer.connect, servicer.drain, ready_file)
     await servicer.close()
+    telemetry.shutdown_tracing()

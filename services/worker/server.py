@@ -9,8 +9,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+from opentelemetry import trace
 
-from services.common import wire
+from services.common import telemetry, wire
 from services.common.grpc_server import ServiceShell
 from services.common.step_types import NewRequest, StepPlan
 from services.worker.model_runner import ModelRunner
@@ -18,6 +19,7 @@ from services.worker.persistent_batch import PlanError
 from vmesh.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
+TRACER = telemetry.tracer("vmesh.worker")
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -33,6 +35,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         # Stateless mode: every token this worker sampled, per handle, since the scheduler may
         # plan before it has seen them.
         self.sampled_history: dict[int, list[int]] = {}
+        self.span_contexts: dict[int, trace.SpanContext] = {}  # per handle, when tracing
 
     async def GetWorkerInfo(self, request, context):
         spec = self.runner.spec
@@ -65,13 +68,33 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         plan = wire.plan_from_proto(request)
         if request.full_state:
             self._rebuild_batch(plan)
-        result = self.runner.execute(plan)
+        if telemetry.tracing_enabled():
+            with self._step_span(request, plan):
+                result = self.runner.execute(plan)
+        else:
+            result = self.runner.execute(plan)
         self.steps += 1
         self.busy_seconds += result.forward_seconds + result.sampling_seconds
         if request.full_state:
             for handle, token in zip(result.handles, result.sampled_token_ids):
                 self.sampled_history.setdefault(handle, []).append(token)
         return result
+
+    def _step_span(self, request: worker_pb2.ExecuteRequest, plan: StepPlan):
+        """One span per step, linked to every request it served (and parented by the first,
+        so that a request's trace shows the steps that computed it)."""
+        for handle in plan.removed_handles:
+            self.span_contexts.pop(handle, None)
+        for new in request.new_requests:
+            span_context = telemetry.span_context_of(new.trace_context)
+            if span_context is not None:
+                self.span_contexts[new.handle] = span_context
+        served = [c for h in plan.scheduled_handles if (c := self.span_contexts.get(h)) is not None]
+        parent = trace.set_span_in_context(trace.NonRecordingSpan(served[0])) if served else None
+        return TRACER.start_as_current_span(
+            "worker.step", context=parent, links=[trace.Link(c) for c in served],
+            attributes={"vmesh.step": plan.step, "vmesh.batch_size": len(plan.scheduled_handles),
+                        "vmesh.scheduled_tokens": plan.total_scheduled_tokens})
 
     def _rebuild_batch(self, plan: StepPlan) -> None:
         """Stateless (V0) mode: forget every row and rebuild the batch from the plan alone."""
@@ -92,6 +115,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
 async def serve(load_runner: Callable[[], ModelRunner], model_name: str, host: str, port: int,
                 ready_file: str | None) -> None:
+    telemetry.setup_tracing("worker")
     shell = ServiceShell([worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name], host, port)
     servicer = WorkerServicer(None, model_name)  # type: ignore[arg-type]  # set once loaded
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, shell.server)
@@ -107,6 +131,7 @@ async def serve(load_runner: Callable[[], ModelRunner], model_name: str, host: s
 
     await shell.run(warm_up, drain, ready_file)
     servicer.executor.shutdown(wait=False, cancel_futures=True)
+    telemetry.shutdown_tracing()
 
 
 def _warm_step(runner: ModelRunner) -> None:

@@ -1,0 +1,87 @@
+"""One Generate call is one trace with spans from all four services, exported through the
+real OTLP exporter to an OTLP/gRPC receiver built on the protocol's own service definitions."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from services.client import VmeshClient
+from services.mesh_process import start_mesh
+
+
+class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, object]] = []  # (service.name, span)
+        self.lock = threading.Lock()
+
+    def Export(self, request, context):
+        with self.lock:
+            for resource_spans in request.resource_spans:
+                attrs = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+                for scope_spans in resource_spans.scope_spans:
+                    for span in scope_spans.spans:
+                        self.spans.append((attrs.get("service.name", ""), span))
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+def attributes(span) -> dict:
+    out = {}
+    for a in span.attributes:
+        v = a.value
+        out[a.key] = (v.string_value or v.int_value or v.double_value or v.bool_value
+                      or [x.string_value for x in v.array_value.values])
+    return out
+
+
+def test_one_request_is_one_trace_across_all_services():
+    receiver = Receiver()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_EXPORTER_OTLP_INSECURE": "true",
+           "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    mesh = start_mesh(env=env)
+    try:
+        async def main():
+            async with VmeshClient(mesh.address) as client:
+                return await client.complete(chat=[{"role": "user", "content": "Say hi."}], max_tokens=5,
+                                             temperature=0, ignore_eos=True)
+
+        _text, ids, last = asyncio.run(main())
+        assert len(ids) == 5
+        deadline = time.monotonic() + 30
+        wanted = {"vmesh-frontend", "vmesh-scheduler", "vmesh-worker", "vmesh-detokenizer"}
+        while time.monotonic() < deadline:
+            with receiver.lock:
+                generate = [s for svc, s in receiver.spans if svc == "vmesh-frontend" and s.name == "generate"]
+                if generate:
+                    trace_id = generate[0].trace_id
+                    services = {svc for svc, s in receiver.spans if s.trace_id == trace_id}
+                    if wanted <= services:
+                        break
+            time.sleep(0.2)
+        assert generate, "no frontend span arrived"
+        summary = sorted({(svc, s.name, s.trace_id.hex()[:8]) for svc, s in receiver.spans})
+        assert wanted <= services, f"services in the trace: {services}; all spans: {summary}"
+        attrs = attributes(generate[0])
+        assert attrs["gen_ai.operation.name"] == "chat"
+        assert attrs["gen_ai.request.model"] == "SmolLM2-135M-Instruct"
+        assert attrs["gen_ai.usage.input_tokens"] == last.usage.prompt_tokens
+        assert attrs["gen_ai.usage.output_tokens"] == 5
+        assert attrs["gen_ai.response.finish_reasons"] == ["length"]
+        names = {s.name for _svc, s in receiver.spans if s.trace_id == trace_id}
+        assert {"generate", "scheduler.request", "scheduler.queue", "worker.step", "detokenizer.request"} <= names
+        steps = [s for _svc, s in receiver.spans if s.name == "worker.step" and s.trace_id == trace_id]
+        assert all(any(link.trace_id == trace_id for link in s.links) for s in steps)
+        # Health checks are not traced.
+        assert not any("Health" in s.name for _svc, s in receiver.spans)
+    finally:
+        mesh.stop()
+        server.stop(0)
