@@ -66,6 +66,8 @@ def add_server_args(parser: argparse.ArgumentParser, port: int = 0) -> None:
     _arg(g, "--host", default="127.0.0.1")
     _arg(g, "--port", type=int, default=port, help="0: any free port")
     _arg(g, "--ready-file", default=None, help="write the bound address here once listening")
+    _arg(g, "--metrics-port", type=int, default=None,
+         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; default: off)")
 
 
 def _addresses(text: str) -> list[str]:
@@ -108,7 +110,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from services.worker.server import serve
 
     config = worker_config(args)
-    asyncio.run(serve(lambda: ModelRunner.load(config), _model_name(args), args.host, args.port, args.ready_file))
+    asyncio.run(serve(lambda: ModelRunner.load(config), _model_name(args), args.host, args.port, args.ready_file,
+                      args.metrics_port))
     return 0
 
 
@@ -116,7 +119,7 @@ def cmd_detokenizer(args: argparse.Namespace) -> int:
     from services.detokenizer.server import serve
 
     loader = _tokenizer_loader(args)
-    asyncio.run(serve(lambda: loader().backend_tokenizer, args.host, args.port, args.ready_file))
+    asyncio.run(serve(lambda: loader().backend_tokenizer, args.host, args.port, args.ready_file, args.metrics_port))
     return 0
 
 
@@ -128,7 +131,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, policy=args.scheduling_policy,
         pipeline_depth=args.pipeline_depth, stateless_worker=args.stateless_worker,
         enable_prefix_caching=not args.no_prefix_caching, max_waiting=args.max_waiting)
-    asyncio.run(serve(config, args.host, args.port, args.ready_file))
+    asyncio.run(serve(config, args.host, args.port, args.ready_file, args.metrics_port))
     return 0
 
 
@@ -136,7 +139,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
     from services.frontend.server import serve
 
     asyncio.run(serve(_tokenizer_loader(args), args.scheduler, _addresses(args.detokenizer_addresses),
-                      args.host, args.port, args.ready_file))
+                      args.host, args.port, args.ready_file, args.metrics_port))
     return 0
 
 
@@ -241,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="start the whole mesh as local processes")
     add_server_args(serve, port=DEFAULT_PUBLIC_PORT)
     _arg(serve, "--detokenizers", type=int, default=1, help="detokenizer replicas")
+    _arg(serve, "--metrics", action="store_true", help="every service serves Prometheus metrics on a free port")
     add_model_args(serve)
     add_worker_args(serve)
     add_scheduler_args(serve)

@@ -27,6 +27,7 @@ class Child:
     process: subprocess.Popen
     ready_file: Path
     address: str = ""
+    metrics_address: str = ""
 
 
 def _flags(args: argparse.Namespace, names: list[str]) -> list[str]:
@@ -57,6 +58,8 @@ class Mesh:
         ready = self.workdir / f"{name}.addr"
         command = [sys.executable, "-m", "services.cli", "--log-level", self.args.log_level, service,
                    "--host", host, "--port", str(port), "--ready-file", str(ready), *argv]
+        if self.args.metrics:
+            command += ["--metrics-port", "0"]
         child = Child(name, subprocess.Popen(command, preexec_fn=_die_with_parent), ready)
         self.children.append(child)
         return child
@@ -75,6 +78,9 @@ class Mesh:
                 self.check_alive()
                 await asyncio.sleep(0.1)
             probe.result()
+            metrics = Path(str(child.ready_file) + ".metrics")
+            if metrics.exists():
+                child.metrics_address = metrics.read_text()
 
         await asyncio.gather(*(one(c) for c in children))
 
@@ -138,7 +144,8 @@ async def _run(mesh: Mesh) -> int:
                                                    detok_addresses, *model], host=args.host, port=args.port)
     await mesh.wait_ready([frontend])
     for child in mesh.children:
-        print(f"vmesh: {child.name} at {child.address} (pid {child.process.pid})", flush=True)
+        metrics = f", metrics http://{child.metrics_address}/metrics" if child.metrics_address else ""
+        print(f"vmesh: {child.name} at {child.address} (pid {child.process.pid}{metrics})", flush=True)
     print(f"vmesh: serving on {frontend.address} — try: vmesh generate \"Hello\" --address {frontend.address}",
           flush=True)
     while True:  # until check_alive raises: a signal, or a dead child

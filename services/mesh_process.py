@@ -21,6 +21,7 @@ class RunningMesh:
     process: subprocess.Popen
     address: str
     services: dict[str, tuple[str, int]]  # name -> (address, pid)
+    metrics: dict[str, str] = field(default_factory=dict)  # name -> metrics URL, with --metrics
     output: list[str] = field(default_factory=list)
 
     def stop(self) -> int:
@@ -54,6 +55,7 @@ def start_mesh(*flags: str, env: dict[str, str] | None = None) -> RunningMesh:
                                env={**os.environ, **(env or {})})
     output: list[str] = []
     services: dict[str, tuple[str, int]] = {}
+    metrics: dict[str, str] = {}
     address = None
     deadline = time.monotonic() + START_TIMEOUT_S
     while address is None:
@@ -61,8 +63,10 @@ def start_mesh(*flags: str, env: dict[str, str] | None = None) -> RunningMesh:
         if not line:
             raise RuntimeError("vmesh serve exited during start-up:\n" + "".join(output))
         output.append(line)
-        if m := re.match(r"vmesh: (\S+) at (\S+) \(pid (\d+)\)", line):
+        if m := re.match(r"vmesh: (\S+) at (\S+) \(pid (\d+)(?:, metrics (\S+))?\)", line):
             services[m.group(1)] = (m.group(2), int(m.group(3)))
+            if m.group(4):
+                metrics[m.group(1)] = m.group(4)
         if m := re.match(r"vmesh: serving on (\S+)", line):
             address = m.group(1)
         if time.monotonic() > deadline:
@@ -74,4 +78,4 @@ def start_mesh(*flags: str, env: dict[str, str] | None = None) -> RunningMesh:
             output.append(line)
 
     threading.Thread(target=pump, daemon=True).start()
-    return RunningMesh(process, address, services, output)
+    return RunningMesh(process, address, services, metrics, output)

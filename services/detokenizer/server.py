@@ -9,9 +9,11 @@ import logging
 from dataclasses import dataclass
 
 from opentelemetry import trace
+from prometheus_client import CollectorRegistry
 
 from services.common import telemetry, wire
 from services.common.grpc_server import ServiceShell
+from services.common.metrics import DetokenizerMetrics, serve_metrics
 from services.detokenizer.incremental import IncrementalDetokenizer
 from vmesh.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc
 
@@ -63,6 +65,7 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
         self.requests: dict[int, _Tracked] = {}
         self.subscribers: dict[str, asyncio.Queue[detokenizer_pb2.SubscribeResponse]] = {}
         self.tokens_processed = 0
+        self.metrics: DetokenizerMetrics | None = None
 
     async def Subscribe(self, request, context):
         queue: asyncio.Queue = asyncio.Queue()
@@ -109,6 +112,8 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
             if result.stop_hit and not finished:
                 reason = common_pb2.FINISH_REASON_STOP
                 stopped.append(handle)
+                if self.metrics:
+                    self.metrics.stop_string_hits.inc()
             if result.finished:
                 del self.requests[handle]
                 tracked.span.set_attribute("vmesh.output_tokens", tracked.num_output_tokens)
@@ -118,6 +123,8 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
             out.setdefault(tracked.frontend_id, _FrontendBatch()).add(
                 tracked.frontend_key, result.text, token_ids, reason, tracked,
                 batch.num_cached_prompt_tokens[i], logprobs.get(handle, []), batch.errors[i] if batch.errors else "")
+        if self.metrics:
+            self.metrics.tokens.inc(sum(batch.num_tokens))
         for frontend_id, frontend_batch in out.items():
             queue = self.subscribers.get(frontend_id)
             if queue is None:
@@ -142,11 +149,16 @@ def _logprob_rows(batch: detokenizer_pb2.DetokenizeRequest) -> dict[int, list[Lo
     return rows
 
 
-async def serve(load_tokenizer, host: str, port: int, ready_file: str | None) -> None:
+async def serve(load_tokenizer, host: str, port: int, ready_file: str | None,
+                metrics_port: int | None = None) -> None:
     telemetry.setup_tracing("detokenizer")
     shell = ServiceShell([detokenizer_pb2.DESCRIPTOR.services_by_name["DetokenizerService"].full_name], host, port)
     servicer = DetokenizerServicer(None)
     detokenizer_pb2_grpc.add_DetokenizerServiceServicer_to_server(servicer, shell.server)
+    if metrics_port is not None:
+        registry = CollectorRegistry()
+        servicer.metrics = DetokenizerMetrics(registry)
+        serve_metrics(registry, host, metrics_port, ready_file)
 
     async def warm_up() -> None:
         servicer.tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer)

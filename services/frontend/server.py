@@ -7,13 +7,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 import uuid
 
 import grpc
 from opentelemetry import trace
+from prometheus_client import CollectorRegistry
 
 from services.common import telemetry
 from services.common.grpc_server import ServiceShell, channel
+from services.common.metrics import FrontendMetrics, serve_metrics
 from services.frontend.outbox import Outbox, PendingOutput
 from services.frontend.validation import InvalidRequest, ModelLimits, validate_generate
 from vmesh.v1 import (
@@ -45,6 +48,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
         self.subscribed: set[str] = set()
         self._tasks: list[asyncio.Task] = []
         self.in_flight = 0
+        self.metrics: FrontendMetrics | None = None
 
     async def connect(self) -> None:
         self.scheduler_channel = channel(self.scheduler_address)
@@ -170,6 +174,11 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
         sampling.max_tokens = params.max_tokens
         finished = False
         self.in_flight += 1
+        started = last_token_at = time.monotonic()
+        first_token = True
+        metrics = self.metrics
+        if metrics:
+            metrics.prompt_tokens.inc(len(prompt))
         try:
             try:
                 remaining = context.time_remaining()
@@ -190,6 +199,19 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
                     finished = True
                     await context.abort(grpc.StatusCode.UNAVAILABLE, out.error)
                 finished = out.finished
+                if metrics and out.token_ids:
+                    now = time.monotonic()
+                    if first_token:
+                        metrics.ttft.observe(now - started)
+                        first_token = False
+                    else:  # merged outputs spread their gap over their tokens
+                        for _ in out.token_ids:
+                            metrics.itl.observe((now - last_token_at) / len(out.token_ids))
+                    last_token_at = now
+                    metrics.generation_tokens.inc(len(out.token_ids))
+                if metrics and finished:
+                    metrics.e2e.observe(time.monotonic() - started)
+                    metrics.requests.labels(_FINISH_NAMES[out.finish_reason]).inc()
                 if finished and out.usage is not None:
                     span.set_attributes({"gen_ai.usage.output_tokens": out.usage.completion_tokens,
                                          "gen_ai.response.finish_reasons": [_FINISH_NAMES[out.finish_reason]]})
@@ -227,11 +249,15 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
 
 
 async def serve(load_tokenizer, scheduler_address: str, detokenizer_addresses: list[str], host: str, port: int,
-                ready_file: str | None) -> None:
+                ready_file: str | None, metrics_port: int | None = None) -> None:
     telemetry.setup_tracing("frontend")
     shell = ServiceShell([frontend_pb2.DESCRIPTOR.services_by_name["FrontendService"].full_name], host, port)
     servicer = FrontendServicer(None, scheduler_address, detokenizer_addresses)
     frontend_pb2_grpc.add_FrontendServiceServicer_to_server(servicer, shell.server)
+    if metrics_port is not None:
+        registry = CollectorRegistry()
+        servicer.metrics = FrontendMetrics(registry)
+        serve_metrics(registry, host, metrics_port, ready_file)
 
     async def warm_up() -> None:
         servicer.tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer)

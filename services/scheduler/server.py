@@ -7,13 +7,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry import trace
+from prometheus_client import CollectorRegistry
 
 from services.common import telemetry, wire
 from services.common.grpc_server import ServiceShell, channel
+from services.common.metrics import Gauges, SchedulerMetrics, serve_metrics
 from services.common.step_types import NewRequest, StepPlan
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.request import FinishReason, Request
@@ -57,6 +60,7 @@ class _Route:
     sampling: common_pb2.SamplingParams
     num_prompt_tokens: int
     introduced: bool = False
+    submitted_at: float = 0.0  # monotonic
     span: trace.Span = trace.INVALID_SPAN  # the request's life in the scheduler
     queue_span: trace.Span | None = None  # from submission to first admission
 
@@ -88,6 +92,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.decode_plan_bytes = 0
         self._tasks: list[asyncio.Task] = []
         self._channels: list[grpc.aio.Channel] = []
+        self.metrics: SchedulerMetrics | None = None
 
     # --- start-up ----------------------------------------------------------------------------
 
@@ -154,6 +159,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                                        attributes={"vmesh.prompt_tokens": len(request.prompt_token_ids),
                                                    "vmesh.detokenizer": replica.address})
         route.queue_span = TRACER.start_span("scheduler.queue", context=trace.set_span_in_context(route.span))
+        route.submitted_at = time.monotonic()
         self.key_of_handle[route.handle] = key
         self.wake.set()
         return scheduler_pb2.SubmitRequestResponse(detokenizer=replica.address)
@@ -219,6 +225,21 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             await self._flush_replicas()
             self.on_failure()
 
+    def gauges(self) -> dict[str, tuple[str, str, float]]:
+        if self.scheduler is None:
+            return {}
+        s = self.scheduler.stats()
+        return {
+            "vmesh:num_requests_running": ("gauge", "Requests in the running set.", s.num_running),
+            "vmesh:num_requests_waiting": ("gauge", "Requests waiting to be admitted.", s.num_waiting),
+            "vmesh:kv_cache_usage_perc": ("gauge", "Fraction of KV blocks in use (1 = full).", s.kv_usage),
+            "vmesh:prefix_cache_queries": ("counter", "KV blocks looked up in the prefix cache.", s.prefix_queries),
+            "vmesh:prefix_cache_hits": ("counter", "KV blocks found in the prefix cache.", s.prefix_hits),
+            "vmesh:num_preemptions": ("counter", "Requests preempted (recomputed later).", s.num_preemptions),
+            "vmesh:scheduler_steps": ("counter", "Step plans sent to the workers.", self.steps),
+            "vmesh:plan_bytes": ("counter", "Serialized plan bytes sent per worker rank.", self.plan_bytes),
+        }
+
     def on_failure(self) -> None:
         """Overridden by serve(): mark the service NOT_SERVING."""
 
@@ -228,9 +249,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             route = self.routes.get(self.scheduler.by_handle[new.handle].request_id)
             if route is None:
                 continue
-            if route.queue_span is not None:
+            if route.queue_span is not None:  # first admission
                 route.queue_span.end()
                 route.queue_span = None
+                if self.metrics:
+                    self.metrics.queue_time.observe(time.monotonic() - route.submitted_at)
+                    self.metrics.prompt_tokens.inc(route.num_prompt_tokens)
             if telemetry.tracing_enabled():
                 new.trace_context.CopyFrom(telemetry.to_proto(route.span))
         return message
@@ -261,6 +285,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             batch.token_ids.extend(update.new_token_ids)
             batch.finish_reasons.append(wire.FINISH_REASONS_PB[update.finish_reason])
             batch.num_cached_prompt_tokens.append(update.num_cached_prompt_tokens)
+            if self.metrics:
+                self.metrics.generation_tokens.inc(len(update.new_token_ids))
             batch.errors.append("")
             for lp in update.logprobs:
                 batch.logprobs_handles.append(route.handle)
@@ -350,11 +376,17 @@ def _key(frontend_id: str, request_id: str) -> str:
     return f"{frontend_id}/{request_id}"
 
 
-async def serve(config: MeshSchedulerConfig, host: str, port: int, ready_file: str | None) -> None:
+async def serve(config: MeshSchedulerConfig, host: str, port: int, ready_file: str | None,
+                metrics_port: int | None = None) -> None:
     telemetry.setup_tracing("scheduler")
     shell = ServiceShell([scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name], host, port)
     servicer = SchedulerServicer(config)
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, shell.server)
+    if metrics_port is not None:
+        registry = CollectorRegistry()
+        servicer.metrics = SchedulerMetrics(registry)
+        registry.register(Gauges(servicer.gauges))
+        serve_metrics(registry, host, metrics_port, ready_file)
 
     def on_failure() -> None:
         asyncio.get_running_loop().create_task(shell.set_serving(False))

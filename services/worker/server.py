@@ -10,9 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from opentelemetry import trace
+from prometheus_client import CollectorRegistry
 
 from services.common import telemetry, wire
 from services.common.grpc_server import ServiceShell
+from services.common.metrics import Gauges, WorkerMetrics, serve_metrics
 from services.common.step_types import NewRequest, StepPlan
 from services.worker.model_runner import ModelRunner
 from services.worker.persistent_batch import PlanError
@@ -36,6 +38,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         # plan before it has seen them.
         self.sampled_history: dict[int, list[int]] = {}
         self.span_contexts: dict[int, trace.SpanContext] = {}  # per handle, when tracing
+        self.metrics: WorkerMetrics | None = None
 
     async def GetWorkerInfo(self, request, context):
         spec = self.runner.spec
@@ -44,6 +47,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             block_size=self.runner.kv_cache.block_size, max_model_len=self.runner.max_model_len,
             vocab_size=spec.vocab_size, eos_token_ids=list(spec.eos_token_ids),
             max_num_seqs=self.runner.batch.max_num_reqs)
+
+    def gauges(self) -> dict[str, tuple[str, str, float]]:
+        wall = time.perf_counter() - self.first_plan_at if self.first_plan_at else 0.0
+        return {
+            "vmesh:worker_duty_cycle": ("gauge", "Forward + sampling time over wall time since the first plan.",
+                                        self.busy_seconds / wall if wall else 0.0),
+            "vmesh:worker_busy_seconds": ("counter", "Forward + sampling time.", self.busy_seconds),
+            "vmesh:worker_steps": ("counter", "Steps executed.", self.steps),
+            "vmesh:worker_batch_rows": ("gauge", "Requests held in the persistent batch.",
+                                        len(self.runner.batch) if self.runner else 0),
+        }
 
     async def GetWorkerStats(self, request, context):
         wall = time.perf_counter() - self.first_plan_at if self.first_plan_at else 0.0
@@ -74,7 +88,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         else:
             result = self.runner.execute(plan)
         self.steps += 1
-        self.busy_seconds += result.forward_seconds + result.sampling_seconds
+        busy = result.forward_seconds + result.sampling_seconds
+        self.busy_seconds += busy
+        if self.metrics and plan.scheduled_handles:
+            self.metrics.step_time.observe(busy)
+            self.metrics.batch_size.observe(len(plan.scheduled_handles))
+            self.metrics.scheduled_tokens.inc(plan.total_scheduled_tokens)
         if request.full_state:
             for handle, token in zip(result.handles, result.sampled_token_ids):
                 self.sampled_history.setdefault(handle, []).append(token)
@@ -114,11 +133,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
 
 async def serve(load_runner: Callable[[], ModelRunner], model_name: str, host: str, port: int,
-                ready_file: str | None) -> None:
+                ready_file: str | None, metrics_port: int | None = None) -> None:
     telemetry.setup_tracing("worker")
     shell = ServiceShell([worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name], host, port)
     servicer = WorkerServicer(None, model_name)  # type: ignore[arg-type]  # set once loaded
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, shell.server)
+    if metrics_port is not None:
+        registry = CollectorRegistry()
+        servicer.metrics = WorkerMetrics(registry)
+        registry.register(Gauges(servicer.gauges))
+        serve_metrics(registry, host, metrics_port, ready_file)
 
     async def warm_up() -> None:
         # Health stays NOT_SERVING while the model loads and runs one throwaway step.
