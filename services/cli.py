@@ -71,7 +71,10 @@ def add_server_args(parser: argparse.ArgumentParser, port: int = 0) -> None:
 
 
 def _addresses(text: str) -> list[str]:
-    return [a.strip() for a in text.split(",") if a.strip()]
+    """Comma-separated host:port entries; `dns:///name:port` expands to every address of name."""
+    from services.common.grpc_server import expand_addresses
+
+    return expand_addresses([a.strip() for a in text.split(",") if a.strip()])
 
 
 def worker_config(args: argparse.Namespace):
@@ -147,6 +150,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from services.launcher import serve_mesh
 
     return serve_mesh(args)
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """Exit 0 when the service at the address reports SERVING (for container health checks)."""
+    from services.common.grpc_server import wait_until_serving
+
+    try:
+        asyncio.run(wait_until_serving(args.address, args.timeout))
+    except TimeoutError as exc:
+        print(f"vmesh: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def cmd_warm_cache(args: argparse.Namespace) -> int:
@@ -276,6 +291,11 @@ def build_parser() -> argparse.ArgumentParser:
     frontend.set_defaults(func=cmd_frontend)
 
     sub.add_parser("bench", help="benchmarks: offline, serving, claims, detokenizer (vmesh bench -h)")
+
+    health = sub.add_parser("health", help="exit 0 if a service reports SERVING")
+    health.add_argument("address")
+    health.add_argument("--timeout", type=float, default=3.0)
+    health.set_defaults(func=cmd_health)
 
     warm = sub.add_parser("warm-cache", help="convert the model once so later starts are fast")
     add_model_args(warm)

