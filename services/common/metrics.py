@@ -7,10 +7,12 @@ are read at scrape time by collectors, so the hot path pays nothing for them.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -22,10 +24,30 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int | None, ready_file: str | None) -> str | None:
     """Expose `registry` at http://host:port/metrics (port 0: any free port); None disables.
-    The bound address is written to `<ready_file>.metrics` for launchers."""
+    The bound address is written to `<ready_file>.metrics` for launchers.
+
+    Always the classic text format: prometheus_client's OpenMetrics output rewrites the
+    colons of `vmesh:` names to underscores, and Prometheus asks for OpenMetrics first."""
     if port is None or port < 0:
         return None
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path.split("?")[0] not in ("/metrics", "/"):
+                self.send_error(404)
+                return
+            body = generate_latest(registry)
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:  # scrapes are not worth a log line each
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    threading.Thread(target=server.serve_forever, name="vmesh-metrics", daemon=True).start()
     address = f"{host}:{server.server_port}"
     if ready_file:
         Path(ready_file + ".metrics").write_text(address)
