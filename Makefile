@@ -8,5 +8,5 @@ protos:
 bench:
 	.venv/bin/python -m benchmarks.model_runner_decode
 	.venv/bin/python -m benchmarks.scheduler_step
-	.venv/bin/python -m benchmarks.engine_throughput
-	.venv/bin/python -m benchmarks.mesh_throughput
+	.venv/bin/vmesh bench offline
+	.venv/bin/vmesh bench claims
