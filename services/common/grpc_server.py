@@ -29,18 +29,35 @@ SERVER_OPTIONS = [*_MESSAGE_LIMITS, ("grpc.http2.min_recv_ping_interval_without_
 
 
 class ServiceShell:
-    def __init__(self, service_names: list[str], host: str, port: int):
+    def __init__(self, service: str, descriptor, host: str, port: int):
+        """`service`: the short name (worker, scheduler...); `descriptor`: its gRPC ServiceDescriptor."""
+        from services.common import telemetry
+
+        telemetry.setup_tracing(service)
+        self.host = host
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME],
+        self.service_names = [descriptor.full_name]
+        reflection.enable_server_reflection([*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME],
                                             self.server)
-        self.service_names = service_names
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"cannot bind {host}:{port}")
         self.address = f"{host}:{self.port}"
         self.stopping = asyncio.Event()
+
+    def metrics_registry(self, metrics_port: int | None, ready_file: str | None):
+        """A Prometheus registry served on `metrics_port`, or None when metrics are off."""
+        if metrics_port is None:
+            return None
+        from prometheus_client import CollectorRegistry
+
+        from services.common.metrics import serve_metrics
+
+        registry = CollectorRegistry()
+        serve_metrics(registry, self.host, metrics_port, ready_file)
+        return registry
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -68,6 +85,9 @@ class ServiceShell:
         except asyncio.TimeoutError:
             logger.warning("drain did not finish within %.0f s", grace_seconds)
         await self.server.stop(grace=1.0)
+        from services.common import telemetry
+
+        telemetry.shutdown_tracing()
 
 
 def channel(address: str) -> grpc.aio.Channel:

@@ -9,11 +9,10 @@ import logging
 from dataclasses import dataclass
 
 from opentelemetry import trace
-from prometheus_client import CollectorRegistry
 
 from services.common import telemetry, wire
 from services.common.grpc_server import ServiceShell
-from services.common.metrics import DetokenizerMetrics, serve_metrics
+from services.common.metrics import DetokenizerMetrics
 from services.detokenizer.incremental import IncrementalDetokenizer
 from vmesh.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc
 
@@ -151,14 +150,11 @@ def _logprob_rows(batch: detokenizer_pb2.DetokenizeRequest) -> dict[int, list[Lo
 
 async def serve(load_tokenizer, host: str, port: int, ready_file: str | None,
                 metrics_port: int | None = None) -> None:
-    telemetry.setup_tracing("detokenizer")
-    shell = ServiceShell([detokenizer_pb2.DESCRIPTOR.services_by_name["DetokenizerService"].full_name], host, port)
+    shell = ServiceShell("detokenizer", detokenizer_pb2.DESCRIPTOR.services_by_name["DetokenizerService"], host, port)
     servicer = DetokenizerServicer(None)
     detokenizer_pb2_grpc.add_DetokenizerServiceServicer_to_server(servicer, shell.server)
-    if metrics_port is not None:
-        registry = CollectorRegistry()
+    if registry := shell.metrics_registry(metrics_port, ready_file):
         servicer.metrics = DetokenizerMetrics(registry)
-        serve_metrics(registry, host, metrics_port, ready_file)
 
     async def warm_up() -> None:
         servicer.tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer)
@@ -168,4 +164,3 @@ async def serve(load_tokenizer, host: str, port: int, ready_file: str | None,
             await asyncio.sleep(0.05)
 
     await shell.run(warm_up, drain, ready_file)
-    telemetry.shutdown_tracing()

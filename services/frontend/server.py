@@ -12,11 +12,10 @@ import uuid
 
 import grpc
 from opentelemetry import trace
-from prometheus_client import CollectorRegistry
 
 from services.common import telemetry
 from services.common.grpc_server import ServiceShell, channel
-from services.common.metrics import FrontendMetrics, serve_metrics
+from services.common.metrics import FrontendMetrics
 from services.frontend.outbox import Outbox, PendingOutput
 from services.frontend.validation import InvalidRequest, ModelLimits, validate_generate
 from vmesh.v1 import (
@@ -250,14 +249,11 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
 
 async def serve(load_tokenizer, scheduler_address: str, detokenizer_addresses: list[str], host: str, port: int,
                 ready_file: str | None, metrics_port: int | None = None) -> None:
-    telemetry.setup_tracing("frontend")
-    shell = ServiceShell([frontend_pb2.DESCRIPTOR.services_by_name["FrontendService"].full_name], host, port)
+    shell = ServiceShell("frontend", frontend_pb2.DESCRIPTOR.services_by_name["FrontendService"], host, port)
     servicer = FrontendServicer(None, scheduler_address, detokenizer_addresses)
     frontend_pb2_grpc.add_FrontendServiceServicer_to_server(servicer, shell.server)
-    if metrics_port is not None:
-        registry = CollectorRegistry()
+    if registry := shell.metrics_registry(metrics_port, ready_file):
         servicer.metrics = FrontendMetrics(registry)
-        serve_metrics(registry, host, metrics_port, ready_file)
 
     async def warm_up() -> None:
         servicer.tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer)
@@ -265,5 +261,4 @@ async def serve(load_tokenizer, scheduler_address: str, detokenizer_addresses: l
 
     await shell.run(warm_up, servicer.drain, ready_file)
     await servicer.close()
-    telemetry.shutdown_tracing()
 

@@ -12,11 +12,10 @@ from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry import trace
-from prometheus_client import CollectorRegistry
 
 from services.common import telemetry, wire
 from services.common.grpc_server import ServiceShell, channel
-from services.common.metrics import Gauges, SchedulerMetrics, serve_metrics
+from services.common.metrics import Gauges, SchedulerMetrics
 from services.common.step_types import NewRequest, StepPlan
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.request import FinishReason, Request
@@ -378,15 +377,12 @@ def _key(frontend_id: str, request_id: str) -> str:
 
 async def serve(config: MeshSchedulerConfig, host: str, port: int, ready_file: str | None,
                 metrics_port: int | None = None) -> None:
-    telemetry.setup_tracing("scheduler")
-    shell = ServiceShell([scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name], host, port)
+    shell = ServiceShell("scheduler", scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"], host, port)
     servicer = SchedulerServicer(config)
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, shell.server)
-    if metrics_port is not None:
-        registry = CollectorRegistry()
+    if registry := shell.metrics_registry(metrics_port, ready_file):
         servicer.metrics = SchedulerMetrics(registry)
         registry.register(Gauges(servicer.gauges))
-        serve_metrics(registry, host, metrics_port, ready_file)
 
     def on_failure() -> None:
         asyncio.get_running_loop().create_task(shell.set_serving(False))
@@ -394,4 +390,3 @@ async def serve(config: MeshSchedulerConfig, host: str, port: int, ready_file: s
     servicer.on_failure = on_failure
     await shell.run(servicer.connect, servicer.drain, ready_file)
     await servicer.close()
-    telemetry.shutdown_tracing()

@@ -10,11 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from opentelemetry import trace
-from prometheus_client import CollectorRegistry
 
 from services.common import telemetry, wire
 from services.common.grpc_server import ServiceShell
-from services.common.metrics import Gauges, WorkerMetrics, serve_metrics
+from services.common.metrics import Gauges, WorkerMetrics
 from services.common.step_types import NewRequest, StepPlan
 from services.worker.model_runner import ModelRunner
 from services.worker.persistent_batch import PlanError
@@ -134,15 +133,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
 async def serve(load_runner: Callable[[], ModelRunner], model_name: str, host: str, port: int,
                 ready_file: str | None, metrics_port: int | None = None) -> None:
-    telemetry.setup_tracing("worker")
-    shell = ServiceShell([worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name], host, port)
+    shell = ServiceShell("worker", worker_pb2.DESCRIPTOR.services_by_name["WorkerService"], host, port)
     servicer = WorkerServicer(None, model_name)  # type: ignore[arg-type]  # set once loaded
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, shell.server)
-    if metrics_port is not None:
-        registry = CollectorRegistry()
+    if registry := shell.metrics_registry(metrics_port, ready_file):
         servicer.metrics = WorkerMetrics(registry)
         registry.register(Gauges(servicer.gauges))
-        serve_metrics(registry, host, metrics_port, ready_file)
 
     async def warm_up() -> None:
         # Health stays NOT_SERVING while the model loads and runs one throwaway step.
@@ -155,7 +151,6 @@ async def serve(load_runner: Callable[[], ModelRunner], model_name: str, host: s
 
     await shell.run(warm_up, drain, ready_file)
     servicer.executor.shutdown(wait=False, cancel_futures=True)
-    telemetry.shutdown_tracing()
 
 
 def _warm_step(runner: ModelRunner) -> None:
