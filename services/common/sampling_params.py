@@ -39,10 +39,6 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS
 
-    @property
-    def has_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
     def validate(self) -> None:
         """Raise ValueError naming the first field that is out of range."""
         if self.temperature < 0:

@@ -27,7 +27,6 @@ class _Tracked:
     frontend_key: int
     num_prompt_tokens: int
     num_output_tokens: int = 0
-    wants_logprobs: bool = False
     span: trace.Span = trace.INVALID_SPAN
 
 
@@ -63,7 +62,6 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
         self.tokenizer = tokenizer
         self.requests: dict[int, _Tracked] = {}
         self.subscribers: dict[str, asyncio.Queue[detokenizer_pb2.SubscribeResponse]] = {}
-        self.tokens_processed = 0
         self.metrics: DetokenizerMetrics | None = None
 
     async def Subscribe(self, request, context):
@@ -89,7 +87,7 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
             params = wire.sampling_from_proto(info.sampling)
             self.requests[info.handle] = _Tracked(
                 IncrementalDetokenizer(self.tokenizer, params, list(info.prompt_tail)), info.frontend_id,
-                info.frontend_key, info.num_prompt_tokens, wants_logprobs=params.logprobs is not None,
+                info.frontend_key, info.num_prompt_tokens,
                 span=TRACER.start_span("detokenizer.request", context=telemetry.from_proto(info.trace_context))
                 if telemetry.tracing_enabled() else trace.INVALID_SPAN)
         logprobs = _logprob_rows(batch)
@@ -106,7 +104,6 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
             reason = batch.finish_reasons[i]
             finished = reason != common_pb2.FINISH_REASON_UNSPECIFIED
             tracked.num_output_tokens += n
-            self.tokens_processed += n
             result = tracked.detokenizer.update(token_ids, finished)
             if result.stop_hit and not finished:
                 reason = common_pb2.FINISH_REASON_STOP

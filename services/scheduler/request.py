@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -31,7 +30,6 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     priority: int = 0
-    arrival_time: float = field(default_factory=time.monotonic)
     arrival_order: int = field(default_factory=lambda: next(_arrivals))
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -107,8 +107,8 @@ class ModelRunner:
             generators=[b.generators[r] for r in row_list], seeds=[b.seeds[r] for r in row_list],
             positions=b.num_tokens[rows].tolist(), **columns,
         )
-        penalized = [r for r in row_list if b.sampling[r].has_penalties]
-        if penalized:
+        if bool(((columns["repetition_penalty"] != 1.0) | (columns["presence_penalty"] != 0.0)
+                 | (columns["frequency_penalty"] != 0.0)).any()):
             sampling.seen_token_ids, sampling.output_token_ids = self._penalty_tokens(rows)
         num_output = b.num_tokens[rows] - b.num_prompt_tokens[rows]
         if bool((num_output < b.min_tokens[rows]).any()):
