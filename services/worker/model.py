@@ -10,12 +10,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kernels.reference import rms_norm_ref, silu_and_mul_ref
 from services.common.model_spec import ModelSpec
 from services.worker.attention import AttentionBackend, AttentionMetadata
 from services.worker.kv_cache import KVCache
+from services.worker.linear import Linear
 from services.worker.rotary import RotaryEmbedding
 
 
@@ -55,13 +55,12 @@ class DecoderLayer:
         self.input_norm = take("input_layernorm.weight")
         self.post_attention_norm = take("post_attention_layernorm.weight")
         # q, k and v in one matmul; gate and up in another.
-        self.qkv_weight = torch.cat([take(f"self_attn.{p}_proj.weight") for p in "qkv"])
         biases = [optional(f"self_attn.{p}_proj.bias") for p in "qkv"]
-        self.qkv_bias = torch.cat(biases) if all(b is not None for b in biases) else None
-        self.o_weight = take("self_attn.o_proj.weight")
-        self.o_bias = optional("self_attn.o_proj.bias")
-        self.gate_up_weight = torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")])
-        self.down_weight = take("mlp.down_proj.weight")
+        self.qkv_proj = Linear(torch.cat([take(f"self_attn.{p}_proj.weight") for p in "qkv"]),
+                               torch.cat(biases) if all(b is not None for b in biases) else None)
+        self.o_proj = Linear(take("self_attn.o_proj.weight"), optional("self_attn.o_proj.bias"))
+        self.gate_up_proj = Linear(torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]))
+        self.down_proj = Linear(take("mlp.down_proj.weight"))
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim ** -0.5
@@ -77,7 +76,7 @@ class DecoderLayer:
             x, residual = ops.rms_norm(hidden, self.input_norm, eps), hidden
         else:
             x, residual = ops.rms_norm(hidden, self.input_norm, eps, residual)
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv_proj(x)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # Queries and keys rotate in one pass.
         qk = RotaryEmbedding.apply(qk.reshape(-1, spec.num_heads + spec.num_kv_heads, spec.head_dim), *rope)
@@ -85,13 +84,12 @@ class DecoderLayer:
         v = v.reshape(-1, spec.num_kv_heads, spec.head_dim)
         backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         attn = backend.attend(q, key_cache, value_cache, meta, self.scale)
-        attn_out = F.linear(attn.reshape(-1, self.q_size), self.o_weight, self.o_bias)
+        attn_out = self.o_proj(attn.reshape(-1, self.q_size))
         x, residual = ops.rms_norm(attn_out, self.post_attention_norm, eps, residual)
-        return F.linear(ops.silu_and_mul(F.linear(x, self.gate_up_weight)), self.down_weight), residual
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))), residual
 
 
 class DecoderModel:
-    FEW_ROWS = 4
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, max_positions: int):
         weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
@@ -108,11 +106,9 @@ class DecoderModel:
         lm_head = self.embed if spec.tie_word_embeddings else weights.get("lm_head.weight")
         if lm_head is None:
             raise MissingWeightError("lm_head.weight")
-        # The LM head is a fifth of all FLOPs for small models and its best layout depends on
-        # the row count (measured on CPU, 576 x 49152): for a few rows a [hidden, vocab] copy
-        # runs twice as fast; from ~8 rows on, the [vocab, hidden] weight is ~10 % faster.
-        self.lm_head = lm_head
-        self.lm_head_t = lm_head.t().contiguous()
+        # A fifth of all FLOPs for small models; with tied embeddings the packed copy is extra
+        # memory (the lookup needs the plain table) that buys 1.8-2.4x on CPU.
+        self.lm_head = Linear(lm_head)
         self.rotary = RotaryEmbedding(spec, max_positions, device, dtype)
 
     @torch.inference_mode()
@@ -126,5 +122,4 @@ class DecoderModel:
                                              kv_cache.value_caches[i], meta, backend, ops)
         last, _ = ops.rms_norm(hidden[logits_indices], self.final_norm, self.spec.rms_norm_eps,
                                residual[logits_indices])
-        logits = last @ self.lm_head_t if last.shape[0] < self.FEW_ROWS else F.linear(last, self.lm_head)
-        return logits.float()
+        return self.lm_head(last).float()
