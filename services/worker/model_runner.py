@@ -8,7 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.model_loading import ModelLoadError, load_model_spec, load_state_dict, resolve_model_dir
+from services.common.model_loading import (
+    ModelLoadError,
+    cache_dir_path,
+    load_model_spec,
+    load_state_dict,
+    resolve_model_dir,
+)
 from services.common.model_spec import ModelSpec
 from services.common.step_types import StepPlan, StepResult
 from services.worker.attention import AttentionBackend, make_attention_backend
@@ -75,7 +81,7 @@ class ModelRunner:
             raise ModelLoadError(f"checkpoint in {model_dir} lacks tensor {exc.args[0]}") from exc
         budget = kv_cache_budget(device, config.kv_cache_memory, config.kv_cache_memory_fraction)
         kv_cache = KVCache.from_budget(spec, budget, config.block_size, device, dtype)
-        backend = make_attention_backend(config.attention_backend, device)
+        backend = make_attention_backend(config.attention_backend, device, cache_dir_path(config.cache_dir))
         return cls(model, kv_cache, backend, config.max_num_seqs, max_model_len)
 
     def execute(self, plan: StepPlan) -> StepResult:

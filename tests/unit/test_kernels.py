@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernels import reference
+from tests.support.paged import ragged_batch
 
 triton = pytest.importorskip("triton")
 from kernels.fused_ops import rms_norm, silu_and_mul  # noqa: E402
@@ -17,30 +18,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
 
 
-def ragged_batch(query_lens, context_lens, heads, kv_heads, head_dim, block_size, dtype, seed=0):
-    """A paged cache whose blocks are shuffled, and a ragged query batch over it."""
-    g = torch.Generator().manual_seed(seed)
-    seq_lens = [c + q for q, c in zip(query_lens, context_lens)]
-    blocks_per = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per) + 3
-    order = torch.randperm(num_blocks, generator=g)
-    tables = torch.zeros((len(seq_lens), max(blocks_per)), dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(blocks_per):
-        tables[i, :n] = order[used:used + n].to(torch.int32)
-        used += n
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    key_cache = torch.randn(shape, generator=g).to(dtype)
-    value_cache = torch.randn(shape, generator=g).to(dtype)
-    query = torch.randn((sum(query_lens), heads, head_dim), generator=g).to(dtype)
-    starts = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-    starts[1:] = torch.cumsum(torch.tensor(query_lens), 0)
-    to = {"device": DEVICE}
-    return (query.to(**to), key_cache.to(**to), value_cache.to(**to), starts.to(**to),
-            torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), tables.to(**to))
-
-
-CASES = [  # (head_dim, heads, kv_heads, block_size, dtype)
+CASES = [  # (head_dim, heads, kv_heads, block_size, dtype, device=DEVICE)
     (64, 3, 3, 16, torch.float32),   # GQA ratio 1
     (64, 9, 3, 32, torch.float16),   # ratio 3
     (128, 8, 1, 16, torch.float32),  # ratio 8
@@ -53,7 +31,7 @@ def test_unified_attention_matches_reference(head_dim, heads, kv_heads, block_si
     # A full prefill, a chunk after cached tokens, decodes; contexts end mid-block.
     query_lens, context_lens = [7, 5, 1, 1], [0, 19, 33, 4]
     q, kc, vc, starts, seq_lens, tables = ragged_batch(query_lens, context_lens, heads, kv_heads, head_dim,
-                                                       block_size, dtype)
+                                                       block_size, dtype, device=DEVICE)
     scale = head_dim ** -0.5
     got = unified_attention(q, kc, vc, starts, seq_lens, tables, scale, max_query_len=max(query_lens), block_m=4)
     want = reference.paged_attention_ref(q.cpu(), kc.cpu(), vc.cpu(), starts.cpu(), seq_lens.cpu(), tables.cpu(),
@@ -66,7 +44,7 @@ def test_unified_attention_matches_reference(head_dim, heads, kv_heads, block_si
 def test_split_kv_decode_matches_reference(head_dim, heads, kv_heads, block_size, dtype, num_splits):
     context_lens = [37, 5, 70]  # one request leaves a split empty
     q, kc, vc, starts, seq_lens, tables = ragged_batch([1, 1, 1], context_lens, heads, kv_heads, head_dim,
-                                                       block_size, dtype, seed=1)
+                                                       block_size, dtype, seed=1, device=DEVICE)
     scale = head_dim ** -0.5
     got = split_kv_decode_attention(q, kc, vc, seq_lens, tables, scale, num_splits=num_splits)
     want = reference.paged_attention_ref(q.cpu(), kc.cpu(), vc.cpu(), starts.cpu(), seq_lens.cpu(), tables.cpu(),

@@ -1,0 +1,130 @@
+/* Decode attention on CPU, read straight out of the paged KV pool.
+ *
+ * The torch path gathers every request's blocks into a padded dense copy, then runs SDPA on
+ * it: each K/V byte is read twice and written once. Here each (request, KV head) pair walks
+ * its block table and reads every cached key and value exactly once, for all the query heads
+ * that share the KV head (GQA). kernels/reference.py's paged_attention_ref defines the result.
+ *
+ * Layouts (float32, contiguous):
+ *   query        [num_tokens, kv_heads * group, head_dim], rows query_stride floats apart
+ *   key/value    [num_blocks, block_size, kv_heads, head_dim]
+ *   block_tables [num_all_reqs, table_width] int32
+ *   seq_lens     [num_all_reqs] int32, context length including this step's token
+ *   out          [num_tokens, kv_heads * group, head_dim]
+ * Request r of this call is row request_rows[r] of block_tables/seq_lens and its one query
+ * token is row token_rows[r] of query/out.
+ *
+ * Built with -fopenmp; after `import torch` the soname libgomp.so.1 resolves to the copy
+ * torch already loaded, so this shares torch's thread pool rather than adding a second one.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_HEADS 256
+#define MAX_HEAD_DIM 256
+
+/* Blocks sit at random places in the pool, which defeats the hardware prefetcher at every
+ * block boundary: while one block is read, the same slot of the next block is fetched. */
+static inline void prefetch_slot(const float *slot, int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(slot + i, 0, 3);
+}
+
+/* One request: its `heads` query heads (kv_heads groups of `group`) attend to seq_len cached
+ * tokens. Every slot of a block holds all KV heads side by side, and a block is contiguous, so
+ * walking token by token over all heads streams whole blocks. Inlined into a switch on
+ * head_dim so that the common sizes get fully unrolled inner loops. */
+static inline __attribute__((always_inline)) void attend_request(
+    const float *q, const float *key_cache, const float *value_cache, const int32_t *table, int64_t seq_len,
+    int64_t block_size, int64_t kv_heads, int64_t group, const int64_t head_dim, float scale,
+    float *scores /* [heads][seq_len] */, float *acc /* [heads][head_dim] */, float *o) {
+    const int64_t heads = kv_heads * group;
+    const int64_t token_stride = kv_heads * head_dim;
+    const int64_t block_stride = block_size * token_stride;
+    for (int64_t start = 0, b = 0; start < seq_len; start += block_size, ++b) {
+        const float *k = key_cache + (int64_t)table[b] * block_stride;
+        const float *next = start + block_size < seq_len ? key_cache + (int64_t)table[b + 1] * block_stride : k;
+        const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
+        for (int64_t t = 0; t < n; ++t, k += token_stride) {
+            prefetch_slot(next + t * token_stride, token_stride);
+            for (int64_t hq = 0; hq < heads; ++hq) {
+                const float *qh = q + hq * head_dim, *kh = k + (hq / group) * head_dim;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * kh[d];
+                scores[hq * seq_len + start + t] = dot * scale;
+            }
+        }
+    }
+    for (int64_t hq = 0; hq < heads; ++hq) {
+        float *s = scores + hq * seq_len;
+        float max_score = -INFINITY, denom = 0.0f;
+        for (int64_t t = 0; t < seq_len; ++t) max_score = s[t] > max_score ? s[t] : max_score;
+        for (int64_t t = 0; t < seq_len; ++t) {
+            s[t] = expf(s[t] - max_score);
+            denom += s[t];
+        }
+        const float inv = 1.0f / denom;
+        for (int64_t t = 0; t < seq_len; ++t) s[t] *= inv;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(heads * head_dim));
+    for (int64_t start = 0, b = 0; start < seq_len; start += block_size, ++b) {
+        const float *v = value_cache + (int64_t)table[b] * block_stride;
+        const float *next = start + block_size < seq_len ? value_cache + (int64_t)table[b + 1] * block_stride : v;
+        const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
+        for (int64_t t = 0; t < n; ++t, v += token_stride) {
+            prefetch_slot(next + t * token_stride, token_stride);
+            for (int64_t hq = 0; hq < heads; ++hq) {
+                const float p = scores[hq * seq_len + start + t];
+                const float *vh = v + (hq / group) * head_dim;
+                float *a = acc + hq * head_dim;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vh[d];
+            }
+        }
+    }
+    memcpy(o, acc, sizeof(float) * (size_t)(heads * head_dim));
+}
+
+/* Returns 0 on success, 1 if a size is out of the supported range, 2 if memory ran out. */
+int paged_decode_attention_f32(const float *query, int64_t query_stride, const float *key_cache, const float *value_cache,
+                               const int32_t *block_tables, int64_t table_width, const int32_t *seq_lens,
+                               const int64_t *request_rows, const int64_t *token_rows, int64_t num_reqs,
+                               int64_t kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
+                               float scale, float *out, int num_threads) {
+    if (group < 1 || kv_heads * group > MAX_HEADS || head_dim < 1 || head_dim > MAX_HEAD_DIM) return 1;
+    const int64_t heads = kv_heads * group;
+    int failed = 0;
+
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t r = 0; r < num_reqs; ++r) {
+        const int64_t req = request_rows[r];
+        const int64_t seq_len = seq_lens[req];
+        const int32_t *table = block_tables + req * table_width;
+        const float *q = query + token_rows[r] * query_stride;
+        float *o = out + token_rows[r] * heads * head_dim;
+        float *scratch = malloc(sizeof(float) * (size_t)heads * (size_t)(seq_len + head_dim));
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 2;
+            continue;
+        }
+        float *acc = scratch, *scores = scratch + heads * head_dim;
+        switch (head_dim) {
+        case 64:
+            attend_request(q, key_cache, value_cache, table, seq_len, block_size, kv_heads, group, 64, scale, scores,
+                           acc, o);
+            break;
+        case 128:
+            attend_request(q, key_cache, value_cache, table, seq_len, block_size, kv_heads, group, 128, scale, scores,
+                           acc, o);
+            break;
+        default:
+            attend_request(q, key_cache, value_cache, table, seq_len, block_size, kv_heads, group, head_dim, scale,
+                           scores, acc, o);
+        }
+        free(scratch);
+    }
+    return failed;
+}

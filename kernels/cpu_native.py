@@ -1,0 +1,112 @@
+"""CPU kernels in C (`kernels/cpu/*.c`), compiled on first use with the machine's C compiler
+and loaded with ctypes.
+
+The shared object is cached under `<cache_dir>/kernels/`, keyed by a hash of the source,
+the compiler's version and the flags, and written to a temporary name first, so processes
+starting at once never load a half-written file. Without a compiler the callers keep their
+pure-torch path; `load_cpu_kernels` says why in its error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "cpu" / "paged_decode_attention.c"
+# -march=native: the object is built on the machine that runs it, and cached per machine.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+MAX_HEADS, MAX_HEAD_DIM = 256, 256  # as in the C source
+
+
+class CpuKernelBuildError(RuntimeError):
+    pass
+
+
+def _compiler() -> str:
+    requested = os.environ.get("CC")
+    compiler = shutil.which(requested) if requested else shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise CpuKernelBuildError(f"C compiler {requested!r} (from CC) not found" if requested
+                                  else "no C compiler found (install gcc, or set CC)")
+    return compiler
+
+
+def _build(cache_dir: Path) -> Path:
+    compiler = _compiler()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    # -march=native differs by CPU; a cache dir shared between machines must not mix them.
+    cpuinfo = Path("/proc/cpuinfo").read_bytes() if Path("/proc/cpuinfo").exists() else b""
+    flags_line = next((line for line in cpuinfo.splitlines() if line.startswith(b"flags")), b"")
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(CFLAGS).encode() + flags_line).hexdigest()
+    target = cache_dir / "kernels" / f"{SOURCE.stem}-{key[:16]}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as staging:
+        built = Path(staging) / target.name
+        result = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"],
+                                capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise CpuKernelBuildError(f"{compiler} failed on {SOURCE.name}:\n{result.stderr.strip()}")
+        os.replace(built, target)
+    logger.info("built CPU kernels: %s", target)
+    return target
+
+
+class CpuKernels:
+    def __init__(self, library: ctypes.CDLL):
+        fn = library.paged_decode_attention_f32
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float, p, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._decode = fn
+
+    @staticmethod
+    def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+        return (query.device.type == "cpu" and query.dtype == key_cache.dtype == torch.float32
+                and query.shape[1] <= MAX_HEADS and key_cache.shape[3] <= MAX_HEAD_DIM)
+
+    def paged_decode_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor, request_rows: torch.Tensor,
+                               token_rows: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+        """Writes out[token_rows[r]] = attention of query[token_rows[r]] over request request_rows[r]'s
+        first seq_lens[request_rows[r]] cached tokens. Shapes and layouts: see the C source."""
+        if query.dtype != torch.float32 or query.stride(2) != 1 or query.stride(1) != query.shape[2]:
+            raise ValueError("query must be float32 with each token's heads contiguous")
+        for name, t, dtype in (("key_cache", key_cache, torch.float32), ("value_cache", value_cache, torch.float32),
+                               ("out", out, torch.float32),
+                               ("block_tables", block_tables, torch.int32), ("seq_lens", seq_lens, torch.int32),
+                               ("request_rows", request_rows, torch.int64), ("token_rows", token_rows, torch.int64)):
+            if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor, got {t.dtype} "
+                                 f"(contiguous={t.is_contiguous()}, device={t.device})")
+        _, block_size, kv_heads, head_dim = key_cache.shape
+        group = query.shape[1] // kv_heads
+        status = self._decode(query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+                              block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(),
+                              request_rows.data_ptr(), token_rows.data_ptr(), request_rows.numel(), kv_heads,
+                              group, head_dim, block_size, scale, out.data_ptr(), torch.get_num_threads())
+        if status == 1:
+            raise ValueError(f"unsupported attention shape: group {group}, head_dim {head_dim}")
+        if status == 2:
+            raise MemoryError("paged_decode_attention_f32: out of memory for the score buffer")
+
+
+_loaded: dict[Path, CpuKernels] = {}
+
+
+def load_cpu_kernels(cache_dir: Path) -> CpuKernels:
+    """Build (once per machine and source) and load the CPU kernels; raises CpuKernelBuildError."""
+    if cache_dir not in _loaded:
+        _loaded[cache_dir] = CpuKernels(ctypes.CDLL(str(_build(cache_dir))))
+    return _loaded[cache_dir]

@@ -1,0 +1,131 @@
+"""The C decode-attention kernel against the torch reference, its build cache and its
+fallbacks; oneDNN-packed linears against F.linear."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_native, reference
+from kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
+from services.worker.attention import CpuAttentionBackend, TorchAttentionBackend, make_attention_backend
+from services.worker.linear import Linear, onednn_packing_usable
+from tests.support.paged import ragged_batch
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    try:
+        return load_cpu_kernels(tmp_path_factory.mktemp("cache"))
+    except CpuKernelBuildError as exc:
+        pytest.skip(f"no C toolchain: {exc}")
+
+
+CASES = [  # (head_dim, heads, kv_heads, block_size): the specialised sizes and the generic path
+    (64, 9, 3, 16),   # the default model: GQA ratio 3
+    (64, 4, 4, 1),    # MHA, one token per block
+    (128, 8, 1, 32),  # MQA
+    (80, 6, 2, 16),   # a head_dim with no specialisation
+]
+
+
+@pytest.mark.parametrize(("head_dim", "heads", "kv_heads", "block_size"), CASES)
+def test_decode_attention_matches_reference(kernels, head_dim, heads, kv_heads, block_size):
+    # Contexts of one token, ending on and just past a block boundary, and long ones.
+    context_lens = [0, block_size - 1, block_size, 70, 300]
+    q, kc, vc, starts, seq_lens, tables = ragged_batch([1] * len(context_lens), context_lens, heads, kv_heads,
+                                                       head_dim, block_size, torch.float32, seed=head_dim)
+    scale = head_dim ** -0.5
+    out = torch.zeros_like(q)
+    rows = torch.arange(len(context_lens))
+    kernels.paged_decode_attention(q, kc, vc, tables, seq_lens, rows, rows, scale, out)
+    want = reference.paged_attention_ref(q, kc, vc, starts, seq_lens, tables, scale)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+
+
+def test_decode_attention_writes_only_the_given_rows_of_a_mixed_batch(kernels):
+    """Decodes sit among prefill chunks: request rows and token rows differ, the query is a
+    strided view (q split from a fused qk tensor), and other rows of `out` stay untouched."""
+    query_lens, context_lens = [4, 1, 3, 1], [5, 40, 0, 17]
+    q, kc, vc, starts, seq_lens, tables = ragged_batch(query_lens, context_lens, 6, 2, 64, 16, torch.float32, seed=3)
+    fused = torch.cat([q, torch.randn(q.shape[0], 2, 64)], dim=1)
+    q_view = fused[:, :6]
+    assert not q_view.is_contiguous()
+    out = torch.full_like(q, 7.0)
+    request_rows = torch.tensor([1, 3])
+    token_rows = starts[request_rows].long()
+    kernels.paged_decode_attention(q_view, kc, vc, tables, seq_lens, request_rows, token_rows, 0.125, out)
+    want = reference.paged_attention_ref(q, kc, vc, starts, seq_lens, tables, 0.125)
+    torch.testing.assert_close(out[token_rows], want[token_rows], atol=2e-5, rtol=2e-5)
+    others = torch.ones(q.shape[0], dtype=torch.bool)
+    others[token_rows] = False
+    assert bool((out[others] == 7.0).all())
+
+
+def test_decode_attention_rejects_wrong_dtypes_and_layouts(kernels):
+    q, kc, vc, _, seq_lens, tables = ragged_batch([1], [3], 4, 2, 64, 16, torch.float32)
+    rows = torch.arange(1)
+    out = torch.empty_like(q)
+    with pytest.raises(ValueError, match="block_tables"):
+        kernels.paged_decode_attention(q, kc, vc, tables.long(), seq_lens, rows, rows, 0.1, out)
+    with pytest.raises(ValueError, match="key_cache"):
+        kernels.paged_decode_attention(q, kc.transpose(1, 2), vc, tables, seq_lens, rows, rows, 0.1, out)
+    with pytest.raises(ValueError, match="query"):
+        kernels.paged_decode_attention(q.half(), kc, vc, tables, seq_lens, rows, rows, 0.1, out)
+
+
+def test_cpu_backend_matches_torch_backend_on_a_mixed_batch(kernels, tmp_path):
+    from services.worker.attention import AttentionMetadata
+
+    query_lens, context_lens = [1, 6, 1, 1], [31, 0, 2, 64]
+    q, kc, vc, starts, seq_lens, tables = ragged_batch(query_lens, context_lens, 9, 3, 64, 16, torch.float32, seed=5)
+    def meta():
+        return AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), query_start_loc=starts,
+                                 seq_lens=seq_lens, block_tables=tables, query_lens_cpu=query_lens,
+                                 seq_lens_cpu=seq_lens.tolist())
+    cpu = CpuAttentionBackend(tmp_path)
+    got = cpu.attend(q, kc, vc, meta(), 0.125)
+    want = TorchAttentionBackend().attend(q, kc, vc, meta(), 0.125)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_build_is_cached_per_source_and_compiler(kernels, tmp_path):
+    first = cpu_native._build(tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert cpu_native._build(tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no staging leftovers
+
+
+def test_missing_or_failing_compiler_is_a_clear_error_and_auto_falls_back(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", "no-such-compiler-vmesh")
+    with pytest.raises(CpuKernelBuildError, match="no-such-compiler-vmesh"):
+        cpu_native._build(tmp_path)
+    monkeypatch.setenv("CC", "false")  # found, but fails to compile
+    with pytest.raises(CpuKernelBuildError, match="failed"):
+        cpu_native._build(tmp_path / "other")
+    with caplog.at_level(logging.WARNING):
+        backend = make_attention_backend("auto", torch.device("cpu"), tmp_path / "third")
+    assert backend.name == "torch"
+    assert "CPU attention kernel unavailable" in caplog.text
+    with pytest.raises(CpuKernelBuildError):
+        make_attention_backend("cpu", torch.device("cpu"), tmp_path / "fourth")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64, 130])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_matches_f_linear(rows, with_bias):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 40, generator=g)
+    bias = torch.randn(96, generator=g) if with_bias else None
+    layer = Linear(weight, bias)
+    assert layer.packed == onednn_packing_usable(weight)
+    x = torch.randn(rows, 40, generator=g)
+    torch.testing.assert_close(layer(x), F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+    x3 = torch.randn(2, rows, 40, generator=g)[:, :, :]
+    torch.testing.assert_close(layer(x3), F.linear(x3, weight, bias), atol=1e-5, rtol=1e-5)
+    plain = Linear(weight, bias, pack=False)
+    assert not plain.packed
+    torch.testing.assert_close(plain(x), F.linear(x, weight, bias))
