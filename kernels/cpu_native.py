@@ -1,7 +1,7 @@
 """CPU kernels in C (`kernels/cpu/*.c`), compiled on first use with the machine's C compiler
 and loaded with ctypes.
 
-The shared object is cached under `<cache_dir>/kernels/`, keyed by a hash of the source,
+The shared object is cached under `<cache_dir>/kernels/`, keyed by a hash of the sources,
 the compiler's version and the flags, and written to a temporary name first, so processes
 starting at once never load a half-written file. Without a compiler the callers keep their
 pure-torch path; `load_cpu_kernels` says why in its error.
@@ -22,7 +22,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "cpu" / "paged_decode_attention.c"
+SOURCES = sorted((Path(__file__).parent / "cpu").glob("*.c"))
 # -march=native: the object is built on the machine that runs it, and cached per machine.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 MAX_HEADS, MAX_HEAD_DIM = 256, 256  # as in the C source
@@ -47,17 +47,18 @@ def _build(cache_dir: Path) -> Path:
     # -march=native differs by CPU; a cache dir shared between machines must not mix them.
     cpuinfo = Path("/proc/cpuinfo").read_bytes() if Path("/proc/cpuinfo").exists() else b""
     flags_line = next((line for line in cpuinfo.splitlines() if line.startswith(b"flags")), b"")
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(CFLAGS).encode() + flags_line).hexdigest()
-    target = cache_dir / "kernels" / f"{SOURCE.stem}-{key[:16]}.so"
+    sources = b"".join(path.name.encode() + path.read_bytes() for path in SOURCES)
+    key = hashlib.sha256(sources + version.encode() + " ".join(CFLAGS).encode() + flags_line).hexdigest()
+    target = cache_dir / "kernels" / f"vmesh-cpu-kernels-{key[:16]}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as staging:
         built = Path(staging) / target.name
-        result = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"],
+        result = subprocess.run([compiler, *CFLAGS, *map(str, SOURCES), "-o", str(built), "-lm"],
                                 capture_output=True, text=True, check=False)
         if result.returncode != 0:
-            raise CpuKernelBuildError(f"{compiler} failed on {SOURCE.name}:\n{result.stderr.strip()}")
+            raise CpuKernelBuildError(f"{compiler} failed on kernels/cpu:\n{result.stderr.strip()}")
         os.replace(built, target)
     logger.info("built CPU kernels: %s", target)
     return target
@@ -70,6 +71,19 @@ class CpuKernels:
         fn.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float, p, ctypes.c_int]
         fn.restype = ctypes.c_int
         self._decode = fn
+        linear = library.small_batch_linear_f32
+        linear.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int]
+        linear.restype = None
+        self._small_batch_linear = linear
+
+    def small_batch_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [rows, in] @ weight.T + bias for a few rows (memory bound: one pass over weight).
+        Every tensor must be contiguous float32 on the CPU; the caller (Linear) guarantees it."""
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+        self._small_batch_linear(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                                 out.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1],
+                                 torch.get_num_threads())
+        return out
 
     @staticmethod
     def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:

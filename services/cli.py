@@ -47,6 +47,8 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     _arg(g, "--max-num-seqs", type=int, default=256)
     _arg(g, "--max-model-len", type=int, default=None)
     _arg(g, "--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"])
+    _arg(g, "--no-small-batch-linear", action="store_true",
+         help="CPU: skip the 1-4 row linear kernel and the second copy of the weights it keeps")
 
 
 def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
@@ -85,7 +87,8 @@ def worker_config(args: argparse.Namespace):
         model=args.model, cache_dir=args.cache_dir, device=args.device, dtype=args.dtype, block_size=args.block_size,
         kv_cache_memory=parse_memory_size(args.kv_cache_memory) if args.kv_cache_memory else None,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, attention_backend=args.attention_backend)
+        max_model_len=args.max_model_len, attention_backend=args.attention_backend,
+        small_batch_linear=not args.no_small_batch_linear)
 
 
 def engine_config(args: argparse.Namespace):

@@ -31,15 +31,16 @@ static inline void prefetch_slot(const float *slot, int64_t floats) {
     for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(slot + i, 0, 3);
 }
 
-/* One request: its `heads` query heads (kv_heads groups of `group`) attend to seq_len cached
- * tokens. Every slot of a block holds all KV heads side by side, and a block is contiguous, so
+/* One request: the query heads of `part_kv_heads` consecutive KV heads (groups of `group`)
+ * attend to seq_len cached tokens; q, o and the caches point at the first of those heads.
+ * Every slot of a block holds all KV heads side by side, and a block is contiguous, so
  * walking token by token over all heads streams whole blocks. Inlined into a switch on
  * head_dim so that the common sizes get fully unrolled inner loops. */
 static inline __attribute__((always_inline)) void attend_request(
     const float *q, const float *key_cache, const float *value_cache, const int32_t *table, int64_t seq_len,
-    int64_t block_size, int64_t kv_heads, int64_t group, const int64_t head_dim, float scale,
-    float *scores /* [heads][seq_len] */, float *acc /* [heads][head_dim] */, float *o) {
-    const int64_t heads = kv_heads * group;
+    int64_t block_size, int64_t kv_heads, int64_t part_kv_heads, int64_t group, const int64_t head_dim,
+    float scale, float *scores /* [heads][seq_len] */, float *acc /* [heads][head_dim] */, float *o) {
+    const int64_t heads = part_kv_heads * group;
     const int64_t token_stride = kv_heads * head_dim;
     const int64_t block_stride = block_size * token_stride;
     for (int64_t start = 0, b = 0; start < seq_len; start += block_size, ++b) {
@@ -97,33 +98,36 @@ int paged_decode_attention_f32(const float *query, int64_t query_stride, const f
     const int64_t heads = kv_heads * group;
     int failed = 0;
 
+    /* Large batches: one work item per request, streaming whole blocks. Fewer requests than
+     * threads would idle cores, so then each (request, KV head) pair is an item. */
+    const int64_t parts = num_reqs < 2 * num_threads ? kv_heads : 1;
+    const int64_t heads_per_part = kv_heads / parts;
+
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t r = 0; r < num_reqs; ++r) {
+    for (int64_t item = 0; item < num_reqs * parts; ++item) {
+        const int64_t r = item / parts, h0 = (item % parts) * heads_per_part;
         const int64_t req = request_rows[r];
         const int64_t seq_len = seq_lens[req];
         const int32_t *table = block_tables + req * table_width;
-        const float *q = query + token_rows[r] * query_stride;
-        float *o = out + token_rows[r] * heads * head_dim;
-        float *scratch = malloc(sizeof(float) * (size_t)heads * (size_t)(seq_len + head_dim));
+        const float *q = query + token_rows[r] * query_stride + h0 * group * head_dim;
+        float *o = out + (token_rows[r] * heads + h0 * group) * head_dim;
+        const float *k = key_cache + h0 * head_dim, *v = value_cache + h0 * head_dim;
+        const int64_t part_heads = heads_per_part * group;
+        float *scratch = malloc(sizeof(float) * (size_t)part_heads * (size_t)(seq_len + head_dim));
         if (scratch == NULL) {
 #pragma omp atomic write
             failed = 2;
             continue;
         }
-        float *acc = scratch, *scores = scratch + heads * head_dim;
+        float *acc = scratch, *scores = scratch + part_heads * head_dim;
+#define ATTEND(dim) \
+    attend_request(q, k, v, table, seq_len, block_size, kv_heads, heads_per_part, group, dim, scale, scores, acc, o)
         switch (head_dim) {
-        case 64:
-            attend_request(q, key_cache, value_cache, table, seq_len, block_size, kv_heads, group, 64, scale, scores,
-                           acc, o);
-            break;
-        case 128:
-            attend_request(q, key_cache, value_cache, table, seq_len, block_size, kv_heads, group, 128, scale, scores,
-                           acc, o);
-            break;
-        default:
-            attend_request(q, key_cache, value_cache, table, seq_len, block_size, kv_heads, group, head_dim, scale,
-                           scores, acc, o);
+        case 64: ATTEND(64); break;
+        case 128: ATTEND(128); break;
+        default: ATTEND(head_dim);
         }
+#undef ATTEND
         free(scratch);
     }
     return failed;

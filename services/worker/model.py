@@ -6,8 +6,10 @@ share a forward pass. Logits are computed only at each request's last scheduled 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +19,9 @@ from services.worker.attention import AttentionBackend, AttentionMetadata
 from services.worker.kv_cache import KVCache
 from services.worker.linear import Linear
 from services.worker.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from kernels.cpu_native import CpuKernels
 
 
 class MissingWeightError(KeyError):
@@ -41,7 +46,8 @@ class FusedOps:
 
 
 class DecoderLayer:
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], prefix: str):
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], prefix: str,
+                 linear: Callable[..., Linear] = Linear):
         def take(name: str) -> torch.Tensor:
             key = prefix + name
             if key not in weights:
@@ -56,11 +62,11 @@ class DecoderLayer:
         self.post_attention_norm = take("post_attention_layernorm.weight")
         # q, k and v in one matmul; gate and up in another.
         biases = [optional(f"self_attn.{p}_proj.bias") for p in "qkv"]
-        self.qkv_proj = Linear(torch.cat([take(f"self_attn.{p}_proj.weight") for p in "qkv"]),
+        self.qkv_proj = linear(torch.cat([take(f"self_attn.{p}_proj.weight") for p in "qkv"]),
                                torch.cat(biases) if all(b is not None for b in biases) else None)
-        self.o_proj = Linear(take("self_attn.o_proj.weight"), optional("self_attn.o_proj.bias"))
-        self.gate_up_proj = Linear(torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]))
-        self.down_proj = Linear(take("mlp.down_proj.weight"))
+        self.o_proj = linear(take("self_attn.o_proj.weight"), optional("self_attn.o_proj.bias"))
+        self.gate_up_proj = linear(torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]))
+        self.down_proj = linear(take("mlp.down_proj.weight"))
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim ** -0.5
@@ -91,7 +97,7 @@ class DecoderLayer:
 
 class DecoderModel:
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype, max_positions: int):
+                 dtype: torch.dtype, max_positions: int, cpu_kernels: CpuKernels | None = None):
         weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
         self.spec = spec
         self.device = device
@@ -99,7 +105,8 @@ class DecoderModel:
         if "model.embed_tokens.weight" not in weights:
             raise MissingWeightError("model.embed_tokens.weight")
         self.embed = weights["model.embed_tokens.weight"]
-        self.layers = [DecoderLayer(spec, weights, f"model.layers.{i}.") for i in range(spec.num_layers)]
+        linear = functools.partial(Linear, small_batch_kernels=cpu_kernels)
+        self.layers = [DecoderLayer(spec, weights, f"model.layers.{i}.", linear) for i in range(spec.num_layers)]
         if "model.norm.weight" not in weights:
             raise MissingWeightError("model.norm.weight")
         self.final_norm = weights["model.norm.weight"]
@@ -108,7 +115,7 @@ class DecoderModel:
             raise MissingWeightError("lm_head.weight")
         # A fifth of all FLOPs for small models; with tied embeddings the packed copy is extra
         # memory (the lookup needs the plain table) that buys 1.8-2.4x on CPU.
-        self.lm_head = Linear(lm_head)
+        self.lm_head = linear(lm_head)
         self.rotary = RotaryEmbedding(spec, max_positions, device, dtype)
 
     @torch.inference_mode()

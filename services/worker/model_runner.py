@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
 from services.common.model_loading import (
     ModelLoadError,
     cache_dir_path,
@@ -45,6 +46,9 @@ class WorkerConfig:
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's own context length
     attention_backend: str = "auto"
+    # CPU, float32: 1-4 row linears through kernels/cpu (1.5x faster single streams), at the
+    # cost of a plain copy of the weights beside oneDNN's packed one.
+    small_batch_linear: bool = True
 
 
 def resolve_device(name: str) -> torch.device:
@@ -75,8 +79,14 @@ class ModelRunner:
         device = resolve_device(config.device)
         dtype = DTYPES[config.dtype]
         max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+        cpu_kernels = None
+        if config.small_batch_linear and device.type == "cpu" and dtype == torch.float32:
+            try:
+                cpu_kernels = load_cpu_kernels(cache_dir_path(config.cache_dir))
+            except CpuKernelBuildError as exc:
+                logger.warning("small-batch linear kernel unavailable (%s)", exc)
         try:
-            model = DecoderModel(spec, load_state_dict(model_dir), device, dtype, max_model_len)
+            model = DecoderModel(spec, load_state_dict(model_dir), device, dtype, max_model_len, cpu_kernels)
         except MissingWeightError as exc:
             raise ModelLoadError(f"checkpoint in {model_dir} lacks tensor {exc.args[0]}") from exc
         budget = kv_cache_budget(device, config.kv_cache_memory, config.kv_cache_memory_fraction)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from kernels import cpu_native, reference
 from kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
 from services.worker.attention import CpuAttentionBackend, TorchAttentionBackend, make_attention_backend
-from services.worker.linear import Linear, onednn_packing_usable
+from services.worker.linear import SMALL_BATCH_ROWS, Linear, onednn_packing_usable
 from tests.support.paged import ragged_batch
 
 
@@ -129,3 +129,20 @@ def test_packed_linear_matches_f_linear(rows, with_bias):
     plain = Linear(weight, bias, pack=False)
     assert not plain.packed
     torch.testing.assert_close(plain(x), F.linear(x, weight, bias))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 5])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_small_batch_linear_matches_f_linear(kernels, rows, with_bias, monkeypatch):
+    g = torch.Generator().manual_seed(10 + rows)
+    weight = torch.randn(300, 72, generator=g)
+    bias = torch.randn(300, generator=g) if with_bias else None
+    layer = Linear(weight, bias, small_batch_kernels=kernels)
+    calls = []
+    monkeypatch.setattr(kernels, "_small_batch_linear",
+                        lambda *a, f=kernels._small_batch_linear: calls.append(a[4]) or f(*a))
+    x = torch.randn(rows, 72, generator=g)
+    torch.testing.assert_close(layer(x), F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+    x3 = torch.randn(1, rows, 72, generator=g)
+    torch.testing.assert_close(layer(x3), F.linear(x3, weight, bias), atol=1e-5, rtol=1e-5)
+    assert calls == ([rows, rows] if rows <= SMALL_BATCH_ROWS else [])
