@@ -49,12 +49,15 @@ static inline __attribute__((always_inline)) void attend_request(
         const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
         for (int64_t t = 0; t < n; ++t, k += token_stride) {
             prefetch_slot(next + t * token_stride, token_stride);
-            for (int64_t hq = 0; hq < heads; ++hq) {
-                const float *qh = q + hq * head_dim, *kh = k + (hq / group) * head_dim;
-                float dot = 0.0f;
+            for (int64_t h = 0, hq = 0; h < part_kv_heads; ++h) {
+                const float *kh = k + h * head_dim;
+                for (int64_t g = 0; g < group; ++g, ++hq) {
+                    const float *qh = q + hq * head_dim;
+                    float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * kh[d];
-                scores[hq * seq_len + start + t] = dot * scale;
+                    for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * kh[d];
+                    scores[hq * seq_len + start + t] = dot * scale;
+                }
             }
         }
     }
@@ -76,12 +79,14 @@ static inline __attribute__((always_inline)) void attend_request(
         const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
         for (int64_t t = 0; t < n; ++t, v += token_stride) {
             prefetch_slot(next + t * token_stride, token_stride);
-            for (int64_t hq = 0; hq < heads; ++hq) {
-                const float p = scores[hq * seq_len + start + t];
-                const float *vh = v + (hq / group) * head_dim;
-                float *a = acc + hq * head_dim;
+            for (int64_t h = 0, hq = 0; h < part_kv_heads; ++h) {
+                const float *vh = v + h * head_dim;
+                for (int64_t g = 0; g < group; ++g, ++hq) {
+                    const float p = scores[hq * seq_len + start + t];
+                    float *a = acc + hq * head_dim;
 #pragma omp simd
-                for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vh[d];
+                    for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vh[d];
+                }
             }
         }
     }
