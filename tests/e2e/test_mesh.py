@@ -199,17 +199,20 @@ def test_sigterm_drains_in_flight_requests():
         async def main():
             assert await _health(mesh.address) == health_pb2.HealthCheckResponse.SERVING
             async with VmeshClient(mesh.address) as client:
-                task = asyncio.create_task(client.complete(text="Tell me a story", max_tokens=40, ignore_eos=True))
-                await asyncio.sleep(1.0)
+                # Signalled once tokens flow, with far more still to come than the 0.3 s health
+                # check takes however fast the worker is.
+                stream = client.generate(text="Tell me a story", max_tokens=200, ignore_eos=True)
+                outputs = [await stream.__anext__()]
                 mesh.process.send_signal(15)
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(0.3)
                 # Draining: health says NOT_SERVING while the request still streams to the end.
                 draining = await _health(mesh.address)
-                return draining, await task
+                outputs += [o async for o in stream]
+                return draining, outputs
 
-        draining, (_text, ids, last) = asyncio.run(main())
+        draining, outputs = asyncio.run(main())
         assert draining == health_pb2.HealthCheckResponse.NOT_SERVING
-        assert len(ids) == 40 and last.finish_reason == 2
+        assert sum(len(o.token_ids) for o in outputs) == 200 and outputs[-1].finish_reason == 2
     finally:
         assert mesh.stop() == 0
 
