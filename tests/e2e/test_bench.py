@@ -62,3 +62,13 @@ def test_claims(tmp_path):
 def test_detokenizer(tmp_path):
     r = bench(tmp_path, "detokenizer", "--requests", "4", "--max-tokens", "5", "--replicas", "1", "2")
     assert set(r["tokens_per_s"]) == {"1", "2"} and all(positive(v) for v in r["tokens_per_s"].values())
+
+
+@pytest.mark.parametrize("flags", [[], ["--attention-backend", "torch", "--no-small-batch-linear", "--profile"]])
+def test_decode_step_script_runs(flags):
+    done = subprocess.run([sys.executable, "-m", "benchmarks.decode_step", "--batch", "2", "--context", "20",
+                           "--steps", "2", *flags], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    backend = "torch" if flags else "cpu"
+    assert f"batch 2, context 20, attention {backend}:" in done.stdout
+    assert ("Self CPU time total" in done.stdout) == bool(flags)
