@@ -7,6 +7,7 @@ share a forward pass. Logits are computed only at each request's last scheduled 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,6 +23,9 @@ from services.worker.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
     from kernels.cpu_native import CpuKernels
+
+
+logger = logging.getLogger(__name__)
 
 
 class MissingWeightError(KeyError):
@@ -71,6 +75,9 @@ class DecoderLayer:
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim ** -0.5
 
+    def projections(self) -> list[Linear]:
+        return [self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj]
+
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
                 backend: AttentionBackend, ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,6 +124,13 @@ class DecoderModel:
         # memory (the lookup needs the plain table) that buys 1.8-2.4x on CPU.
         self.lm_head = linear(lm_head)
         self.rotary = RotaryEmbedding(spec, max_positions, device, dtype)
+        linears = [self.lm_head] + [p for layer in self.layers for p in layer.projections()]
+        # Packed layers that still hold their plain weight keep it for the small-batch kernel.
+        kept = [p.weight for p in linears if p.packed and p.weight is not None and p.weight is not self.embed]
+        plain = sum(w.nbytes for w in kept)
+        if plain:
+            logger.info("small-batch linear kernel: %.0f MiB of plain weights kept beside the packed ones "
+                        "(--no-small-batch-linear frees them)", plain / (1 << 20))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
