@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -90,30 +91,50 @@ class CpuKernels:
         return (query.device.type == "cpu" and query.dtype == key_cache.dtype == torch.float32
                 and query.shape[1] <= MAX_HEADS and key_cache.shape[3] <= MAX_HEAD_DIM)
 
+    @staticmethod
+    def decode_metadata(block_tables: torch.Tensor, seq_lens: torch.Tensor, request_rows: torch.Tensor,
+                        token_rows: torch.Tensor) -> DecodeMetadata:
+        """Checked once per step; every layer's call reuses it."""
+        _require_contiguous_cpu(("block_tables", block_tables, torch.int32), ("seq_lens", seq_lens, torch.int32),
+                                ("request_rows", request_rows, torch.int64), ("token_rows", token_rows, torch.int64))
+        return DecodeMetadata(block_tables, seq_lens, request_rows, token_rows)
+
     def paged_decode_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                               block_tables: torch.Tensor, seq_lens: torch.Tensor, request_rows: torch.Tensor,
-                               token_rows: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+                               metadata: DecodeMetadata, scale: float, out: torch.Tensor) -> None:
         """Writes out[token_rows[r]] = attention of query[token_rows[r]] over request request_rows[r]'s
         first seq_lens[request_rows[r]] cached tokens. Shapes and layouts: see the C source."""
         if query.dtype != torch.float32 or query.stride(2) != 1 or query.stride(1) != query.shape[2]:
             raise ValueError("query must be float32 with each token's heads contiguous")
-        for name, t, dtype in (("key_cache", key_cache, torch.float32), ("value_cache", value_cache, torch.float32),
-                               ("out", out, torch.float32),
-                               ("block_tables", block_tables, torch.int32), ("seq_lens", seq_lens, torch.int32),
-                               ("request_rows", request_rows, torch.int64), ("token_rows", token_rows, torch.int64)):
-            if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
-                raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor, got {t.dtype} "
-                                 f"(contiguous={t.is_contiguous()}, device={t.device})")
+        _require_contiguous_cpu(("key_cache", key_cache, torch.float32), ("value_cache", value_cache, torch.float32),
+                                ("out", out, torch.float32))
+        m = metadata
         _, block_size, kv_heads, head_dim = key_cache.shape
         group = query.shape[1] // kv_heads
         status = self._decode(query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
-                              block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(),
-                              request_rows.data_ptr(), token_rows.data_ptr(), request_rows.numel(), kv_heads,
+                              m.block_tables.data_ptr(), m.block_tables.shape[1], m.seq_lens.data_ptr(),
+                              m.request_rows.data_ptr(), m.token_rows.data_ptr(), m.request_rows.numel(), kv_heads,
                               group, head_dim, block_size, scale, out.data_ptr(), torch.get_num_threads())
         if status == 1:
             raise ValueError(f"unsupported attention shape: group {group}, head_dim {head_dim}")
         if status == 2:
             raise MemoryError("paged_decode_attention_f32: out of memory for the score buffer")
+
+
+@dataclass(frozen=True)
+class DecodeMetadata:
+    """Which requests decode this step: rows of block_tables/seq_lens and their query token rows."""
+
+    block_tables: torch.Tensor  # [num_reqs, width] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    request_rows: torch.Tensor  # [num_decodes] int64
+    token_rows: torch.Tensor  # [num_decodes] int64
+
+
+def _require_contiguous_cpu(*tensors: tuple[str, torch.Tensor, torch.dtype]) -> None:
+    for name, t, dtype in tensors:
+        if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor, got {t.dtype} "
+                             f"(contiguous={t.is_contiguous()}, device={t.device})")
 
 
 _loaded: dict[Path, CpuKernels] = {}

@@ -97,7 +97,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _plan_padded(meta: AttentionMetadata, rows: torch.Tensor, block_size: int):
-        num_blocks = -(-int(meta.seq_lens[rows].max()) // block_size)
+        longest = max(seq for seq, n in zip(meta.seq_lens_cpu, meta.query_lens_cpu) if n == 1)  # host, no sync
+        num_blocks = -(-longest // block_size)
         positions = torch.arange(num_blocks * block_size, device=meta.seq_lens.device)
         mask = (positions[None, :] < meta.seq_lens[rows].to(positions.dtype)[:, None])[:, None, None, :]
         return meta.block_tables[rows], num_blocks, mask
@@ -151,9 +152,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if not self._kernels.supports(query, key_cache):
             super()._attend_decodes(query, key_cache, value_cache, meta, scale, decodes, out)
             return
-        rows, token_index = decodes
-        self._kernels.paged_decode_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, rows,
-                                             token_index, scale, out)
+        if "cpu_decodes" not in meta.backend_cache:
+            meta.backend_cache["cpu_decodes"] = self._kernels.decode_metadata(meta.block_tables, meta.seq_lens,
+                                                                              *decodes)
+        self._kernels.paged_decode_attention(query, key_cache, value_cache, meta.backend_cache["cpu_decodes"], scale,
+                                             out)
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -41,7 +41,7 @@ def test_decode_attention_matches_reference(kernels, head_dim, heads, kv_heads, 
     scale = head_dim ** -0.5
     out = torch.zeros_like(q)
     rows = torch.arange(len(context_lens))
-    kernels.paged_decode_attention(q, kc, vc, tables, seq_lens, rows, rows, scale, out)
+    kernels.paged_decode_attention(q, kc, vc, kernels.decode_metadata(tables, seq_lens, rows, rows), scale, out)
     want = reference.paged_attention_ref(q, kc, vc, starts, seq_lens, tables, scale)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
 
@@ -57,7 +57,8 @@ def test_decode_attention_writes_only_the_given_rows_of_a_mixed_batch(kernels):
     out = torch.full_like(q, 7.0)
     request_rows = torch.tensor([1, 3])
     token_rows = starts[request_rows].long()
-    kernels.paged_decode_attention(q_view, kc, vc, tables, seq_lens, request_rows, token_rows, 0.125, out)
+    metadata = kernels.decode_metadata(tables, seq_lens, request_rows, token_rows)
+    kernels.paged_decode_attention(q_view, kc, vc, metadata, 0.125, out)
     want = reference.paged_attention_ref(q, kc, vc, starts, seq_lens, tables, 0.125)
     torch.testing.assert_close(out[token_rows], want[token_rows], atol=2e-5, rtol=2e-5)
     others = torch.ones(q.shape[0], dtype=torch.bool)
@@ -70,11 +71,12 @@ def test_decode_attention_rejects_wrong_dtypes_and_layouts(kernels):
     rows = torch.arange(1)
     out = torch.empty_like(q)
     with pytest.raises(ValueError, match="block_tables"):
-        kernels.paged_decode_attention(q, kc, vc, tables.long(), seq_lens, rows, rows, 0.1, out)
+        kernels.decode_metadata(tables.long(), seq_lens, rows, rows)
+    metadata = kernels.decode_metadata(tables, seq_lens, rows, rows)
     with pytest.raises(ValueError, match="key_cache"):
-        kernels.paged_decode_attention(q, kc.transpose(1, 2), vc, tables, seq_lens, rows, rows, 0.1, out)
+        kernels.paged_decode_attention(q, kc.transpose(1, 2), vc, metadata, 0.1, out)
     with pytest.raises(ValueError, match="query"):
-        kernels.paged_decode_attention(q.half(), kc, vc, tables, seq_lens, rows, rows, 0.1, out)
+        kernels.paged_decode_attention(q.half(), kc, vc, metadata, 0.1, out)
 
 
 def test_cpu_backend_matches_torch_backend_on_a_mixed_batch(kernels, tmp_path):
