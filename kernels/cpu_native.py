@@ -18,6 +18,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -67,15 +68,66 @@ def _build(cache_dir: Path) -> Path:
 
 class CpuKernels:
     def __init__(self, library: ctypes.CDLL):
-        fn = library.paged_decode_attention_f32
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float, p, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        self._decode = fn
-        linear = library.small_batch_linear_f32
-        linear.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int]
-        linear.restype = None
-        self._small_batch_linear = linear
+        p, i64, f32, threads = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+        self._decode = _bind(library.paged_decode_attention_f32,
+                             [p, i64, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, f32, p, threads], ctypes.c_int)
+        self._small_batch_linear = _bind(library.small_batch_linear_f32, [p, p, p, p, i64, i64, i64, threads])
+        self._add_rms_norm = _bind(library.add_rms_norm_f32, [p, p, p, p, i64, i64, f32, threads])
+        self._silu_and_mul = _bind(library.silu_and_mul_f32, [p, p, i64, i64, threads])
+        self._rotary_write_kv = _bind(library.rotary_write_kv_f32,
+                                      [p, i64, i64, i64, i64, i64, p, p, p, p, p, threads])
+
+    # The elementwise ops below run 3-4 times per layer: they check only dtype and layout,
+    # which is what a wrong pointer would corrupt memory through.
+
+    def add_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """kernels.reference.rms_norm_ref's contract for 2-D float32 x, except that `residual`
+        is updated in place to x + residual (and returned) rather than copied."""
+        if residual is None:
+            _require_contiguous_cpu(("x", x, torch.float32), ("weight", weight, torch.float32))
+            out = torch.empty_like(x)
+            self._add_rms_norm(0, x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
+                               torch.get_num_threads())
+            return out
+        _require_contiguous_cpu(("x", x, torch.float32), ("residual", residual, torch.float32),
+                                ("weight", weight, torch.float32))
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+        out = torch.empty_like(x)
+        self._add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0],
+                           x.shape[1], eps, torch.get_num_threads())
+        return out, residual
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[rows, 2 * inter] (gate, up) -> silu(gate) * up, as kernels.reference.silu_and_mul_ref."""
+        _require_contiguous_cpu(("gate_up", gate_up, torch.float32))
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, inter, dtype=torch.float32)
+        self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter, torch.get_num_threads())
+        return out
+
+    def rotary_write_kv(self, qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                        key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """qkv [tokens, (heads + 2 kv_heads) * head_dim], rows contiguous: rotates queries and
+        keys in place (RotaryEmbedding.apply), writes keys and values to the caches at
+        slot_mapping (-1: skipped) and returns the queries, a [tokens, heads, head_dim] view.
+        cos, sin: [tokens, head_dim] (or [tokens, 1, head_dim]) rows for the tokens' positions."""
+        head_dim = key_cache.shape[3]
+        if qkv.dtype != torch.float32 or qkv.stride(1) != 1 or qkv.shape[1] != (heads + 2 * kv_heads) * head_dim:
+            raise ValueError(f"qkv must be float32 [tokens, {(heads + 2 * kv_heads) * head_dim}] with contiguous rows")
+        if key_cache.shape[2] != kv_heads or head_dim % 2:
+            raise ValueError(f"caches of shape {tuple(key_cache.shape)} do not fit {kv_heads} KV heads")
+        _require_contiguous_cpu(("cos", cos, torch.float32), ("sin", sin, torch.float32),
+                                ("key_cache", key_cache, torch.float32), ("value_cache", value_cache, torch.float32),
+                                ("slot_mapping", slot_mapping, torch.int64))
+        tokens = qkv.shape[0]
+        if cos.numel() != tokens * head_dim or sin.numel() != tokens * head_dim or slot_mapping.numel() != tokens:
+            raise ValueError("cos, sin and slot_mapping need one row per token")
+        self._rotary_write_kv(qkv.data_ptr(), tokens, qkv.stride(0), heads, kv_heads, head_dim, cos.data_ptr(),
+                              sin.data_ptr(), slot_mapping.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                              torch.get_num_threads())
+        return qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
 
     def small_batch_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, in] @ weight.T + bias for a few rows (memory bound: one pass over weight).
@@ -128,6 +180,11 @@ class DecodeMetadata:
     seq_lens: torch.Tensor  # [num_reqs] int32
     request_rows: torch.Tensor  # [num_decodes] int64
     token_rows: torch.Tensor  # [num_decodes] int64
+
+
+def _bind(fn: Any, argtypes: list[Any], restype: Any = None) -> Any:
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
 
 
 def _require_contiguous_cpu(*tensors: tuple[str, torch.Tensor, torch.dtype]) -> None:

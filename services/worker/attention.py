@@ -146,16 +146,16 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self, cache_dir: Path | None = None) -> None:
         from kernels.cpu_native import load_cpu_kernels
 
-        self._kernels = load_cpu_kernels(cache_dir_path(cache_dir))
+        self.kernels = load_cpu_kernels(cache_dir_path(cache_dir))
 
     def _attend_decodes(self, query, key_cache, value_cache, meta, scale, decodes, out):
-        if not self._kernels.supports(query, key_cache):
+        if not self.kernels.supports(query, key_cache):
             super()._attend_decodes(query, key_cache, value_cache, meta, scale, decodes, out)
             return
         if "cpu_decodes" not in meta.backend_cache:
-            meta.backend_cache["cpu_decodes"] = self._kernels.decode_metadata(meta.block_tables, meta.seq_lens,
+            meta.backend_cache["cpu_decodes"] = self.kernels.decode_metadata(meta.block_tables, meta.seq_lens,
                                                                               *decodes)
-        self._kernels.paged_decode_attention(query, key_cache, value_cache, meta.backend_cache["cpu_decodes"], scale,
+        self.kernels.paged_decode_attention(query, key_cache, value_cache, meta.backend_cache["cpu_decodes"], scale,
                                              out)
 
 

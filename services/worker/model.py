@@ -16,7 +16,7 @@ import torch
 
 from kernels.reference import rms_norm_ref, silu_and_mul_ref
 from services.common.model_spec import ModelSpec
-from services.worker.attention import AttentionBackend, AttentionMetadata
+from services.worker.attention import AttentionBackend, AttentionMetadata, CpuAttentionBackend
 from services.worker.kv_cache import KVCache
 from services.worker.linear import Linear
 from services.worker.rotary import RotaryEmbedding
@@ -34,18 +34,26 @@ class MissingWeightError(KeyError):
 
 @dataclass(frozen=True)
 class FusedOps:
-    """RMSNorm (optionally fused with the residual add) and SiLU-and-multiply: the torch
-    references on CPU, the Triton kernels alongside the Triton attention backend."""
+    """RMSNorm (optionally fused with the residual add), SiLU-and-multiply and, where the
+    backend has it, rotary embedding fused with the KV-cache write: the torch references by
+    default, the Triton kernels alongside the Triton attention backend, the C kernels of
+    `kernels/cpu` alongside the CPU one (float32)."""
 
     rms_norm: Callable
     silu_and_mul: Callable
+    # (qkv, heads, kv_heads, cos, sin, key_cache, value_cache, slot_mapping) -> queries; None:
+    # RotaryEmbedding.apply and the backend's write_kv as separate steps.
+    rotary_write_kv: Callable | None = None
 
     @classmethod
-    def for_backend(cls, backend: AttentionBackend) -> FusedOps:
+    def for_backend(cls, backend: AttentionBackend, dtype: torch.dtype) -> FusedOps:
         if backend.name == "triton":
             from kernels.fused_ops import rms_norm, silu_and_mul
 
             return cls(rms_norm, silu_and_mul)
+        if isinstance(backend, CpuAttentionBackend) and dtype == torch.float32:
+            kernels = backend.kernels
+            return cls(kernels.add_rms_norm, kernels.silu_and_mul, kernels.rotary_write_kv)
         return cls(rms_norm_ref, silu_and_mul_ref)
 
 
@@ -90,12 +98,16 @@ class DecoderLayer:
         else:
             x, residual = ops.rms_norm(hidden, self.input_norm, eps, residual)
         qkv = self.qkv_proj(x)
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # Queries and keys rotate in one pass.
-        qk = RotaryEmbedding.apply(qk.reshape(-1, spec.num_heads + spec.num_kv_heads, spec.head_dim), *rope)
-        q, k = qk.split([spec.num_heads, spec.num_kv_heads], dim=1)
-        v = v.reshape(-1, spec.num_kv_heads, spec.head_dim)
-        backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        if ops.rotary_write_kv is not None:
+            q = ops.rotary_write_kv(qkv, spec.num_heads, spec.num_kv_heads, *rope, key_cache, value_cache,
+                                    meta.slot_mapping)
+        else:
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            # Queries and keys rotate in one pass.
+            qk = RotaryEmbedding.apply(qk.reshape(-1, spec.num_heads + spec.num_kv_heads, spec.head_dim), *rope)
+            q, k = qk.split([spec.num_heads, spec.num_kv_heads], dim=1)
+            v = v.reshape(-1, spec.num_kv_heads, spec.head_dim)
+            backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         attn = backend.attend(q, key_cache, value_cache, meta, self.scale)
         attn_out = self.o_proj(attn.reshape(-1, self.q_size))
         x, residual = ops.rms_norm(attn_out, self.post_attention_norm, eps, residual)
@@ -137,7 +149,7 @@ class DecoderModel:
                 kv_cache: KVCache, backend: AttentionBackend, logits_indices: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed[input_ids], None
         rope = self.rotary.tables(positions)
-        ops = FusedOps.for_backend(backend)
+        ops = FusedOps.for_backend(backend, self.dtype)
         for i, layer in enumerate(self.layers):
             hidden, residual = layer.forward(hidden, residual, rope, kv_cache.key_caches[i],
                                              kv_cache.value_caches[i], meta, backend, ops)

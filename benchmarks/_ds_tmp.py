@@ -1,0 +1,79 @@
+"""Milliseconds per decode step of the model runner alone, optionally with a torch profile.
+
+B requests each hold a CONTEXT-token prompt in the KV cache; every timed step decodes one
+token for each. The per-change figures in benchmarks/README.md come from this script.
+
+    .venv/bin/python -m benchmarks.decode_step --batch 64 --context 128 [--steps 10] [--profile]
+    .venv/bin/python -m benchmarks.decode_step --batch 1 --attention-backend torch --no-small-batch-linear
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from services.common.model_loading import load_model_spec, resolve_model_dir
+from services.common.sampling_params import SamplingParams
+from services.common.step_types import NewRequest, StepPlan
+from services.worker.kv_cache import bytes_per_block
+from services.worker.model_runner import ModelRunner, WorkerConfig
+
+WARMUP_STEPS = 3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--context", type=int, default=128, help="cached prompt tokens per request")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--no-small-batch-linear", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="print a torch profile of 5 more steps")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    decode_steps = WARMUP_STEPS + args.steps + (5 if args.profile else 0)
+    config = WorkerConfig(model=str(resolve_model_dir(None)), max_num_seqs=int(__import__("os").environ.get("MNS", args.batch)),
+                          attention_backend=args.attention_backend, small_batch_linear=not args.no_small_batch_linear)
+    block_size = config.block_size
+    blocks_per_request = -(-(args.context + decode_steps) // block_size)
+    spec = load_model_spec(resolve_model_dir(None))
+    config.kv_cache_memory = int(__import__("os").environ.get("KVM", 0)) or args.batch * blocks_per_request * bytes_per_block(spec, block_size, torch.float32)
+    runner = ModelRunner.load(config)
+    handles = list(range(args.batch))
+    params = SamplingParams(temperature=0, max_tokens=decode_steps + 1, ignore_eos=True)
+    plan = StepPlan(step=0, scheduled_handles=list(handles), num_scheduled_tokens=[args.context] * args.batch)
+    for i in handles:
+        prompt = [(7 * i + j) % 1000 + 1 for j in range(args.context)]
+        blocks = list(range(i * blocks_per_request, (i + 1) * blocks_per_request))
+        plan.new_requests.append(NewRequest(i, prompt, args.context, params, blocks))
+    runner.execute(plan)
+    step = 1
+
+    def decode() -> None:
+        nonlocal step
+        runner.execute(StepPlan(step, scheduled_handles=list(handles), num_scheduled_tokens=[1] * args.batch))
+        step += 1
+
+    for _ in range(WARMUP_STEPS):
+        decode()
+    started = time.perf_counter()
+    for _ in range(args.steps):
+        decode()
+    elapsed = time.perf_counter() - started
+    print(f"batch {args.batch}, context {args.context}, attention {runner.backend.name}: "
+          f"{elapsed / args.steps * 1e3:.1f} ms/step, {args.batch * args.steps / elapsed:.1f} tokens/s")
+    if args.profile:
+        from torch.profiler import profile
+
+        with profile() as prof:
+            for _ in range(5):
+                decode()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+
+if __name__ == "__main__":
+    main()

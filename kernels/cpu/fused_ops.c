@@ -1,0 +1,107 @@
+/* The elementwise work of a decoder layer on CPU, one pass per fused step.
+ *
+ * At decode batch sizes each of these is a few tens of thousands of floats: a torch op
+ * costs more in dispatch and in extra passes over memory (RMSNorm is five ops, rotary five,
+ * the KV write two) than in arithmetic. Results follow kernels/reference.py; only the order
+ * of the RMSNorm sum and the last bits of exp differ from torch.
+ *
+ * Layouts (float32): rows are `stride` floats apart where a stride is given, else contiguous.
+ * Built with -fopenmp, sharing torch's OpenMP runtime (see paged_decode_attention.c).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Below this many floats a pass is cheaper on one thread than the fork and join. */
+#define PARALLEL_MIN_FLOATS 16384
+
+/* exp(x) for the float range, vectorisable inside `omp simd` loops (libm's expf is not):
+ * x = n ln2 + r with |r| <= ln2/2, exp(r) by a degree-6 polynomial (relative error ~2e-7),
+ * 2^n put straight into the exponent bits. n is rounded by adding and subtracting 1.5 * 2^23
+ * because floorf and rintf do not vectorise without -ffast-math. */
+static inline float exp_f32(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = fmaf(n, -0.693359375f, x);
+    r = fmaf(n, 2.12194440e-4f, r);
+    float p = 1.0f / 720.0f;
+    p = fmaf(p, r, 1.0f / 120.0f);
+    p = fmaf(p, r, 1.0f / 24.0f);
+    p = fmaf(p, r, 1.0f / 6.0f);
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.0f);
+    p = fmaf(p, r, 1.0f);
+    const int32_t exponent_bits = ((int32_t)n + 127) << 23;
+    float two_to_n;
+    memcpy(&two_to_n, &exponent_bits, sizeof two_to_n);
+    return p * two_to_n;
+}
+
+/* residual <- x + residual (skipped when x is NULL), out <- weight * (residual / rms(residual)).
+ * out may not alias residual; x may. */
+void add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out, int64_t rows, int64_t dim,
+                      float eps, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * dim >= PARALLEL_MIN_FLOATS)
+    for (int64_t r = 0; r < rows; ++r) {
+        float *h = residual + r * dim;
+        float *o = out + r * dim;
+        float sum_squares = 0.0f;
+        if (x != NULL) {
+            const float *xr = x + r * dim;
+#pragma omp simd reduction(+ : sum_squares)
+            for (int64_t i = 0; i < dim; ++i) {
+                h[i] += xr[i];
+                sum_squares += h[i] * h[i];
+            }
+        } else {
+#pragma omp simd reduction(+ : sum_squares)
+            for (int64_t i = 0; i < dim; ++i) sum_squares += h[i] * h[i];
+        }
+        const float inv_rms = 1.0f / sqrtf(sum_squares / (float)dim + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) o[i] = weight[i] * (h[i] * inv_rms);
+    }
+}
+
+/* gate_up [rows, 2 * inter] (gate, then up) -> out [rows, inter] = silu(gate) * up. */
+void silu_and_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * inter >= PARALLEL_MIN_FLOATS)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *g = gate_up + r * 2 * inter, *u = g + inter;
+        float *o = out + r * inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
+    }
+}
+
+/* qkv [rows, (heads + 2 * kv_heads) * head_dim], rows `stride` floats apart: queries, keys,
+ * values. Rotates the queries and keys in place (halves, as Llama and Qwen2 do: with x1, x2
+ * the two halves, x1 cos - x2 sin and x2 cos + x1 sin), then copies each row's keys and
+ * values into slot slot_mapping[row] of the caches [num_slots, kv_heads * head_dim]; a
+ * negative slot is skipped. cos, sin: [rows, head_dim], this step's positions. */
+void rotary_write_kv_f32(float *qkv, int64_t rows, int64_t stride, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                         const float *cos, const float *sin, const int64_t *slot_mapping, float *key_cache,
+                         float *value_cache, int num_threads) {
+    const int64_t half = head_dim / 2, kv_floats = kv_heads * head_dim;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * stride >= PARALLEL_MIN_FLOATS)
+    for (int64_t r = 0; r < rows; ++r) {
+        float *row = qkv + r * stride;
+        const float *c = cos + r * head_dim, *s = sin + r * head_dim;
+        for (int64_t h = 0; h < heads + kv_heads; ++h) {
+            float *x1 = row + h * head_dim, *x2 = x1 + half;
+#pragma omp simd
+            for (int64_t i = 0; i < half; ++i) {
+                const float a = x1[i], b = x2[i];
+                const float rotated_first = a * c[i] - b * s[i];
+                x2[i] = b * c[i + half] + a * s[i + half];
+                x1[i] = rotated_first;
+            }
+        }
+        const int64_t slot = slot_mapping[r];
+        if (slot >= 0) {
+            const float *k = row + heads * head_dim;
+            memcpy(key_cache + slot * kv_floats, k, sizeof(float) * (size_t)kv_floats);
+            memcpy(value_cache + slot * kv_floats, k + kv_floats, sizeof(float) * (size_t)kv_floats);
+        }
+    }
+}
