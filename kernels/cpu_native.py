@@ -24,7 +24,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = sorted((Path(__file__).parent / "cpu").glob("*.c"))
+KERNEL_DIR = Path(__file__).parent / "cpu"
+SOURCES = sorted(KERNEL_DIR.glob("*.c"))
+HEADERS = sorted(KERNEL_DIR.glob("*.h"))
 # -march=native: the object is built on the machine that runs it, and cached per machine.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 MAX_HEADS, MAX_HEAD_DIM = 256, 256  # as in the C source
@@ -49,7 +51,7 @@ def _build(cache_dir: Path) -> Path:
     # -march=native differs by CPU; a cache dir shared between machines must not mix them.
     cpuinfo = Path("/proc/cpuinfo").read_bytes() if Path("/proc/cpuinfo").exists() else b""
     flags_line = next((line for line in cpuinfo.splitlines() if line.startswith(b"flags")), b"")
-    sources = b"".join(path.name.encode() + path.read_bytes() for path in SOURCES)
+    sources = b"".join(path.name.encode() + path.read_bytes() for path in SOURCES + HEADERS)
     key = hashlib.sha256(sources + version.encode() + " ".join(CFLAGS).encode() + flags_line).hexdigest()
     target = cache_dir / "kernels" / f"vmesh-cpu-kernels-{key[:16]}.so"
     if target.is_file():
@@ -69,7 +71,7 @@ def _build(cache_dir: Path) -> Path:
 class CpuKernels:
     def __init__(self, library: ctypes.CDLL):
         p, i64, f32, threads = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-        self._decode = _bind(library.paged_decode_attention_f32,
+        self._attention = _bind(library.paged_attention_f32,
                              [p, i64, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, f32, p, threads], ctypes.c_int)
         self._small_batch_linear = _bind(library.small_batch_linear_f32, [p, p, p, p, i64, i64, i64, threads])
         self._add_rms_norm = _bind(library.add_rms_norm_f32, [p, p, p, p, i64, i64, f32, threads])
@@ -144,42 +146,47 @@ class CpuKernels:
                 and query.shape[1] <= MAX_HEADS and key_cache.shape[3] <= MAX_HEAD_DIM)
 
     @staticmethod
-    def decode_metadata(block_tables: torch.Tensor, seq_lens: torch.Tensor, request_rows: torch.Tensor,
-                        token_rows: torch.Tensor) -> DecodeMetadata:
+    def attention_items(block_tables: torch.Tensor, request_rows: torch.Tensor, token_rows: torch.Tensor,
+                        context_lens: torch.Tensor) -> AttentionItems:
         """Checked once per step; every layer's call reuses it."""
-        _require_contiguous_cpu(("block_tables", block_tables, torch.int32), ("seq_lens", seq_lens, torch.int32),
-                                ("request_rows", request_rows, torch.int64), ("token_rows", token_rows, torch.int64))
-        return DecodeMetadata(block_tables, seq_lens, request_rows, token_rows)
+        _require_contiguous_cpu(("block_tables", block_tables, torch.int32),
+                                ("request_rows", request_rows, torch.int64), ("token_rows", token_rows, torch.int64),
+                                ("context_lens", context_lens, torch.int32))
+        if not request_rows.numel() == token_rows.numel() == context_lens.numel():
+            raise ValueError("request_rows, token_rows and context_lens need one entry per query token")
+        return AttentionItems(block_tables, request_rows, token_rows, context_lens)
 
-    def paged_decode_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                               metadata: DecodeMetadata, scale: float, out: torch.Tensor) -> None:
-        """Writes out[token_rows[r]] = attention of query[token_rows[r]] over request request_rows[r]'s
-        first seq_lens[request_rows[r]] cached tokens. Shapes and layouts: see the C source."""
+    def paged_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        items: AttentionItems, scale: float, out: torch.Tensor) -> None:
+        """For each item i, writes out[token_rows[i]] = attention of query[token_rows[i]] over the
+        first context_lens[i] cached tokens of block_tables[request_rows[i]]. Shapes and
+        layouts: see kernels/cpu/paged_attention.c."""
         if query.dtype != torch.float32 or query.stride(2) != 1 or query.stride(1) != query.shape[2]:
             raise ValueError("query must be float32 with each token's heads contiguous")
         _require_contiguous_cpu(("key_cache", key_cache, torch.float32), ("value_cache", value_cache, torch.float32),
                                 ("out", out, torch.float32))
-        m = metadata
         _, block_size, kv_heads, head_dim = key_cache.shape
         group = query.shape[1] // kv_heads
-        status = self._decode(query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
-                              m.block_tables.data_ptr(), m.block_tables.shape[1], m.seq_lens.data_ptr(),
-                              m.request_rows.data_ptr(), m.token_rows.data_ptr(), m.request_rows.numel(), kv_heads,
-                              group, head_dim, block_size, scale, out.data_ptr(), torch.get_num_threads())
+        status = self._attention(query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+                                 items.block_tables.data_ptr(), items.block_tables.shape[1],
+                                 items.request_rows.data_ptr(), items.token_rows.data_ptr(),
+                                 items.context_lens.data_ptr(), items.token_rows.numel(), kv_heads, group, head_dim,
+                                 block_size, scale, out.data_ptr(), torch.get_num_threads())
         if status == 1:
             raise ValueError(f"unsupported attention shape: group {group}, head_dim {head_dim}")
         if status == 2:
-            raise MemoryError("paged_decode_attention_f32: out of memory for the score buffer")
+            raise MemoryError("paged_attention_f32: out of memory for the score buffer")
 
 
 @dataclass(frozen=True)
-class DecodeMetadata:
-    """Which requests decode this step: rows of block_tables/seq_lens and their query token rows."""
+class AttentionItems:
+    """The query tokens the attention kernel answers this step, one entry each: their row of
+    block_tables, their row of the query, and how many cached tokens they see."""
 
     block_tables: torch.Tensor  # [num_reqs, width] int32
-    seq_lens: torch.Tensor  # [num_reqs] int32
-    request_rows: torch.Tensor  # [num_decodes] int64
-    token_rows: torch.Tensor  # [num_decodes] int64
+    request_rows: torch.Tensor  # [num_items] int64
+    token_rows: torch.Tensor  # [num_items] int64
+    context_lens: torch.Tensor  # [num_items] int32
 
 
 def _bind(fn: Any, argtypes: list[Any], restype: Any = None) -> Any:

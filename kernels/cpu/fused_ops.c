@@ -12,30 +12,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vec_math.h"
+
 /* Below this many floats a pass is cheaper on one thread than the fork and join. */
 #define PARALLEL_MIN_FLOATS 16384
-
-/* exp(x) for the float range, vectorisable inside `omp simd` loops (libm's expf is not):
- * x = n ln2 + r with |r| <= ln2/2, exp(r) by a degree-6 polynomial (relative error ~2e-7),
- * 2^n put straight into the exponent bits. n is rounded by adding and subtracting 1.5 * 2^23
- * because floorf and rintf do not vectorise without -ffast-math. */
-static inline float exp_f32(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = fmaf(n, -0.693359375f, x);
-    r = fmaf(n, 2.12194440e-4f, r);
-    float p = 1.0f / 720.0f;
-    p = fmaf(p, r, 1.0f / 120.0f);
-    p = fmaf(p, r, 1.0f / 24.0f);
-    p = fmaf(p, r, 1.0f / 6.0f);
-    p = fmaf(p, r, 0.5f);
-    p = fmaf(p, r, 1.0f);
-    p = fmaf(p, r, 1.0f);
-    const int32_t exponent_bits = ((int32_t)n + 127) << 23;
-    float two_to_n;
-    memcpy(&two_to_n, &exponent_bits, sizeof two_to_n);
-    return p * two_to_n;
-}
 
 /* residual <- x + residual (skipped when x is NULL), out <- weight * (residual / rms(residual)).
  * out may not alias residual; x may. */

@@ -137,26 +137,61 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """The torch backend, with single-token queries answered by a C kernel that reads the
-    paged pool in place (`kernels/cpu`): no padded copy of every context in every layer,
-    and each cached key and value read once. Prefill chunks keep torch's SDPA."""
+    """The torch backend, with decodes and prefill chunks answered by a C kernel that reads
+    the paged pool in place (`kernels/cpu`): no padded copy of every context in every layer,
+    and each cached key and value read once per query token.
+
+    Per layer, 9 heads of 64 (the default model), 2 threads: 8 chunks of 16 tokens 0.37 ms
+    against SDPA's 1.49; a 2048-token prompt 109 ms against 147; but a 512-token chunk after
+    1536 cached tokens 45 ms against 36, where SDPA's blocked matmuls pay off. So chunks
+    longer than MAX_KERNEL_QUERY_LEN that follow cached tokens keep torch's SDPA."""
 
     name = "cpu"
+    MAX_KERNEL_QUERY_LEN = 64
 
     def __init__(self, cache_dir: Path | None = None) -> None:
         from kernels.cpu_native import load_cpu_kernels
 
         self.kernels = load_cpu_kernels(cache_dir_path(cache_dir))
 
-    def _attend_decodes(self, query, key_cache, value_cache, meta, scale, decodes, out):
+    def attend(self, query, key_cache, value_cache, meta, scale):
         if not self.kernels.supports(query, key_cache):
-            super()._attend_decodes(query, key_cache, value_cache, meta, scale, decodes, out)
-            return
-        if "cpu_decodes" not in meta.backend_cache:
-            meta.backend_cache["cpu_decodes"] = self.kernels.decode_metadata(meta.block_tables, meta.seq_lens,
-                                                                              *decodes)
-        self.kernels.paged_decode_attention(query, key_cache, value_cache, meta.backend_cache["cpu_decodes"], scale,
-                                             out)
+            return super().attend(query, key_cache, value_cache, meta, scale)
+        if "cpu_items" not in meta.backend_cache:
+            meta.backend_cache["cpu_items"] = self._plan_items(meta)
+        items, long_chunks = meta.backend_cache["cpu_items"]
+        out = torch.empty_like(query)
+        if items is not None:
+            self.kernels.paged_attention(query, key_cache, value_cache, items, scale, out)
+        for i, start in long_chunks:
+            n = meta.query_lens_cpu[i]
+            out[start:start + n] = self._attend_chunk(query[start:start + n], key_cache, value_cache,
+                                                      meta.block_tables[i], meta.seq_lens_cpu[i], scale)
+        return out
+
+    def _plan_items(self, meta: AttentionMetadata):
+        """The kernel's items (one per query token of every request it takes) and the (request,
+        first token row) of every chunk left to SDPA; built from the host copies."""
+        query_lens = torch.tensor(meta.query_lens_cpu)
+        ends = torch.cumsum(query_lens, 0)
+        long_chunks = [(i, int(ends[i]) - n) for i, (n, seq_len) in enumerate(zip(meta.query_lens_cpu,
+                                                                                    meta.seq_lens_cpu))
+                       if self.MAX_KERNEL_QUERY_LEN < n < seq_len]
+        request_rows = torch.repeat_interleave(torch.arange(meta.num_reqs), query_lens)
+        token_rows = torch.arange(int(ends[-1]))
+        if long_chunks:
+            keep = torch.ones(meta.num_reqs, dtype=torch.bool)
+            keep[[i for i, _ in long_chunks]] = False
+            keep = keep[request_rows]
+            request_rows, token_rows = request_rows[keep], token_rows[keep]
+        if not len(token_rows):
+            return None, long_chunks
+        # Token t of a request whose last query token sits at row end - 1 sees the context up to
+        # its own position: seq_len - (end - 1 - t) cached tokens.
+        seq_lens = torch.tensor(meta.seq_lens_cpu, dtype=torch.int64)
+        context_lens = (seq_lens[request_rows] - (ends[request_rows] - 1 - token_rows)).to(torch.int32)
+        items = self.kernels.attention_items(meta.block_tables, request_rows, token_rows, context_lens)
+        return items, long_chunks
 
 
 class TritonAttentionBackend(AttentionBackend):

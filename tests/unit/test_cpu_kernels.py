@@ -1,4 +1,4 @@
-"""The C decode-attention kernel against the torch reference, its build cache and its
+"""The C paged-attention kernel against the torch reference, its build cache and its
 fallbacks; oneDNN-packed linears against F.linear."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def test_decode_attention_matches_reference(kernels, head_dim, heads, kv_heads, 
     scale = head_dim ** -0.5
     out = torch.zeros_like(q)
     rows = torch.arange(len(context_lens))
-    kernels.paged_decode_attention(q, kc, vc, kernels.decode_metadata(tables, seq_lens, rows, rows), scale, out)
+    kernels.paged_attention(q, kc, vc, kernels.attention_items(tables, rows, rows, seq_lens), scale, out)
     want = reference.paged_attention_ref(q, kc, vc, starts, seq_lens, tables, scale)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
 
@@ -57,8 +57,8 @@ def test_decode_attention_writes_only_the_given_rows_of_a_mixed_batch(kernels):
     out = torch.full_like(q, 7.0)
     request_rows = torch.tensor([1, 3])
     token_rows = starts[request_rows].long()
-    metadata = kernels.decode_metadata(tables, seq_lens, request_rows, token_rows)
-    kernels.paged_decode_attention(q_view, kc, vc, metadata, 0.125, out)
+    items = kernels.attention_items(tables, request_rows, token_rows, seq_lens[request_rows])
+    kernels.paged_attention(q_view, kc, vc, items, 0.125, out)
     want = reference.paged_attention_ref(q, kc, vc, starts, seq_lens, tables, 0.125)
     torch.testing.assert_close(out[token_rows], want[token_rows], atol=2e-5, rtol=2e-5)
     others = torch.ones(q.shape[0], dtype=torch.bool)
@@ -66,30 +66,60 @@ def test_decode_attention_writes_only_the_given_rows_of_a_mixed_batch(kernels):
     assert bool((out[others] == 7.0).all())
 
 
-def test_decode_attention_rejects_wrong_dtypes_and_layouts(kernels):
+@pytest.mark.parametrize(("head_dim", "heads", "kv_heads", "block_size"), CASES[:2])
+def test_prefill_chunks_attend_causally_token_by_token(kernels, head_dim, heads, kv_heads, block_size):
+    """A chunk of n query tokens is n items, token j seeing the cached context plus the
+    chunk's first j + 1 tokens."""
+    query_lens, context_lens = [5, 1, 33, 2], [0, 12, 17, 40]
+    q, kc, vc, starts, seq_lens, tables = ragged_batch(query_lens, context_lens, heads, kv_heads, head_dim,
+                                                       block_size, torch.float32, seed=11)
+    request_rows = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+    token_rows = torch.arange(q.shape[0])
+    ends = starts[1:].long()
+    context = (seq_lens.long()[request_rows] - (ends[request_rows] - 1 - token_rows)).int()
+    out = torch.empty_like(q)
+    scale = head_dim ** -0.5
+    kernels.paged_attention(q, kc, vc, kernels.attention_items(tables, request_rows, token_rows, context), scale, out)
+    want = reference.paged_attention_ref(q, kc, vc, starts, seq_lens, tables, scale)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+
+
+def test_attention_rejects_wrong_dtypes_and_layouts(kernels):
     q, kc, vc, _, seq_lens, tables = ragged_batch([1], [3], 4, 2, 64, 16, torch.float32)
     rows = torch.arange(1)
     out = torch.empty_like(q)
     with pytest.raises(ValueError, match="block_tables"):
-        kernels.decode_metadata(tables.long(), seq_lens, rows, rows)
-    metadata = kernels.decode_metadata(tables, seq_lens, rows, rows)
+        kernels.attention_items(tables.long(), rows, rows, seq_lens)
+    with pytest.raises(ValueError, match="one entry per query token"):
+        kernels.attention_items(tables, rows, rows, seq_lens.repeat(2))
+    items = kernels.attention_items(tables, rows, rows, seq_lens)
     with pytest.raises(ValueError, match="key_cache"):
-        kernels.paged_decode_attention(q, kc.transpose(1, 2), vc, metadata, 0.1, out)
+        kernels.paged_attention(q, kc.transpose(1, 2), vc, items, 0.1, out)
     with pytest.raises(ValueError, match="query"):
-        kernels.paged_decode_attention(q.half(), kc, vc, metadata, 0.1, out)
+        kernels.paged_attention(q.half(), kc, vc, items, 0.1, out)
 
 
-def test_cpu_backend_matches_torch_backend_on_a_mixed_batch(kernels, tmp_path):
+@pytest.mark.parametrize(("longest_kernel_chunk", "sdpa_chunks"), [(64, [70]), (4, [6, 70])])
+def test_cpu_backend_matches_torch_backend_on_a_mixed_batch(kernels, tmp_path, monkeypatch, longest_kernel_chunk,
+                                                            sdpa_chunks):
+    """Decodes and chunks of every kind in one step; chunks longer than the kernel takes after
+    cached tokens go to SDPA (the 70-token one; in the second case also the 6-token one,
+    while the 6-token one from an empty context stays with the kernel)."""
     from services.worker.attention import AttentionMetadata
 
-    query_lens, context_lens = [1, 6, 1, 1], [31, 0, 2, 64]
+    monkeypatch.setattr(CpuAttentionBackend, "MAX_KERNEL_QUERY_LEN", longest_kernel_chunk)
+    query_lens, context_lens = [1, 6, 1, 1, 3, 70, 6], [31, 0, 2, 64, 20, 9, 5]
     q, kc, vc, starts, seq_lens, tables = ragged_batch(query_lens, context_lens, 9, 3, 64, 16, torch.float32, seed=5)
     def meta():
         return AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), query_start_loc=starts,
                                  seq_lens=seq_lens, block_tables=tables, query_lens_cpu=query_lens,
                                  seq_lens_cpu=seq_lens.tolist())
     cpu = CpuAttentionBackend(tmp_path)
+    chunk_lens = []
+    sdpa = cpu._attend_chunk
+    monkeypatch.setattr(cpu, "_attend_chunk", lambda query, *rest: chunk_lens.append(len(query)) or sdpa(query, *rest))
     got = cpu.attend(q, kc, vc, meta(), 0.125)
+    assert sorted(chunk_lens) == sdpa_chunks
     want = TorchAttentionBackend().attend(q, kc, vc, meta(), 0.125)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 

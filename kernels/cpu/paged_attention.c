@@ -1,18 +1,19 @@
-/* Decode attention on CPU, read straight out of the paged KV pool.
+/* Paged attention on CPU for single query tokens, read straight out of the paged KV pool.
  *
  * The torch path gathers every request's blocks into a padded dense copy, then runs SDPA on
- * it: each K/V byte is read twice and written once. Here each (request, KV head) pair walks
- * its block table and reads every cached key and value exactly once, for all the query heads
- * that share the KV head (GQA). kernels/reference.py's paged_attention_ref defines the result.
+ * it: each K/V byte is read twice and written once. Here each query token walks its
+ * request's block table and reads every cached key and value of its context once, for all
+ * the query heads that share a KV head (GQA). A decode is one such token; a short prefill
+ * chunk is one per token, each with a context one longer than the last (causal).
+ * kernels/reference.py's paged_attention_ref defines the result.
  *
  * Layouts (float32, contiguous):
  *   query        [num_tokens, kv_heads * group, head_dim], rows query_stride floats apart
  *   key/value    [num_blocks, block_size, kv_heads, head_dim]
- *   block_tables [num_all_reqs, table_width] int32
- *   seq_lens     [num_all_reqs] int32, context length including this step's token
+ *   block_tables [num_reqs, table_width] int32
  *   out          [num_tokens, kv_heads * group, head_dim]
- * Request r of this call is row request_rows[r] of block_tables/seq_lens and its one query
- * token is row token_rows[r] of query/out.
+ * Item i is query token token_rows[i] (a row of query/out), of the request in row
+ * request_rows[i] of block_tables, attending to its first context_lens[i] cached tokens.
  *
  * Built with -fopenmp; after `import torch` the soname libgomp.so.1 resolves to the copy
  * torch already loaded, so this shares torch's thread pool rather than adding a second one.
@@ -21,6 +22,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "vec_math.h"
 
 #define MAX_HEADS 256
 #define MAX_HEAD_DIM 256
@@ -64,12 +67,15 @@ static inline __attribute__((always_inline)) void attend_request(
     for (int64_t hq = 0; hq < heads; ++hq) {
         float *s = scores + hq * seq_len;
         float max_score = -INFINITY, denom = 0.0f;
+#pragma omp simd reduction(max : max_score)
         for (int64_t t = 0; t < seq_len; ++t) max_score = s[t] > max_score ? s[t] : max_score;
+#pragma omp simd reduction(+ : denom)
         for (int64_t t = 0; t < seq_len; ++t) {
-            s[t] = expf(s[t] - max_score);
+            s[t] = exp_f32(s[t] - max_score);
             denom += s[t];
         }
         const float inv = 1.0f / denom;
+#pragma omp simd
         for (int64_t t = 0; t < seq_len; ++t) s[t] *= inv;
     }
     memset(acc, 0, sizeof(float) * (size_t)(heads * head_dim));
@@ -94,28 +100,26 @@ static inline __attribute__((always_inline)) void attend_request(
 }
 
 /* Returns 0 on success, 1 if a size is out of the supported range, 2 if memory ran out. */
-int paged_decode_attention_f32(const float *query, int64_t query_stride, const float *key_cache, const float *value_cache,
-                               const int32_t *block_tables, int64_t table_width, const int32_t *seq_lens,
-                               const int64_t *request_rows, const int64_t *token_rows, int64_t num_reqs,
-                               int64_t kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
-                               float scale, float *out, int num_threads) {
+int paged_attention_f32(const float *query, int64_t query_stride, const float *key_cache, const float *value_cache,
+                        const int32_t *block_tables, int64_t table_width, const int64_t *request_rows,
+                        const int64_t *token_rows, const int32_t *context_lens, int64_t num_items, int64_t kv_heads,
+                        int64_t group, int64_t head_dim, int64_t block_size, float scale, float *out, int num_threads) {
     if (group < 1 || kv_heads * group > MAX_HEADS || head_dim < 1 || head_dim > MAX_HEAD_DIM) return 1;
     const int64_t heads = kv_heads * group;
     int failed = 0;
 
-    /* Large batches: one work item per request, streaming whole blocks. Fewer requests than
-     * threads would idle cores, so then each (request, KV head) pair is an item. */
-    const int64_t parts = num_reqs < 2 * num_threads ? kv_heads : 1;
+    /* Many tokens: one work item per token, streaming whole blocks. Fewer tokens than
+     * threads would idle cores, so then each (token, KV head) pair is an item. */
+    const int64_t parts = num_items < 2 * num_threads ? kv_heads : 1;
     const int64_t heads_per_part = kv_heads / parts;
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t item = 0; item < num_reqs * parts; ++item) {
-        const int64_t r = item / parts, h0 = (item % parts) * heads_per_part;
-        const int64_t req = request_rows[r];
-        const int64_t seq_len = seq_lens[req];
-        const int32_t *table = block_tables + req * table_width;
-        const float *q = query + token_rows[r] * query_stride + h0 * group * head_dim;
-        float *o = out + (token_rows[r] * heads + h0 * group) * head_dim;
+    for (int64_t work = 0; work < num_items * parts; ++work) {
+        const int64_t item = work / parts, h0 = (work % parts) * heads_per_part;
+        const int64_t seq_len = context_lens[item];
+        const int32_t *table = block_tables + request_rows[item] * table_width;
+        const float *q = query + token_rows[item] * query_stride + h0 * group * head_dim;
+        float *o = out + (token_rows[item] * heads + h0 * group) * head_dim;
         const float *k = key_cache + h0 * head_dim, *v = value_cache + h0 * head_dim;
         const int64_t part_heads = heads_per_part * group;
         float *scratch = malloc(sizeof(float) * (size_t)part_heads * (size_t)(seq_len + head_dim));

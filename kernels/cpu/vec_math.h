@@ -1,0 +1,31 @@
+/* Math shared by the CPU kernels, written so that GCC and Clang vectorise it in `omp simd` loops. */
+#ifndef VMESH_VEC_MATH_H
+#define VMESH_VEC_MATH_H
+
+#include <stdint.h>
+#include <string.h>
+
+/* exp(x) for the float range (libm's expf does not vectorise without -ffast-math):
+ * x = n ln2 + r with |r| <= ln2/2, exp(r) by a degree-6 polynomial (relative error ~2e-7),
+ * 2^n put straight into the exponent bits. n is rounded by adding and subtracting 1.5 * 2^23
+ * because floorf and rintf do not vectorise under strict floating point either. Inputs
+ * below -87 give exp(-87) rather than 0: far below what a softmax or SiLU can resolve. */
+static inline float exp_f32(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = __builtin_fmaf(n, -0.693359375f, x);
+    r = __builtin_fmaf(n, 2.12194440e-4f, r);
+    float p = 1.0f / 720.0f;
+    p = __builtin_fmaf(p, r, 1.0f / 120.0f);
+    p = __builtin_fmaf(p, r, 1.0f / 24.0f);
+    p = __builtin_fmaf(p, r, 1.0f / 6.0f);
+    p = __builtin_fmaf(p, r, 0.5f);
+    p = __builtin_fmaf(p, r, 1.0f);
+    p = __builtin_fmaf(p, r, 1.0f);
+    const int32_t exponent_bits = ((int32_t)n + 127) << 23;
+    float two_to_n;
+    memcpy(&two_to_n, &exponent_bits, sizeof two_to_n);
+    return p * two_to_n;
+}
+
+#endif
