@@ -29,9 +29,11 @@
 #define MAX_HEAD_DIM 256
 
 /* Blocks sit at random places in the pool, which defeats the hardware prefetcher at every
- * block boundary: while one block is read, the same slot of the next block is fetched. */
+ * block boundary: while one block is read, the same slot of the next block is fetched.
+ * Into L2 (locality 2), not L1: L1 tracks too few misses in flight to keep DRAM busy, and
+ * the batch-64 decode runs ~1.35x faster from DRAM this way (measured 2026-11-29). */
 static inline void prefetch_slot(const float *slot, int64_t floats) {
-    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(slot + i, 0, 3);
+    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(slot + i, 0, 2);
 }
 
 /* One request: the query heads of `part_kv_heads` consecutive KV heads (groups of `group`)
