@@ -1,6 +1,6 @@
 """`vmesh bench`: the standard workload, baselines side by side, and the seed's claims.
 
-    vmesh bench offline  [--baselines transformers,engine,mesh] [--requests 64] [--max-tokens 128]
+    vmesh bench offline  [--baselines transformers,engine,mesh] [--requests 64] [--max-tokens 128] [--repeats 1]
     vmesh bench serving  [--address A] [--request-rate 4] [--max-concurrency 64] [--num-requests 64]
     vmesh bench claims   [--models embedded,tiny]
     vmesh bench detokenizer [--replicas 1 2]
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import platform
@@ -21,6 +22,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +99,8 @@ async def mesh_stats(mesh: RunningMesh) -> tuple[Any, Any]:
 
 # --- offline -----------------------------------------------------------------------------------
 
-def transformers_generate(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> float:
+def transformers_generate(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> Callable[[], float]:
+    """Loads the model once; each call of the result is one timed batched `generate` (tokens/s)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True).eval()
@@ -105,29 +108,41 @@ def transformers_generate(model_dir: Path, prompts: list[list[int]], max_tokens:
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left-padded
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     config = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
-    with torch.inference_mode():
-        started = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, generation_config=config)
-        elapsed = time.perf_counter() - started
-    assert out.shape[1] - width == max_tokens
-    return len(prompts) * max_tokens / elapsed
+
+    def run() -> float:
+        with torch.inference_mode():
+            started = time.perf_counter()
+            out = model.generate(ids, attention_mask=mask, generation_config=config)
+            elapsed = time.perf_counter() - started
+        assert out.shape[1] - width == max_tokens
+        return len(prompts) * max_tokens / elapsed
+
+    return run
 
 
+@contextlib.contextmanager
 def engine_generate(model_dir: Path, prompts: list[list[int]], max_tokens: int, depth: int = 2,
-                    kv_cache_memory: int = 1 << 30) -> float:
+                    kv_cache_memory: int = 1 << 30) -> Iterator[Callable[[], float]]:
+    """An in-process engine, warmed up; each call of the yielded function is one timed run."""
     from services.engine.llm import EngineConfig, LLMEngine
     from services.worker.model_runner import WorkerConfig
 
     engine = LLMEngine.from_config(EngineConfig(worker=WorkerConfig(model=str(model_dir), max_num_seqs=256,
                                                                     kv_cache_memory=kv_cache_memory),
                                                 pipeline_depth=depth))
-    engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2))  # warm-up
-    started = time.perf_counter()
-    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    elapsed = time.perf_counter() - started
-    engine.shutdown()
-    assert all(len(o.token_ids) == max_tokens for o in outs)
-    return len(prompts) * max_tokens / elapsed
+
+    def run() -> float:
+        started = time.perf_counter()
+        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        elapsed = time.perf_counter() - started
+        assert all(len(o.token_ids) == max_tokens for o in outs)
+        return len(prompts) * max_tokens / elapsed
+
+    try:
+        engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2))  # warm-up
+        yield run
+    finally:
+        engine.shutdown()
 
 
 async def mesh_generate(mesh: RunningMesh, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
@@ -156,29 +171,45 @@ async def mesh_latency(mesh: RunningMesh, prompt: list[int], max_tokens: int) ->
 
 
 def offline(args: argparse.Namespace) -> dict[str, Any]:
+    """Each baseline loads once; then `--repeats` rounds run transformers, engine and mesh in
+    turn, so that the machine's drift (runs here vary by ~10 %) reaches all three alike. The
+    figures reported are each run's median over the rounds."""
     work = load_workload(args.workload, args.requests, args.max_tokens)
     model_dir = resolve_model_dir(args.model)
     baselines = set(args.baselines.split(","))
     result: dict[str, Any] = {"mode": "offline", "requests": len(work["prompts"]), "max_tokens": work["max_tokens"],
-                              **machine(), "tokens_per_s": {}}
-    if "transformers" in baselines:
-        result["tokens_per_s"]["transformers"] = transformers_generate(model_dir, work["prompts"], work["max_tokens"])
-    if "engine" in baselines:
-        result["tokens_per_s"]["engine"] = engine_generate(model_dir, work["prompts"], work["max_tokens"],
-                                                           kv_cache_memory=args.kv_cache_memory_bytes)
-    mesh = start_mesh("--model", str(model_dir), "--kv-cache-memory", args.kv_cache_memory)
-    try:
-        run = asyncio.run(mesh_generate(mesh, work["prompts"], work["max_tokens"]))
-        result["tokens_per_s"]["mesh"] = run["tokens_per_s"]
-        result["mesh_duty_cycle"] = run["duty_cycle"]
+                              "repeats": args.repeats, **machine(), "tokens_per_s": {}, "runs_tokens_per_s": {}}
+    runs: dict[str, Callable[[], float]] = {}
+    with contextlib.ExitStack() as stack:
+        if "transformers" in baselines:
+            runs["transformers"] = transformers_generate(model_dir, work["prompts"], work["max_tokens"])
+        if "engine" in baselines:
+            runs["engine"] = stack.enter_context(engine_generate(model_dir, work["prompts"], work["max_tokens"],
+                                                                 kv_cache_memory=args.kv_cache_memory_bytes))
+        mesh = start_mesh("--model", str(model_dir), "--kv-cache-memory", args.kv_cache_memory)
+        stack.callback(mesh.stop)
+        mesh_runs: list[dict[str, float]] = []
+
+        def run_mesh() -> float:
+            mesh_runs.append(asyncio.run(mesh_generate(mesh, work["prompts"], work["max_tokens"])))
+            return mesh_runs[-1]["tokens_per_s"]
+
+        runs["mesh"] = run_mesh
+        for name in runs:
+            result["runs_tokens_per_s"][name] = []
+        for _ in range(args.repeats):
+            for name, run in runs.items():
+                result["runs_tokens_per_s"][name].append(run())
+        result["mesh_duty_cycle"] = statistics.median(r["duty_cycle"] for r in mesh_runs)
         result["latency"] = asyncio.run(mesh_latency(mesh, work["latency_prompt"], work["max_tokens"]))
-    finally:
-        mesh.stop()
+    result["tokens_per_s"] = {name: statistics.median(v) for name, v in result["runs_tokens_per_s"].items()}
     mesh_tps = result["tokens_per_s"]["mesh"]
     result["ratio_to_mesh"] = {k: v / mesh_tps for k, v in result["tokens_per_s"].items()}
-    print(f"{'run':>14} {'tokens/s':>9} {'x mesh':>7}")
+    label = "tokens/s" if args.repeats == 1 else "median"
+    print(f"{'run':>14} {label:>9} {'x mesh':>7}" + ("   every round" if args.repeats > 1 else ""))
     for name, tps in result["tokens_per_s"].items():
-        print(f"{name:>14} {tps:>9.1f} {tps / mesh_tps:>7.2f}")
+        rounds = "  ".join(f"{v:.1f}" for v in result["runs_tokens_per_s"][name]) if args.repeats > 1 else ""
+        print(f"{name:>14} {tps:>9.1f} {tps / mesh_tps:>7.2f}   {rounds}")
     lat = result["latency"]
     print(f"single request through the mesh: TTFT {lat['ttft_ms']:.0f} ms, mean ITL {lat['mean_itl_ms']:.1f} ms")
     return result
@@ -395,6 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     off = sub.add_parser("offline", parents=[common])
     off.add_argument("--requests", type=int, default=None)
     off.add_argument("--baselines", default="transformers,engine,mesh")
+    off.add_argument("--repeats", type=int, default=1, help="rounds of every run, in turn; medians are reported")
     srv = sub.add_parser("serving", parents=[common])
     srv.add_argument("--address", default=None, help="a running mesh (default: start one)")
     srv.add_argument("--num-requests", type=int, default=None)

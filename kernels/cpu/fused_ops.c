@@ -6,7 +6,7 @@
  * of the RMSNorm sum and the last bits of exp differ from torch.
  *
  * Layouts (float32): rows are `stride` floats apart where a stride is given, else contiguous.
- * Built with -fopenmp, sharing torch's OpenMP runtime (see paged_decode_attention.c).
+ * Built with -fopenmp, sharing torch's OpenMP runtime (see paged_attention.c).
  */
 #include <math.h>
 #include <stdint.h>

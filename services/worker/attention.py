@@ -245,7 +245,7 @@ def triton_usable(device: torch.device) -> bool:
 
 
 def make_attention_backend(name: str, device: torch.device, cache_dir: Path | None = None) -> AttentionBackend:
-    """`auto`: Triton on CUDA; on CPU the C decode kernel, or plain torch where it cannot be built."""
+    """`auto`: Triton on CUDA; on CPU the C attention kernels, or plain torch where they cannot be built."""
     from kernels.cpu_native import CpuKernelBuildError
 
     if name == "auto":

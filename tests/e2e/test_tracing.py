@@ -58,13 +58,17 @@ def test_one_request_is_one_trace_across_all_services():
         assert len(ids) == 5
         deadline = time.monotonic() + 30
         wanted = {"vmesh-frontend", "vmesh-scheduler", "vmesh-worker", "vmesh-detokenizer"}
+        # Each service exports on its own schedule, and a span arrives only once it ends (the
+        # scheduler's request span can end after the client has its last token): wait for all.
+        wanted_names = {"generate", "scheduler.request", "scheduler.queue", "worker.step", "detokenizer.request"}
         while time.monotonic() < deadline:
             with receiver.lock:
                 generate = [s for svc, s in receiver.spans if svc == "vmesh-frontend" and s.name == "generate"]
                 if generate:
                     trace_id = generate[0].trace_id
                     services = {svc for svc, s in receiver.spans if s.trace_id == trace_id}
-                    if wanted <= services:
+                    names = {s.name for _svc, s in receiver.spans if s.trace_id == trace_id}
+                    if wanted <= services and wanted_names <= names:
                         break
             time.sleep(0.2)
         assert generate, "no frontend span arrived"
@@ -76,8 +80,7 @@ def test_one_request_is_one_trace_across_all_services():
         assert attrs["gen_ai.usage.input_tokens"] == last.usage.prompt_tokens
         assert attrs["gen_ai.usage.output_tokens"] == 5
         assert attrs["gen_ai.response.finish_reasons"] == ["length"]
-        names = {s.name for _svc, s in receiver.spans if s.trace_id == trace_id}
-        assert {"generate", "scheduler.request", "scheduler.queue", "worker.step", "detokenizer.request"} <= names
+        assert wanted_names <= names, f"span names in the trace: {names}"
         steps = [s for _svc, s in receiver.spans if s.name == "worker.step" and s.trace_id == trace_id]
         assert all(any(link.trace_id == trace_id for link in s.links) for s in steps)
         # Health checks are not traced.

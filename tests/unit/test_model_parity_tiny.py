@@ -26,7 +26,7 @@ def test_tiny_model_greedy_parity(tmp_path, kind, block_size, backend):
         assert (tmp_path / "model.safetensors.index.json").is_file()
     runner = ModelRunner.load(WorkerConfig(model=str(tmp_path), kv_cache_memory=4 << 20, max_num_seqs=8,
                                            block_size=block_size, attention_backend=backend))
-    # auto is the C decode kernel wherever a compiler exists, as on CI machines.
+    # auto is the C kernels (attention and fused elementwise ops) wherever a compiler exists, as on CI machines.
     assert runner.backend.name == ("cpu" if backend == "auto" else "torch")
     generator = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, TINY_VOCAB, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
