@@ -88,6 +88,11 @@ async def timed_request(client: VmeshClient, prompt: list[int], max_tokens: int)
     return {"ttft": ttft, "itl": gaps, "tpot": tpot, "e2e": end - started, "tokens": tokens}
 
 
+async def reset_prefix_cache(mesh: RunningMesh) -> None:
+    async with channel(mesh.services["scheduler"][0]) as ch:
+        await scheduler_pb2_grpc.SchedulerServiceStub(ch).ResetPrefixCache(scheduler_pb2.ResetPrefixCacheRequest())
+
+
 async def mesh_stats(mesh: RunningMesh) -> tuple[Any, Any]:
     async with channel(mesh.services["scheduler"][0]) as ch:
         s = await scheduler_pb2_grpc.SchedulerServiceStub(ch).GetSchedulerStats(
@@ -132,6 +137,7 @@ def engine_generate(model_dir: Path, prompts: list[list[int]], max_tokens: int, 
                                                 pipeline_depth=depth))
 
     def run() -> float:
+        engine.reset_prefix_cache()  # every round starts cold, as the first one does
         started = time.perf_counter()
         outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
         elapsed = time.perf_counter() - started
@@ -148,6 +154,7 @@ def engine_generate(model_dir: Path, prompts: list[list[int]], max_tokens: int, 
 async def mesh_generate(mesh: RunningMesh, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
     async with VmeshClient(mesh.address) as client:
         await client.complete(token_ids=prompts[0], max_tokens=2, temperature=0)  # warm-up
+        await reset_prefix_cache(mesh)  # every round starts cold
         s0, w0 = await mesh_stats(mesh)
         started = time.perf_counter()
         results = await asyncio.gather(*(client.complete(token_ids=p, max_tokens=max_tokens, temperature=0.0,

@@ -124,6 +124,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.core.has_work()
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix no request is using; returns the number of blocks dropped."""
+        with self._lock:
+            return self.scheduler.reset_prefix_cache()
+
     # --- stepping ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

@@ -113,15 +113,26 @@ class BlockPool:
         self.block_key[block] = (self.hash_seed if parent is None else parent, tuple(tokens))
         self.cached[block_hash] = block
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds (benchmarks start cold this way; a client
+        can drop stale prefixes after swapping weights). Blocks in use keep their hashes: their
+        KV is live. Returns how many blocks were forgotten."""
+        dropped = [block for block in self.free_blocks if self.block_hash[block] is not None]
+        for block in dropped:
+            self._forget(block)
+        return len(dropped)
+
     def _take(self, block: int) -> None:
         if self.ref_counts[block] == 0:
             del self.free_blocks[block]
         self.ref_counts[block] += 1
 
     def _evict(self, block: int) -> None:
-        h = self.block_hash[block]
-        if h is not None:
-            del self.cached[h]
-            self.block_hash[block] = None
-            self.block_key[block] = None
+        if self.block_hash[block] is not None:
+            self._forget(block)
             self.evictions += 1
+
+    def _forget(self, block: int) -> None:
+        del self.cached[self.block_hash[block]]
+        self.block_hash[block] = None
+        self.block_key[block] = None

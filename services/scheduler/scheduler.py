@@ -110,6 +110,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix no request is using; returns the number of blocks dropped."""
+        return self.pool.reset_prefix_cache()
+
     def stats(self) -> SchedulerStats:
         pool = self.pool.stats()
         return SchedulerStats(len(self.running), len(self.waiting), pool.num_free, pool.num_blocks, pool.usage,

@@ -185,6 +185,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             max_model_len=self.scheduler.max_model_len, vocab_size=self.info.vocab_size,
             decode_steps=self.decode_steps, decode_plan_bytes=self.decode_plan_bytes)
 
+    async def ResetPrefixCache(self, request, context):
+        if self.scheduler is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "not connected to a worker yet")
+        return scheduler_pb2.ResetPrefixCacheResponse(num_dropped_blocks=self.scheduler.reset_prefix_cache())
+
     # --- the engine loop ---------------------------------------------------------------------
 
     async def _engine_loop(self) -> None:

@@ -90,3 +90,19 @@ def test_lru_eviction_and_tail_first_free():
     assert pool.evictions == 1 and pool.block_hash[a[0]] is not None and pool.block_hash[a[1]] is None
     found = pool.lookup_prefix(tokens, hashes)
     assert found == [a[0]] and pool.prefix_hits == 1 and pool.stats().usage == 1.0
+
+
+def test_reset_prefix_cache_forgets_only_blocks_nobody_holds():
+    pool = BlockPool(6, BLOCK, hash_seed=0)
+    tokens = list(range(12))
+    hashes = pool.hash_blocks(tokens)
+    blocks = pool.allocate(3)
+    for i, block in enumerate(blocks):
+        pool.register(block, hashes[i], hashes[i - 1] if i else None, tokens[i * 4:(i + 1) * 4])
+    pool.free(blocks[1:])  # the first block stays held, as by a running request
+    assert pool.reset_prefix_cache() == 2
+    assert pool.evictions == 0 and list(pool.cached.values()) == [blocks[0]]
+    assert pool.lookup_prefix(tokens, hashes) == [blocks[0]]  # the held prefix still hits
+    pool.free([blocks[0], blocks[0]])
+    assert pool.reset_prefix_cache() == 1 and not pool.cached and pool.lookup_prefix(tokens, hashes) == []
+    assert pool.num_free == 6

@@ -86,3 +86,13 @@ class GetSchedulerStatsResponse(_message.Message):
     decode_steps: int
     decode_plan_bytes: int
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., steps: _Optional[int] = ..., plan_bytes_sent: _Optional[int] = ..., pipeline_depth: _Optional[int] = ..., stateless_worker: _Optional[bool] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., decode_steps: _Optional[int] = ..., decode_plan_bytes: _Optional[int] = ...) -> None: ...
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("num_dropped_blocks",)
+    NUM_DROPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_dropped_blocks: int
+    def __init__(self, num_dropped_blocks: _Optional[int] = ...) -> None: ...

@@ -49,6 +49,11 @@ class SchedulerServiceStub:
                 request_serializer=vmesh_dot_v1_dot_scheduler__pb2.GetSchedulerStatsRequest.SerializeToString,
                 response_deserializer=vmesh_dot_v1_dot_scheduler__pb2.GetSchedulerStatsResponse.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/vmesh.v1.SchedulerService/ResetPrefixCache',
+                request_serializer=vmesh_dot_v1_dot_scheduler__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=vmesh_dot_v1_dot_scheduler__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServiceServicer:
@@ -72,6 +77,13 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Forgets every cached prefix block no running request holds (e.g. between benchmark rounds).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +101,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.GetSchedulerStats,
                     request_deserializer=vmesh_dot_v1_dot_scheduler__pb2.GetSchedulerStatsRequest.FromString,
                     response_serializer=vmesh_dot_v1_dot_scheduler__pb2.GetSchedulerStatsResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=vmesh_dot_v1_dot_scheduler__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=vmesh_dot_v1_dot_scheduler__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +189,33 @@ class SchedulerService:
             '/vmesh.v1.SchedulerService/GetSchedulerStats',
             vmesh_dot_v1_dot_scheduler__pb2.GetSchedulerStatsRequest.SerializeToString,
             vmesh_dot_v1_dot_scheduler__pb2.GetSchedulerStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vmesh.v1.SchedulerService/ResetPrefixCache',
+            vmesh_dot_v1_dot_scheduler__pb2.ResetPrefixCacheRequest.SerializeToString,
+            vmesh_dot_v1_dot_scheduler__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,
