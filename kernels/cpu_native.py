@@ -86,6 +86,9 @@ class CpuKernels:
                      residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """kernels.reference.rms_norm_ref's contract for 2-D float32 x, except that `residual`
         is updated in place to x + residual (and returned) rather than copied."""
+        if x.dim() != 2 or weight.shape != (x.shape[1],):
+            raise ValueError(f"x must be [rows, dim] with a weight of [dim], got {tuple(x.shape)} and "
+                             f"{tuple(weight.shape)}")
         if residual is None:
             _require_contiguous_cpu(("x", x, torch.float32), ("weight", weight, torch.float32))
             out = torch.empty_like(x)
@@ -104,6 +107,8 @@ class CpuKernels:
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[rows, 2 * inter] (gate, up) -> silu(gate) * up, as kernels.reference.silu_and_mul_ref."""
         _require_contiguous_cpu(("gate_up", gate_up, torch.float32))
+        if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+            raise ValueError(f"gate_up must be [rows, 2 * inter], got {tuple(gate_up.shape)}")
         rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(rows, inter, dtype=torch.float32)
         self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter, torch.get_num_threads())
@@ -118,7 +123,7 @@ class CpuKernels:
         head_dim = key_cache.shape[3]
         if qkv.dtype != torch.float32 or qkv.stride(1) != 1 or qkv.shape[1] != (heads + 2 * kv_heads) * head_dim:
             raise ValueError(f"qkv must be float32 [tokens, {(heads + 2 * kv_heads) * head_dim}] with contiguous rows")
-        if key_cache.shape[2] != kv_heads or head_dim % 2:
+        if key_cache.shape[2] != kv_heads or value_cache.shape != key_cache.shape or head_dim % 2:
             raise ValueError(f"caches of shape {tuple(key_cache.shape)} do not fit {kv_heads} KV heads")
         _require_contiguous_cpu(("cos", cos, torch.float32), ("sin", sin, torch.float32),
                                 ("key_cache", key_cache, torch.float32), ("value_cache", value_cache, torch.float32),

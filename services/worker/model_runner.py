@@ -64,7 +64,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.backend = backend
         self.max_model_len = max_model_len
-        self.batch = PersistentBatch(max_num_seqs, max_model_len, kv_cache.block_size, model.device)
+        self.batch = PersistentBatch(max_num_seqs, max_model_len, kv_cache.block_size, model.device,
+                                     kv_cache.num_blocks)
         self.sampler = Sampler()
         self.last_step = -1
 

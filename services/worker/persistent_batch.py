@@ -37,11 +37,15 @@ _FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "repetition_penalty", "presen
 
 
 class PersistentBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device):
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device,
+                 num_kv_blocks: int | None = None):
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.device = device
+        # The pool's size: the C kernels write and read blocks by id without bounds checks, so a
+        # plan naming a block outside the pool is refused here rather than corrupting memory.
+        self.num_kv_blocks = num_kv_blocks
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = torch.zeros((max_num_reqs, max_model_len), dtype=torch.int64)
         self.num_tokens = torch.zeros(max_num_reqs, dtype=torch.int64)
@@ -144,6 +148,10 @@ class PersistentBatch:
         end = start + len(block_ids)
         if end > self.block_table.shape[1]:
             raise PlanError(f"block table of row {row} overflows ({end} > {self.block_table.shape[1]})")
+        limit = self.num_kv_blocks
+        if block_ids and limit is not None and not 0 <= min(block_ids) <= max(block_ids) < limit:
+            raise PlanError(f"block ids {min(block_ids)}..{max(block_ids)} fall outside the worker's "
+                            f"{self.num_kv_blocks} KV blocks")
         self.block_table[row, start:end] = torch.tensor(block_ids, dtype=torch.int64)
         self.num_blocks[row] = end
 

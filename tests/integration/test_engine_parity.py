@@ -29,7 +29,7 @@ def make_engine(runner, tokenizer, *, num_blocks=None, budget=2048, depth=2):
     from services.worker.persistent_batch import PersistentBatch
 
     runner.batch = PersistentBatch(runner.batch.max_num_reqs, runner.max_model_len, runner.kv_cache.block_size,
-                                   runner.model.device)
+                                   runner.model.device, runner.kv_cache.num_blocks)
     runner.last_step = -1
     saved = runner.kv_cache.num_blocks
     if num_blocks is not None:

@@ -79,12 +79,19 @@ def test_rotary_write_kv_matches_rotary_then_write(kernels, rows, heads, kv_head
 def test_fused_ops_reject_wrong_dtypes_and_shapes(kernels):
     with pytest.raises(ValueError, match="x must be a contiguous CPU torch.float32"):
         kernels.add_rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.randn(8), 1e-5)
+    with pytest.raises(ValueError, match="with a weight of"):
+        kernels.add_rms_norm(torch.randn(2, 8), torch.randn(7), 1e-5)
     with pytest.raises(ValueError, match="residual .* does not match"):
         kernels.add_rms_norm(torch.randn(2, 8), torch.randn(8), 1e-5, torch.randn(3, 8))
     with pytest.raises(ValueError, match="gate_up must be a contiguous"):
         kernels.silu_and_mul(torch.randn(8, 4).t())
+    with pytest.raises(ValueError, match=r"gate_up must be \[rows, 2 \* inter\]"):
+        kernels.silu_and_mul(torch.randn(4, 7))
     caches = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
     cos = sin = torch.zeros(3, 8)
+    with pytest.raises(ValueError, match="do not fit 1 KV heads"):
+        kernels.rotary_write_kv(torch.zeros(3, 24), 1, 1, cos, sin, caches[0], torch.zeros(3, 4, 1, 8),
+                                torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="qkv must be float32"):
         kernels.rotary_write_kv(torch.zeros(3, 20), 1, 1, cos, sin, *caches, torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="slot_mapping must be a contiguous CPU torch.int64"):

@@ -119,7 +119,8 @@ def test_diffs_match_batch_built_from_scratch(seed, num_ops):
 
 
 def test_plan_errors_name_the_problem():
-    batch = PersistentBatch(max_num_reqs=2, max_model_len=16, block_size=4, device=torch.device("cpu"))
+    batch = PersistentBatch(max_num_reqs=2, max_model_len=16, block_size=4, device=torch.device("cpu"),
+                            num_kv_blocks=8)
     request = NewRequest(5, [1, 2, 3], 3, SamplingParams(), [0])
     batch.add(request)
     for bad, message in [
@@ -128,6 +129,8 @@ def test_plan_errors_name_the_problem():
         (lambda: batch.prepare_inputs(StepPlan(0, scheduled_handles=[5], num_scheduled_tokens=[4])),
          "cannot compute 4 tokens"),
         (lambda: batch.append_blocks(5, list(range(10))), "overflows"),
+        (lambda: batch.append_blocks(5, [3, 8]), "block ids 3..8 fall outside the worker's 8 KV blocks"),
+        (lambda: batch.add(NewRequest(6, [1], 1, SamplingParams(), [-1])), "fall outside"),
     ]:
         try:
             bad()
