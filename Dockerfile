@@ -7,7 +7,7 @@ FROM ${BASE_IMAGE}
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 
-# CUDA base images carry no Python; gcc builds the CPU attention kernel (kernels/cpu) for the
+# CUDA base images carry no Python; gcc builds the CPU kernels (kernels/cpu) for the
 # CPU the container runs on.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
         $(command -v python3 >/dev/null || echo python3 python3-pip python3-venv) \

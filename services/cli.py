@@ -178,9 +178,9 @@ def cmd_warm_cache(args: argparse.Namespace) -> int:
 
     try:
         load_cpu_kernels(cache_dir_path(args.cache_dir))
-        print("CPU attention kernel built")
+        print("CPU kernels built (kernels/cpu)")
     except CpuKernelBuildError as exc:
-        print(f"CPU attention kernel not built ({exc}); CPU decode attention will use torch", file=sys.stderr)
+        print(f"CPU kernels not built ({exc}); the worker will use torch on CPU", file=sys.stderr)
     return 0
 
 
