@@ -107,6 +107,30 @@ def test_cancelling_20_streams_frees_everything(default_mesh):
     assert stats.num_used_blocks == 0
 
 
+def test_reset_prefix_cache_makes_a_repeated_prompt_miss(default_mesh):
+    from services.common.grpc_server import channel
+    from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+    prompt = [1, *range(100, 140)]  # 41 tokens: two full blocks of 16 to cache
+
+    def run_and_count_hits() -> int:
+        before = scheduler_stats(default_mesh).prefix_cache_hits
+        asyncio.run(_greedy_all(default_mesh.address, [prompt], max_tokens=2))
+        return wait_idle(default_mesh).prefix_cache_hits - before
+
+    async def reset() -> int:
+        async with channel(default_mesh.services["scheduler"][0]) as ch:
+            response = await scheduler_pb2_grpc.SchedulerServiceStub(ch).ResetPrefixCache(
+                scheduler_pb2.ResetPrefixCacheRequest(), timeout=10)
+        return response.num_dropped_blocks
+
+    run_and_count_hits()
+    assert run_and_count_hits() == 2  # the repeat finds both blocks cached
+    assert asyncio.run(reset()) >= 2
+    assert run_and_count_hits() == 0
+    assert wait_idle(default_mesh).num_used_blocks == 0
+
+
 def test_deadline_propagates_and_aborts(default_mesh):
     async def main():
         async with VmeshClient(default_mesh.address) as client:
