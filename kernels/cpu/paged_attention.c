@@ -36,6 +36,24 @@ static inline void prefetch_slot(const float *slot, int64_t floats) {
     for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(slot + i, 0, 2);
 }
 
+/* Each of `rows` rows of seq_len scores becomes its softmax, in place. */
+static inline void softmax_rows(float *scores, int64_t rows, int64_t seq_len) {
+    for (int64_t hq = 0; hq < rows; ++hq) {
+        float *s = scores + hq * seq_len;
+        float max_score = -INFINITY, denom = 0.0f;
+#pragma omp simd reduction(max : max_score)
+        for (int64_t t = 0; t < seq_len; ++t) max_score = s[t] > max_score ? s[t] : max_score;
+#pragma omp simd reduction(+ : denom)
+        for (int64_t t = 0; t < seq_len; ++t) {
+            s[t] = exp_f32(s[t] - max_score);
+            denom += s[t];
+        }
+        const float inv = 1.0f / denom;
+#pragma omp simd
+        for (int64_t t = 0; t < seq_len; ++t) s[t] *= inv;
+    }
+}
+
 /* One request: the query heads of `part_kv_heads` consecutive KV heads (groups of `group`)
  * attend to seq_len cached tokens; q, o and the caches point at the first of those heads.
  * Every slot of a block holds all KV heads side by side, and a block is contiguous, so
@@ -66,20 +84,7 @@ static inline __attribute__((always_inline)) void attend_request(
             }
         }
     }
-    for (int64_t hq = 0; hq < heads; ++hq) {
-        float *s = scores + hq * seq_len;
-        float max_score = -INFINITY, denom = 0.0f;
-#pragma omp simd reduction(max : max_score)
-        for (int64_t t = 0; t < seq_len; ++t) max_score = s[t] > max_score ? s[t] : max_score;
-#pragma omp simd reduction(+ : denom)
-        for (int64_t t = 0; t < seq_len; ++t) {
-            s[t] = exp_f32(s[t] - max_score);
-            denom += s[t];
-        }
-        const float inv = 1.0f / denom;
-#pragma omp simd
-        for (int64_t t = 0; t < seq_len; ++t) s[t] *= inv;
-    }
+    softmax_rows(scores, heads, seq_len);
     memset(acc, 0, sizeof(float) * (size_t)(heads * head_dim));
     for (int64_t start = 0, b = 0; start < seq_len; start += block_size, ++b) {
         const float *v = value_cache + (int64_t)table[b] * block_stride;
@@ -192,20 +197,7 @@ static inline __attribute__((always_inline)) void attend_request_vec(
     }
     n = tile_slots(value_cache, table, 0, seq_len, block_size, block_stride, token_stride, slots);
     for (int64_t j = 0; j < n; ++j) prefetch_slot(slots[j], token_stride);
-    for (int64_t hq = 0; hq < heads; ++hq) {
-        float *s = scores + hq * seq_len;
-        float max_score = -INFINITY, denom = 0.0f;
-#pragma omp simd reduction(max : max_score)
-        for (int64_t t = 0; t < seq_len; ++t) max_score = s[t] > max_score ? s[t] : max_score;
-#pragma omp simd reduction(+ : denom)
-        for (int64_t t = 0; t < seq_len; ++t) {
-            s[t] = exp_f32(s[t] - max_score);
-            denom += s[t];
-        }
-        const float inv = 1.0f / denom;
-#pragma omp simd
-        for (int64_t t = 0; t < seq_len; ++t) s[t] *= inv;
-    }
+    softmax_rows(scores, heads, seq_len);
     memset(acc, 0, sizeof(float) * (size_t)(heads * head_dim));
     for (int64_t t0 = 0; t0 < seq_len; t0 += LANES) {
         const int64_t n_next = tile_slots(value_cache, table, t0 + LANES, seq_len, block_size, block_stride,

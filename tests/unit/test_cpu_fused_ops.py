@@ -6,19 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
 from kernels.reference import rms_norm_ref, silu_and_mul_ref, write_kv_ref
 from services.worker.rotary import RotaryEmbedding
 
 ROWS = [1, 7, 300]  # 300 rows crosses PARALLEL_MIN_FLOATS for every op below
-
-
-@pytest.fixture(scope="module")
-def kernels(tmp_path_factory):
-    try:
-        return load_cpu_kernels(tmp_path_factory.mktemp("cache"))
-    except CpuKernelBuildError as exc:
-        pytest.skip(f"no C toolchain: {exc}")
 
 
 @pytest.mark.parametrize("rows", ROWS)

@@ -10,19 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_native, reference
-from kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
+from kernels.cpu_native import CpuKernelBuildError
 from services.worker.attention import CpuAttentionBackend, TorchAttentionBackend, make_attention_backend
 from services.worker.linear import SMALL_BATCH_ROWS, Linear, onednn_packing_usable
 from tests.support.paged import ragged_batch
-
-
-@pytest.fixture(scope="module")
-def kernels(tmp_path_factory):
-    try:
-        return load_cpu_kernels(tmp_path_factory.mktemp("cache"))
-    except CpuKernelBuildError as exc:
-        pytest.skip(f"no C toolchain: {exc}")
-
 
 CASES = [  # (head_dim, heads, kv_heads, block_size): the specialised sizes and the generic path
     (64, 9, 3, 16),   # the default model: GQA ratio 3
