@@ -71,6 +71,9 @@ class _Replica:
     alive: bool = False
     outstanding: int = 0
     pending: detokenizer_pb2.DetokenizeRequest = field(default_factory=detokenizer_pb2.DetokenizeRequest)
+    # A gRPC stream takes one write at a time (a second one in flight fails the call with TOO_MANY_OPERATIONS),
+    # and abort RPCs flush concurrently with the engine loop. The lock's FIFO wake-up keeps batches in order.
+    write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
@@ -338,7 +341,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             if not batch.handles and not batch.new_requests:
                 continue
             replica.pending = detokenizer_pb2.DetokenizeRequest()
-            if replica.alive:
+            async with replica.write_lock:
+                if not replica.alive:
+                    continue
                 try:
                     await replica.call.write(batch)
                 except Exception as exc:
