@@ -72,11 +72,26 @@ def add_server_args(parser: argparse.ArgumentParser, port: int = 0) -> None:
          help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; default: off)")
 
 
-def _addresses(text: str) -> list[str]:
-    """Comma-separated host:port entries; `dns:///name:port` expands to every address of name."""
-    from services.common.grpc_server import expand_addresses
+def add_detokenizer_discovery_args(parser: argparse.ArgumentParser) -> None:
+    from services.common.discovery import DEFAULT_REFRESH_INTERVAL_S
 
-    return expand_addresses([a.strip() for a in text.split(",") if a.strip()])
+    g = parser.add_argument_group("detokenizer replicas")
+    _arg(g, "--detokenizer-addresses", default="",
+         help="comma-separated host:port entries, or dns:///name:port for every address of name")
+    _arg(g, "--replica-refresh-interval", type=float, default=DEFAULT_REFRESH_INTERVAL_S,
+         help="seconds between re-resolutions of dns:/// entries, so scaled-out replicas join and vanished ones leave")
+
+
+def _address_specs(text: str) -> list[str]:
+    """Comma-separated host:port entries or `dns:///name:port` (every address of name)."""
+    return [a.strip() for a in text.split(",") if a.strip()]
+
+
+def _addresses(text: str) -> list[str]:
+    """The specs resolved once: for a fixed group such as worker ranks."""
+    from services.common.discovery import expand_addresses
+
+    return expand_addresses(_address_specs(text))
 
 
 def worker_config(args: argparse.Namespace):
@@ -133,7 +148,8 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     from services.scheduler.server import MeshSchedulerConfig, serve
 
     config = MeshSchedulerConfig(
-        worker_addresses=_addresses(args.workers), detokenizer_addresses=_addresses(args.detokenizer_addresses),
+        worker_addresses=_addresses(args.workers), detokenizer_addresses=_address_specs(args.detokenizer_addresses),
+        replica_refresh_interval_s=args.replica_refresh_interval,
         max_num_batched_tokens=args.max_num_batched_tokens, policy=args.scheduling_policy,
         pipeline_depth=args.pipeline_depth, stateless_worker=args.stateless_worker,
         enable_prefix_caching=not args.no_prefix_caching, max_waiting=args.max_waiting)
@@ -144,8 +160,8 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 def cmd_frontend(args: argparse.Namespace) -> int:
     from services.frontend.server import serve
 
-    asyncio.run(serve(_tokenizer_loader(args), args.scheduler, _addresses(args.detokenizer_addresses),
-                      args.host, args.port, args.ready_file, args.metrics_port))
+    asyncio.run(serve(_tokenizer_loader(args), args.scheduler, _address_specs(args.detokenizer_addresses),
+                      args.host, args.port, args.ready_file, args.metrics_port, args.replica_refresh_interval))
     return 0
 
 
@@ -285,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     scheduler = sub.add_parser("scheduler", help="run the scheduler")
     add_server_args(scheduler)
     _arg(scheduler, "--workers", required=False, default="", help="worker rank addresses, comma-separated")
-    _arg(scheduler, "--detokenizer-addresses", default="", help="detokenizer replica addresses, comma-separated")
+    add_detokenizer_discovery_args(scheduler)
     add_scheduler_args(scheduler)
     scheduler.set_defaults(func=cmd_scheduler)
 
@@ -297,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     frontend = sub.add_parser("frontend", help="run a frontend (the public API)")
     add_server_args(frontend, port=DEFAULT_PUBLIC_PORT)
     _arg(frontend, "--scheduler", default="127.0.0.1:50052", help="scheduler address")
-    _arg(frontend, "--detokenizer-addresses", default="", help="detokenizer replica addresses, comma-separated")
+    add_detokenizer_discovery_args(frontend)
     add_model_args(frontend)
     frontend.set_defaults(func=cmd_frontend)
 

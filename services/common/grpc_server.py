@@ -109,22 +109,3 @@ async def wait_until_serving(address: str, timeout: float) -> None:
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError(f"{address} did not become healthy within {timeout:.0f} s")
             await asyncio.sleep(0.2)
-
-
-def expand_addresses(addresses: list[str]) -> list[str]:
-    """`dns:///name:port` becomes one host:port per address the name resolves to (a Kubernetes
-    headless Service or a docker-compose service with replicas); other entries stay as given."""
-    import socket
-
-    expanded: list[str] = []
-    for address in addresses:
-        if not address.startswith("dns:///"):
-            expanded.append(address)
-            continue
-        host, _, port = address[len("dns:///"):].rpartition(":")
-        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-        ips = sorted({info[4][0] for info in infos})
-        if not ips:
-            raise OSError(f"{address} resolves to no address")
-        expanded += [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]
-    return expanded

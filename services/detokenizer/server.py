@@ -60,7 +60,9 @@ class _FrontendBatch:
 class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.requests: dict[int, _Tracked] = {}
+        # One table per scheduler stream: handles are numbered per scheduler, and a request
+        # lives no longer than the stream that introduced it.
+        self.streams: list[dict[int, _Tracked]] = []
         self.subscribers: dict[str, asyncio.Queue[detokenizer_pb2.SubscribeResponse]] = {}
         self.metrics: DetokenizerMetrics | None = None
 
@@ -76,16 +78,38 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
             if self.subscribers.get(request.frontend_id) is queue:
                 del self.subscribers[request.frontend_id]
 
-    async def Detokenize(self, request_iterator, context):
-        async for batch in request_iterator:
-            stopped = self.process(batch)
-            if stopped:
-                yield detokenizer_pb2.DetokenizeResponse(stopped_handles=stopped)
+    @property
+    def num_requests(self) -> int:
+        return sum(len(requests) for requests in self.streams)
 
-    def process(self, batch: detokenizer_pb2.DetokenizeRequest) -> list[int]:
+    async def Detokenize(self, request_iterator, context):
+        requests: dict[int, _Tracked] = {}
+        self.streams.append(requests)
+        await context.send_initial_metadata(())  # tells the scheduler the stream is open
+        try:
+            async for batch in request_iterator:
+                stopped = self.process(batch, requests)
+                if stopped:
+                    yield detokenizer_pb2.DetokenizeResponse(stopped_handles=stopped)
+        finally:
+            self.streams.remove(requests)
+            if requests:  # the scheduler went away mid-request: nothing more will come for these
+                self.fail(requests, "the scheduler's stream to this detokenizer closed")
+
+    def fail(self, requests: dict[int, _Tracked], error: str) -> None:
+        logger.error("%s; failing %d request(s)", error, len(requests))
+        out: dict[str, _FrontendBatch] = {}
+        for tracked in requests.values():
+            tracked.span.end()
+            out.setdefault(tracked.frontend_id, _FrontendBatch()).add(
+                tracked.frontend_key, "", [], common_pb2.FINISH_REASON_ABORT, tracked, 0, [], error)
+        requests.clear()
+        self._publish(out)
+
+    def process(self, batch: detokenizer_pb2.DetokenizeRequest, requests: dict[int, _Tracked]) -> list[int]:
         for info in batch.new_requests:
             params = wire.sampling_from_proto(info.sampling)
-            self.requests[info.handle] = _Tracked(
+            requests[info.handle] = _Tracked(
                 IncrementalDetokenizer(self.tokenizer, params, list(info.prompt_tail)), info.frontend_id,
                 info.frontend_key, info.num_prompt_tokens,
                 span=TRACER.start_span("detokenizer.request", context=telemetry.from_proto(info.trace_context))
@@ -98,7 +122,7 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
             n = batch.num_tokens[i]
             token_ids = list(batch.token_ids[offset:offset + n])
             offset += n
-            tracked = self.requests.get(handle)
+            tracked = requests.get(handle)
             if tracked is None:
                 continue
             reason = batch.finish_reasons[i]
@@ -111,7 +135,7 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
                 if self.metrics:
                     self.metrics.stop_string_hits.inc()
             if result.finished:
-                del self.requests[handle]
+                del requests[handle]
                 tracked.span.set_attribute("vmesh.output_tokens", tracked.num_output_tokens)
                 tracked.span.end()
             if not result.text and not token_ids and not result.finished:
@@ -121,13 +145,16 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
                 batch.num_cached_prompt_tokens[i], logprobs.get(handle, []), batch.errors[i] if batch.errors else "")
         if self.metrics:
             self.metrics.tokens.inc(sum(batch.num_tokens))
+        self._publish(out)
+        return stopped
+
+    def _publish(self, out: dict[str, _FrontendBatch]) -> None:
         for frontend_id, frontend_batch in out.items():
             queue = self.subscribers.get(frontend_id)
             if queue is None:
                 logger.warning("no subscription from frontend %s; dropping its outputs", frontend_id)
                 continue
             queue.put_nowait(frontend_batch.pb)
-        return stopped
 
 
 LogprobRow = tuple[float, int, list[int], list[float]]  # sampled logprob, rank, top ids, top logprobs
@@ -157,7 +184,7 @@ async def serve(load_tokenizer, host: str, port: int, ready_file: str | None,
         servicer.tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer)
 
     async def drain() -> None:
-        while servicer.requests:
+        while servicer.num_requests:
             await asyncio.sleep(0.05)
 
     await shell.run(warm_up, drain, ready_file)

@@ -14,6 +14,7 @@ import grpc
 from opentelemetry import trace
 
 from services.common import telemetry
+from services.common.discovery import DEFAULT_REFRESH_INTERVAL_S, AddressBook, watch
 from services.common.grpc_server import ServiceShell, channel
 from services.common.metrics import FrontendMetrics
 from services.frontend.outbox import Outbox, PendingOutput
@@ -36,15 +37,20 @@ _FINISH_NAMES = {0: "", 1: "stop", 2: "length", 3: "abort"}
 
 
 class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
-    def __init__(self, tokenizer, scheduler_address: str, detokenizer_addresses: list[str]):
+    def __init__(self, tokenizer, scheduler_address: str, detokenizer_specs: list[str],
+                 replica_refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S):
+        """`detokenizer_specs`: host:port or dns:///name:port entries, re-resolved periodically."""
         self.tokenizer = tokenizer
         self.frontend_id = f"frontend-{uuid.uuid4().hex[:12]}"
         self.scheduler_address = scheduler_address
-        self.detokenizer_addresses = detokenizer_addresses
+        self.detokenizers = AddressBook(detokenizer_specs)
+        self.replica_refresh_interval_s = replica_refresh_interval_s
         self.outboxes: dict[int, Outbox] = {}
         self.keys = itertools.count(1)
         self.limits: ModelLimits | None = None
-        self.subscribed: set[str] = set()
+        self.subscribed: set[str] = set()  # open subscriptions
+        self.subscriptions: dict[str, asyncio.Task] = {}
+        self.retired: set[str] = set()  # replicas that left the list, kept until their last request ends
         self._tasks: list[asyncio.Task] = []
         self.in_flight = 0
         self.metrics: FrontendMetrics | None = None
@@ -55,17 +61,40 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
         stats = await self.scheduler.GetSchedulerStats(scheduler_pb2.GetSchedulerStatsRequest(), wait_for_ready=True,
                                                        timeout=600)
         self.limits = ModelLimits(stats.model_name, stats.max_model_len, stats.vocab_size)
-        subscribed = [asyncio.get_running_loop().create_future() for _ in self.detokenizer_addresses]
-        for address, ready in zip(self.detokenizer_addresses, subscribed):
-            self._tasks.append(asyncio.create_task(self._subscribe(address, ready)))
+        subscribed = [self._start_subscription(address) for address in self.detokenizers.addresses]
         await asyncio.gather(*subscribed)
+        self._tasks.append(asyncio.create_task(watch(self.detokenizers, self.replica_refresh_interval_s,
+                                                     self._replicas_changed)))
 
     async def close(self) -> None:
-        for task in self._tasks:
+        for task in [*self._tasks, *self.subscriptions.values()]:
             task.cancel()
         await self.scheduler_channel.close()
 
     # --- subscriptions -----------------------------------------------------------------------
+
+    def _start_subscription(self, address: str) -> asyncio.Future:
+        """Subscribe to a replica; the future completes once the subscription is open."""
+        ready = asyncio.get_running_loop().create_future()
+        self.subscriptions[address] = asyncio.create_task(self._subscribe(address, ready))
+        return ready
+
+    def _replicas_changed(self, joined: list[str], left: list[str]) -> None:
+        for address in joined:
+            self.retired.discard(address)
+            if address not in self.subscriptions:
+                self._start_subscription(address)
+        for address in left:
+            if address in self.subscriptions:
+                self.retired.add(address)
+                self._close_if_idle(address)
+
+    def _close_if_idle(self, address: str) -> None:
+        if address in self.retired and all(o.detokenizer != address for o in self.outboxes.values()):
+            self.retired.discard(address)
+            self.subscribed.discard(address)
+            self.subscriptions.pop(address).cancel()
+            logger.info("detokenizer %s left", address)
 
     async def _subscribe(self, address: str, ready: asyncio.Future) -> None:
         """Keep one subscription open to a replica; when it breaks, fail the requests it was
@@ -179,12 +208,17 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
         if metrics:
             metrics.prompt_tokens.inc(len(prompt))
         try:
+            listening = sorted(self.subscribed - self.retired)
+            if not listening:
+                finished = True  # nothing to abort
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "no detokenizer replica is reachable")
             try:
                 remaining = context.time_remaining()
+                timeout = min(SUBMIT_TIMEOUT_S, remaining) if remaining else SUBMIT_TIMEOUT_S
                 reply = await self.scheduler.SubmitRequest(scheduler_pb2.SubmitRequestRequest(
                     request_id=request_id, frontend_id=self.frontend_id, frontend_key=key, prompt_token_ids=prompt,
-                    sampling=sampling, priority=request.priority, trace_context=telemetry.to_proto(span)),
-                    timeout=min(SUBMIT_TIMEOUT_S, remaining) if remaining else SUBMIT_TIMEOUT_S)
+                    sampling=sampling, priority=request.priority, trace_context=telemetry.to_proto(span),
+                    detokenizers=listening), timeout=timeout)
             except grpc.aio.AioRpcError as exc:
                 finished = True  # nothing to abort
                 code = exc.code() if exc.code() in _PASSED_THROUGH else grpc.StatusCode.UNAVAILABLE
@@ -222,6 +256,8 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
         finally:
             self.in_flight -= 1
             del self.outboxes[key]
+            if outbox.detokenizer in self.retired:
+                self._close_if_idle(outbox.detokenizer)
             if not finished:  # the client went away or its deadline passed: abort everywhere
                 asyncio.get_running_loop().create_task(self._abort(request_id))
 
@@ -247,10 +283,11 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
             await asyncio.sleep(0.05)
 
 
-async def serve(load_tokenizer, scheduler_address: str, detokenizer_addresses: list[str], host: str, port: int,
-                ready_file: str | None, metrics_port: int | None = None) -> None:
+async def serve(load_tokenizer, scheduler_address: str, detokenizer_specs: list[str], host: str, port: int,
+                ready_file: str | None, metrics_port: int | None = None,
+                replica_refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S) -> None:
     shell = ServiceShell("frontend", frontend_pb2.DESCRIPTOR.services_by_name["FrontendService"], host, port)
-    servicer = FrontendServicer(None, scheduler_address, detokenizer_addresses)
+    servicer = FrontendServicer(None, scheduler_address, detokenizer_specs, replica_refresh_interval_s)
     frontend_pb2_grpc.add_FrontendServiceServicer_to_server(servicer, shell.server)
     if registry := shell.metrics_registry(metrics_port, ready_file):
         servicer.metrics = FrontendMetrics(registry)

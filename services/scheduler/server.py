@@ -14,6 +14,7 @@ import grpc
 from opentelemetry import trace
 
 from services.common import telemetry, wire
+from services.common.discovery import DEFAULT_REFRESH_INTERVAL_S, AddressBook, watch
 from services.common.grpc_server import ServiceShell, channel
 from services.common.metrics import Gauges, SchedulerMetrics
 from services.common.step_types import NewRequest, StepPlan
@@ -33,13 +34,14 @@ from vmesh.v1 import (
 logger = logging.getLogger(__name__)
 
 PROMPT_TAIL_TOKENS = 4  # decoding context given to the detokenizer
+RECONNECT_DELAY_S = 1.0
 TRACER = telemetry.tracer("vmesh.scheduler")
 
 
 @dataclass
 class MeshSchedulerConfig:
     worker_addresses: list[str]
-    detokenizer_addresses: list[str]
+    detokenizer_addresses: list[str]  # host:port or dns:///name:port specs, re-resolved periodically
     max_num_batched_tokens: int = 2048
     max_num_seqs: int | None = None  # None: the worker's
     policy: str = "fcfs"
@@ -47,6 +49,7 @@ class MeshSchedulerConfig:
     stateless_worker: bool = False
     enable_prefix_caching: bool = True
     max_waiting: int = 4096
+    replica_refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S
 
 
 @dataclass
@@ -66,10 +69,17 @@ class _Route:
 
 @dataclass
 class _Replica:
+    """One detokenizer replica and the stream to it. A lost stream is reopened (the replica may
+    have restarted); a replica whose address leaves the list takes no new requests and is closed
+    once its last request ends."""
     address: str
     call: grpc.aio.StreamStreamCall | None = None
-    alive: bool = False
+    alive: bool = False  # the stream is open: new requests may be routed here
+    retired: bool = False
     outstanding: int = 0
+    connected: asyncio.Event = field(default_factory=asyncio.Event)  # set on the first connection (or retirement)
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task | None = None
     pending: detokenizer_pb2.DetokenizeRequest = field(default_factory=detokenizer_pb2.DetokenizeRequest)
     # A gRPC stream takes one write at a time (a second one in flight fails the call with TOO_MANY_OPERATIONS),
     # and abort RPCs flush concurrently with the engine loop. The lock's FIFO wake-up keeps batches in order.
@@ -81,7 +91,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.config = config
         self.scheduler: Scheduler | None = None
         self.worker_calls: list[grpc.aio.StreamStreamCall] = []
-        self.replicas = [_Replica(a) for a in config.detokenizer_addresses]
+        self.detokenizers = AddressBook(config.detokenizer_addresses)
+        self.replicas: dict[str, _Replica] = {}
         self.routes: dict[str, _Route] = {}
         self.key_of_handle: dict[int, str] = {}
         self._route_handles = itertools.count()
@@ -116,18 +127,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                                                                info.max_num_seqs),
             max_num_batched_tokens=self.config.max_num_batched_tokens, policy=self.config.policy,
             max_waiting=self.config.max_waiting), pool, tuple(info.eos_token_ids))
-        for replica in self.replicas:
-            ch = channel(replica.address)
-            self._channels.append(ch)
-            replica.call = detokenizer_pb2_grpc.DetokenizerServiceStub(ch).Detokenize(wait_for_ready=True)
-            replica.alive = True
-            self._tasks.append(asyncio.create_task(self._read_replica(replica)))
+        self._replicas_changed(self.detokenizers.addresses, [])
+        await asyncio.gather(*(r.connected.wait() for r in self.replicas.values()))
+        self._tasks.append(asyncio.create_task(watch(self.detokenizers, self.config.replica_refresh_interval_s,
+                                                     self._replicas_changed)))
         self._tasks.append(asyncio.create_task(self._engine_loop()))
         logger.info("connected to %d worker rank(s) (%d KV blocks of %d) and %d detokenizer(s)",
                     len(self.worker_calls), info.num_kv_blocks, info.block_size, len(self.replicas))
 
     async def close(self) -> None:
-        for task in self._tasks:
+        for task in [*self._tasks, *(r.task for r in self.replicas.values() if r.task)]:
             task.cancel()
         for ch in self._channels:
             await ch.close()
@@ -139,7 +148,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.failure)
         if not self.accepting or self.scheduler is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is not accepting requests")
-        replicas = [r for r in self.replicas if r.alive]
+        replicas = [r for r in self.replicas.values() if r.alive and not r.retired
+                    and (not request.detokenizers or r.address in request.detokenizers)]
         if not replicas:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no detokenizer replica is reachable")
         key = _key(request.frontend_id, request.request_id)
@@ -336,23 +346,77 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         batch.errors.append(error)
 
     async def _flush_replicas(self) -> None:
-        for replica in self.replicas:
+        for replica in list(self.replicas.values()):
             batch = replica.pending
-            if not batch.handles and not batch.new_requests:
-                continue
-            replica.pending = detokenizer_pb2.DetokenizeRequest()
-            async with replica.write_lock:
-                if not replica.alive:
-                    continue
-                try:
-                    await replica.call.write(batch)
-                except Exception as exc:
-                    self._replica_lost(replica, exc)
+            if batch.handles or batch.new_requests:
+                replica.pending = detokenizer_pb2.DetokenizeRequest()
+                async with replica.write_lock:
+                    if replica.alive:
+                        try:
+                            await replica.call.write(batch)
+                        except Exception as exc:
+                            self._replica_lost(replica, exc)
+            self._close_if_idle(replica)  # a retired replica goes once its last outputs are out
 
-    async def _read_replica(self, replica: _Replica) -> None:
+    # --- detokenizer replicas ----------------------------------------------------------------
+
+    def _replicas_changed(self, joined: list[str], left: list[str]) -> None:
+        for address in joined:
+            replica = self.replicas.get(address)
+            if replica is not None:  # it left and came back before its last request ended
+                replica.retired = False
+                continue
+            replica = self.replicas[address] = _Replica(address)
+            replica.task = asyncio.create_task(self._keep_replica(replica))
+        for address in left:
+            if (replica := self.replicas.get(address)) is not None:
+                replica.retired = True
+                replica.connected.set()
+                self._close_if_idle(replica)
+
+    def _close_if_idle(self, replica: _Replica) -> None:
+        idle = replica.outstanding == 0 and not replica.pending.handles and not replica.pending.new_requests
+        if replica.retired and idle and self.replicas.get(replica.address) is replica:
+            del self.replicas[replica.address]
+            replica.alive = False
+            if replica.task is not None:
+                replica.task.cancel()
+            logger.info("detokenizer %s left", replica.address)
+
+    def _open_stream(self, address: str) -> tuple[grpc.aio.StreamStreamCall, grpc.aio.Channel]:
+        ch = channel(address)
+        return detokenizer_pb2_grpc.DetokenizerServiceStub(ch).Detokenize(wait_for_ready=True), ch
+
+    async def _keep_replica(self, replica: _Replica) -> None:
+        """Hold a stream open to the replica; reopen it after a loss until the replica leaves."""
+        while True:
+            call, ch = self._open_stream(replica.address)
+            reader = None
+            try:
+                await call.wait_for_connection()  # the replica sends initial metadata on a new stream
+                replica.lost.clear()
+                async with replica.write_lock:  # not while a write to the previous stream is in flight
+                    replica.call = call
+                    replica.alive = True
+                replica.connected.set()
+                logger.info("detokenizer %s connected", replica.address)
+                reader = asyncio.create_task(self._read_replica(replica, call))
+                await replica.lost.wait()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._replica_lost(replica, exc)
+            finally:
+                if reader is not None:
+                    reader.cancel()
+                call.cancel()
+                await ch.close()
+            await asyncio.sleep(RECONNECT_DELAY_S)
+
+    async def _read_replica(self, replica: _Replica, call: grpc.aio.StreamStreamCall) -> None:
         try:
             while True:
-                response = await replica.call.read()
+                response = await call.read()
                 if response is grpc.aio.EOF:
                     raise ConnectionError("stream closed")
                 for handle in response.stopped_handles:
@@ -366,14 +430,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             self._replica_lost(replica, exc)
 
     def _replica_lost(self, replica: _Replica, exc: Exception) -> None:
+        """Abort the replica's requests; the replica tells their frontends (or their subscriptions
+        break, when the replica itself is gone). `_keep_replica` reconnects."""
+        replica.lost.set()
         if not replica.alive:
             return
         replica.alive = False
+        replica.pending = detokenizer_pb2.DetokenizeRequest()  # nothing in it can reach anyone now
         lost = [key for key, route in self.routes.items() if route.replica is replica]
         logger.error("detokenizer %s lost (%s); aborting its %d request(s)", replica.address, exc, len(lost))
         for key in lost:
             self.scheduler.abort(key)
             self._pop_route(key)
+        self._close_if_idle(replica)
 
     async def drain(self) -> None:
         self.accepting = False

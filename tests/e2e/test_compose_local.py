@@ -19,6 +19,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
 import yaml
 
@@ -29,19 +30,32 @@ START_ORDER = ["worker", "detokenizer", "scheduler", "frontend"]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports: each socket stays bound until all are picked. (gRPC servers bind with
+    SO_REUSEPORT, so two services handed the same port would both start and split its connections.)"""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 class LocalStack:
     def __init__(self, compose: dict):
         self.compose = compose
         self.instances: dict[str, list[dict]] = {}  # service -> [{grpc, metrics}]
-        for name in START_ORDER:
-            replicas = compose["services"][name].get("deploy", {}).get("replicas", 1)
-            self.instances[name] = [{"grpc": free_port(), "metrics": free_port()} for _ in range(replicas)]
+        counts = {name: compose["services"][name].get("deploy", {}).get("replicas", 1) for name in START_ORDER}
+        ports = iter(free_ports(2 * sum(counts.values())))
+        for name, replicas in counts.items():
+            self.instances[name] = [{"grpc": next(ports), "metrics": next(ports)} for _ in range(replicas)]
         self.processes: list[subprocess.Popen] = []
+        self.process_of: dict[tuple[str, int], subprocess.Popen] = {}
 
     def address(self, name: str, i: int = 0) -> str:
         return f"127.0.0.1:{self.instances[name][i]['grpc']}"
@@ -71,21 +85,25 @@ class LocalStack:
 
     def start(self) -> None:
         for name in START_ORDER:
-            for instance in self.instances[name]:
-                self.processes.append(subprocess.Popen([sys.executable, "-m", "services.cli",
-                                                        *self.command(name, instance)],
-                                                       cwd=ROOT, env=self.environment(name)))
+            for i in range(len(self.instances[name])):
+                self.start_instance(name, i)
             self.wait_healthy(name)
 
-    def wait_healthy(self, name: str) -> None:
+    def start_instance(self, name: str, i: int) -> None:
+        process = subprocess.Popen([sys.executable, "-m", "services.cli", *self.command(name, self.instances[name][i])],
+                                   cwd=ROOT, env=self.environment(name))
+        self.processes.append(process)
+        self.process_of[name, i] = process
+
+    def wait_healthy(self, name: str, instances: range | None = None) -> None:
         """The compose healthcheck's own command, retried like `depends_on: service_healthy`."""
         test = self.compose["services"][name]["healthcheck"]["test"][1:]  # drop "CMD"
-        for i in range(len(self.instances[name])):
+        for i in instances or range(len(self.instances[name])):
             argv = [self.address(name, i) if ":" in a and a.startswith("127.0.0.1") else a for a in test[1:]]
             deadline = time.monotonic() + 180
             while subprocess.run([sys.executable, "-m", "services.cli", *argv], cwd=ROOT,
                                  capture_output=True).returncode != 0:
-                assert all(p.poll() is None for p in self.processes), f"a process died while starting {name}"
+                assert all(p.poll() is None for p in self.process_of.values()), f"a process died starting {name}"
                 assert time.monotonic() < deadline, f"{name} never became healthy"
                 time.sleep(0.5)
 
@@ -182,3 +200,40 @@ def test_prometheus_scrapes_every_service(stack, tmp_path):
     finally:
         server.terminate()
         server.wait(10)
+
+
+def detokenized_tokens(stack: LocalStack, i: int) -> float:
+    url = f"http://127.0.0.1:{stack.instances['detokenizer'][i]['metrics']}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith("vmesh:detokenizer_tokens_total "):
+                return float(line.split()[1])
+    raise AssertionError("no vmesh:detokenizer_tokens_total series")
+
+
+def test_a_restarted_detokenizer_replica_is_reconnected(stack):
+    """Kill one of the two detokenizer replicas: requests keep being served by the other; start it
+    again on its address: the scheduler and the frontend reopen their streams to it and use it."""
+    async def serve(n: int, deadline: float) -> None:
+        async with VmeshClient(stack.address("frontend")) as client:
+            while True:
+                try:  # concurrent requests spread over the replicas (least outstanding first)
+                    results = await asyncio.gather(*(client.complete(text=f"Count to {i}.", max_tokens=4,
+                                                                     ignore_eos=True) for i in range(n)))
+                    assert all(len(ids) == 4 for _, ids, _ in results)
+                    return
+                except grpc.aio.AioRpcError as exc:  # routed to the dead replica before anyone noticed
+                    assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+                    assert time.monotonic() < deadline, "requests kept failing after a replica died"
+                    await asyncio.sleep(0.5)
+
+    victim = stack.process_of["detokenizer", 0]
+    victim.kill()
+    victim.wait(10)
+    asyncio.run(serve(4, time.monotonic() + 20))
+    stack.start_instance("detokenizer", 0)
+    stack.wait_healthy("detokenizer", range(1))
+    deadline = time.monotonic() + 30
+    while detokenized_tokens(stack, 0) == 0:  # a fresh process: its counter starts at zero
+        assert time.monotonic() < deadline, "the restarted replica never received a request"
+        asyncio.run(serve(4, deadline))

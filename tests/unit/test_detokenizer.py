@@ -88,3 +88,36 @@ def test_output_modes(tok):
     assert "".join(delta) == "one two three"
     assert cumulative[-1] == "one two three" and all(cumulative[-1].startswith(c) for c in cumulative)
     assert final[:-1] == [""] * (len(final) - 1) and final[-1] == "one two three"
+
+
+def test_a_closed_scheduler_stream_fails_its_requests_toward_their_frontends(tok):
+    import asyncio
+
+    from services.detokenizer.server import DetokenizerServicer
+    from vmesh.v1 import common_pb2, detokenizer_pb2
+
+    class Context:
+        async def send_initial_metadata(self, metadata) -> None:
+            pass
+
+    async def scheduler_stream():
+        yield detokenizer_pb2.DetokenizeRequest(
+            new_requests=[detokenizer_pb2.DetokenizerRequestInfo(handle=7, frontend_id="f", frontend_key=3,
+                                                                 num_prompt_tokens=2)],
+            handles=[7], num_tokens=[1], token_ids=[9690], finish_reasons=[0], num_cached_prompt_tokens=[0],
+            errors=[""])
+        raise ConnectionError("the scheduler went away")
+
+    async def main() -> list:
+        servicer = DetokenizerServicer(tok)
+        servicer.subscribers["f"] = queue = asyncio.Queue()
+        with pytest.raises(ConnectionError):
+            async for _ in servicer.Detokenize(scheduler_stream(), Context()):
+                pass
+        assert servicer.num_requests == 0
+        return [queue.get_nowait() for _ in range(queue.qsize())]
+
+    first, last = asyncio.run(main())
+    assert list(first.frontend_keys) == [3] and list(first.errors) == [""]
+    assert list(last.frontend_keys) == [3] and "closed" in last.errors[0]
+    assert list(last.finish_reasons) == [common_pb2.FINISH_REASON_ABORT]

@@ -1,17 +1,30 @@
-"""The scheduler service's detokenizer fan-out, driven without a network."""
+"""The scheduler service's detokenizer fan-out and replica membership, driven without a network."""
 from __future__ import annotations
 
 import asyncio
 
+import grpc
+import pytest
+
+from services.scheduler import server as scheduler_server
+from services.scheduler.block_pool import BlockPool
+from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.server import MeshSchedulerConfig, SchedulerServicer
+from vmesh.v1 import scheduler_pb2
 
 
-class OneWriteAtATimeStream:
-    """Behaves like a grpc.aio stream-stream call: a write while another is in flight fails the call."""
+class FakeStream:
+    """Behaves like a grpc.aio stream-stream call: one write at a time (a second write in flight
+    fails the call), reads that wait for responses or a failure."""
 
     def __init__(self) -> None:
         self.writing = False
         self.received: list[list[int]] = []
+        self.responses: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+
+    async def wait_for_connection(self) -> None:
+        await asyncio.sleep(0)
 
     async def write(self, message) -> None:
         if self.writing:
@@ -24,21 +37,130 @@ class OneWriteAtATimeStream:
         finally:
             self.writing = False
 
+    async def read(self):
+        response = await self.responses.get()
+        if isinstance(response, Exception):
+            raise response
+        return response
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeChannel:
+    async def close(self) -> None:
+        pass
+
+
+class Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code = code
+
+
+class FakeContext:
+    async def abort(self, code: grpc.StatusCode, details: str):
+        raise Aborted(code, details)
+
+
+class Servicer(SchedulerServicer):
+    """Streams to fake replicas; addresses resolve through `dns`."""
+
+    def __init__(self, addresses: list[str]):
+        super().__init__(MeshSchedulerConfig(worker_addresses=[], detokenizer_addresses=addresses))
+        self.streams: dict[str, list[FakeStream]] = {}
+        self.scheduler = Scheduler(SchedulerConfig(max_model_len=64), BlockPool(16, 4), (0,))
+
+    def _open_stream(self, address: str):
+        stream = FakeStream()
+        self.streams.setdefault(address, []).append(stream)
+        return stream, FakeChannel()
+
+    async def submit(self, request_id: str, detokenizers: tuple[str, ...] = ()) -> str:
+        reply = await self.SubmitRequest(scheduler_pb2.SubmitRequestRequest(
+            request_id=request_id, frontend_id="f", frontend_key=1, prompt_token_ids=[1, 2, 3],
+            detokenizers=detokenizers), FakeContext())
+        return reply.detokenizer
+
+
+async def connected(servicer: Servicer) -> None:
+    servicer._replicas_changed(servicer.detokenizers.addresses, [])
+    await asyncio.gather(*(r.connected.wait() for r in servicer.replicas.values()))
+
 
 def test_concurrent_flushes_write_one_at_a_time_and_in_order():
-    servicer = SchedulerServicer(MeshSchedulerConfig(worker_addresses=[], detokenizer_addresses=["127.0.0.1:1"]))
-    replica = servicer.replicas[0]
-    replica.call = stream = OneWriteAtATimeStream()
-    replica.alive = True
-
     async def main() -> None:
+        servicer = Servicer(["127.0.0.1:1"])
+        await connected(servicer)
+        replica = servicer.replicas["127.0.0.1:1"]
         flushes = []
         for handle in range(6):  # abort RPCs and the engine loop each flush whatever is pending, concurrently
             replica.pending.handles.append(handle)
             flushes.append(asyncio.create_task(servicer._flush_replicas()))
             await asyncio.sleep(0)
         await asyncio.gather(*flushes)
+        assert replica.alive
+        assert servicer.streams["127.0.0.1:1"][0].received == [[h] for h in range(6)]
+        await servicer.close()
 
     asyncio.run(main())
-    assert replica.alive
-    assert stream.received == [[h] for h in range(6)]
+
+
+def test_requests_go_only_to_replicas_the_frontend_listens_to():
+    async def main() -> None:
+        servicer = Servicer(["127.0.0.1:1", "127.0.0.1:2"])
+        await connected(servicer)
+        picks = {await servicer.submit(f"r{i}", ("127.0.0.1:2",)) for i in range(4)}
+        assert picks == {"127.0.0.1:2"}
+        # unrestricted requests spread by least outstanding: the idle replica catches up first
+        assert [await servicer.submit(f"s{i}") for i in range(4)] == ["127.0.0.1:1"] * 4
+        with pytest.raises(Aborted) as err:
+            await servicer.submit("t", ("127.0.0.1:9",))
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        await servicer.close()
+
+    asyncio.run(main())
+
+
+def test_a_replica_that_leaves_finishes_its_requests_and_then_closes():
+    async def main() -> None:
+        servicer = Servicer(["127.0.0.1:1"])
+        await connected(servicer)
+        assert await servicer.submit("r0") == "127.0.0.1:1"
+        servicer._replicas_changed(["127.0.0.1:2"], ["127.0.0.1:1"])
+        await servicer.replicas["127.0.0.1:2"].connected.wait()
+        leaving = servicer.replicas["127.0.0.1:1"]
+        assert leaving.retired and leaving.alive  # r0 still streams there
+        assert await servicer.submit("r1") == "127.0.0.1:2"
+        r0 = servicer._pop_route("f/r0")
+        servicer._end_route(r0)  # its last output is queued for the leaving replica...
+        assert "127.0.0.1:1" in servicer.replicas
+        await servicer._flush_replicas()  # ...and written before the replica is let go
+        assert servicer.streams["127.0.0.1:1"][0].received == [[r0.handle]]
+        assert "127.0.0.1:1" not in servicer.replicas
+        await asyncio.sleep(0)
+        assert leaving.task.done()
+        await servicer.close()
+
+    asyncio.run(main())
+
+
+def test_a_lost_stream_fails_its_requests_and_reconnects(monkeypatch):
+    monkeypatch.setattr(scheduler_server, "RECONNECT_DELAY_S", 0.0)
+
+    async def main() -> None:
+        servicer = Servicer(["127.0.0.1:1"])
+        await connected(servicer)
+        await servicer.submit("r0")
+        first = servicer.streams["127.0.0.1:1"][0]
+        first.responses.put_nowait(ConnectionError("reset by peer"))
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert first.cancelled
+        assert "f/r0" not in servicer.routes and not servicer.scheduler.has_unfinished()
+        assert len(servicer.streams["127.0.0.1:1"]) == 2  # reopened
+        assert servicer.replicas["127.0.0.1:1"].alive
+        assert await servicer.submit("r1") == "127.0.0.1:1"
+        await servicer.close()
+
+    asyncio.run(main())

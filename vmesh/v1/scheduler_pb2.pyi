@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequestRequest(_message.Message):
-    __slots__ = ("request_id", "frontend_id", "frontend_key", "prompt_token_ids", "sampling", "priority", "trace_context")
+    __slots__ = ("request_id", "frontend_id", "frontend_key", "prompt_token_ids", "sampling", "priority", "trace_context", "detokenizers")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class SubmitRequestRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    DETOKENIZERS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     frontend_id: str
     frontend_key: int
@@ -23,7 +24,8 @@ class SubmitRequestRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     priority: int
     trace_context: _common_pb2.TraceContext
-    def __init__(self, request_id: _Optional[str] = ..., frontend_id: _Optional[str] = ..., frontend_key: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
+    detokenizers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., frontend_id: _Optional[str] = ..., frontend_key: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., detokenizers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SubmitRequestResponse(_message.Message):
     __slots__ = ("detokenizer",)
