@@ -241,7 +241,7 @@ def test_sigterm_drains_in_flight_requests():
         assert mesh.stop() == 0
 
 
-@pytest.mark.parametrize("victim", ["worker", "detokenizer-0"])
+@pytest.mark.parametrize("victim", ["worker", "detokenizer-0", "scheduler"])
 def test_killed_process_fails_requests_promptly(victim):
     mesh = start_mesh("--max-waiting", "1", "--max-num-seqs", "1")
     try:
