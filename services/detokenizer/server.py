@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
@@ -28,6 +28,14 @@ class _Tracked:
     num_prompt_tokens: int
     num_output_tokens: int = 0
     span: trace.Span = trace.INVALID_SPAN
+
+
+@dataclass
+class _SchedulerStream:
+    """One scheduler's stream: its requests (handles are numbered per scheduler, and a request
+    lives no longer than the stream that introduced it) and the replies waiting to go back."""
+    requests: dict[int, _Tracked] = field(default_factory=dict)
+    replies: asyncio.Queue[detokenizer_pb2.DetokenizeResponse | None] = field(default_factory=asyncio.Queue)
 
 
 class _FrontendBatch:
@@ -60,9 +68,8 @@ class _FrontendBatch:
 class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        # One table per scheduler stream: handles are numbered per scheduler, and a request
-        # lives no longer than the stream that introduced it.
-        self.streams: list[dict[int, _Tracked]] = []
+        self.streams: list[_SchedulerStream] = []
+        self.draining = False
         self.subscribers: dict[str, asyncio.Queue[detokenizer_pb2.SubscribeResponse]] = {}
         self.metrics: DetokenizerMetrics | None = None
 
@@ -80,21 +87,38 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
 
     @property
     def num_requests(self) -> int:
-        return sum(len(requests) for requests in self.streams)
+        return sum(len(stream.requests) for stream in self.streams)
+
+    def start_draining(self) -> None:
+        """Shutting down: ask every scheduler to route no new requests here."""
+        self.draining = True
+        for stream in self.streams:
+            stream.replies.put_nowait(detokenizer_pb2.DetokenizeResponse(draining=True))
 
     async def Detokenize(self, request_iterator, context):
-        requests: dict[int, _Tracked] = {}
-        self.streams.append(requests)
+        stream = _SchedulerStream()
+        self.streams.append(stream)
+        if self.draining:
+            stream.replies.put_nowait(detokenizer_pb2.DetokenizeResponse(draining=True))
         await context.send_initial_metadata(())  # tells the scheduler the stream is open
+        consumer = asyncio.create_task(self._consume(request_iterator, stream))
+        try:
+            while (reply := await stream.replies.get()) is not None:
+                yield reply
+            consumer.result()  # the scheduler's side ended: with its error, if any
+        finally:
+            consumer.cancel()
+            self.streams.remove(stream)
+            if stream.requests:  # the scheduler went away mid-request: nothing more will come for these
+                self.fail(stream.requests, "the scheduler's stream to this detokenizer closed")
+
+    async def _consume(self, request_iterator, stream: _SchedulerStream) -> None:
         try:
             async for batch in request_iterator:
-                stopped = self.process(batch, requests)
-                if stopped:
-                    yield detokenizer_pb2.DetokenizeResponse(stopped_handles=stopped)
+                if stopped := self.process(batch, stream.requests):
+                    stream.replies.put_nowait(detokenizer_pb2.DetokenizeResponse(stopped_handles=stopped))
         finally:
-            self.streams.remove(requests)
-            if requests:  # the scheduler went away mid-request: nothing more will come for these
-                self.fail(requests, "the scheduler's stream to this detokenizer closed")
+            stream.replies.put_nowait(None)
 
     def fail(self, requests: dict[int, _Tracked], error: str) -> None:
         logger.error("%s; failing %d request(s)", error, len(requests))
@@ -184,6 +208,7 @@ async def serve(load_tokenizer, host: str, port: int, ready_file: str | None,
         servicer.tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer)
 
     async def drain() -> None:
+        servicer.start_draining()
         while servicer.num_requests:
             await asyncio.sleep(0.05)
 

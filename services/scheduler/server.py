@@ -75,7 +75,8 @@ class _Replica:
     address: str
     call: grpc.aio.StreamStreamCall | None = None
     alive: bool = False  # the stream is open: new requests may be routed here
-    retired: bool = False
+    draining: bool = False  # the replica is shutting down (it said so): no new requests
+    retired: bool = False  # its address left the list
     outstanding: int = 0
     connected: asyncio.Event = field(default_factory=asyncio.Event)  # set on the first connection (or retirement)
     lost: asyncio.Event = field(default_factory=asyncio.Event)
@@ -148,7 +149,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.failure)
         if not self.accepting or self.scheduler is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is not accepting requests")
-        replicas = [r for r in self.replicas.values() if r.alive and not r.retired
+        replicas = [r for r in self.replicas.values() if r.alive and not r.draining and not r.retired
                     and (not request.detokenizers or r.address in request.detokenizers)]
         if not replicas:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no detokenizer replica is reachable")
@@ -398,6 +399,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 async with replica.write_lock:  # not while a write to the previous stream is in flight
                     replica.call = call
                     replica.alive = True
+                    replica.draining = False  # a restarted replica; one still draining says so again at once
                 replica.connected.set()
                 logger.info("detokenizer %s connected", replica.address)
                 reader = asyncio.create_task(self._read_replica(replica, call))
@@ -419,6 +421,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 response = await call.read()
                 if response is grpc.aio.EOF:
                     raise ConnectionError("stream closed")
+                if response.draining and not replica.draining:
+                    replica.draining = True
+                    logger.info("detokenizer %s is draining; routing no new requests to it", replica.address)
                 for handle in response.stopped_handles:
                     key = self.key_of_handle.get(handle)
                     if key is not None:  # a stop string matched: the detokenizer already ended it

@@ -121,3 +121,41 @@ def test_a_closed_scheduler_stream_fails_its_requests_toward_their_frontends(tok
     assert list(first.frontend_keys) == [3] and list(first.errors) == [""]
     assert list(last.frontend_keys) == [3] and "closed" in last.errors[0]
     assert list(last.finish_reasons) == [common_pb2.FINISH_REASON_ABORT]
+
+
+def test_draining_tells_open_and_new_scheduler_streams():
+    import asyncio
+
+    from services.detokenizer.server import DetokenizerServicer
+
+    class Context:
+        async def send_initial_metadata(self, metadata) -> None:
+            pass
+
+    async def idle_scheduler(closed: asyncio.Event):
+        await closed.wait()
+        return
+        yield
+
+    async def first_reply(servicer, closed) -> object:
+        stream = servicer.Detokenize(idle_scheduler(closed), Context())
+        return await stream.__anext__(), stream
+
+    async def main() -> tuple:
+        servicer = DetokenizerServicer(None)
+        closed = asyncio.Event()
+        open_stream = asyncio.create_task(first_reply(servicer, closed))
+        while not servicer.streams:
+            await asyncio.sleep(0)
+        servicer.start_draining()
+        old, old_stream = await asyncio.wait_for(open_stream, 5)
+        new, new_stream = await asyncio.wait_for(first_reply(servicer, closed), 5)
+        closed.set()  # the scheduler ends both streams
+        for stream in (old_stream, new_stream):
+            with pytest.raises(StopAsyncIteration):
+                await stream.__anext__()
+        return old, new, servicer.streams
+
+    old, new, streams = asyncio.run(main())
+    assert old.draining and new.draining and not old.stopped_handles
+    assert streams == []

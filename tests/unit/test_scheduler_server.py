@@ -164,3 +164,25 @@ def test_a_lost_stream_fails_its_requests_and_reconnects(monkeypatch):
         await servicer.close()
 
     asyncio.run(main())
+
+
+def test_a_draining_replica_gets_no_new_requests_until_it_restarts(monkeypatch):
+    monkeypatch.setattr(scheduler_server, "RECONNECT_DELAY_S", 0.0)
+
+    async def main() -> None:
+        servicer = Servicer(["127.0.0.1:1", "127.0.0.1:2"])
+        await connected(servicer)
+        servicer.streams["127.0.0.1:1"][0].responses.put_nowait(scheduler_server.detokenizer_pb2.DetokenizeResponse(
+            draining=True))
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert servicer.replicas["127.0.0.1:1"].draining
+        assert {await servicer.submit(f"r{i}") for i in range(3)} == {"127.0.0.1:2"}
+        servicer.streams["127.0.0.1:1"][0].responses.put_nowait(ConnectionError("it exited"))  # ...and comes back
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert len(servicer.streams["127.0.0.1:1"]) == 2
+        assert await servicer.submit("r3") == "127.0.0.1:1"
+        await servicer.close()
+
+    asyncio.run(main())
