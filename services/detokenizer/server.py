@@ -82,8 +82,19 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
             while True:
                 yield await queue.get()
         finally:
-            if self.subscribers.get(request.frontend_id) is queue:
+            if self.subscribers.get(request.frontend_id) is queue:  # and no newer subscription replaced it
                 del self.subscribers[request.frontend_id]
+                self._orphan(request.frontend_id)
+
+    def _orphan(self, frontend_id: str) -> None:
+        """Drop a gone frontend's requests and ask their schedulers to stop computing them."""
+        for stream in self.streams:
+            handles = [h for h, tracked in stream.requests.items() if tracked.frontend_id == frontend_id]
+            for handle in handles:
+                stream.requests.pop(handle).span.end()
+            if handles:
+                logger.warning("frontend %s went away; stopping its %d request(s)", frontend_id, len(handles))
+                stream.replies.put_nowait(detokenizer_pb2.DetokenizeResponse(orphaned_handles=handles))
 
     @property
     def num_requests(self) -> int:

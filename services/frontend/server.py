@@ -228,8 +228,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"detokenizer {reply.detokenizer} unavailable")
             while True:
                 out = await outbox.get()
-                if out.error:
-                    finished = True
+                if out.error:  # not marked finished: the abort below stops it wherever it still runs
                     await context.abort(grpc.StatusCode.UNAVAILABLE, out.error)
                 finished = out.finished
                 if metrics and out.token_ids:

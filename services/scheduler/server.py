@@ -424,11 +424,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 if response.draining and not replica.draining:
                     replica.draining = True
                     logger.info("detokenizer %s is draining; routing no new requests to it", replica.address)
-                for handle in response.stopped_handles:
-                    key = self.key_of_handle.get(handle)
-                    if key is not None:  # a stop string matched: the detokenizer already ended it
-                        self.scheduler.abort(key, FinishReason.STOP)
-                        self._pop_route(key, FinishReason.STOP.value)
+                # A stop string matched, or the owning frontend went away: either way the
+                # detokenizer has already let the request go.
+                for handles, reason in ((response.stopped_handles, FinishReason.STOP),
+                                        (response.orphaned_handles, FinishReason.ABORT)):
+                    for handle in handles:
+                        if (key := self.key_of_handle.get(handle)) is not None:
+                            self.scheduler.abort(key, reason)
+                            self._pop_route(key, reason.value)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

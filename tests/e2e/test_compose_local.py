@@ -237,3 +237,35 @@ def test_a_restarted_detokenizer_replica_is_reconnected(stack):
     while detokenized_tokens(stack, 0) == 0:  # a fresh process: its counter starts at zero
         assert time.monotonic() < deadline, "the restarted replica never received a request"
         asyncio.run(serve(4, deadline))
+
+
+def test_the_requests_of_a_killed_frontend_are_stopped(stack):
+    """A frontend dies mid-stream: its detokenizer subscriptions end, the detokenizers tell the
+    scheduler, and the scheduler stops computing for nobody and frees the request's KV blocks."""
+    from services.common.grpc_server import channel
+    from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+    async def main() -> scheduler_pb2.GetSchedulerStatsResponse:
+        async with VmeshClient(stack.address("frontend")) as client, channel(stack.address("scheduler")) as ch:
+            scheduler = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+            stream = client.generate(text="Tell me a very long story.", max_tokens=1500, ignore_eos=True)
+            await stream.__anext__()
+            stack.process_of["frontend", 0].kill()
+            with pytest.raises(grpc.aio.AioRpcError):
+                async for _ in stream:
+                    pass
+            deadline = time.monotonic() + 10  # the request alone would run for ~40 s more
+            while True:
+                stats = await scheduler.GetSchedulerStats(scheduler_pb2.GetSchedulerStatsRequest(), timeout=5)
+                if stats.num_running == 0 and stats.num_waiting == 0:
+                    return stats
+                assert time.monotonic() < deadline, f"still computing for a dead frontend: {stats}"
+                await asyncio.sleep(0.2)
+
+    try:
+        stats = asyncio.run(main())
+        assert stats.num_used_blocks == 0
+    finally:
+        stack.process_of["frontend", 0].wait(10)
+        stack.start_instance("frontend", 0)
+        stack.wait_healthy("frontend")

@@ -159,3 +159,48 @@ def test_draining_tells_open_and_new_scheduler_streams():
     old, new, streams = asyncio.run(main())
     assert old.draining and new.draining and not old.stopped_handles
     assert streams == []
+
+
+def test_a_frontend_whose_subscription_ends_has_its_requests_stopped(tok):
+    import asyncio
+
+    from services.detokenizer.server import DetokenizerServicer
+    from vmesh.v1 import detokenizer_pb2
+
+    class Context:
+        async def send_initial_metadata(self, metadata) -> None:
+            pass
+
+    def introduce(handle: int, frontend_id: str) -> detokenizer_pb2.DetokenizeRequest:
+        return detokenizer_pb2.DetokenizeRequest(new_requests=[detokenizer_pb2.DetokenizerRequestInfo(
+            handle=handle, frontend_id=frontend_id, frontend_key=handle, num_prompt_tokens=2)])
+
+    async def main() -> detokenizer_pb2.DetokenizeResponse:
+        servicer = DetokenizerServicer(tok)
+        batches: asyncio.Queue = asyncio.Queue()
+
+        async def scheduler():
+            while (batch := await batches.get()) is not None:
+                yield batch
+
+        subscriptions = {f: servicer.Subscribe(detokenizer_pb2.SubscribeRequest(frontend_id=f), Context())
+                         for f in ("gone", "staying")}
+        pending = {f: asyncio.ensure_future(s.__anext__()) for f, s in subscriptions.items()}
+        await asyncio.sleep(0)
+        stream = servicer.Detokenize(scheduler(), Context())
+        reply = asyncio.ensure_future(stream.__anext__())
+        for handle, frontend_id in ((1, "gone"), (2, "staying"), (3, "gone")):
+            batches.put_nowait(introduce(handle, frontend_id))
+        while servicer.num_requests < 3:
+            await asyncio.sleep(0)
+        pending["gone"].cancel()  # the frontend's subscription breaks
+        await asyncio.gather(pending["gone"], return_exceptions=True)
+        response = await asyncio.wait_for(reply, 5)
+        assert servicer.num_requests == 1 and "gone" not in servicer.subscribers
+        batches.put_nowait(None)
+        pending["staying"].cancel()
+        await asyncio.gather(pending["staying"], return_exceptions=True)
+        return response
+
+    response = asyncio.run(main())
+    assert sorted(response.orphaned_handles) == [1, 3]

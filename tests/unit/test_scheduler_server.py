@@ -186,3 +186,22 @@ def test_a_draining_replica_gets_no_new_requests_until_it_restarts(monkeypatch):
         await servicer.close()
 
     asyncio.run(main())
+
+
+def test_requests_the_detokenizer_reports_orphaned_are_stopped():
+    async def main() -> None:
+        servicer = Servicer(["127.0.0.1:1"])
+        await connected(servicer)
+        await servicer.submit("r0")
+        await servicer.submit("r1")
+        handle = servicer.routes["f/r0"].handle
+        servicer.streams["127.0.0.1:1"][0].responses.put_nowait(scheduler_server.detokenizer_pb2.DetokenizeResponse(
+            orphaned_handles=[handle, 999]))  # 999: unknown, or already gone
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert "f/r0" not in servicer.routes and "f/r1" in servicer.routes
+        assert servicer.scheduler.stats().num_waiting == 1
+        assert servicer.replicas["127.0.0.1:1"].outstanding == 1
+        await servicer.close()
+
+    asyncio.run(main())

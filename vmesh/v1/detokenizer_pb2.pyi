@@ -56,12 +56,14 @@ class DetokenizeRequest(_message.Message):
     def __init__(self, new_requests: _Optional[_Iterable[_Union[DetokenizerRequestInfo, _Mapping]]] = ..., handles: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reasons: _Optional[_Iterable[_Union[_common_pb2.FinishReason, str]]] = ..., num_cached_prompt_tokens: _Optional[_Iterable[int]] = ..., logprobs_handles: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Iterable[float]] = ..., sampled_ranks: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., num_top: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DetokenizeResponse(_message.Message):
-    __slots__ = ("stopped_handles", "draining")
+    __slots__ = ("stopped_handles", "draining", "orphaned_handles")
     STOPPED_HANDLES_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    ORPHANED_HANDLES_FIELD_NUMBER: _ClassVar[int]
     stopped_handles: _containers.RepeatedScalarFieldContainer[int]
     draining: bool
-    def __init__(self, stopped_handles: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    orphaned_handles: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, stopped_handles: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., orphaned_handles: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
     __slots__ = ("frontend_id",)
