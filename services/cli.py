@@ -160,8 +160,9 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 def cmd_frontend(args: argparse.Namespace) -> int:
     from services.frontend.server import serve
 
-    asyncio.run(serve(_tokenizer_loader(args), args.scheduler, _address_specs(args.detokenizer_addresses),
-                      args.host, args.port, args.ready_file, args.metrics_port, args.replica_refresh_interval))
+    asyncio.run(serve(_tokenizer_loader(args), _address_specs(args.scheduler),
+                      _address_specs(args.detokenizer_addresses), args.host, args.port, args.ready_file,
+                      args.metrics_port, args.replica_refresh_interval))
     return 0
 
 
@@ -286,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="start the whole mesh as local processes")
     add_server_args(serve, port=DEFAULT_PUBLIC_PORT)
     _arg(serve, "--detokenizers", type=int, default=1, help="detokenizer replicas")
+    _arg(serve, "--data-parallel-size", type=int, default=1,
+         help="worker groups, each a worker and its scheduler; the frontend spreads requests over them")
     _arg(serve, "--metrics", action="store_true", help="every service serves Prometheus metrics on a free port")
     add_model_args(serve)
     add_worker_args(serve)
@@ -312,7 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     frontend = sub.add_parser("frontend", help="run a frontend (the public API)")
     add_server_args(frontend, port=DEFAULT_PUBLIC_PORT)
-    _arg(frontend, "--scheduler", default="127.0.0.1:50052", help="scheduler address")
+    _arg(frontend, "--scheduler", default="127.0.0.1:50052",
+         help="scheduler addresses, one per worker group (data parallelism): host:port entries, comma-separated, "
+              "or dns:///name:port, re-resolved like the detokenizers")
     add_detokenizer_discovery_args(frontend)
     add_model_args(frontend)
     frontend.set_defaults(func=cmd_frontend)

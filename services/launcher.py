@@ -133,15 +133,19 @@ def _die_with_parent() -> None:
 async def _run(mesh: Mesh) -> int:
     args = mesh.args
     model = _flags(args, MODEL_FLAGS)
-    worker = mesh.start("worker", "worker", model + _flags(args, WORKER_FLAGS))
+    groups = args.data_parallel_size
+    suffixes = [""] if groups == 1 else [f"-{g}" for g in range(groups)]  # one worker group: plain names
+    workers = [mesh.start(f"worker{x}", "worker", model + _flags(args, WORKER_FLAGS)) for x in suffixes]
     detokenizers = [mesh.start(f"detokenizer-{i}", "detokenizer", model) for i in range(args.detokenizers)]
-    await mesh.wait_ready([worker, *detokenizers])
+    await mesh.wait_ready([*workers, *detokenizers])
     detok_addresses = ",".join(d.address for d in detokenizers)
-    scheduler = mesh.start("scheduler", "scheduler", ["--workers", worker.address, "--detokenizer-addresses",
-                                                      detok_addresses, *_flags(args, SCHEDULER_FLAGS)])
-    await mesh.wait_ready([scheduler])
-    frontend = mesh.start("frontend", "frontend", ["--scheduler", scheduler.address, "--detokenizer-addresses",
-                                                   detok_addresses, *model], host=args.host, port=args.port)
+    schedulers = [mesh.start(f"scheduler{x}", "scheduler", ["--workers", worker.address, "--detokenizer-addresses",
+                                                             detok_addresses, *_flags(args, SCHEDULER_FLAGS)])
+                  for x, worker in zip(suffixes, workers)]
+    await mesh.wait_ready(schedulers)
+    frontend = mesh.start("frontend", "frontend", ["--scheduler", ",".join(s.address for s in schedulers),
+                                                   "--detokenizer-addresses", detok_addresses, *model],
+                          host=args.host, port=args.port)
     await mesh.wait_ready([frontend])
     for child in mesh.children:
         metrics = f", metrics http://{child.metrics_address}/metrics" if child.metrics_address else ""
@@ -154,6 +158,10 @@ async def _run(mesh: Mesh) -> int:
 
 
 def serve_mesh(args: argparse.Namespace) -> int:
+    for flag in ("detokenizers", "data_parallel_size"):
+        if getattr(args, flag) < 1:
+            print(f"vmesh: --{flag.replace('_', '-')} must be at least 1", file=sys.stderr)
+            return 2
     with tempfile.TemporaryDirectory(prefix="vmesh-") as tmp:
         mesh = Mesh(args, Path(tmp))
 

@@ -18,6 +18,7 @@ from services.common.discovery import DEFAULT_REFRESH_INTERVAL_S, AddressBook, w
 from services.common.grpc_server import ServiceShell, channel
 from services.common.metrics import FrontendMetrics
 from services.frontend.outbox import Outbox, PendingOutput
+from services.frontend.schedulers import SchedulerGroup, SchedulerPool
 from services.frontend.validation import InvalidRequest, ModelLimits, validate_generate
 from vmesh.v1 import (
     detokenizer_pb2,
@@ -25,7 +26,6 @@ from vmesh.v1 import (
     frontend_pb2,
     frontend_pb2_grpc,
     scheduler_pb2,
-    scheduler_pb2_grpc,
 )
 
 logger = logging.getLogger(__name__)
@@ -37,12 +37,14 @@ _FINISH_NAMES = {0: "", 1: "stop", 2: "length", 3: "abort"}
 
 
 class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
-    def __init__(self, tokenizer, scheduler_address: str, detokenizer_specs: list[str],
+    def __init__(self, tokenizer, scheduler_specs: list[str], detokenizer_specs: list[str],
                  replica_refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S):
-        """`detokenizer_specs`: host:port or dns:///name:port entries, re-resolved periodically."""
+        """Specs: host:port or dns:///name:port entries, re-resolved periodically. Several
+        schedulers are several worker groups (data parallelism)."""
         self.tokenizer = tokenizer
         self.frontend_id = f"frontend-{uuid.uuid4().hex[:12]}"
-        self.scheduler_address = scheduler_address
+        self.scheduler_addresses = AddressBook(scheduler_specs)
+        self.schedulers = SchedulerPool()
         self.detokenizers = AddressBook(detokenizer_specs)
         self.replica_refresh_interval_s = replica_refresh_interval_s
         self.outboxes: dict[int, Outbox] = {}
@@ -56,20 +58,28 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
         self.metrics: FrontendMetrics | None = None
 
     async def connect(self) -> None:
-        self.scheduler_channel = channel(self.scheduler_address)
-        self.scheduler = scheduler_pb2_grpc.SchedulerServiceStub(self.scheduler_channel)
-        stats = await self.scheduler.GetSchedulerStats(scheduler_pb2.GetSchedulerStatsRequest(), wait_for_ready=True,
-                                                       timeout=600)
-        self.limits = ModelLimits(stats.model_name, stats.max_model_len, stats.vocab_size)
+        groups = [self.schedulers.add(address) for address in self.scheduler_addresses.addresses]
+        await asyncio.gather(*(g.joined.wait() for g in groups))
+        if not self.schedulers.candidates():
+            raise RuntimeError("no scheduler answered")
+        self.limits = self.schedulers.limits
         subscribed = [self._start_subscription(address) for address in self.detokenizers.addresses]
         await asyncio.gather(*subscribed)
-        self._tasks.append(asyncio.create_task(watch(self.detokenizers, self.replica_refresh_interval_s,
-                                                     self._replicas_changed)))
+        self._tasks += [
+            asyncio.create_task(watch(self.detokenizers, self.replica_refresh_interval_s, self._replicas_changed)),
+            asyncio.create_task(watch(self.scheduler_addresses, self.replica_refresh_interval_s,
+                                      self._schedulers_changed))]
+
+    def _schedulers_changed(self, joined: list[str], left: list[str]) -> None:
+        for address in joined:
+            self.schedulers.add(address)
+        for address in left:
+            self.schedulers.remove(address)
 
     async def close(self) -> None:
         for task in [*self._tasks, *self.subscriptions.values()]:
             task.cancel()
-        await self.scheduler_channel.close()
+        await self.schedulers.close()
 
     # --- subscriptions -----------------------------------------------------------------------
 
@@ -207,22 +217,17 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
         metrics = self.metrics
         if metrics:
             metrics.prompt_tokens.inc(len(prompt))
+        group: SchedulerGroup | None = None
         try:
             listening = sorted(self.subscribed - self.retired)
             if not listening:
                 finished = True  # nothing to abort
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "no detokenizer replica is reachable")
-            try:
-                remaining = context.time_remaining()
-                timeout = min(SUBMIT_TIMEOUT_S, remaining) if remaining else SUBMIT_TIMEOUT_S
-                reply = await self.scheduler.SubmitRequest(scheduler_pb2.SubmitRequestRequest(
-                    request_id=request_id, frontend_id=self.frontend_id, frontend_key=key, prompt_token_ids=prompt,
-                    sampling=sampling, priority=request.priority, trace_context=telemetry.to_proto(span),
-                    detokenizers=listening), timeout=timeout)
-            except grpc.aio.AioRpcError as exc:
-                finished = True  # nothing to abort
-                code = exc.code() if exc.code() in _PASSED_THROUGH else grpc.StatusCode.UNAVAILABLE
-                await context.abort(code, exc.details() or "scheduler unavailable")
+            submission = scheduler_pb2.SubmitRequestRequest(
+                request_id=request_id, frontend_id=self.frontend_id, frontend_key=key, prompt_token_ids=prompt,
+                sampling=sampling, priority=request.priority, trace_context=telemetry.to_proto(span),
+                detokenizers=listening)
+            group, reply = await self._submit(submission, context)
             outbox.detokenizer = reply.detokenizer
             if reply.detokenizer not in self.subscribed:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"detokenizer {reply.detokenizer} unavailable")
@@ -257,15 +262,41 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
             del self.outboxes[key]
             if outbox.detokenizer in self.retired:
                 self._close_if_idle(outbox.detokenizer)
-            if not finished:  # the client went away or its deadline passed: abort everywhere
-                asyncio.get_running_loop().create_task(self._abort(request_id))
+            if group is not None:
+                if not finished:  # the client went away or its deadline passed: abort everywhere
+                    asyncio.get_running_loop().create_task(self._abort(group, request_id))
+                else:
+                    self.schedulers.release(group)
 
-    async def _abort(self, request_id: str) -> None:
+    async def _submit(self, submission: scheduler_pb2.SubmitRequestRequest,
+                      context) -> tuple[SchedulerGroup, scheduler_pb2.SubmitRequestResponse]:
+        """Submit to the least busy group; a group that is down or failed did not take the request,
+        so the next one is tried. Aborts the RPC when no group takes it."""
+        error: grpc.aio.AioRpcError | None = None
+        for group in self.schedulers.candidates():
+            remaining = context.time_remaining()
+            timeout = min(SUBMIT_TIMEOUT_S, remaining) if remaining else SUBMIT_TIMEOUT_S
+            self.schedulers.acquire(group)
+            try:
+                return group, await group.stub.SubmitRequest(submission, timeout=timeout)
+            except grpc.aio.AioRpcError as exc:
+                self.schedulers.release(group)
+                error = exc
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    break
+        if error is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no scheduler is available")
+        code = error.code() if error.code() in _PASSED_THROUGH else grpc.StatusCode.UNAVAILABLE
+        await context.abort(code, error.details() or "scheduler unavailable")
+
+    async def _abort(self, group: SchedulerGroup, request_id: str) -> None:
         try:
-            await self.scheduler.AbortRequest(scheduler_pb2.AbortRequestRequest(
+            await group.stub.AbortRequest(scheduler_pb2.AbortRequestRequest(
                 frontend_id=self.frontend_id, request_id=request_id), timeout=5)
         except grpc.aio.AioRpcError as exc:
             logger.warning("abort of %s failed: %s", request_id, exc.details())
+        finally:
+            self.schedulers.release(group)
 
     async def Tokenize(self, request, context):
         try:
@@ -282,11 +313,11 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
             await asyncio.sleep(0.05)
 
 
-async def serve(load_tokenizer, scheduler_address: str, detokenizer_specs: list[str], host: str, port: int,
+async def serve(load_tokenizer, scheduler_specs: list[str], detokenizer_specs: list[str], host: str, port: int,
                 ready_file: str | None, metrics_port: int | None = None,
                 replica_refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S) -> None:
     shell = ServiceShell("frontend", frontend_pb2.DESCRIPTOR.services_by_name["FrontendService"], host, port)
-    servicer = FrontendServicer(None, scheduler_address, detokenizer_specs, replica_refresh_interval_s)
+    servicer = FrontendServicer(None, scheduler_specs, detokenizer_specs, replica_refresh_interval_s)
     frontend_pb2_grpc.add_FrontendServiceServicer_to_server(servicer, shell.server)
     if registry := shell.metrics_registry(metrics_port, ready_file):
         servicer.metrics = FrontendMetrics(registry)

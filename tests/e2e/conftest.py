@@ -17,22 +17,22 @@ def default_mesh():
     mesh.stop()
 
 
-def scheduler_stats(mesh) -> scheduler_pb2.GetSchedulerStatsResponse:
+def scheduler_stats(mesh, name: str = "scheduler") -> scheduler_pb2.GetSchedulerStatsResponse:
     async def ask():
-        async with channel(mesh.services["scheduler"][0]) as ch:
+        async with channel(mesh.services[name][0]) as ch:
             return await scheduler_pb2_grpc.SchedulerServiceStub(ch).GetSchedulerStats(
                 scheduler_pb2.GetSchedulerStatsRequest(), timeout=10)
 
     return asyncio.run(ask())
 
 
-def wait_idle(mesh, timeout: float = 20) -> scheduler_pb2.GetSchedulerStatsResponse:
+def wait_idle(mesh, timeout: float = 20, name: str = "scheduler") -> scheduler_pb2.GetSchedulerStatsResponse:
     """The scheduler's stats once nothing runs or waits (aborts travel asynchronously)."""
     import time
 
     deadline = time.monotonic() + timeout
     while True:
-        stats = scheduler_stats(mesh)
+        stats = scheduler_stats(mesh, name)
         if (stats.num_running == 0 and stats.num_waiting == 0) or time.monotonic() > deadline:
             return stats
         time.sleep(0.1)

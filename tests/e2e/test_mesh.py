@@ -48,6 +48,21 @@ def test_greedy_parity_in_every_mode(flags, chat_prompt_ids, reference_outputs):
         assert mesh.stop() == 0
 
 
+def test_greedy_parity_across_two_worker_groups(chat_prompt_ids, reference_outputs):
+    """Data parallelism: two worker groups (a worker and its scheduler each) behind one frontend."""
+    mesh = start_mesh("--data-parallel-size", "2", "--detokenizers", "2")
+    try:
+        outputs = asyncio.run(_greedy_all(mesh.address, chat_prompt_ids))
+        for i, ids in enumerate(outputs):
+            assert_greedy_match(ids, reference_outputs[i], label=f"data-parallel prompt {i}")
+        for name in ("scheduler-0", "scheduler-1"):
+            stats = wait_idle(mesh, name=name)
+            assert stats.steps > 0, f"{name} served nothing"
+            assert stats.num_used_blocks == 0
+    finally:
+        assert mesh.stop() == 0
+
+
 def test_64_concurrent_streams_complete_with_usage(default_mesh, embedded_tokenizer):
     prompts = [f"Request number {i}: say something about the number {i}." for i in range(64)]
 

@@ -18,7 +18,7 @@ class Frontend(FrontendServicer):
 
 def test_a_leaving_replica_keeps_its_subscription_until_its_last_request_ends():
     async def main() -> None:
-        frontend = Frontend(None, "127.0.0.1:1", ["127.0.0.1:5"])
+        frontend = Frontend(None, ["127.0.0.1:1"], ["127.0.0.1:5"])
         await asyncio.gather(frontend._start_subscription("127.0.0.1:5"))
         frontend._replicas_changed(["127.0.0.1:6"], [])
         await asyncio.sleep(0)
