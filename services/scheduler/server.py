@@ -256,6 +256,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             "vmesh:num_preemptions": ("counter", "Requests preempted (recomputed later).", s.num_preemptions),
             "vmesh:scheduler_steps": ("counter", "Step plans sent to the workers.", self.steps),
             "vmesh:plan_bytes": ("counter", "Serialized plan bytes sent per worker rank.", self.plan_bytes),
+            "vmesh:detokenizer_replicas_routable": (
+                "gauge", "Detokenizer replicas connected and taking new requests.",
+                sum(r.alive and not r.draining and not r.retired for r in self.replicas.values())),
         }
 
     def on_failure(self) -> None:

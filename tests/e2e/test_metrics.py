@@ -52,6 +52,7 @@ def test_every_service_exports_metrics_that_move():
         assert 0 <= scheduler["vmesh:kv_cache_usage_perc"] <= 1
         assert scheduler["vmesh:prefix_cache_queries_total"] > 0
         assert "vmesh:num_preemptions_total" in scheduler
+        assert scheduler["vmesh:detokenizer_replicas_routable"] == 2
         worker = scrape(mesh.metrics["worker"])
         assert worker["vmesh:worker_steps_total"] >= 6
         assert 0 < worker["vmesh:worker_duty_cycle"] <= 1
