@@ -95,6 +95,14 @@ class ModelRunner:
         backend = make_attention_backend(config.attention_backend, device, cache_dir_path(config.cache_dir))
         return cls(model, kv_cache, backend, config.max_num_seqs, max_model_len)
 
+    def reset(self) -> None:
+        """Forget every request and restart step numbering: a new scheduler drives this worker.
+        (The KV cache keeps stale contents; the new scheduler's block pool holds no hashes, so
+        nothing reads them before they are overwritten.)"""
+        for handle in list(self.batch.handle_of_row):
+            self.batch.remove(handle)
+        self.last_step = -1
+
     def execute(self, plan: StepPlan) -> StepResult:
         if plan.step != self.last_step + 1:
             raise PlanError(f"step {plan.step} does not follow step {self.last_step}")

@@ -38,6 +38,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.sampled_history: dict[int, list[int]] = {}
         self.span_contexts: dict[int, trace.SpanContext] = {}  # per handle, when tracing
         self.metrics: WorkerMetrics | None = None
+        self.session = 0  # Execute streams opened so far; the newest one drives the worker
 
     async def GetWorkerInfo(self, request, context):
         spec = self.runner.spec
@@ -66,8 +67,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             num_rows=len(self.runner.batch))
 
     async def Execute(self, request_iterator, context):
+        """One stream is one scheduler's session. A new stream (a restarted scheduler) takes
+        over: the worker forgets the old session's requests and step numbering."""
         loop = asyncio.get_running_loop()
+        self.session += 1
+        session = self.session
+        if session > 1:
+            logger.warning("a new scheduler stream took over; forgetting the previous session's requests")
+        await loop.run_in_executor(self.executor, self._reset)  # after any step still running
         async for request in request_iterator:
+            if session != self.session:
+                await context.abort(grpc.StatusCode.ABORTED, "a newer scheduler stream took over this worker")
             if self.first_plan_at is None:
                 self.first_plan_at = time.perf_counter()
             self.bytes_received += request.ByteSize()
@@ -76,6 +86,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             except PlanError as exc:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"rejected plan: {exc}")
             yield wire.result_to_proto(result)
+
+    def _reset(self) -> None:
+        self.runner.reset()
+        self.sampled_history.clear()
+        self.span_contexts.clear()
 
     def _execute(self, request: worker_pb2.ExecuteRequest):
         plan = wire.plan_from_proto(request)
@@ -162,4 +177,4 @@ def _warm_step(runner: ModelRunner) -> None:
     runner.execute(StepPlan(0, new_requests=[NewRequest(handle, [0, 1], 2, SamplingParams(temperature=0), [0])],
                             scheduled_handles=[handle], num_scheduled_tokens=[2]))
     runner.execute(StepPlan(1, removed_handles=[handle]))
-    runner.last_step = -1
+    runner.reset()

@@ -269,3 +269,29 @@ def test_the_requests_of_a_killed_frontend_are_stopped(stack):
         stack.process_of["frontend", 0].wait(10)
         stack.start_instance("frontend", 0)
         stack.wait_healthy("frontend")
+
+
+def test_a_restarted_scheduler_takes_over_its_workers(stack):
+    """The scheduler dies and comes back on its address (a pod restart, a rolling update): the
+    worker forgets the old session's requests and step numbers, and the group serves again."""
+    async def complete(prompt: str) -> list[int]:
+        async with VmeshClient(stack.address("frontend")) as client:
+            _, ids, _ = await client.complete(text=prompt, max_tokens=6, temperature=0, ignore_eos=True)
+            return ids
+
+    async def complete_when_back(prompt: str, deadline: float) -> list[int]:
+        while True:
+            try:
+                return await complete(prompt)
+            except grpc.aio.AioRpcError as exc:  # the frontend has not reconnected yet
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+                assert time.monotonic() < deadline, f"the group never served again: {exc.details()}"
+                await asyncio.sleep(0.5)
+
+    before = asyncio.run(complete("The capital of France is"))
+    victim = stack.process_of["scheduler", 0]
+    victim.kill()
+    victim.wait(10)
+    stack.start_instance("scheduler", 0)
+    stack.wait_healthy("scheduler")
+    assert asyncio.run(complete_when_back("The capital of France is", time.monotonic() + 30)) == before
