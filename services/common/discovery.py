@@ -1,4 +1,4 @@
-"""Replica discovery for a horizontally scaled tier (the detokenizers).
+"""Replica discovery for a horizontally scaled tier (detokenizer replicas, scheduler groups).
 
 An address spec is either `host:port` or `dns:///name:port`; the latter stands for every
 address `name` resolves to (a Kubernetes headless Service, a docker-compose service with

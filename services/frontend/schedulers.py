@@ -18,6 +18,7 @@ from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 logger = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 600.0  # a group's worker may still be loading its model
+JOIN_RETRY_S = 5.0
 
 
 @dataclass
@@ -55,13 +56,17 @@ class SchedulerPool:
         return group
 
     async def _join(self, group: SchedulerGroup) -> None:
-        try:
-            stats = await group.stub.GetSchedulerStats(scheduler_pb2.GetSchedulerStatsRequest(), wait_for_ready=True,
-                                                       timeout=JOIN_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:
-            logger.error("scheduler %s did not answer (%s); not using it", group.address, exc.details())
-            group.joined.set()
-            return
+        while True:
+            try:
+                stats = await group.stub.GetSchedulerStats(scheduler_pb2.GetSchedulerStatsRequest(),
+                                                           wait_for_ready=True, timeout=JOIN_TIMEOUT_S)
+                break
+            except grpc.aio.AioRpcError as exc:  # start-up stops waiting for it; asking goes on while it is listed
+                logger.warning("scheduler %s did not answer (%s); asking again", group.address, exc.details())
+                group.joined.set()
+                if group.retired:
+                    return
+                await asyncio.sleep(JOIN_RETRY_S)
         limits = ModelLimits(stats.model_name, stats.max_model_len, stats.vocab_size)
         if self.limits is None:
             self.limits = limits
@@ -75,7 +80,7 @@ class SchedulerPool:
         if (group := self.groups.get(address)) is not None:
             group.retired = True
             group.joined.set()
-            self.release(group, 0)
+            self._close_if_idle(group)
 
     def candidates(self) -> list[SchedulerGroup]:
         """Groups that take new requests, the least busy first."""
@@ -84,8 +89,11 @@ class SchedulerPool:
     def acquire(self, group: SchedulerGroup) -> None:
         group.in_flight += 1
 
-    def release(self, group: SchedulerGroup, n: int = 1) -> None:
-        group.in_flight -= n
+    def release(self, group: SchedulerGroup) -> None:
+        group.in_flight -= 1
+        self._close_if_idle(group)
+
+    def _close_if_idle(self, group: SchedulerGroup) -> None:
         if group.retired and group.in_flight == 0 and self.groups.get(group.address) is group:
             del self.groups[group.address]
             task = asyncio.create_task(group.channel.close())

@@ -62,3 +62,31 @@ def test_a_group_that_leaves_takes_no_new_requests_and_closes_when_idle():
         assert pool.groups == {} and channels["b:1"].closed
 
     asyncio.run(main())
+
+
+def test_a_group_that_is_not_ready_yet_is_asked_again(monkeypatch):
+    import grpc
+
+    from services.frontend import schedulers
+
+    monkeypatch.setattr(schedulers, "JOIN_RETRY_S", 0.0)
+
+    class StartingScheduler(FakeScheduler):
+        calls = 0
+
+        async def GetSchedulerStats(self, request, **kwargs):
+            self.calls += 1
+            if self.calls == 1:  # its worker is still loading
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           "not connected to a worker yet")
+            return await super().GetSchedulerStats(request, **kwargs)
+
+    async def main() -> None:
+        stub = StartingScheduler("m")
+        pool = SchedulerPool(lambda address: (stub, FakeChannel()))
+        group = pool.add("a:1")
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert stub.calls == 2 and group.ready and pool.candidates() == [group]
+
+    asyncio.run(main())
