@@ -90,3 +90,53 @@ def test_a_group_that_is_not_ready_yet_is_asked_again(monkeypatch):
         assert stub.calls == 2 and group.ready and pool.candidates() == [group]
 
     asyncio.run(main())
+
+
+def test_submission_fails_over_to_the_next_group_only_when_unavailable():
+    import grpc
+
+    from services.frontend.server import FrontendServicer
+
+    def rpc_error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), code.name)
+
+    class Group(FakeScheduler):
+        def __init__(self, error: grpc.StatusCode | None):
+            super().__init__("m")
+            self.error = error
+            self.submitted = 0
+
+        async def SubmitRequest(self, request, **kwargs):
+            self.submitted += 1
+            if self.error is not None:
+                raise rpc_error(self.error)
+            return scheduler_pb2.SubmitRequestResponse(detokenizer="d:1")
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        def time_remaining(self):
+            return None
+
+        async def abort(self, code, details):
+            raise Aborted(code)
+
+    async def submit(errors: dict[str, grpc.StatusCode | None]):
+        stubs = {address: Group(error) for address, error in errors.items()}
+        frontend = FrontendServicer(None, list(errors), ["d:1"])
+        frontend.schedulers = SchedulerPool(lambda address: (stubs[address], FakeChannel()))
+        groups = [frontend.schedulers.add(address) for address in errors]
+        await asyncio.gather(*(g.joined.wait() for g in groups))
+        try:
+            group, _ = await frontend._submit(scheduler_pb2.SubmitRequestRequest(), Context())
+            return group.address, {a: (s.submitted, frontend.schedulers.groups[a].in_flight) for a, s in stubs.items()}
+        except Aborted as exc:
+            return exc.args[0], {a: (s.submitted, frontend.schedulers.groups[a].in_flight) for a, s in stubs.items()}
+
+    # a:1 is down: the request goes to b:1, and only b:1 counts it in flight
+    assert asyncio.run(submit({"a:1": grpc.StatusCode.UNAVAILABLE, "b:1": None})) == (
+        "b:1", {"a:1": (1, 0), "b:1": (1, 1)})
+    # a full queue is an answer, not an outage: no second group is tried
+    assert asyncio.run(submit({"a:1": grpc.StatusCode.RESOURCE_EXHAUSTED, "b:1": None})) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED, {"a:1": (1, 0), "b:1": (0, 0)})
