@@ -6,6 +6,7 @@ import pytest
 
 from services.common.sampling_params import OutputMode, SamplingParams
 from services.detokenizer.incremental import IncrementalDetokenizer
+from tests.support.grpc_fakes import FakeContext
 
 
 @pytest.fixture(scope="module")
@@ -96,10 +97,6 @@ def test_a_closed_scheduler_stream_fails_its_requests_toward_their_frontends(tok
     from services.detokenizer.server import DetokenizerServicer
     from vmesh.v1 import common_pb2, detokenizer_pb2
 
-    class Context:
-        async def send_initial_metadata(self, metadata) -> None:
-            pass
-
     async def scheduler_stream():
         yield detokenizer_pb2.DetokenizeRequest(
             new_requests=[detokenizer_pb2.DetokenizerRequestInfo(handle=7, frontend_id="f", frontend_key=3,
@@ -112,7 +109,7 @@ def test_a_closed_scheduler_stream_fails_its_requests_toward_their_frontends(tok
         servicer = DetokenizerServicer(tok)
         servicer.subscribers["f"] = queue = asyncio.Queue()
         with pytest.raises(ConnectionError):
-            async for _ in servicer.Detokenize(scheduler_stream(), Context()):
+            async for _ in servicer.Detokenize(scheduler_stream(), FakeContext()):
                 pass
         assert servicer.num_requests == 0
         return [queue.get_nowait() for _ in range(queue.qsize())]
@@ -128,17 +125,13 @@ def test_draining_tells_open_and_new_scheduler_streams():
 
     from services.detokenizer.server import DetokenizerServicer
 
-    class Context:
-        async def send_initial_metadata(self, metadata) -> None:
-            pass
-
     async def idle_scheduler(closed: asyncio.Event):
         await closed.wait()
         return
         yield
 
     async def first_reply(servicer, closed) -> object:
-        stream = servicer.Detokenize(idle_scheduler(closed), Context())
+        stream = servicer.Detokenize(idle_scheduler(closed), FakeContext())
         return await stream.__anext__(), stream
 
     async def main() -> tuple:
@@ -167,10 +160,6 @@ def test_a_frontend_whose_subscription_ends_has_its_requests_stopped(tok):
     from services.detokenizer.server import DetokenizerServicer
     from vmesh.v1 import detokenizer_pb2
 
-    class Context:
-        async def send_initial_metadata(self, metadata) -> None:
-            pass
-
     def introduce(handle: int, frontend_id: str) -> detokenizer_pb2.DetokenizeRequest:
         return detokenizer_pb2.DetokenizeRequest(new_requests=[detokenizer_pb2.DetokenizerRequestInfo(
             handle=handle, frontend_id=frontend_id, frontend_key=handle, num_prompt_tokens=2)])
@@ -183,11 +172,11 @@ def test_a_frontend_whose_subscription_ends_has_its_requests_stopped(tok):
             while (batch := await batches.get()) is not None:
                 yield batch
 
-        subscriptions = {f: servicer.Subscribe(detokenizer_pb2.SubscribeRequest(frontend_id=f), Context())
+        subscriptions = {f: servicer.Subscribe(detokenizer_pb2.SubscribeRequest(frontend_id=f), FakeContext())
                          for f in ("gone", "staying")}
         pending = {f: asyncio.ensure_future(s.__anext__()) for f, s in subscriptions.items()}
         await asyncio.sleep(0)
-        stream = servicer.Detokenize(scheduler(), Context())
+        stream = servicer.Detokenize(scheduler(), FakeContext())
         reply = asyncio.ensure_future(stream.__anext__())
         for handle, frontend_id in ((1, "gone"), (2, "staying"), (3, "gone")):
             batches.put_nowait(introduce(handle, frontend_id))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 
 from services.frontend.schedulers import SchedulerPool
+from tests.support.grpc_fakes import Aborted, FakeChannel, FakeContext, rpc_error
 from vmesh.v1 import scheduler_pb2
 
 
@@ -13,13 +14,6 @@ class FakeScheduler:
 
     async def GetSchedulerStats(self, request, **kwargs):
         return scheduler_pb2.GetSchedulerStatsResponse(model_name=self.model, max_model_len=2048, vocab_size=100)
-
-
-class FakeChannel:
-    closed = False
-
-    async def close(self) -> None:
-        self.closed = True
 
 
 def pool_of(models: dict[str, str]) -> tuple[SchedulerPool, dict[str, FakeChannel]]:
@@ -77,8 +71,7 @@ def test_a_group_that_is_not_ready_yet_is_asked_again(monkeypatch):
         async def GetSchedulerStats(self, request, **kwargs):
             self.calls += 1
             if self.calls == 1:  # its worker is still loading
-                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                           "not connected to a worker yet")
+                raise rpc_error(grpc.StatusCode.UNAVAILABLE, "not connected to a worker yet")
             return await super().GetSchedulerStats(request, **kwargs)
 
     async def main() -> None:
@@ -97,9 +90,6 @@ def test_submission_fails_over_to_the_next_group_only_when_unavailable():
 
     from services.frontend.server import FrontendServicer
 
-    def rpc_error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
-        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), code.name)
-
     class Group(FakeScheduler):
         def __init__(self, error: grpc.StatusCode | None):
             super().__init__("m")
@@ -112,16 +102,6 @@ def test_submission_fails_over_to_the_next_group_only_when_unavailable():
                 raise rpc_error(self.error)
             return scheduler_pb2.SubmitRequestResponse(detokenizer="d:1")
 
-    class Aborted(Exception):
-        pass
-
-    class Context:
-        def time_remaining(self):
-            return None
-
-        async def abort(self, code, details):
-            raise Aborted(code)
-
     async def submit(errors: dict[str, grpc.StatusCode | None]):
         stubs = {address: Group(error) for address, error in errors.items()}
         frontend = FrontendServicer(None, list(errors), ["d:1"])
@@ -129,10 +109,10 @@ def test_submission_fails_over_to_the_next_group_only_when_unavailable():
         groups = [frontend.schedulers.add(address) for address in errors]
         await asyncio.gather(*(g.joined.wait() for g in groups))
         try:
-            group, _ = await frontend._submit(scheduler_pb2.SubmitRequestRequest(), Context())
+            group, _ = await frontend._submit(scheduler_pb2.SubmitRequestRequest(), FakeContext())
             return group.address, {a: (s.submitted, frontend.schedulers.groups[a].in_flight) for a, s in stubs.items()}
         except Aborted as exc:
-            return exc.args[0], {a: (s.submitted, frontend.schedulers.groups[a].in_flight) for a, s in stubs.items()}
+            return exc.code, {a: (s.submitted, frontend.schedulers.groups[a].in_flight) for a, s in stubs.items()}
 
     # a:1 is down: the request goes to b:1, and only b:1 counts it in flight
     assert asyncio.run(submit({"a:1": grpc.StatusCode.UNAVAILABLE, "b:1": None})) == (

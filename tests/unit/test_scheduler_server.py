@@ -10,6 +10,7 @@ from services.scheduler import server as scheduler_server
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.server import MeshSchedulerConfig, SchedulerServicer
+from tests.support.grpc_fakes import Aborted, FakeChannel, FakeContext
 from vmesh.v1 import scheduler_pb2
 
 
@@ -45,22 +46,6 @@ class FakeStream:
 
     def cancel(self) -> None:
         self.cancelled = True
-
-
-class FakeChannel:
-    async def close(self) -> None:
-        pass
-
-
-class Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(details)
-        self.code = code
-
-
-class FakeContext:
-    async def abort(self, code: grpc.StatusCode, details: str):
-        raise Aborted(code, details)
 
 
 class Servicer(SchedulerServicer):

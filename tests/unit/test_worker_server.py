@@ -9,6 +9,7 @@ import pytest
 from services.common.step_types import StepResult
 from services.worker.persistent_batch import PlanError
 from services.worker.server import WorkerServicer
+from tests.support.grpc_fakes import Aborted, FakeContext
 from vmesh.v1 import worker_pb2
 
 
@@ -30,17 +31,6 @@ class StepCountingRunner:
         return StepResult(step=plan.step, handles=[], sampled_token_ids=[])
 
 
-class Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(details)
-        self.code = code
-
-
-class Context:
-    async def abort(self, code: grpc.StatusCode, details: str):
-        raise Aborted(code, details)
-
-
 def test_a_new_scheduler_stream_takes_over_and_the_old_one_is_refused():
     async def main() -> None:
         servicer = WorkerServicer(StepCountingRunner(), "m")
@@ -50,13 +40,13 @@ def test_a_new_scheduler_stream_takes_over_and_the_old_one_is_refused():
             while (plan := await queue.get()) is not None:
                 yield plan
 
-        old = servicer.Execute(plans(old_plans), Context())
+        old = servicer.Execute(plans(old_plans), FakeContext())
         for step in range(3):
             old_plans.put_nowait(worker_pb2.ExecuteRequest(step=step))
             assert (await old.__anext__()).step == step
 
         new_plans: asyncio.Queue = asyncio.Queue()
-        new = servicer.Execute(plans(new_plans), Context())
+        new = servicer.Execute(plans(new_plans), FakeContext())
         new_plans.put_nowait(worker_pb2.ExecuteRequest(step=0))  # a restarted scheduler counts from 0 again
         assert (await new.__anext__()).step == 0
 
