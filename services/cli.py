@@ -12,6 +12,7 @@ import sys
 from services.common.model_loading import CACHE_DIR_ENV
 
 DEFAULT_PUBLIC_PORT = 50051
+DEFAULT_HTTP_PORT = 8000
 
 
 def _arg(group, flag: str, **kwargs) -> None:
@@ -70,6 +71,21 @@ def add_server_args(parser: argparse.ArgumentParser, port: int = 0) -> None:
     _arg(g, "--ready-file", default=None, help="write the bound address here once listening")
     _arg(g, "--metrics-port", type=int, default=None,
          help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; default: off)")
+
+
+def add_frontend_args(parser: argparse.ArgumentParser, http_port: int | None) -> None:
+    from services.frontend.requests import DEFAULT_MAX_PROMPT_BYTES
+
+    g = parser.add_argument_group("frontend")
+    _arg(g, "--http-port", type=int, default=http_port,
+         help="serve the OpenAI-compatible HTTP API on --host at this port (0: any free port)"
+              + (f"; default {http_port}" if http_port is not None else "; default: off"))
+    _arg(g, "--no-http", action="store_true", help="do not serve the HTTP API")
+    _arg(g, "--api-key", default=None,
+         help="require 'Authorization: Bearer KEY' on HTTP /v1/* and 'authorization: Bearer KEY' gRPC metadata "
+              "on Generate/Tokenize/GetModelInfo (health checks stay open)")
+    _arg(g, "--max-prompt-bytes", type=int, default=DEFAULT_MAX_PROMPT_BYTES,
+         help="prompts with more bytes of text are refused (INVALID_ARGUMENT / HTTP 400) before tokenizing")
 
 
 def add_detokenizer_discovery_args(parser: argparse.ArgumentParser) -> None:
@@ -162,7 +178,9 @@ def cmd_frontend(args: argparse.Namespace) -> int:
 
     asyncio.run(serve(_tokenizer_loader(args), _address_specs(args.scheduler),
                       _address_specs(args.detokenizer_addresses), args.host, args.port, args.ready_file,
-                      args.metrics_port, args.replica_refresh_interval))
+                      args.metrics_port, args.replica_refresh_interval,
+                      http_port=None if args.no_http else args.http_port, api_key=args.api_key or None,
+                      max_prompt_bytes=args.max_prompt_bytes))
     return 0
 
 
@@ -215,7 +233,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from services.client import VmeshClient
 
     async def run() -> None:
-        async with VmeshClient(args.address) as client:
+        async with VmeshClient(args.address, api_key=args.api_key) as client:
             chat = None if args.raw else [{"role": "user", "content": args.prompt}]
             async for out in client.generate(text=args.prompt if args.raw else None, chat=chat,
                                              max_tokens=args.max_tokens, temperature=args.temperature,
@@ -255,7 +273,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         history: list[dict[str, str]] = []
-        async with VmeshClient(args.address) as client:
+        async with VmeshClient(args.address, api_key=args.api_key) as client:
             while True:
                 try:
                     line = await asyncio.get_running_loop().run_in_executor(None, input, "you> ")
@@ -290,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     _arg(serve, "--data-parallel-size", type=int, default=1,
          help="worker groups, each a worker and its scheduler; the frontend spreads requests over them")
     _arg(serve, "--metrics", action="store_true", help="every service serves Prometheus metrics on a free port")
+    add_frontend_args(serve, http_port=DEFAULT_HTTP_PORT)
     add_model_args(serve)
     add_worker_args(serve)
     add_scheduler_args(serve)
@@ -319,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
          help="scheduler addresses, one per worker group (data parallelism): host:port entries, comma-separated, "
               "or dns:///name:port, re-resolved like the detokenizers")
     add_detokenizer_discovery_args(frontend)
+    add_frontend_args(frontend, http_port=None)
     add_model_args(frontend)
     frontend.set_defaults(func=cmd_frontend)
 
@@ -336,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream a completion from a running mesh")
     gen.add_argument("prompt")
     _arg(gen, "--address", default=f"127.0.0.1:{DEFAULT_PUBLIC_PORT}", help="the mesh's frontend")
+    _arg(gen, "--api-key", default=None, help="sent as 'authorization: Bearer KEY'")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("--local", action="store_true", help="run the engine in this process instead of a mesh")
     _sampling_args(gen)
@@ -346,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="chat with a running mesh")
     _arg(chat, "--address", default=f"127.0.0.1:{DEFAULT_PUBLIC_PORT}")
+    _arg(chat, "--api-key", default=None, help="sent as 'authorization: Bearer KEY'")
     _sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
     for subparser in sub.choices.values():  # also accepted after the subcommand

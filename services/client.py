@@ -48,8 +48,10 @@ def generate_request(text: str | None = None, chat: Sequence[dict[str, str]] | N
 
 
 class VmeshClient:
-    def __init__(self, address: str):
+    def __init__(self, address: str, api_key: str | None = None):
+        """`api_key`: for a frontend started with --api-key; sent as `authorization: Bearer KEY`."""
         self.address = address
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self._channel: grpc.aio.Channel | None = None
         self.stub: frontend_pb2_grpc.FrontendServiceStub | None = None
 
@@ -64,7 +66,8 @@ class VmeshClient:
     async def generate(self, text: str | None = None, chat: Sequence[dict[str, str]] | None = None,
                        token_ids: Sequence[int] | None = None, *, timeout: float | None = None,
                        **sampling: Any) -> AsyncIterator[frontend_pb2.GenerateResponse]:
-        call = self.stub.Generate(generate_request(text, chat, token_ids, **sampling), timeout=timeout)
+        call = self.stub.Generate(generate_request(text, chat, token_ids, **sampling), timeout=timeout,
+                                  metadata=self.metadata)
         try:
             async for response in call:
                 yield response
@@ -81,7 +84,8 @@ class VmeshClient:
         return text, ids, last
 
     async def tokenize(self, text: str) -> list[int]:
-        return list((await self.stub.Tokenize(frontend_pb2.TokenizeRequest(text=text))).token_ids)
+        reply = await self.stub.Tokenize(frontend_pb2.TokenizeRequest(text=text), metadata=self.metadata)
+        return list(reply.token_ids)
 
     async def model_info(self) -> frontend_pb2.GetModelInfoResponse:
-        return await self.stub.GetModelInfo(frontend_pb2.GetModelInfoRequest())
+        return await self.stub.GetModelInfo(frontend_pb2.GetModelInfoRequest(), metadata=self.metadata)

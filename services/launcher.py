@@ -28,6 +28,7 @@ class Child:
     ready_file: Path
     address: str = ""
     metrics_address: str = ""
+    http_address: str = ""  # the frontend's OpenAI-compatible API, when on
 
 
 def _flags(args: argparse.Namespace, names: list[str]) -> list[str]:
@@ -43,6 +44,7 @@ def _flags(args: argparse.Namespace, names: list[str]) -> list[str]:
 MODEL_FLAGS = ["model", "cache-dir"]
 WORKER_FLAGS = ["device", "dtype", "block-size", "kv-cache-memory", "kv-cache-memory-fraction", "max-num-seqs",
                 "max-model-len", "attention-backend"]
+FRONTEND_FLAGS = ["api-key", "max-prompt-bytes"]
 SCHEDULER_FLAGS = ["max-num-batched-tokens", "pipeline-depth", "scheduling-policy", "no-prefix-caching",
                    "stateless-worker", "max-waiting"]
 
@@ -81,6 +83,9 @@ class Mesh:
             metrics = Path(str(child.ready_file) + ".metrics")
             if metrics.exists():
                 child.metrics_address = metrics.read_text()
+            http = Path(str(child.ready_file) + ".http")
+            if http.exists():
+                child.http_address = http.read_text()
 
         await asyncio.gather(*(one(c) for c in children))
 
@@ -143,13 +148,18 @@ async def _run(mesh: Mesh) -> int:
                                                              detok_addresses, *_flags(args, SCHEDULER_FLAGS)])
                   for x, worker in zip(suffixes, workers)]
     await mesh.wait_ready(schedulers)
+    http = [] if args.no_http else ["--http-port", str(args.http_port)]
     frontend = mesh.start("frontend", "frontend", ["--scheduler", ",".join(s.address for s in schedulers),
-                                                   "--detokenizer-addresses", detok_addresses, *model],
+                                                   "--detokenizer-addresses", detok_addresses, *model, *http,
+                                                   *_flags(args, FRONTEND_FLAGS)],
                           host=args.host, port=args.port)
     await mesh.wait_ready([frontend])
     for child in mesh.children:
         metrics = f", metrics http://{child.metrics_address}/metrics" if child.metrics_address else ""
         print(f"vmesh: {child.name} at {child.address} (pid {child.process.pid}{metrics})", flush=True)
+    if frontend.http_address:
+        url = f"http://{frontend.http_address}/v1"
+        print(f"vmesh: OpenAI-compatible HTTP API on {url} — try: curl {url}/models", flush=True)
     print(f"vmesh: serving on {frontend.address} — try: vmesh generate \"Hello\" --address {frontend.address}",
           flush=True)
     while True:  # until check_alive raises: a signal, or a dead child

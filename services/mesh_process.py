@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 240
+STOP_TIMEOUT_S = 60
 
 
 @dataclass
@@ -22,17 +25,24 @@ class RunningMesh:
     address: str
     services: dict[str, tuple[str, int]]  # name -> (address, pid)
     metrics: dict[str, str] = field(default_factory=dict)  # name -> metrics URL, with --metrics
+    http_url: str = ""  # the OpenAI-compatible API's base URL (http://host:port/v1); "" with --no-http
     output: list[str] = field(default_factory=list)
 
     def stop(self) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(60)
+                self.process.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+                self.kill()
         return self.process.returncode
+
+    def kill(self) -> None:
+        """The launcher and every service it started, at once."""
+        for _, pid in self.services.values():
+            _kill_quietly(pid)
+        self.process.kill()
+        self.process.wait()
 
     def kill_service(self, name: str) -> None:
         os.kill(self.services[name][1], signal.SIGKILL)
@@ -47,35 +57,54 @@ class RunningMesh:
         raise AssertionError(f"no output matching {pattern!r}; got:\n" + "".join(self.output[-30:]))
 
 
-def start_mesh(*flags: str, env: dict[str, str] | None = None) -> RunningMesh:
-    """`env`: extra environment variables for every service (e.g. OTEL_*)."""
+def _kill_quietly(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def start_mesh(*flags: str, env: dict[str, str] | None = None, timeout: float = START_TIMEOUT_S,
+               on_timeout: Callable[[int], str] | None = None) -> RunningMesh:
+    """`env`: extra environment variables for every service (e.g. OTEL_*). Raises TimeoutError,
+    with the launcher's output, when the mesh is not serving within `timeout` seconds; the
+    launcher is then killed (its children follow it: they die with their parent), after
+    `on_timeout(launcher_pid)` has added what it reports to the error."""
     command = [sys.executable, "-m", "services.cli", "--log-level", "WARNING", "serve", "--port", "0",
-               "--kv-cache-memory", "128MiB", *flags]
+               "--http-port", "0", "--kv-cache-memory", "128MiB", *flags]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, **(env or {})})
     output: list[str] = []
-    services: dict[str, tuple[str, int]] = {}
-    metrics: dict[str, str] = {}
-    address = None
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while address is None:
-        line = process.stdout.readline()
-        if not line:
-            raise RuntimeError("vmesh serve exited during start-up:\n" + "".join(output))
-        output.append(line)
-        if m := re.match(r"vmesh: (\S+) at (\S+) \(pid (\d+)(?:, metrics (\S+))?\)", line):
-            services[m.group(1)] = (m.group(2), int(m.group(3)))
-            if m.group(4):
-                metrics[m.group(1)] = m.group(4)
-        if m := re.match(r"vmesh: serving on (\S+)", line):
-            address = m.group(1)
-        if time.monotonic() > deadline:
-            process.kill()
-            raise TimeoutError("vmesh serve did not start:\n" + "".join(output))
+    lines: queue.Queue[str | None] = queue.Queue()
 
     def pump() -> None:
+        # Reading in a thread from the start keeps the deadline below in force even while the
+        # launcher prints nothing (a blocking readline would wait forever).
         for line in process.stdout:
             output.append(line)
+            lines.put(line)
+        lines.put(None)
 
     threading.Thread(target=pump, daemon=True).start()
-    return RunningMesh(process, address, services, metrics, output)
+    mesh = RunningMesh(process, "", {}, {}, output)
+    deadline = time.monotonic() + timeout
+    while not mesh.address:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            report = on_timeout(process.pid) if on_timeout else ""
+            mesh.kill()
+            raise TimeoutError(f"vmesh serve did not start within {timeout:.0f} s:\n" + "".join(output)
+                               + report) from None
+        if line is None:
+            process.wait()
+            raise RuntimeError("vmesh serve exited during start-up:\n" + "".join(output))
+        if m := re.match(r"vmesh: (\S+) at (\S+) \(pid (\d+)(?:, metrics (\S+))?\)", line):
+            mesh.services[m.group(1)] = (m.group(2), int(m.group(3)))
+            if m.group(4):
+                mesh.metrics[m.group(1)] = m.group(4)
+        if m := re.match(r"vmesh: OpenAI-compatible HTTP API on (\S+)", line):
+            mesh.http_url = m.group(1)
+        if m := re.match(r"vmesh: serving on (\S+)", line):
+            mesh.address = m.group(1)
+    return mesh

@@ -1,47 +1,41 @@
-"""The frontend's gRPC shell: the public API. Tokenizes and validates, submits to the
-scheduler, and streams each request's outputs, which arrive from the detokenizer replicas
-over one subscription per replica."""
+"""The frontend: the public API's gRPC shell, and the state every request shares: the scheduler
+groups it submits to, and one subscription per detokenizer replica, over which every
+request's outputs arrive. The request path itself is requests.py; the HTTP shell is
+http_server.py."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-import time
 import uuid
+from pathlib import Path
 
-import grpc
-from opentelemetry import trace
-
-from services.common import telemetry
 from services.common.discovery import DEFAULT_REFRESH_INTERVAL_S, AddressBook, watch
 from services.common.grpc_server import ServiceShell, channel
 from services.common.metrics import FrontendMetrics
+from services.frontend import requests
 from services.frontend.outbox import Outbox, PendingOutput
-from services.frontend.schedulers import SchedulerGroup, SchedulerPool
-from services.frontend.validation import InvalidRequest, ModelLimits, validate_generate
-from vmesh.v1 import (
-    detokenizer_pb2,
-    detokenizer_pb2_grpc,
-    frontend_pb2,
-    frontend_pb2_grpc,
-    scheduler_pb2,
-)
+from services.frontend.requests import RequestError
+from services.frontend.schedulers import SchedulerPool
+from services.frontend.validation import ModelLimits
+from vmesh.v1 import detokenizer_pb2, detokenizer_pb2_grpc, frontend_pb2, frontend_pb2_grpc
 
 logger = logging.getLogger(__name__)
-
-SUBMIT_TIMEOUT_S = 30.0
-TRACER = telemetry.tracer("vmesh.frontend")
-_PASSED_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
-_FINISH_NAMES = {0: "", 1: "stop", 2: "length", 3: "abort"}
 
 
 class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
     def __init__(self, tokenizer, scheduler_specs: list[str], detokenizer_specs: list[str],
-                 replica_refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S):
+                 replica_refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S, api_key: str | None = None,
+                 max_prompt_bytes: int = requests.DEFAULT_MAX_PROMPT_BYTES):
         """Specs: host:port or dns:///name:port entries, re-resolved periodically. Several
-        schedulers are several worker groups (data parallelism)."""
+        schedulers are several worker groups (data parallelism). `api_key`: required of
+        Generate, Tokenize and GetModelInfo callers as `authorization: Bearer KEY` metadata."""
         self.tokenizer = tokenizer
+        self.api_key = api_key
+        self.max_prompt_bytes = max_prompt_bytes
+        self.draining = False
+        self.background: set[asyncio.Task] = set()  # aborts that outlive their request
         self.frontend_id = f"frontend-{uuid.uuid4().hex[:12]}"
         self.scheduler_addresses = AddressBook(scheduler_specs)
         self.schedulers = SchedulerPool()
@@ -163,169 +157,83 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
             if outbox.detokenizer == address:
                 outbox.put(PendingOutput(error=message))
 
-    # --- RPCs --------------------------------------------------------------------------------
+    # --- RPCs: the gRPC shell over the shared request path (requests.py) --------------------
 
-    def _encode(self, which: str, message) -> list[int]:
-        if which == "text":
-            return self.tokenizer.encode(message.text) if message.text else []
-        if which == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in message.chat.messages]
-            if not messages:
-                raise InvalidRequest("chat: no messages")
+    async def _authorize(self, context) -> None:
+        if self.api_key:
+            metadata = dict(context.invocation_metadata() or ())
             try:
-                return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                          return_dict=False)
-            except Exception as exc:  # the template rejects the conversation (roles, order)
-                raise InvalidRequest(f"chat: {exc}") from exc
-        if which == "token_ids":
-            return list(message.token_ids.ids)
-        raise InvalidRequest("input: one of text, chat or token_ids is required")
+                requests.check_api_key(self.api_key, metadata.get("authorization"))
+            except RequestError as exc:
+                await context.abort(exc.code, exc.message)
 
     async def Generate(self, request, context):
-        which = request.WhichOneof("input")
-        span = TRACER.start_span("generate", kind=trace.SpanKind.SERVER, attributes={
-            "gen_ai.operation.name": "chat" if which == "chat" else "text_completion",
-            "gen_ai.system": "vmesh", "gen_ai.request.model": request.model or self.limits.name})
+        await self._authorize(context)
         try:
-            async for response in self._generate(request, context, which, span):
+            async for response in requests.generate(self, request, context.time_remaining):
                 yield response
-        except BaseException as exc:
-            span.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
-            raise
-        finally:
-            span.end()
-
-    async def _generate(self, request, context, which: str, span: trace.Span):
-        try:
-            prompt = self._encode(which, request)
-            params = validate_generate(request, prompt, self.limits)
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        span.set_attributes({"gen_ai.request.max_tokens": params.max_tokens,
-                             "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
-                             "gen_ai.usage.input_tokens": len(prompt)})
-        key = next(self.keys)
-        request_id = f"{key}"
-        span.set_attribute("gen_ai.response.id", f"{self.frontend_id}/{request_id}")
-        outbox = self.outboxes[key] = Outbox(delta_text=params.output_mode.value == "delta")
-        sampling = request.sampling
-        sampling.max_tokens = params.max_tokens
-        finished = False
-        self.in_flight += 1
-        started = last_token_at = time.monotonic()
-        first_token = True
-        metrics = self.metrics
-        if metrics:
-            metrics.prompt_tokens.inc(len(prompt))
-        group: SchedulerGroup | None = None
-        try:
-            listening = sorted(self.subscribed - self.retired)
-            if not listening:
-                finished = True  # nothing to abort
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "no detokenizer replica is reachable")
-            submission = scheduler_pb2.SubmitRequestRequest(
-                request_id=request_id, frontend_id=self.frontend_id, frontend_key=key, prompt_token_ids=prompt,
-                sampling=sampling, priority=request.priority, trace_context=telemetry.to_proto(span),
-                detokenizers=listening)
-            group, reply = await self._submit(submission, context)
-            outbox.detokenizer = reply.detokenizer
-            if reply.detokenizer not in self.subscribed:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"detokenizer {reply.detokenizer} unavailable")
-            while True:
-                out = await outbox.get()
-                if out.error:  # not marked finished: the abort below stops it wherever it still runs
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, out.error)
-                finished = out.finished
-                if metrics and out.token_ids:
-                    now = time.monotonic()
-                    if first_token:
-                        metrics.ttft.observe(now - started)
-                        first_token = False
-                    else:  # merged outputs spread their gap over their tokens
-                        for _ in out.token_ids:
-                            metrics.itl.observe((now - last_token_at) / len(out.token_ids))
-                    last_token_at = now
-                    metrics.generation_tokens.inc(len(out.token_ids))
-                if metrics and finished:
-                    metrics.e2e.observe(time.monotonic() - started)
-                    metrics.requests.labels(_FINISH_NAMES[out.finish_reason]).inc()
-                if finished and out.usage is not None:
-                    span.set_attributes({"gen_ai.usage.output_tokens": out.usage.completion_tokens,
-                                         "gen_ai.response.finish_reasons": [_FINISH_NAMES[out.finish_reason]]})
-                yield frontend_pb2.GenerateResponse(
-                    request_id=request_id, text=out.text, token_ids=out.token_ids, logprobs=out.logprobs,
-                    finish_reason=out.finish_reason, usage=out.usage)
-                if finished:
-                    return
-        finally:
-            self.in_flight -= 1
-            del self.outboxes[key]
-            if outbox.detokenizer in self.retired:
-                self._close_if_idle(outbox.detokenizer)
-            if group is not None:
-                if not finished:  # the client went away or its deadline passed: abort everywhere
-                    asyncio.get_running_loop().create_task(self._abort(group, request_id))
-                else:
-                    self.schedulers.release(group)
-
-    async def _submit(self, submission: scheduler_pb2.SubmitRequestRequest,
-                      context) -> tuple[SchedulerGroup, scheduler_pb2.SubmitRequestResponse]:
-        """Submit to the least busy group; a group that is down or failed did not take the request,
-        so the next one is tried. Aborts the RPC when no group takes it."""
-        error: grpc.aio.AioRpcError | None = None
-        for group in self.schedulers.candidates():
-            remaining = context.time_remaining()
-            timeout = min(SUBMIT_TIMEOUT_S, remaining) if remaining else SUBMIT_TIMEOUT_S
-            self.schedulers.acquire(group)
-            try:
-                return group, await group.stub.SubmitRequest(submission, timeout=timeout)
-            except grpc.aio.AioRpcError as exc:
-                self.schedulers.release(group)
-                error = exc
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                    break
-        if error is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no scheduler is available")
-        code = error.code() if error.code() in _PASSED_THROUGH else grpc.StatusCode.UNAVAILABLE
-        await context.abort(code, error.details() or "scheduler unavailable")
-
-    async def _abort(self, group: SchedulerGroup, request_id: str) -> None:
-        try:
-            await group.stub.AbortRequest(scheduler_pb2.AbortRequestRequest(
-                frontend_id=self.frontend_id, request_id=request_id), timeout=5)
-        except grpc.aio.AioRpcError as exc:
-            logger.warning("abort of %s failed: %s", request_id, exc.details())
-        finally:
-            self.schedulers.release(group)
+        except RequestError as exc:
+            await context.abort(exc.code, exc.message)
 
     async def Tokenize(self, request, context):
+        await self._authorize(context)
         try:
-            return frontend_pb2.TokenizeResponse(token_ids=self._encode(request.WhichOneof("input"), request))
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return frontend_pb2.TokenizeResponse(token_ids=await requests.tokenize(self, request))
+        except RequestError as exc:
+            await context.abort(exc.code, exc.message)
 
     async def GetModelInfo(self, request, context):
-        return frontend_pb2.GetModelInfoResponse(model=self.limits.name, max_model_len=self.limits.max_model_len,
-                                                 vocab_size=self.limits.vocab_size)
+        await self._authorize(context)
+        try:
+            return requests.model_info(self)
+        except RequestError as exc:
+            await context.abort(exc.code, exc.message)
+
+    def serving(self) -> bool:
+        """Started, not draining, and at least one scheduler group and detokenizer to use."""
+        return (self.tokenizer is not None and self.limits is not None and not self.draining
+                and bool(self.schedulers.candidates()) and bool(self.subscribed - self.retired))
 
     async def drain(self) -> None:
+        self.draining = True  # new requests are refused from here on; those in flight finish
         while self.in_flight:
             await asyncio.sleep(0.05)
 
 
 async def serve(load_tokenizer, scheduler_specs: list[str], detokenizer_specs: list[str], host: str, port: int,
                 ready_file: str | None, metrics_port: int | None = None,
-                replica_refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S) -> None:
+                replica_refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S, http_port: int | None = None,
+                api_key: str | None = None, max_prompt_bytes: int = requests.DEFAULT_MAX_PROMPT_BYTES) -> None:
+    """`http_port`: also serve the OpenAI-compatible HTTP API there (0: any free port; None: off),
+    on this event loop, over the same request path; its address goes to `<ready_file>.http`."""
     shell = ServiceShell("frontend", frontend_pb2.DESCRIPTOR.services_by_name["FrontendService"], host, port)
-    servicer = FrontendServicer(None, scheduler_specs, detokenizer_specs, replica_refresh_interval_s)
+    servicer = FrontendServicer(None, scheduler_specs, detokenizer_specs, replica_refresh_interval_s, api_key,
+                                max_prompt_bytes)
     frontend_pb2_grpc.add_FrontendServiceServicer_to_server(servicer, shell.server)
-    if registry := shell.metrics_registry(metrics_port, ready_file):
+    registry = shell.metrics_registry(metrics_port, ready_file)
+    if registry is None and http_port is not None:  # the HTTP API serves /metrics itself
+        from prometheus_client import CollectorRegistry
+
+        registry = CollectorRegistry()
+    if registry is not None:
         servicer.metrics = FrontendMetrics(registry)
+    http = None
+    if http_port is not None:
+        from services.frontend.http_server import HttpServer
+
+        # Listening before warm-up, as gRPC does: requests meanwhile get 503, not a refused connection.
+        http = HttpServer(servicer, registry, host, http_port)
+        if ready_file:
+            Path(ready_file + ".http").write_text(http.address)
+        http.start()
 
     async def warm_up() -> None:
         servicer.tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer)
         await servicer.connect()
 
-    await shell.run(warm_up, servicer.drain, ready_file)
-    await servicer.close()
-
+    try:
+        await shell.run(warm_up, servicer.drain, ready_file)
+    finally:
+        if http is not None:
+            await http.stop()
+        await servicer.close()

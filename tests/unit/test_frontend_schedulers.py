@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 
 from services.frontend.schedulers import SchedulerPool
-from tests.support.grpc_fakes import Aborted, FakeChannel, FakeContext, rpc_error
+from tests.support.grpc_fakes import FakeChannel, rpc_error
 from vmesh.v1 import scheduler_pb2
 
 
@@ -88,6 +88,8 @@ def test_a_group_that_is_not_ready_yet_is_asked_again(monkeypatch):
 def test_submission_fails_over_to_the_next_group_only_when_unavailable():
     import grpc
 
+    from services.frontend.requests import RequestError
+    from services.frontend.requests import submit as submit_request
     from services.frontend.server import FrontendServicer
 
     class Group(FakeScheduler):
@@ -109,9 +111,9 @@ def test_submission_fails_over_to_the_next_group_only_when_unavailable():
         groups = [frontend.schedulers.add(address) for address in errors]
         await asyncio.gather(*(g.joined.wait() for g in groups))
         try:
-            group, _ = await frontend._submit(scheduler_pb2.SubmitRequestRequest(), FakeContext())
+            group, _ = await submit_request(frontend, scheduler_pb2.SubmitRequestRequest())
             return group.address, {a: (s.submitted, frontend.schedulers.groups[a].in_flight) for a, s in stubs.items()}
-        except Aborted as exc:
+        except RequestError as exc:
             return exc.code, {a: (s.submitted, frontend.schedulers.groups[a].in_flight) for a, s in stubs.items()}
 
     # a:1 is down: the request goes to b:1, and only b:1 counts it in flight

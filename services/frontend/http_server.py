@@ -1,0 +1,351 @@
+"""The frontend's HTTP shell: OpenAI's API (/v1/models, /v1/completions, /v1/chat/completions,
+streamed as Server-Sent Events) plus /health, /metrics and /openapi.json, served by uvicorn on
+the frontend's own event loop over the same request path as gRPC (requests.py). A client that
+disconnects aborts its requests, as a cancelled gRPC stream does."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.frontend import openai_protocol as oai
+from services.frontend import requests
+from services.frontend.requests import RequestError
+from vmesh.v1 import frontend_pb2
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from services.frontend.server import FrontendServicer
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = {"/health", "/metrics", "/openapi.json"}  # no API key asked: probes and scrapers
+T = TypeVar("T")
+
+
+def _error(status: int, message: str, error_type: str, param: str | None = None,
+           code: str | None = None) -> JSONResponse:
+    return JSONResponse(oai.error_body(message, error_type, param, code), status_code=status)
+
+
+def _request_error(exc: RequestError) -> JSONResponse:
+    status, body = oai.request_error_body(exc)
+    return JSONResponse(body, status_code=status)
+
+
+class ApiKeyMiddleware:
+    """Bearer-key check ahead of everything else (body parsing included), so that a caller
+    without the key learns nothing but 401. Plain ASGI: it must not buffer streamed responses."""
+
+    def __init__(self, app: Any, frontend: FrontendServicer):
+        self.app = app
+        self.frontend = frontend
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and self.frontend.api_key and scope["path"] not in OPEN_PATHS:
+            headers = dict(scope["headers"])
+            authorization = headers.get(b"authorization", b"").decode("latin-1")
+            try:
+                requests.check_api_key(self.frontend.api_key, authorization)
+            except RequestError as exc:
+                await _request_error(exc)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class Fanout:
+    """Several request streams (n choices, several prompts) merged into one sequence of
+    (choice index, GenerateResponse)."""
+
+    def __init__(self, streams: list[AsyncIterator[frontend_pb2.GenerateResponse]]):
+        self.queue: asyncio.Queue[tuple[int, frontend_pb2.GenerateResponse | None, BaseException | None]] = (
+            asyncio.Queue())
+        self.tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
+        self.pending: list[tuple[int, frontend_pb2.GenerateResponse]] = []
+        self.open = len(streams)
+
+    async def _pump(self, index: int, stream: AsyncIterator[frontend_pb2.GenerateResponse]) -> None:
+        try:
+            async for out in stream:
+                self.queue.put_nowait((index, out, None))
+            self.queue.put_nowait((index, None, None))
+        except Exception as exc:  # handed to the reader, which raises it
+            self.queue.put_nowait((index, None, exc))
+
+    async def _next(self) -> tuple[int, frontend_pb2.GenerateResponse] | None:
+        while self.open:
+            index, out, error = await self.queue.get()
+            if error is not None:
+                raise error
+            if out is None:
+                self.open -= 1
+                continue
+            return index, out
+        return None
+
+    async def started(self) -> None:
+        """Wait until every stream has sent something, so that a request refused by validation or
+        a full queue fails with an HTTP status before any streamed byte; keeps what came."""
+        seen: set[int] = set()
+        while len(seen) < len(self.tasks):
+            item = await self._next()
+            if item is None:
+                return
+            self.pending.append(item)
+            seen.add(item[0])
+
+    async def events(self) -> AsyncIterator[tuple[int, frontend_pb2.GenerateResponse]]:
+        while self.pending:
+            yield self.pending.pop(0)
+        while (item := await self._next()) is not None:
+            yield item
+
+    async def close(self) -> None:
+        """Cancel what still runs: each stream's request is then aborted in the scheduler."""
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run `work` unless the client disconnects first: then it is cancelled (which aborts its
+    requests) and ClientGone raised. The body has been read, so the next ASGI message the
+    server hands over is the disconnect."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ClientGone
+    return task.result()
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+class OpenAIRoutes:
+    def __init__(self, frontend: FrontendServicer):
+        self.frontend = frontend
+        self.created = int(time.time())
+
+    def served(self) -> str:
+        requests.ready(self.frontend)
+        return self.frontend.limits.name
+
+    def token_text(self, token_id: int) -> str:
+        return self.frontend.tokenizer.decode([token_id])
+
+    async def _run(self, http_request: Request, generate_requests: list[frontend_pb2.GenerateRequest], n: int,
+                   stream: bool, include_usage: bool, want_logprobs: bool, chat: bool) -> Response:
+        model = self.frontend.limits.name
+        request_id = oai.new_id("chatcmpl" if chat else "cmpl")
+        created = oai.now()
+        fanout = Fanout([requests.generate(self.frontend, r) for r in oai.fan_out(generate_requests, n)])
+        choices = [oai.Choice() for _ in fanout.tasks]
+
+        async def collect() -> None:
+            async for index, out in fanout.events():
+                choices[index].add(out)
+
+        try:
+            await _until_disconnect(http_request, fanout.started() if stream else collect())
+        except RequestError as exc:
+            await fanout.close()
+            return _request_error(exc)
+        except ClientGone:
+            await fanout.close()
+            return Response(status_code=499)  # nobody reads it; nginx's code for "client closed"
+        except BaseException:
+            await fanout.close()
+            raise
+        if not stream:
+            build = oai.chat_body if chat else oai.completion_body
+            return JSONResponse(build(request_id, created, model, choices, n, want_logprobs, self.token_text))
+        events = self._chat_events if chat else self._completion_events
+        return StreamingResponse(self._stream(fanout, events(fanout, choices, request_id, created, model,
+                                                             want_logprobs), choices, n, include_usage,
+                                              request_id, created, model, chat),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def _stream(self, fanout: Fanout, chunks: AsyncIterator[dict[str, Any]], choices: list[oai.Choice], n: int,
+                      include_usage: bool, request_id: str, created: int, model: str, chat: bool) -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield _sse(chunk)
+            if include_usage:
+                yield _sse({"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                            "created": created, "model": model, "choices": [], "usage": oai.usage(choices, n)})
+        except RequestError as exc:  # mid-stream: the status line is long gone; OpenAI's clients read this
+            yield _sse(oai.request_error_body(exc)[1])
+        finally:
+            await fanout.close()
+        yield "data: [DONE]\n\n"
+
+    async def _completion_events(self, fanout: Fanout, choices: list[oai.Choice], request_id: str, created: int,
+                                 model: str, want_logprobs: bool) -> AsyncIterator[dict[str, Any]]:
+        async for index, out in fanout.events():
+            choice = choices[index]
+            offset = len(choice.text)
+            choice.add(out)
+            if not (out.text or out.finish_reason or out.logprobs):
+                continue
+            logprobs = (oai.completion_logprobs(list(out.logprobs), list(out.token_ids), self.token_text, offset)
+                        if want_logprobs else None)
+            yield {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                   "choices": [{"index": index, "text": out.text, "logprobs": logprobs,
+                                "finish_reason": oai.finish_reason(out.finish_reason)}]}
+
+    async def _chat_events(self, fanout: Fanout, choices: list[oai.Choice], request_id: str, created: int,
+                           model: str, want_logprobs: bool) -> AsyncIterator[dict[str, Any]]:
+        def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> dict:
+            return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+
+        for index in range(len(choices)):  # OpenAI opens every choice with the role
+            yield chunk(index, {"role": "assistant", "content": ""})
+        async for index, out in fanout.events():
+            choices[index].add(out)
+            if not (out.text or out.finish_reason or out.logprobs):
+                continue
+            logprobs = (oai.chat_logprobs(list(out.logprobs), list(out.token_ids), self.token_text)
+                        if want_logprobs else None)
+            yield chunk(index, {"content": out.text} if out.text else {}, logprobs,
+                        oai.finish_reason(out.finish_reason))
+
+    async def completions(self, body: oai.CompletionRequest, request: Request) -> Response:
+        generate_requests = oai.completion_requests(body, self.served())
+        return await self._run(request, generate_requests, body.n, body.stream,
+                               bool(body.stream_options and body.stream_options.include_usage),
+                               body.logprobs is not None, chat=False)
+
+    async def chat_completions(self, body: oai.ChatCompletionRequest, request: Request) -> Response:
+        generate_request = oai.chat_request(body, self.served())
+        return await self._run(request, [generate_request], body.n, body.stream,
+                               bool(body.stream_options and body.stream_options.include_usage), body.logprobs,
+                               chat=True)
+
+    def models(self) -> dict[str, Any]:
+        limits = requests.model_info(self.frontend)
+        return {"object": "list", "data": [{"id": limits.model, "object": "model", "created": self.created,
+                                            "owned_by": "vmesh", "root": limits.model,
+                                            "max_model_len": limits.max_model_len}]}
+
+
+def build_app(frontend: FrontendServicer, registry: CollectorRegistry | None) -> FastAPI:
+    app = FastAPI(title="vmesh", summary="OpenAI-compatible API of a vmesh frontend", docs_url=None,
+                  redoc_url=None)
+    routes = OpenAIRoutes(frontend)
+
+    @app.exception_handler(RequestError)
+    async def on_request_error(_: Request, exc: RequestError) -> JSONResponse:
+        return _request_error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        message = f"{param or 'body'}: {first.get('msg', 'invalid request body')}"
+        return _error(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500
+                      else "internal_error")
+
+    @app.exception_handler(Exception)
+    async def on_bug(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("HTTP request failed")
+        return _error(500, f"internal error: {type(exc).__name__}", "internal_error")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if frontend.serving():
+            return Response(status_code=200)
+        message = "draining" if frontend.draining else "not ready: starting, or no scheduler/detokenizer reachable"
+        return _error(503, message, "service_unavailable_error")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(registry) if registry is not None else b"", media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return routes.models()
+
+    @app.post("/v1/completions")
+    async def completions(body: oai.CompletionRequest, request: Request) -> Response:
+        return await routes.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: oai.ChatCompletionRequest, request: Request) -> Response:
+        return await routes.chat_completions(body, request)
+
+    app.add_middleware(ApiKeyMiddleware, frontend=frontend)
+    return app
+
+
+class _Server(uvicorn.Server):
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # The frontend's ServiceShell owns SIGTERM/SIGINT (health NOT_SERVING, drain, stop);
+        # uvicorn's own handlers would replace its handlers and stop HTTP before the drain.
+        yield
+
+
+def bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+class HttpServer:
+    """uvicorn on the running event loop, bound at construction so that port 0 is known at once."""
+
+    def __init__(self, frontend: FrontendServicer, registry: CollectorRegistry | None, host: str, port: int):
+        self.socket = bind(host, port)
+        bound = self.socket.getsockname()
+        self.address = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
+        config = uvicorn.Config(build_app(frontend, registry), log_config=None, access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=5)
+        self.server = _Server(config)
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[self.socket]))
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        if self.task is not None:
+            await self.task

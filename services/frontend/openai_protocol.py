@@ -1,0 +1,348 @@
+"""OpenAI's request bodies as pydantic models, their translation into the GenerateRequests the
+gRPC API takes (so that one validation, validate_generate, judges both APIs), and the response
+bodies built from GenerateResponses. Pure functions: no I/O."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.frontend.requests import Code, RequestError
+from vmesh.v1 import common_pb2, frontend_pb2
+
+MAX_CHOICES = 64  # n × prompts per HTTP request: each is a request in the scheduler
+SEED_MASK = (1 << 64) - 1
+# JSON has no -inf: a logprob that underflowed is sent as this, as vLLM does.
+MIN_LOGPROB = -9999.0
+FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+                  common_pb2.FINISH_REASON_ABORT: "abort"}
+
+
+class _Body(BaseModel):
+    # Unknown fields are ignored, as vLLM ignores them; NaN and infinities are refused as JSON
+    # cannot carry them and no sampling parameter means anything with them.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingBody(_Body):
+    """The fields both endpoints share: OpenAI's, then vLLM's extras."""
+
+    model: str | None = Field(None, description="the served model's id; omitted: the served model")
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = Field(None, description="accepted and ignored")
+    logit_bias: dict[str, float] | None = Field(None, description="not supported: refused unless empty")
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    stop_token_ids: list[int] | None = None
+    priority: int | None = None
+
+
+class CompletionRequest(_SamplingBody):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = Field(None, description="not supported: refused when true")
+    suffix: str | None = Field(None, description="not supported: refused unless empty")
+    best_of: int | None = Field(None, description="not supported: refused above 1")
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingBody):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = Field(None, description="not supported: refused unless empty")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="not supported: refused unless 'none'")
+    functions: list[dict[str, Any]] | None = Field(None, description="not supported: refused unless empty")
+    function_call: str | dict[str, Any] | None = Field(None, description="not supported: refused unless 'none'")
+    response_format: dict[str, Any] | None = Field(None, description="only {'type': 'text'}")
+    parallel_tool_calls: bool | None = Field(None, description="accepted and ignored")
+
+
+def invalid(param: str, message: str) -> RequestError:
+    return RequestError(Code.INVALID_ARGUMENT, f"{param}: {message}")
+
+
+def _refuse_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
+    if body.logit_bias:
+        raise invalid("logit_bias", "not supported by vmesh")
+    if isinstance(body, CompletionRequest):
+        if body.echo:
+            raise invalid("echo", "not supported by vmesh")
+        if body.suffix:
+            raise invalid("suffix", "not supported by vmesh")
+        if body.best_of is not None and body.best_of != 1:
+            raise invalid("best_of", "not supported by vmesh (use n)")
+        return
+    for name in ("tools", "functions"):
+        if getattr(body, name):
+            raise invalid(name, "tool calling is not supported by vmesh")
+    for name in ("tool_choice", "function_call"):
+        if getattr(body, name) not in (None, "none"):
+            raise invalid(name, "tool calling is not supported by vmesh")
+    if body.response_format is not None and body.response_format.get("type", "text") != "text":
+        raise invalid("response_format", "only {'type': 'text'} is supported by vmesh")
+
+
+def _set(message: Any, name: str, value: Any, param: str | None = None) -> None:
+    """Set a proto field, turning a value outside the field's range into a 400 naming it."""
+    if value is None:
+        return
+    try:
+        if isinstance(value, list):
+            getattr(message, name).extend(value)
+        else:
+            setattr(message, name, value)
+    except (ValueError, TypeError) as exc:
+        raise invalid(param or name, f"{value!r} is out of range ({exc})") from exc
+
+
+def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+              logprobs: int | None) -> common_pb2.SamplingParams:
+    pb = common_pb2.SamplingParams(output_mode=common_pb2.OUTPUT_MODE_DELTA)
+    _set(pb, "max_tokens", max_tokens, "max_completion_tokens" if getattr(body, "max_completion_tokens", None)
+         is not None else "max_tokens")
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+                 "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
+                 "include_stop_str_in_output", "stop_token_ids"):
+        _set(pb, name, getattr(body, name))
+    _set(pb, "stop", [body.stop] if isinstance(body.stop, str) else body.stop)
+    if body.seed is not None:
+        pb.seed = body.seed & SEED_MASK  # OpenAI's seeds may be negative; the same seed, the same draw
+    _set(pb, "logprobs", logprobs)
+    return pb
+
+
+def check_common(body: CompletionRequest | ChatCompletionRequest, served: str) -> None:
+    if body.model is not None and body.model != served:
+        raise RequestError(Code.NOT_FOUND, f"model: the model {body.model!r} does not exist "
+                                           f"(this server serves {served!r})")
+    _refuse_unsupported(body)
+    if body.n < 1:
+        raise invalid("n", f"must be >= 1, got {body.n}")
+    if body.stream_options is not None and not body.stream:
+        raise invalid("stream_options", "only allowed when stream is true")
+
+
+def completion_requests(body: CompletionRequest, served: str) -> list[frontend_pb2.GenerateRequest]:
+    """One GenerateRequest per prompt (n copies are made by fan_out)."""
+    check_common(body, served)
+    prompt = body.prompt
+    prompts: list[str | list[int]] = [prompt] if isinstance(prompt, str) or (
+        prompt and isinstance(prompt[0], int)) else list(prompt)
+    if not prompts:
+        raise invalid("prompt", "empty")
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise invalid("n", f"{len(prompts)} prompts × n={body.n} choices; at most {MAX_CHOICES} per request")
+    sampling = _sampling(body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs)
+    out = []
+    for p in prompts:
+        request = frontend_pb2.GenerateRequest(sampling=sampling)
+        _set(request, "priority", body.priority)
+        if isinstance(p, str):
+            request.text = p
+        else:
+            request.token_ids.SetInParent()
+            _set(request.token_ids, "ids", list(p), "prompt")
+        out.append(request)
+    return out
+
+
+def _content_text(i: int, message: ChatMessage) -> str:
+    content = message.content
+    if content is None:
+        raise invalid(f"messages[{i}].content", "required")
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, part in enumerate(content):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise invalid(f"messages[{i}].content[{j}]", "only text parts ({'type': 'text', 'text': ...}) "
+                                                         "are supported by vmesh")
+        parts.append(part["text"])
+    return "\n".join(parts)
+
+
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def chat_request(body: ChatCompletionRequest, served: str) -> frontend_pb2.GenerateRequest:
+    check_common(body, served)
+    if not body.messages:
+        raise invalid("messages", "at least one message is required")
+    if body.n > MAX_CHOICES:
+        raise invalid("n", f"at most {MAX_CHOICES}")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid("top_logprobs", "requires logprobs: true")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    request = frontend_pb2.GenerateRequest(sampling=_sampling(body, max_tokens, logprobs))
+    _set(request, "priority", body.priority)
+    request.chat.SetInParent()
+    for i, m in enumerate(body.messages):
+        role = CHAT_ROLES.get(m.role)
+        if role is None:
+            raise invalid(f"messages[{i}].role", f"{m.role!r} is not supported (system, developer, user, assistant)")
+        request.chat.messages.append(frontend_pb2.ChatMessage(role=role, content=_content_text(i, m)))
+    return request
+
+
+def fan_out(requests: list[frontend_pb2.GenerateRequest], n: int) -> list[frontend_pb2.GenerateRequest]:
+    """n copies of each request, choice index = prompt index × n + copy. The copies share the
+    prompt's KV blocks through the prefix cache; a seeded request's copies get seed + copy, so
+    that they differ from one another yet reproduce."""
+    out = []
+    for request in requests:
+        for j in range(n):
+            copy = frontend_pb2.GenerateRequest()
+            copy.CopyFrom(request)
+            if j and copy.sampling.HasField("seed"):
+                copy.sampling.seed = (copy.sampling.seed + j) & SEED_MASK
+            out.append(copy)
+    return out
+
+
+# --- responses ---------------------------------------------------------------------------------
+
+@dataclass
+class Choice:
+    """What one choice has received so far."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[frontend_pb2.GeneratedTokenLogprobs] = field(default_factory=list)
+    finish_reason: int = 0
+    usage: frontend_pb2.Usage | None = None
+
+    def add(self, out: frontend_pb2.GenerateResponse) -> None:
+        self.text += out.text
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs
+        self.finish_reason = out.finish_reason or self.finish_reason
+        if out.HasField("usage"):
+            self.usage = out.usage
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def _lp(value: float) -> float:
+    return max(float(value), MIN_LOGPROB)
+
+
+def completion_logprobs(entries: list[frontend_pb2.GeneratedTokenLogprobs], token_ids: list[int],
+                        token_text: Any, offset: int = 0) -> dict[str, Any]:
+    """OpenAI's legacy completions logprobs; `offset`: where this piece starts in the choice's text."""
+    tokens = [token_text(t) for t in token_ids]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [_lp(e.logprob) for e in entries],
+            "top_logprobs": [{token_text(t.token_id): _lp(t.logprob) for t in e.top} for e in entries],
+            "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[frontend_pb2.GeneratedTokenLogprobs], token_ids: list[int],
+                  token_text: Any) -> dict[str, Any]:
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(token_id)
+        return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode())}
+
+    return {"content": [{**item(t, e.logprob), "top_logprobs": [item(x.token_id, x.logprob) for x in e.top]}
+                        for t, e in zip(token_ids, entries)]}
+
+
+def usage(choices: list[Choice], n: int) -> dict[str, Any]:
+    """Prompt tokens count once per prompt (its n copies share it), completion tokens per choice."""
+    prompt = sum(c.usage.prompt_tokens for c in choices[::n] if c.usage)
+    cached = sum(c.usage.cached_prompt_tokens for c in choices[::n] if c.usage)
+    completion = sum(c.usage.completion_tokens for c in choices if c.usage)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def finish_reason(code: int) -> str | None:
+    return FINISH_REASONS.get(code)
+
+
+def completion_body(request_id: str, created: int, model: str, choices: list[Choice], n: int, want_logprobs: bool,
+                    token_text: Any) -> dict[str, Any]:
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": i, "text": c.text, "finish_reason": finish_reason(c.finish_reason),
+                         "logprobs": completion_logprobs(c.logprobs, c.token_ids, token_text) if want_logprobs
+                         else None} for i, c in enumerate(choices)],
+            "usage": usage(choices, n)}
+
+
+def chat_body(request_id: str, created: int, model: str, choices: list[Choice], n: int, want_logprobs: bool,
+              token_text: Any) -> dict[str, Any]:
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                         "finish_reason": finish_reason(c.finish_reason),
+                         "logprobs": chat_logprobs(c.logprobs, c.token_ids, token_text) if want_logprobs else None}
+                        for i, c in enumerate(choices)],
+            "usage": usage(choices, n)}
+
+
+ErrorType = Literal["invalid_request_error", "authentication_error", "not_found_error", "rate_limit_error",
+                    "service_unavailable_error", "timeout_error", "internal_error"]
+HTTP_STATUS: dict[Code, tuple[int, ErrorType]] = {
+    Code.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    Code.UNAUTHENTICATED: (401, "authentication_error"),
+    Code.NOT_FOUND: (404, "not_found_error"),
+    Code.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    Code.UNAVAILABLE: (503, "service_unavailable_error"),
+    Code.DEADLINE_EXCEEDED: (504, "timeout_error"),
+}
+
+
+def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def param_of(message: str) -> str | None:
+    """The field a validation message names: its text before the first ':' or ' ', without
+    the gRPC API's `sampling.` prefix (e.g. 'sampling.top_p must be ...' -> 'top_p')."""
+    head = message.split(":", 1)[0].split(" ", 1)[0]
+    return head.removeprefix("sampling.") or None if head and head.replace(".", "").replace("[", "").replace(
+        "]", "").replace("_", "").isalnum() else None
+
+
+def request_error_body(exc: RequestError) -> tuple[int, dict[str, Any]]:
+    status, error_type = HTTP_STATUS.get(exc.code, (500, "internal_error"))
+    code = {Code.UNAUTHENTICATED: "invalid_api_key", Code.NOT_FOUND: "model_not_found"}.get(exc.code)
+    param = param_of(exc.message) if status in (400, 404) else None
+    return status, error_body(exc.message, error_type, param, code)

@@ -1,0 +1,272 @@
+"""The frontend's one request path, shared by its gRPC and HTTP shells: authorize, tokenize (off
+the event loop), validate, submit to a scheduler group, and stream the outputs that arrive from
+the detokenizers. Failures raise RequestError with a gRPC status code; each shell turns it into
+its own transport's error (gRPC status, or an HTTP status with OpenAI's error body)."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from opentelemetry import trace
+
+from services.common import telemetry
+from services.frontend.outbox import Outbox
+from services.frontend.schedulers import SchedulerGroup
+from services.frontend.validation import InvalidRequest, validate_generate
+from vmesh.v1 import frontend_pb2, scheduler_pb2
+
+if TYPE_CHECKING:
+    from services.frontend.server import FrontendServicer
+
+logger = logging.getLogger(__name__)
+
+SUBMIT_TIMEOUT_S = 30.0
+# Prompts are refused above this many bytes of text before they are tokenized: tokenizing is
+# the one step whose cost a client controls, and it runs on a shared thread pool.
+DEFAULT_MAX_PROMPT_BYTES = 1 << 20
+TRACER = telemetry.tracer("vmesh.frontend")
+_PASSED_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
+FINISH_NAMES = {0: "", 1: "stop", 2: "length", 3: "abort"}
+Code = grpc.StatusCode
+
+
+class RequestError(Exception):
+    """A request the frontend refuses or cannot finish; `code` says why, as gRPC would."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def check_api_key(expected: str | None, authorization: str | None) -> None:
+    """`authorization`: the `Authorization` header (HTTP) or `authorization` metadata (gRPC)."""
+    if not expected:
+        return
+    scheme, _, token = (authorization or "").partition(" ")
+    # compare_digest: the time taken says nothing about how much of the key matched
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+        raise RequestError(Code.UNAUTHENTICATED, "missing or invalid API key (expected 'Authorization: Bearer KEY')")
+
+
+def prompt_bytes(which: str | None, message: Any) -> int:
+    if which == "text":
+        return len(message.text.encode())
+    if which == "chat":
+        return sum(len(m.content.encode()) + len(m.role.encode()) for m in message.chat.messages)
+    return 0
+
+
+def _encode(tokenizer: Any, which: str | None, message: Any) -> list[int]:
+    if which == "text":
+        return tokenizer.encode(message.text) if message.text else []
+    if which == "chat":
+        messages = [{"role": m.role, "content": m.content} for m in message.chat.messages]
+        if not messages:
+            raise InvalidRequest("chat: no messages")
+        try:
+            return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=False))
+        except Exception as exc:  # the template rejects the conversation (roles, order)
+            raise InvalidRequest(f"chat: {exc}") from exc
+    if which == "token_ids":
+        return list(message.token_ids.ids)
+    raise InvalidRequest("input: one of text, chat or token_ids is required")
+
+
+async def encode(frontend: FrontendServicer, message: Any) -> list[int]:
+    """Token ids of a GenerateRequest's or TokenizeRequest's input, tokenized on a worker
+    thread so that a long prompt never stalls the streams of other requests."""
+    if frontend.tokenizer is None:
+        raise RequestError(Code.UNAVAILABLE, "the frontend is starting; try again shortly")
+    which = message.WhichOneof("input")
+    size = prompt_bytes(which, message)
+    if size > frontend.max_prompt_bytes:
+        raise RequestError(Code.INVALID_ARGUMENT, f"prompt: {size} bytes of text; at most "
+                                                  f"{frontend.max_prompt_bytes} are accepted")
+    try:
+        if which == "token_ids":  # nothing to tokenize
+            return _encode(frontend.tokenizer, which, message)
+        return await asyncio.get_running_loop().run_in_executor(None, _encode, frontend.tokenizer, which, message)
+    except InvalidRequest as exc:
+        raise RequestError(Code.INVALID_ARGUMENT, str(exc)) from exc
+
+
+def ready(frontend: FrontendServicer) -> None:
+    """Refuse new work while the frontend starts (no tokenizer or scheduler yet) or drains."""
+    if frontend.tokenizer is None or frontend.limits is None:
+        raise RequestError(Code.UNAVAILABLE, "the frontend is starting; try again shortly")
+    if frontend.draining:
+        raise RequestError(Code.UNAVAILABLE, "the frontend is draining")
+
+
+def spawn(frontend: FrontendServicer, work: Coroutine[Any, Any, None]) -> None:
+    """A task that outlives the request that started it (an abort), referenced until done."""
+    task = asyncio.get_running_loop().create_task(work)
+    frontend.background.add(task)
+    task.add_done_callback(frontend.background.discard)
+
+
+async def generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRequest,
+                   time_remaining: Callable[[], float | None] = lambda: None,
+                   ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
+    """One request, start to end, as a stream of GenerateResponses. Closing the stream early
+    (the client left) aborts the request wherever it still runs."""
+    which = request.WhichOneof("input")
+    span = TRACER.start_span("generate", kind=trace.SpanKind.SERVER, attributes={
+        "gen_ai.operation.name": "chat" if which == "chat" else "text_completion",
+        "gen_ai.system": "vmesh", "gen_ai.request.model": request.model or (
+            frontend.limits.name if frontend.limits else "")})
+    try:
+        async for response in _generate(frontend, request, time_remaining, span):
+            yield response
+    except BaseException as exc:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
+        raise
+    finally:
+        span.end()
+
+
+async def _generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRequest,
+                    time_remaining: Callable[[], float | None], span: trace.Span,
+                    ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
+    ready(frontend)
+    prompt = await encode(frontend, request)
+    try:
+        params = validate_generate(request, prompt, frontend.limits)
+    except InvalidRequest as exc:
+        raise RequestError(Code.INVALID_ARGUMENT, str(exc)) from exc
+    span.set_attributes({"gen_ai.request.max_tokens": params.max_tokens,
+                         "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
+                         "gen_ai.usage.input_tokens": len(prompt)})
+    key = next(frontend.keys)
+    request_id = f"{key}"
+    span.set_attribute("gen_ai.response.id", f"{frontend.frontend_id}/{request_id}")
+    outbox = frontend.outboxes[key] = Outbox(delta_text=params.output_mode.value == "delta")
+    sampling = frontend_pb2.GenerateRequest().sampling
+    sampling.CopyFrom(request.sampling)
+    sampling.max_tokens = params.max_tokens
+    finished = False
+    frontend.in_flight += 1
+    started = last_token_at = time.monotonic()
+    first_token = True
+    metrics = frontend.metrics
+    if metrics:
+        metrics.prompt_tokens.inc(len(prompt))
+    group: SchedulerGroup | None = None
+    try:
+        listening = sorted(frontend.subscribed - frontend.retired)
+        if not listening:
+            finished = True  # nothing to abort
+            raise RequestError(Code.UNAVAILABLE, "no detokenizer replica is reachable")
+        submission = scheduler_pb2.SubmitRequestRequest(
+            request_id=request_id, frontend_id=frontend.frontend_id, frontend_key=key, prompt_token_ids=prompt,
+            sampling=sampling, priority=request.priority, trace_context=telemetry.to_proto(span),
+            detokenizers=listening)
+        group, reply = await submit(frontend, submission, time_remaining)
+        outbox.detokenizer = reply.detokenizer
+        if reply.detokenizer not in frontend.subscribed:
+            raise RequestError(Code.UNAVAILABLE, f"detokenizer {reply.detokenizer} unavailable")
+        while True:
+            out = await outbox.get()
+            if out.error:  # not marked finished: the abort below stops it wherever it still runs
+                raise RequestError(Code.UNAVAILABLE, out.error)
+            finished = out.finished
+            if metrics and out.token_ids:
+                now = time.monotonic()
+                if first_token:
+                    metrics.ttft.observe(now - started)
+                    first_token = False
+                else:  # merged outputs spread their gap over their tokens
+                    for _ in out.token_ids:
+                        metrics.itl.observe((now - last_token_at) / len(out.token_ids))
+                last_token_at = now
+                metrics.generation_tokens.inc(len(out.token_ids))
+            if metrics and finished:
+                metrics.e2e.observe(time.monotonic() - started)
+                metrics.requests.labels(FINISH_NAMES[out.finish_reason]).inc()
+            if finished and out.usage is not None:
+                span.set_attributes({"gen_ai.usage.output_tokens": out.usage.completion_tokens,
+                                     "gen_ai.response.finish_reasons": [FINISH_NAMES[out.finish_reason]]})
+            yield frontend_pb2.GenerateResponse(
+                request_id=request_id, text=out.text, token_ids=out.token_ids, logprobs=out.logprobs,
+                finish_reason=out.finish_reason, usage=out.usage)
+            if finished:
+                return
+    finally:
+        frontend.in_flight -= 1
+        del frontend.outboxes[key]
+        if outbox.detokenizer in frontend.retired:
+            frontend._close_if_idle(outbox.detokenizer)
+        if group is not None:
+            if not finished:  # the client went away or its deadline passed: abort everywhere
+                spawn(frontend, abort(frontend, group, request_id))
+            else:
+                frontend.schedulers.release(group)
+
+
+async def submit(frontend: FrontendServicer, submission: scheduler_pb2.SubmitRequestRequest,
+                 time_remaining: Callable[[], float | None] = lambda: None,
+                 ) -> tuple[SchedulerGroup, scheduler_pb2.SubmitRequestResponse]:
+    """Submit to the least busy group; a group that is down or failed did not take the request,
+    so the next one is tried. Raises RequestError when no group takes it."""
+    error: grpc.aio.AioRpcError | None = None
+    for group in frontend.schedulers.candidates():
+        remaining = time_remaining()
+        timeout = min(SUBMIT_TIMEOUT_S, remaining) if remaining else SUBMIT_TIMEOUT_S
+        frontend.schedulers.acquire(group)
+        call = asyncio.ensure_future(group.stub.SubmitRequest(submission, timeout=timeout))
+        try:
+            return group, await asyncio.shield(call)
+        except asyncio.CancelledError:
+            # The client left while the scheduler was taking the request: the scheduler may
+            # still take it, so abort it there once the submission resolves.
+            spawn(frontend, _abort_once_submitted(frontend, call, group, submission.request_id))
+            raise
+        except grpc.aio.AioRpcError as exc:
+            frontend.schedulers.release(group)
+            error = exc
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                break
+    if error is None:
+        raise RequestError(Code.UNAVAILABLE, "no scheduler is available")
+    code = error.code() if error.code() in _PASSED_THROUGH else grpc.StatusCode.UNAVAILABLE
+    raise RequestError(code, error.details() or "scheduler unavailable")
+
+
+async def _abort_once_submitted(frontend: FrontendServicer, call: asyncio.Future, group: SchedulerGroup,
+                                request_id: str) -> None:
+    try:
+        await call
+    except (grpc.aio.AioRpcError, asyncio.CancelledError):  # it never took the request
+        frontend.schedulers.release(group)
+        return
+    await abort(frontend, group, request_id)
+
+
+async def abort(frontend: FrontendServicer, group: SchedulerGroup, request_id: str) -> None:
+    try:
+        await group.stub.AbortRequest(scheduler_pb2.AbortRequestRequest(
+            frontend_id=frontend.frontend_id, request_id=request_id), timeout=5)
+    except grpc.aio.AioRpcError as exc:
+        logger.warning("abort of %s failed: %s", request_id, exc.details())
+    finally:
+        frontend.schedulers.release(group)
+
+
+async def tokenize(frontend: FrontendServicer, request: frontend_pb2.TokenizeRequest) -> list[int]:
+    return await encode(frontend, request)
+
+
+def model_info(frontend: FrontendServicer) -> frontend_pb2.GetModelInfoResponse:
+    if frontend.limits is None:
+        raise RequestError(Code.UNAVAILABLE, "the frontend is starting; try again shortly")
+    limits = frontend.limits
+    return frontend_pb2.GetModelInfoResponse(model=limits.name, max_model_len=limits.max_model_len,
+                                             vocab_size=limits.vocab_size)
