@@ -381,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.bench import main as bench_main
 
         return bench_main(argv[1:])
+    from services.launcher import die_with_launcher
+
+    die_with_launcher()
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from services.common.model_loading import ModelLoadError

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from services.common.grpc_server import wait_until_serving
 INTERNAL_HOST = "127.0.0.1"
 START_TIMEOUT_S = 900.0  # the first start converts the model
 STOP_TIMEOUT_S = 30.0
+PARENT_PID_ENV = "VMESH_LAUNCHER_PID"
 
 
 @dataclass
@@ -62,24 +64,23 @@ class Mesh:
                    "--host", host, "--port", str(port), "--ready-file", str(ready), *argv]
         if self.args.metrics:
             command += ["--metrics-port", "0"]
-        child = Child(name, subprocess.Popen(command, preexec_fn=_die_with_parent), ready)
+        # No preexec_fn: forking with one runs Python in the child and gRPC's fork handlers in
+        # this (multi-threaded, gRPC-using) process. The child asks for its death signal itself.
+        env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
+        child = Child(name, subprocess.Popen(command, env=env), ready)
         self.children.append(child)
         return child
 
     async def wait_ready(self, children: list[Child]) -> None:
+        """Every child serving within START_TIMEOUT_S, or ChildDied/StartTimeout; a dead child or
+        a stop request ends the wait at once."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+
         async def one(child: Child) -> None:
-            deadline = time.monotonic() + START_TIMEOUT_S
             while not child.ready_file.exists():
-                self.check_alive()
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{child.name} did not start")
                 await asyncio.sleep(0.1)
             child.address = child.ready_file.read_text()
-            probe = asyncio.create_task(wait_until_serving(child.address, START_TIMEOUT_S))
-            while not probe.done():
-                self.check_alive()
-                await asyncio.sleep(0.1)
-            probe.result()
+            await wait_until_serving(child.address, max(1.0, deadline - time.monotonic()))
             metrics = Path(str(child.ready_file) + ".metrics")
             if metrics.exists():
                 child.metrics_address = metrics.read_text()
@@ -87,7 +88,19 @@ class Mesh:
             if http.exists():
                 child.http_address = http.read_text()
 
-        await asyncio.gather(*(one(c) for c in children))
+        waiting = asyncio.gather(*(one(c) for c in children))
+        try:
+            while not waiting.done():
+                self.check_alive()
+                if time.monotonic() > deadline:
+                    late = ", ".join(c.name for c in children if not c.address) or "a health check"
+                    raise StartTimeout(f"{late} not serving within {START_TIMEOUT_S:.0f} s")
+                await asyncio.wait({waiting}, timeout=0.1)
+            waiting.result()
+        except TimeoutError as exc:
+            raise StartTimeout(str(exc)) from exc
+        finally:
+            waiting.cancel()
 
     def check_alive(self) -> None:
         if self.stop_requested:
@@ -121,18 +134,26 @@ class ChildDied(RuntimeError):
     pass
 
 
+class StartTimeout(RuntimeError):
+    pass
+
+
 class StopRequested(Exception):
     pass
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: ask Linux for SIGTERM when the launcher dies, however it
-    dies, so that no service outlives `vmesh serve`."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+def die_with_launcher() -> None:
+    """In a service started by `vmesh serve`: ask Linux for SIGTERM when the launcher dies,
+    however it dies, so that no service outlives it. Exits at once if it is already gone."""
+    parent = os.environ.pop(PARENT_PID_ENV, None)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
 
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != int(parent):  # it died before the request took effect
+        sys.exit(1)
 
 
 async def _run(mesh: Mesh) -> int:
@@ -190,7 +211,7 @@ def serve_mesh(args: argparse.Namespace) -> int:
             return asyncio.run(main())
         except StopRequested:
             return 0
-        except ChildDied as exc:
+        except (ChildDied, StartTimeout) as exc:
             print(f"vmesh: {exc}; stopping the mesh", file=sys.stderr, flush=True)
             return 1
         finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -58,10 +59,8 @@ class RunningMesh:
 
 
 def _kill_quietly(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def start_mesh(*flags: str, env: dict[str, str] | None = None, timeout: float = START_TIMEOUT_S,
@@ -74,6 +73,12 @@ def start_mesh(*flags: str, env: dict[str, str] | None = None, timeout: float = 
                "--http-port", "0", "--kv-cache-memory", "128MiB", *flags]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, **(env or {})})
+    return read_until_serving(process, timeout, on_timeout)
+
+
+def read_until_serving(process: subprocess.Popen, timeout: float,
+                       on_timeout: Callable[[int], str] | None = None) -> RunningMesh:
+    """Follow a launcher's output until it prints its public address, within `timeout` seconds."""
     output: list[str] = []
     lines: queue.Queue[str | None] = queue.Queue()
 

@@ -24,7 +24,10 @@ _MESSAGE_LIMITS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 CHANNEL_OPTIONS = [*_MESSAGE_LIMITS, ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
                    ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 1)]
 # ...which servers must accept, or they close the connection after a few ("too many pings").
-SERVER_OPTIONS = [*_MESSAGE_LIMITS, ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+# SO_REUSEPORT (gRPC's default) is off: with it, a second server on a taken port binds too and
+# the kernel splits connections between the two.
+SERVER_OPTIONS = [*_MESSAGE_LIMITS, ("grpc.so_reuseport", 0),
+                  ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
                   ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_ping_strikes", 0)]
 
 
@@ -95,17 +98,21 @@ def channel(address: str) -> grpc.aio.Channel:
 
 
 async def wait_until_serving(address: str, timeout: float) -> None:
-    """Block until `address` reports SERVING; raise TimeoutError otherwise."""
-    deadline = asyncio.get_running_loop().time() + timeout
+    """Block until `address` reports SERVING; raise TimeoutError otherwise. Each check is also
+    bounded on the event loop's clock, so the deadline holds even if gRPC never answers."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
     async with channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
+            attempt = min(2.0, max(0.1, deadline - loop.time()))
             try:
-                reply = await stub.Check(health_pb2.HealthCheckRequest(service=OVERALL), timeout=2.0)
+                reply = await asyncio.wait_for(
+                    stub.Check(health_pb2.HealthCheckRequest(service=OVERALL), timeout=attempt), attempt + 0.5)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
-            except grpc.aio.AioRpcError:
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError):
                 pass
-            if asyncio.get_running_loop().time() > deadline:
+            if loop.time() > deadline:
                 raise TimeoutError(f"{address} did not become healthy within {timeout:.0f} s")
             await asyncio.sleep(0.2)

@@ -1,0 +1,75 @@
+"""Every start-up wait has a deadline that fires: the launcher's output reader, the health
+probe, and the bind of a port that is already taken."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from services.common.grpc_server import ServiceShell, wait_until_serving
+from services.mesh_process import read_until_serving
+from vmesh.v1 import frontend_pb2
+
+
+def test_silent_launcher_times_out_and_is_killed():
+    process = subprocess.Popen([sys.executable, "-c", "import time; print('starting', flush=True); time.sleep(60)"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not start within 1 s") as error:
+        read_until_serving(process, timeout=1.0, on_timeout=lambda pid: f"\nstacks of {pid}")
+    assert time.monotonic() - started < 10
+    assert process.poll() is not None, "the launcher is killed on a time-out"
+    assert "starting" in str(error.value) and f"stacks of {process.pid}" in str(error.value)
+
+
+def test_launcher_that_exits_during_start_is_reported():
+    process = subprocess.Popen([sys.executable, "-c", "print('boom')"], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    with pytest.raises(RuntimeError, match="exited during start-up:\nboom"):
+        read_until_serving(process, timeout=30)
+
+
+def test_health_probe_of_a_peer_that_never_answers_times_out():
+    """A listener that accepts but never speaks HTTP/2: each check is bounded on the event loop."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="did not become healthy within 1 s"):
+            asyncio.run(wait_until_serving(address, 1.0))
+        assert time.monotonic() - started < 10
+    finally:
+        listener.close()
+
+
+def test_a_taken_port_is_refused():
+    """Without SO_REUSEPORT a second server cannot bind the port and split the first's clients."""
+    async def run() -> None:
+        descriptor = frontend_pb2.DESCRIPTOR.services_by_name["FrontendService"]
+        first = ServiceShell("frontend", descriptor, "127.0.0.1", 0)
+        await first.server.start()
+        try:
+            with pytest.raises((OSError, RuntimeError)):
+                ServiceShell("frontend", descriptor, "127.0.0.1", first.port)
+        finally:
+            await first.server.stop(None)
+
+    asyncio.run(run())
+
+
+def test_launched_service_dies_with_its_launcher(tmp_path):
+    """die_with_launcher: a child whose launcher is gone exits instead of serving alone."""
+    script = ("import os, sys; os.environ['VMESH_LAUNCHER_PID'] = '1'\n"
+              "from services.launcher import die_with_launcher\n"
+              "die_with_launcher()\nprint('still here')")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "still here" not in result.stdout
+
+
