@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -40,7 +41,10 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE_EPS
 
     def validate(self) -> None:
-        """Raise ValueError naming the first field that is out of range."""
+        """Raise ValueError naming the first field that is out of range (NaN and infinities too)."""
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

@@ -17,6 +17,7 @@ from services.common import telemetry, wire
 from services.common.discovery import DEFAULT_REFRESH_INTERVAL_S, AddressBook, watch
 from services.common.grpc_server import ServiceShell, channel
 from services.common.metrics import Gauges, SchedulerMetrics
+from services.common.request_checks import ModelLimits, check_request
 from services.common.step_types import NewRequest, StepPlan
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.request import FinishReason, Request
@@ -91,6 +92,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     def __init__(self, config: MeshSchedulerConfig):
         self.config = config
         self.scheduler: Scheduler | None = None
+        self.limits: ModelLimits | None = None  # the workers' model, known once connected
         self.worker_calls: list[grpc.aio.StreamStreamCall] = []
         self.detokenizers = AddressBook(config.detokenizer_addresses)
         self.replicas: dict[str, _Replica] = {}
@@ -122,6 +124,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         if any(i.num_kv_blocks != info.num_kv_blocks or i.block_size != info.block_size for i in infos):
             raise RuntimeError("worker ranks disagree on their KV cache")
         self.info = info
+        self.limits = ModelLimits(info.model_name, info.max_model_len, info.vocab_size)
         pool = BlockPool(info.num_kv_blocks, info.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             max_model_len=info.max_model_len, max_num_seqs=min(self.config.max_num_seqs or info.max_num_seqs,
@@ -156,7 +159,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         key = _key(request.frontend_id, request.request_id)
         sampling = wire.sampling_from_proto(request.sampling)
         try:
-            sampling.validate()
+            # Checked here too, whoever sent it: a request the worker cannot serve would fail
+            # the whole step, and with it every other request in the batch.
+            check_request(request.prompt_token_ids, sampling, self.limits)
             self.scheduler.add_request(Request(key, list(request.prompt_token_ids), sampling,
                                                priority=request.priority))
         except QueueFullError as exc:

@@ -165,6 +165,8 @@ INVALID = [
     (dict(text="hi", max_tokens=0), "max_tokens"),
     (dict(text="hi", max_tokens=10_000), "max_tokens"),
     (dict(text="hi", temperature=-0.5), "temperature"),
+    (dict(text="hi", temperature=float("nan")), "temperature"),
+    (dict(text="hi", repetition_penalty=float("inf")), "repetition_penalty"),
     (dict(text="hi", top_p=0.0), "top_p"),
     (dict(text="hi", top_p=1.5), "top_p"),
     (dict(text="hi", top_k=-2), "top_k"),

@@ -6,12 +6,13 @@ import asyncio
 import grpc
 import pytest
 
+from services.common.request_checks import MAX_STOP_TOKEN_IDS, ModelLimits
 from services.scheduler import server as scheduler_server
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.server import MeshSchedulerConfig, SchedulerServicer
 from tests.support.grpc_fakes import Aborted, FakeChannel, FakeContext
-from vmesh.v1 import scheduler_pb2
+from vmesh.v1 import common_pb2, scheduler_pb2
 
 
 class FakeStream:
@@ -55,6 +56,7 @@ class Servicer(SchedulerServicer):
         super().__init__(MeshSchedulerConfig(worker_addresses=[], detokenizer_addresses=addresses))
         self.streams: dict[str, list[FakeStream]] = {}
         self.scheduler = Scheduler(SchedulerConfig(max_model_len=64), BlockPool(16, 4), (0,))
+        self.limits = ModelLimits("tiny", max_model_len=64, vocab_size=100)
 
     def _open_stream(self, address: str):
         stream = FakeStream()
@@ -187,6 +189,40 @@ def test_requests_the_detokenizer_reports_orphaned_are_stopped():
         assert "f/r0" not in servicer.routes and "f/r1" in servicer.routes
         assert servicer.scheduler.stats().num_waiting == 1
         assert servicer.replicas["127.0.0.1:1"].outstanding == 1
+        await servicer.close()
+
+    asyncio.run(main())
+
+
+BAD_SUBMISSIONS = [
+    (dict(prompt_token_ids=[]), "prompt"),
+    (dict(prompt_token_ids=[1, 100]), "token_ids"),
+    (dict(prompt_token_ids=list(range(64))), "prompt"),
+    (dict(sampling=common_pb2.SamplingParams(temperature=float("nan"))), "temperature"),
+    (dict(sampling=common_pb2.SamplingParams(repetition_penalty=float("inf"))), "repetition_penalty"),
+    (dict(sampling=common_pb2.SamplingParams(max_tokens=100)), "max_tokens"),
+    (dict(sampling=common_pb2.SamplingParams(stop_token_ids=[1] * (MAX_STOP_TOKEN_IDS + 1))), "stop_token_ids"),
+    (dict(sampling=common_pb2.SamplingParams(stop_token_ids=[100])), "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize(("fields", "name"), BAD_SUBMISSIONS, ids=[n for _, n in BAD_SUBMISSIONS])
+def test_a_submission_the_worker_cannot_serve_is_refused_alone(fields, name):
+    """Whoever calls SubmitRequest, a request outside the model's limits never reaches the worker's
+    shared step: it is refused with INVALID_ARGUMENT and nothing is queued."""
+    async def main() -> None:
+        servicer = Servicer(["127.0.0.1:1"])
+        await connected(servicer)
+        request = scheduler_pb2.SubmitRequestRequest(request_id="bad", frontend_id="f", frontend_key=1,
+                                                     prompt_token_ids=[1, 2, 3])
+        request.MergeFrom(scheduler_pb2.SubmitRequestRequest(**fields))
+        if "prompt_token_ids" in fields:
+            request.prompt_token_ids[:] = fields["prompt_token_ids"]
+        with pytest.raises(Aborted) as refused:
+            await servicer.SubmitRequest(request, FakeContext())
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and name in str(refused.value)
+        assert not servicer.scheduler.has_unfinished() and not servicer.routes
+        assert await servicer.submit("good")  # the next one is served
         await servicer.close()
 
     asyncio.run(main())
