@@ -14,6 +14,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.guards import RefuseMalformed
+
 logger = logging.getLogger(__name__)
 
 OVERALL = ""  # the health service's name for the whole server
@@ -22,7 +24,10 @@ _MESSAGE_LIMITS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 # Long-lived internal streams detect a dead peer by keepalive pings...
 CHANNEL_OPTIONS = [*_MESSAGE_LIMITS, ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
-                   ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 1)]
+                   ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 1),
+                   # A restarted peer is found within 2 s; gRPC's default backoff grows to 120 s.
+                   ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                   ("grpc.max_reconnect_backoff_ms", 2_000)]
 # ...which servers must accept, or they close the connection after a few ("too many pings").
 # SO_REUSEPORT (gRPC's default) is off: with it, a second server on a taken port binds too and
 # the kernel splits connections between the two.
@@ -38,7 +43,7 @@ class ServiceShell:
 
         telemetry.setup_tracing(service)
         self.host = host
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RefuseMalformed()])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = [descriptor.full_name]

@@ -1,0 +1,84 @@
+"""Server interceptors every vmesh service installs: what arrives is checked before any
+servicer sees it, whoever sent it.
+
+- Malformed requests (bytes that are not the method's message, strings that are not UTF-8)
+  end with INVALID_ARGUMENT naming the method, not gRPC's generic UNKNOWN or INTERNAL."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+
+class _Malformed:
+    """Stands in for a message that failed to parse, so the handler can refuse it properly."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _tolerant(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def tolerant_parse(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception as exc:  # protobuf's DecodeError, or invalid UTF-8 in a string field
+            return _Malformed(exc)
+
+    return tolerant_parse
+
+
+async def _refuse(context: grpc.aio.ServicerContext, method: str) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: not a valid {method} message")
+
+
+def _checked_stream(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext,
+                    method: str) -> AsyncIterator[Any]:
+    async def checked() -> AsyncIterator[Any]:
+        async for request in requests:
+            if isinstance(request, _Malformed):
+                await _refuse(context, method)
+            yield request
+
+    return checked()
+
+
+def _wrap(behavior: Callable[..., Any], streams_in: bool, method: str) -> Callable[..., Any]:
+    """The same handler (a coroutine or an async generator) behind a check of its request(s)."""
+    async def check(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if streams_in:
+            return _checked_stream(request, context, method)
+        if isinstance(request, _Malformed):
+            await _refuse(context, method)
+        return request
+
+    if inspect.isasyncgenfunction(behavior):
+        async def stream_out(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async for response in behavior(await check(request, context), context):
+                yield response
+
+        return stream_out
+
+    async def respond(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await behavior(await check(request, context), context)
+
+    return respond
+
+
+class RefuseMalformed(grpc.aio.ServerInterceptor):
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        method = handler_call_details.method
+        parse = _tolerant(handler.request_deserializer)
+        serialize = handler.response_serializer
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(_wrap(handler.unary_unary, False, method), parse, serialize)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(_wrap(handler.unary_stream, False, method), parse, serialize)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(_wrap(handler.stream_unary, True, method), parse, serialize)
+        return grpc.stream_stream_rpc_method_handler(_wrap(handler.stream_stream, True, method), parse, serialize)

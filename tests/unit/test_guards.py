@@ -1,0 +1,55 @@
+"""Every service refuses bytes that are not its messages with INVALID_ARGUMENT."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from services.common.grpc_server import ServiceShell, channel
+from vmesh.v1 import frontend_pb2, frontend_pb2_grpc
+
+NOT_A_MESSAGE = b"\xff\xff\xff\xff"
+# field 1 (text, a string) holding bytes that are not UTF-8
+INVALID_UTF8_TEXT = bytes([0x0A, 2, 0xC3, 0x28])
+
+
+class EchoFrontend(frontend_pb2_grpc.FrontendServiceServicer):
+    async def Generate(self, request, context):
+        yield frontend_pb2.GenerateResponse(text=request.text)
+
+    async def Tokenize(self, request, context):
+        return frontend_pb2.TokenizeResponse(token_ids=[len(request.text)])
+
+
+async def _serve_and_call(method: str, payload: bytes, streaming: bool) -> grpc.StatusCode:
+    shell = ServiceShell("frontend", frontend_pb2.DESCRIPTOR.services_by_name["FrontendService"], "127.0.0.1", 0)
+    frontend_pb2_grpc.add_FrontendServiceServicer_to_server(EchoFrontend(), shell.server)
+    await shell.server.start()
+    try:
+        async with channel(shell.address) as ch:
+            path = f"/vmesh.v1.FrontendService/{method}"
+            try:
+                if streaming:
+                    async for _ in ch.unary_stream(path)(payload, timeout=10):
+                        pass
+                else:
+                    await ch.unary_unary(path)(payload, timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+            return grpc.StatusCode.OK
+    finally:
+        await shell.server.stop(None)
+
+
+@pytest.mark.parametrize("payload", [NOT_A_MESSAGE, INVALID_UTF8_TEXT], ids=["garbage", "invalid-utf8"])
+@pytest.mark.parametrize(("method", "streaming"), [("Generate", True), ("Tokenize", False)])
+def test_malformed_requests_are_invalid_argument(method, streaming, payload):
+    assert asyncio.run(_serve_and_call(method, payload, streaming)) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize(("method", "streaming"), [("Generate", True), ("Tokenize", False)])
+def test_well_formed_requests_pass(method, streaming):
+    payload = frontend_pb2.GenerateRequest(text="hi").SerializeToString()
+    assert asyncio.run(_serve_and_call(method, payload, streaming)) == grpc.StatusCode.OK
