@@ -91,7 +91,7 @@ def read_until_serving(process: subprocess.Popen, timeout: float,
         lines.put(None)
 
     threading.Thread(target=pump, daemon=True).start()
-    mesh = RunningMesh(process, "", {}, {}, output)
+    mesh = RunningMesh(process, "", {}, output=output)
     deadline = time.monotonic() + timeout
     while not mesh.address:
         try:

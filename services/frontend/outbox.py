@@ -29,6 +29,7 @@ class Outbox:
         self.pending: PendingOutput | None = None
         self.ready = asyncio.Event()
         self.detokenizer: str | None = None
+        self.group: object | None = None  # the scheduler group that took the request
 
     def put(self, out: PendingOutput) -> None:
         if self.pending is None:

@@ -170,6 +170,7 @@ async def _generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRe
             sampling=sampling, priority=request.priority, trace_context=telemetry.to_proto(span),
             detokenizers=listening)
         group, reply = await submit(frontend, submission, time_remaining)
+        outbox.group = group
         outbox.detokenizer = reply.detokenizer
         if reply.detokenizer not in frontend.subscribed:
             raise RequestError(Code.UNAVAILABLE, f"detokenizer {reply.detokenizer} unavailable")

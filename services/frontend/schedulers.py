@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.grpc_server import channel
 from services.frontend.validation import ModelLimits
@@ -19,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 600.0  # a group's worker may still be loading its model
 JOIN_RETRY_S = 5.0
+WATCH_RETRY_S = 0.5
 
 
 @dataclass
@@ -32,6 +35,12 @@ class SchedulerGroup:
     joined: asyncio.Event = field(default_factory=asyncio.Event)  # set once it answered (or was retired)
 
 
+def health_stream(group: SchedulerGroup) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+    """The scheduler's health updates, for as long as its process lives."""
+    return health_pb2_grpc.HealthStub(group.channel).Watch(health_pb2.HealthCheckRequest(service=""),
+                                                           wait_for_ready=True)
+
+
 def connect(address: str) -> tuple[scheduler_pb2_grpc.SchedulerServiceStub, grpc.aio.Channel]:
     ch = channel(address)
     return scheduler_pb2_grpc.SchedulerServiceStub(ch), ch
@@ -39,8 +48,14 @@ def connect(address: str) -> tuple[scheduler_pb2_grpc.SchedulerServiceStub, grpc
 
 class SchedulerPool:
     def __init__(self, connect: Callable[[str], tuple[scheduler_pb2_grpc.SchedulerServiceStub,
-                                                      grpc.aio.Channel]] = connect):
+                                                      grpc.aio.Channel]] = connect,
+                 on_lost: Callable[[SchedulerGroup], None] = lambda group: None,
+                 health_stream: Callable[[SchedulerGroup], AsyncIterator[Any]] = health_stream):
+        """`on_lost(group)`: the group's scheduler went away (its process died or restarted); what
+        it held is gone, including requests still queued there that no detokenizer knows of."""
         self._connect = connect
+        self._on_lost = on_lost
+        self._health_stream = health_stream
         self.groups: dict[str, SchedulerGroup] = {}
         self.limits: ModelLimits | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -50,9 +65,7 @@ class SchedulerPool:
             group.retired = False
             return group
         group = self.groups[address] = SchedulerGroup(address, *self._connect(address))
-        task = asyncio.create_task(self._join(group))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._spawn(self._join(group))
         return group
 
     async def _join(self, group: SchedulerGroup) -> None:
@@ -74,7 +87,29 @@ class SchedulerPool:
             logger.error("scheduler %s serves %s, the others %s; not using it", group.address, limits, self.limits)
         else:
             group.ready = True
+            self._spawn(self._watch(group))
         group.joined.set()
+
+    async def _watch(self, group: SchedulerGroup) -> None:
+        """Hold a health Watch stream open to the group's scheduler: it breaks the moment the
+        process goes, which is how requests that never produced a token learn of it."""
+        while not group.retired:
+            try:
+                async for _ in self._health_stream(group):
+                    pass
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.CANCELLED and group.retired:
+                    return
+                logger.error("scheduler %s lost (%s)", group.address, exc.code().name)
+            else:
+                logger.error("scheduler %s ended its health stream", group.address)
+            self._on_lost(group)
+            await asyncio.sleep(WATCH_RETRY_S)
+
+    def _spawn(self, work) -> None:
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def remove(self, address: str) -> None:
         if (group := self.groups.get(address)) is not None:
@@ -96,9 +131,7 @@ class SchedulerPool:
     def _close_if_idle(self, group: SchedulerGroup) -> None:
         if group.retired and group.in_flight == 0 and self.groups.get(group.address) is group:
             del self.groups[group.address]
-            task = asyncio.create_task(group.channel.close())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(group.channel.close())
             logger.info("scheduler %s left", group.address)
 
     async def close(self) -> None:

@@ -38,7 +38,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
         self.background: set[asyncio.Task] = set()  # aborts that outlive their request
         self.frontend_id = f"frontend-{uuid.uuid4().hex[:12]}"
         self.scheduler_addresses = AddressBook(scheduler_specs)
-        self.schedulers = SchedulerPool()
+        self.schedulers = SchedulerPool(on_lost=self._scheduler_lost)
         self.detokenizers = AddressBook(detokenizer_specs)
         self.replica_refresh_interval_s = replica_refresh_interval_s
         self.outboxes: dict[int, Outbox] = {}
@@ -150,6 +150,13 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
                                                completion_tokens=batch.num_output_tokens[i],
                                                cached_prompt_tokens=batch.num_cached_prompt_tokens[i])
             outbox.put(out)
+
+    def _scheduler_lost(self, group) -> None:
+        """Fail the requests the group held, queued ones included: their detokenizer never
+        heard of them, so nothing else would end them."""
+        for outbox in self.outboxes.values():
+            if outbox.group is group:
+                outbox.put(PendingOutput(error="the scheduler serving this request went away"))
 
     def _fail_replica(self, address: str, message: str) -> None:
         logger.error("%s", message)

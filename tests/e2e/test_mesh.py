@@ -275,11 +275,18 @@ def test_killed_process_fails_requests_promptly(victim):
                     await asyncio.sleep(0.5)
                 stream = client.generate(text="Tell me a long story", max_tokens=2000, ignore_eos=True)
                 await stream.__anext__()
+                # With one sequence at a time, this one waits in the queue: no token, so no
+                # detokenizer knows it; it must still fail, not wait for its deadline.
+                queued = asyncio.create_task(client.complete(text="Still queued", max_tokens=5, timeout=60))
+                await asyncio.sleep(0.5)
                 mesh.kill_service(victim)
                 started = time.monotonic()
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     async for _ in stream:
                         pass
+                with pytest.raises(grpc.aio.AioRpcError) as queued_err:
+                    await queued
+                assert queued_err.value.code() == grpc.StatusCode.UNAVAILABLE, queued_err.value
                 return err.value.code(), time.monotonic() - started
 
         code, elapsed = asyncio.run(main())

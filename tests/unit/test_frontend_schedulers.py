@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
+
 from services.frontend.schedulers import SchedulerPool
 from tests.support.grpc_fakes import FakeChannel, rpc_error
 from vmesh.v1 import scheduler_pb2
@@ -16,9 +18,15 @@ class FakeScheduler:
         return scheduler_pb2.GetSchedulerStatsResponse(model_name=self.model, max_model_len=2048, vocab_size=100)
 
 
-def pool_of(models: dict[str, str]) -> tuple[SchedulerPool, dict[str, FakeChannel]]:
+async def healthy_forever(group):
+    await asyncio.Event().wait()
+    yield  # pragma: no cover
+
+
+def pool_of(models: dict[str, str], **kwargs) -> tuple[SchedulerPool, dict[str, FakeChannel]]:
     channels = {address: FakeChannel() for address in models}
-    return SchedulerPool(lambda address: (FakeScheduler(models[address]), channels[address])), channels
+    kwargs.setdefault("health_stream", healthy_forever)
+    return SchedulerPool(lambda address: (FakeScheduler(models[address]), channels[address]), **kwargs), channels
 
 
 def test_requests_go_to_the_least_busy_group_serving_the_same_model():
@@ -122,3 +130,29 @@ def test_submission_fails_over_to_the_next_group_only_when_unavailable():
     # a full queue is an answer, not an outage: no second group is tried
     assert asyncio.run(submit({"a:1": grpc.StatusCode.RESOURCE_EXHAUSTED, "b:1": None})) == (
         grpc.StatusCode.RESOURCE_EXHAUSTED, {"a:1": (1, 0), "b:1": (0, 0)})
+
+
+def test_a_scheduler_whose_health_stream_breaks_is_reported_lost():
+    """The health stream breaking is how requests still queued in a dead scheduler, which no
+    detokenizer knows of, are failed instead of waiting for the client's deadline."""
+    async def main() -> None:
+        broken = asyncio.Event()
+
+        async def health(group):
+            yield "SERVING"
+            await broken.wait()
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE)
+
+        lost = []
+        pool, _ = pool_of({"a:1": "m", "b:1": "m"}, on_lost=lost.append,
+                          health_stream=lambda g: health(g) if g.address == "a:1" else healthy_forever(g))
+        a, b = pool.add("a:1"), pool.add("b:1")
+        await asyncio.gather(a.joined.wait(), b.joined.wait())
+        await asyncio.sleep(0.01)
+        assert lost == []
+        broken.set()
+        await asyncio.sleep(0.01)
+        assert lost == [a]
+        await pool.close()
+
+    asyncio.run(main())
