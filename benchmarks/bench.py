@@ -2,6 +2,7 @@
 
     vmesh bench offline  [--baselines transformers,engine,mesh] [--requests 64] [--max-tokens 128] [--repeats 1]
     vmesh bench serving  [--address A] [--request-rate 4] [--max-concurrency 64] [--num-requests 64]
+                         [--backend grpc|openai|grpc,openai] [--base-url http://HOST:PORT/v1] [--model NAME]
     vmesh bench claims   [--models embedded,tiny]
     vmesh bench detokenizer [--replicas 1 2]
 
@@ -89,15 +90,15 @@ async def timed_request(client: VmeshClient, prompt: list[int], max_tokens: int)
 
 
 async def reset_prefix_cache(mesh: RunningMesh) -> None:
-    async with channel(mesh.services["scheduler"][0]) as ch:
+    async with channel(mesh.services["scheduler"][0], "scheduler") as ch:
         await scheduler_pb2_grpc.SchedulerServiceStub(ch).ResetPrefixCache(scheduler_pb2.ResetPrefixCacheRequest())
 
 
 async def mesh_stats(mesh: RunningMesh) -> tuple[Any, Any]:
-    async with channel(mesh.services["scheduler"][0]) as ch:
+    async with channel(mesh.services["scheduler"][0], "scheduler") as ch:
         s = await scheduler_pb2_grpc.SchedulerServiceStub(ch).GetSchedulerStats(
             scheduler_pb2.GetSchedulerStatsRequest())
-    async with channel(mesh.services["worker"][0]) as ch:
+    async with channel(mesh.services["worker"][0], "worker") as ch:
         w = await worker_pb2_grpc.WorkerServiceStub(ch).GetWorkerStats(worker_pb2.GetWorkerStatsRequest())
     return s, w
 
@@ -224,54 +225,130 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
 
 # --- serving -----------------------------------------------------------------------------------
 
-async def _serve_load(address: str, prompts: list[list[int]], max_tokens: int, rate: float, concurrency: int,
-                      seed: int) -> tuple[list[dict[str, Any]], float]:
+async def timed_openai_request(http: Any, base_url: str, model: str | None, prompt: list[int],
+                               max_tokens: int) -> dict[str, Any]:
+    """The same request as timed_request, through any OpenAI-compatible server's streamed
+    /v1/completions (token-id prompt; `ignore_eos` is vLLM's extra, which vmesh shares). Each
+    chunk counts as one arrival, as vLLM's benchmark counts them; the token total is the usage's."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if model:
+        body["model"] = model
+    started = time.perf_counter()
+    arrivals: list[float] = []
+    tokens = 0
+    async with http.stream("POST", f"{base_url}/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{base_url}: HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                arrivals.append(time.perf_counter())
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    tokens = tokens or len(arrivals)
+    ttft = arrivals[0] - started if arrivals else end - started
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+    tpot = (end - started - ttft) / max(tokens - 1, 1)
+    return {"ttft": ttft, "itl": gaps, "tpot": tpot, "e2e": end - started, "tokens": tokens}
+
+
+@contextlib.asynccontextmanager
+async def request_sender(backend: str, address: str | None, base_url: str | None, model: str | None):
+    """An async function (prompt, max_tokens) -> timings, for one backend."""
+    if backend == "grpc":
+        async with VmeshClient(address) as client:
+            yield lambda prompt, max_tokens: timed_request(client, prompt, max_tokens)
+        return
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as http:
+        yield lambda prompt, max_tokens: timed_openai_request(http, base_url, model, prompt, max_tokens)
+
+
+async def _serve_load(send: Callable[..., Any], prompts: list[list[int]], max_tokens: int, rate: float,
+                      concurrency: int, seed: int) -> tuple[list[dict[str, Any]], float]:
     rng = random.Random(seed)
     gate = asyncio.Semaphore(concurrency)
-    async with VmeshClient(address) as client:
-        async def one(prompt: list[int], delay: float) -> dict[str, Any]:
-            await asyncio.sleep(delay)
-            async with gate:
-                return await timed_request(client, prompt, max_tokens)
 
-        delays, t = [], 0.0
-        for _ in prompts:
-            delays.append(t)
-            t += rng.expovariate(rate) if rate > 0 else 0.0
-        started = time.perf_counter()
-        results = await asyncio.gather(*(one(p, d) for p, d in zip(prompts, delays)))
-        return results, time.perf_counter() - started
+    async def one(prompt: list[int], delay: float) -> dict[str, Any]:
+        await asyncio.sleep(delay)
+        async with gate:
+            return await send(prompt, max_tokens)
+
+    delays, t = [], 0.0
+    for _ in prompts:
+        delays.append(t)
+        t += rng.expovariate(rate) if rate > 0 else 0.0
+    started = time.perf_counter()
+    results = await asyncio.gather(*(one(p, d) for p, d in zip(prompts, delays)))
+    return results, time.perf_counter() - started
 
 
-def serving(args: argparse.Namespace) -> dict[str, Any]:
-    work = load_workload(args.workload, args.num_requests, args.max_tokens)
-    mesh = None if args.address else start_mesh("--model", str(resolve_model_dir(args.model)),
-                                                  "--kv-cache-memory", args.kv_cache_memory)
-    try:
-        address = args.address or mesh.address
-        results, elapsed = asyncio.run(_serve_load(address, work["prompts"], work["max_tokens"], args.request_rate,
-                                                   args.max_concurrency, args.seed))
-    finally:
+async def _serve_backend(backend: str, args: argparse.Namespace, work: dict[str, Any], address: str | None,
+                         base_url: str | None, mesh: RunningMesh | None) -> tuple[list[dict[str, Any]], float]:
+    async with request_sender(backend, address, base_url, args.served_model) as send:
+        await send(work["prompts"][0], 2)  # warm-up: connections open, first-call costs paid
         if mesh is not None:
-            mesh.stop()
+            await reset_prefix_cache(mesh)  # every backend starts cold on the same prompts
+        return await _serve_load(send, work["prompts"], work["max_tokens"], args.request_rate, args.max_concurrency,
+                                 args.seed)
+
+
+def _summarize(results: list[dict[str, Any]], elapsed: float, args: argparse.Namespace) -> dict[str, Any]:
     ms = 1e3
     good = [r for r in results if r["ttft"] * ms <= args.slo_ttft_ms and r["tpot"] * ms <= args.slo_tpot_ms]
     tokens = sum(r["tokens"] for r in results)
-    result = {
-        "mode": "serving", **machine(), "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
+    return {
         "num_requests": len(results), "duration_s": elapsed,
         "request_throughput": len(results) / elapsed, "output_token_throughput": tokens / elapsed,
         "ttft_ms": percentiles([r["ttft"] * ms for r in results]),
         "tpot_ms": percentiles([r["tpot"] * ms for r in results]),
         "itl_ms": percentiles([g * ms for r in results for g in r["itl"]]),
-        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
         "goodput_requests_per_s": len(good) / elapsed,
     }
-    print(f"{len(results)} requests in {elapsed:.1f} s: {result['request_throughput']:.2f} req/s, "
-          f"{result['output_token_throughput']:.1f} tokens/s, goodput {result['goodput_requests_per_s']:.2f} req/s")
-    for name in ("ttft_ms", "tpot_ms", "itl_ms"):
-        p = result[name]
-        print(f"{name:>8}: p50 {p['p50']:8.1f}  p90 {p['p90']:8.1f}  p99 {p['p99']:8.1f}")
+
+
+def serving(args: argparse.Namespace) -> dict[str, Any]:
+    """The Poisson workload through each `--backend` in turn: vmesh's gRPC API, or any
+    OpenAI-compatible server's /v1/completions (vmesh's own HTTP API, or vLLM's)."""
+    work = load_workload(args.workload, args.num_requests, args.max_tokens)
+    backends = args.backend.split(",")
+    external = args.address or args.base_url
+    args.served_model = args.model if args.base_url else None  # --model: a name for a server we did not start
+    mesh = None if external else start_mesh("--model", str(resolve_model_dir(args.model)),
+                                              "--kv-cache-memory", args.kv_cache_memory)
+    summaries: dict[str, dict[str, Any]] = {}
+    try:
+        for backend in backends:
+            address = args.address or (mesh.address if mesh else None)
+            base_url = (args.base_url or (mesh.http_url if mesh else "")).rstrip("/")
+            if (backend == "grpc" and not address) or (backend == "openai" and not base_url):
+                raise SystemExit(f"vmesh bench serving: --backend {backend} needs "
+                                 f"{'--address' if backend == 'grpc' else '--base-url'} when a server is given")
+            results, elapsed = asyncio.run(_serve_backend(backend, args, work, address, base_url, mesh))
+            summaries[backend] = _summarize(results, elapsed, args)
+    finally:
+        if mesh is not None:
+            mesh.stop()
+    result: dict[str, Any] = {"mode": "serving", **machine(), "request_rate": args.request_rate,
+                              "max_concurrency": args.max_concurrency, "max_tokens": work["max_tokens"],
+                              "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}}
+    if len(summaries) == 1:
+        result.update(backend=backends[0], **summaries[backends[0]])
+    else:
+        result["backends"] = summaries
+    for backend, summary in summaries.items():
+        print(f"[{backend}] {summary['num_requests']} requests in {summary['duration_s']:.1f} s: "
+              f"{summary['request_throughput']:.2f} req/s, {summary['output_token_throughput']:.1f} tokens/s, "
+              f"goodput {summary['goodput_requests_per_s']:.2f} req/s")
+        for name in ("ttft_ms", "tpot_ms", "itl_ms"):
+            p = summary[name]
+            print(f"{name:>8}: p50 {p['p50']:8.1f}  p90 {p['p90']:8.1f}  p99 {p['p99']:8.1f}")
     return result
 
 
@@ -357,7 +434,7 @@ async def _detokenizer_throughput(replicas: int, prompts: list[list[int]], max_t
         try:
             for a in addresses:
                 await wait_until_serving(a, 120)
-            channels = [channel(a) for a in addresses]
+            channels = [channel(a, "detokenizer") for a in addresses]
             stubs = [detokenizer_pb2_grpc.DetokenizerServiceStub(c) for c in channels]
             subs = [s.Subscribe(detokenizer_pb2.SubscribeRequest(frontend_id="bench")) for s in stubs]
             for sub in subs:
@@ -435,7 +512,13 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--baselines", default="transformers,engine,mesh")
     off.add_argument("--repeats", type=int, default=1, help="rounds of every run, in turn; medians are reported")
     srv = sub.add_parser("serving", parents=[common])
-    srv.add_argument("--address", default=None, help="a running mesh (default: start one)")
+    srv.add_argument("--address", default=None, help="a running mesh's gRPC address (default: start a mesh)")
+    srv.add_argument("--backend", default="grpc",
+                     help="grpc (vmesh's API), openai (/v1/completions of --base-url or of the started mesh), "
+                          "or both in turn: grpc,openai")
+    srv.add_argument("--base-url", default=None,
+                     help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1 (vmesh or vLLM); "
+                          "--model is then the model name it serves")
     srv.add_argument("--num-requests", type=int, default=None)
     srv.add_argument("--request-rate", type=float, default=4.0, help="Poisson arrivals per second; 0: all at once")
     srv.add_argument("--max-concurrency", type=int, default=64)

@@ -41,8 +41,8 @@ def _error(status: int, message: str, error_type: str, param: str | None = None,
     return JSONResponse(oai.error_body(message, error_type, param, code), status_code=status)
 
 
-def _request_error(exc: RequestError) -> JSONResponse:
-    status, body = oai.request_error_body(exc)
+def _request_error(exc: RequestError, aliases: dict[str, str] | None = None) -> JSONResponse:
+    status, body = oai.request_error_body(exc, aliases)
     return JSONResponse(body, status_code=status)
 
 
@@ -163,7 +163,8 @@ class OpenAIRoutes:
         return self.frontend.tokenizer.decode([token_id])
 
     async def _run(self, http_request: Request, generate_requests: list[frontend_pb2.GenerateRequest], n: int,
-                   stream: bool, include_usage: bool, want_logprobs: bool, chat: bool) -> Response:
+                   stream: bool, include_usage: bool, want_logprobs: bool, chat: bool,
+                   aliases: dict[str, str]) -> Response:
         model = self.frontend.limits.name
         request_id = oai.new_id("chatcmpl" if chat else "cmpl")
         created = oai.now()
@@ -178,7 +179,7 @@ class OpenAIRoutes:
             await _until_disconnect(http_request, fanout.started() if stream else collect())
         except RequestError as exc:
             await fanout.close()
-            return _request_error(exc)
+            return _request_error(exc, aliases)
         except ClientGone:
             await fanout.close()
             return Response(status_code=499)  # nobody reads it; nginx's code for "client closed"
@@ -191,11 +192,12 @@ class OpenAIRoutes:
         events = self._chat_events if chat else self._completion_events
         return StreamingResponse(self._stream(fanout, events(fanout, choices, request_id, created, model,
                                                              want_logprobs), choices, n, include_usage,
-                                              request_id, created, model, chat),
+                                              request_id, created, model, chat, aliases),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _stream(self, fanout: Fanout, chunks: AsyncIterator[dict[str, Any]], choices: list[oai.Choice], n: int,
-                      include_usage: bool, request_id: str, created: int, model: str, chat: bool) -> AsyncIterator[str]:
+                      include_usage: bool, request_id: str, created: int, model: str, chat: bool,
+                      aliases: dict[str, str]) -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
                 yield _sse(chunk)
@@ -203,7 +205,7 @@ class OpenAIRoutes:
                 yield _sse({"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
                             "created": created, "model": model, "choices": [], "usage": oai.usage(choices, n)})
         except RequestError as exc:  # mid-stream: the status line is long gone; OpenAI's clients read this
-            yield _sse(oai.request_error_body(exc)[1])
+            yield _sse(oai.request_error_body(exc, aliases)[1])
         finally:
             await fanout.close()
         yield "data: [DONE]\n\n"
@@ -243,13 +245,13 @@ class OpenAIRoutes:
         generate_requests = oai.completion_requests(body, self.served())
         return await self._run(request, generate_requests, body.n, body.stream,
                                bool(body.stream_options and body.stream_options.include_usage),
-                               body.logprobs is not None, chat=False)
+                               body.logprobs is not None, chat=False, aliases=oai.param_aliases(body))
 
     async def chat_completions(self, body: oai.ChatCompletionRequest, request: Request) -> Response:
         generate_request = oai.chat_request(body, self.served())
         return await self._run(request, [generate_request], body.n, body.stream,
                                bool(body.stream_options and body.stream_options.include_usage), body.logprobs,
-                               chat=True)
+                               chat=True, aliases=oai.param_aliases(body))
 
     def models(self) -> dict[str, Any]:
         limits = requests.model_info(self.frontend)

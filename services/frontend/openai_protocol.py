@@ -337,12 +337,24 @@ def param_of(message: str) -> str | None:
     """The field a validation message names: its text before the first ':' or ' ', without
     the gRPC API's `sampling.` prefix (e.g. 'sampling.top_p must be ...' -> 'top_p')."""
     head = message.split(":", 1)[0].split(" ", 1)[0]
-    return head.removeprefix("sampling.") or None if head and head.replace(".", "").replace("[", "").replace(
-        "]", "").replace("_", "").isalnum() else None
+    if not head or not all(c.isalnum() or c in "._[]" for c in head):
+        return None
+    return head.removeprefix("sampling.")
 
 
-def request_error_body(exc: RequestError) -> tuple[int, dict[str, Any]]:
+def param_aliases(body: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
+    if isinstance(body, CompletionRequest):
+        return {"token_ids": "prompt", "input": "prompt"}
+    aliases = {"prompt": "messages", "chat": "messages", "input": "messages"}
+    if body.max_completion_tokens is not None:
+        aliases["max_tokens"] = "max_completion_tokens"
+    return aliases
+
+
+def request_error_body(exc: RequestError, aliases: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    """`aliases`: the gRPC API's field names as this HTTP request spelled them (token_ids -> prompt)."""
     status, error_type = HTTP_STATUS.get(exc.code, (500, "internal_error"))
     code = {Code.UNAUTHENTICATED: "invalid_api_key", Code.NOT_FOUND: "model_not_found"}.get(exc.code)
     param = param_of(exc.message) if status in (400, 404) else None
+    param = (aliases or {}).get(param, param)
     return status, error_body(exc.message, error_type, param, code)

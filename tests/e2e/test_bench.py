@@ -51,6 +51,15 @@ def test_serving(tmp_path, tiny_model):
     assert 0 <= r["goodput_requests_per_s"] <= r["request_throughput"]
 
 
+def test_serving_grpc_and_openai_backends_on_one_load(tmp_path, tiny_model):
+    r = bench(tmp_path, "serving", "--model", str(tiny_model), "--num-requests", "4", "--max-tokens", "4",
+              "--request-rate", "0", "--backend", "grpc,openai")
+    assert set(r["backends"]) == {"grpc", "openai"}
+    for summary in r["backends"].values():
+        assert summary["num_requests"] == 4 and positive(summary["output_token_throughput"])
+        assert set(summary["ttft_ms"]) == {"p50", "p90", "p99", "mean"}
+
+
 def test_claims(tmp_path):
     r = bench(tmp_path, "claims", "--models", "tiny", "--requests", "3", "--max-tokens", "4")
     modes = r["models"]["tiny"]["modes"]

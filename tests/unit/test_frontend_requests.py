@@ -1,0 +1,180 @@
+"""The frontend's shared request path and its HTTP shell, without a network: start-up and drain
+refusals, the prompt byte limit, API keys, a cancel during submission, and OpenAI translation."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import httpx
+import pytest
+
+from services.frontend import openai_protocol as oai
+from services.frontend import requests
+from services.frontend.http_server import build_app
+from services.frontend.requests import RequestError
+from services.frontend.schedulers import SchedulerPool
+from services.frontend.server import FrontendServicer
+from services.frontend.validation import ModelLimits
+from tests.support.grpc_fakes import Aborted, FakeChannel, FakeContext
+from vmesh.v1 import frontend_pb2, scheduler_pb2
+
+
+class RefusingTokenizer:
+    """Fails the test if called: what must be refused is refused before tokenizing."""
+
+    def encode(self, text: str) -> list[int]:
+        raise AssertionError("tokenized")
+
+    apply_chat_template = encode
+
+
+def frontend(tokenizer=None, limits: ModelLimits | None = None, **kwargs) -> FrontendServicer:
+    f = FrontendServicer(tokenizer, ["s:1"], ["d:1"], **kwargs)
+    f.limits = limits
+    return f
+
+
+async def drain(stream) -> list:
+    return [x async for x in stream]
+
+
+def test_a_starting_frontend_answers_unavailable_not_a_crash():
+    f = frontend()
+    with pytest.raises(RequestError) as err:
+        asyncio.run(drain(requests.generate(f, frontend_pb2.GenerateRequest(text="hi"))))
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(Aborted) as aborted:
+        asyncio.run(drain(f.Generate(frontend_pb2.GenerateRequest(text="hi"), FakeContext())))
+    assert aborted.value.code == grpc.StatusCode.UNAVAILABLE
+
+    async def via_http():
+        transport = httpx.ASGITransport(app=build_app(f, None))
+        async with httpx.AsyncClient(transport=transport, base_url="http://frontend") as http:
+            return (await http.post("/v1/completions", json={"prompt": "hi"}), await http.get("/health"),
+                    await http.get("/v1/models"))
+
+    for response in asyncio.run(via_http()):
+        assert response.status_code == 503
+        assert response.json()["error"]["type"] == "service_unavailable_error"
+
+
+def test_a_draining_frontend_refuses_new_requests():
+    f = frontend(RefusingTokenizer(), ModelLimits("m", 100, 10))
+    f.draining = True
+    with pytest.raises(RequestError) as err:
+        asyncio.run(drain(requests.generate(f, frontend_pb2.GenerateRequest(text="hi"))))
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.message
+
+
+def test_prompts_over_the_byte_limit_are_refused_before_tokenizing():
+    f = frontend(RefusingTokenizer(), ModelLimits("m", 100, 10), max_prompt_bytes=8)
+    for request in (frontend_pb2.GenerateRequest(text="x" * 9),
+                    frontend_pb2.GenerateRequest(chat=frontend_pb2.ChatMessages(
+                        messages=[frontend_pb2.ChatMessage(role="user", content="é" * 5)]))):
+        with pytest.raises(RequestError) as err:
+            asyncio.run(drain(requests.generate(f, request)))
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in err.value.message
+    with pytest.raises(RequestError):
+        asyncio.run(requests.tokenize(f, frontend_pb2.TokenizeRequest(text="x" * 9)))
+
+
+def test_api_key():
+    requests.check_api_key(None, None)
+    requests.check_api_key("k", "Bearer k")
+    for header in (None, "", "k", "Bearer x", "Basic k"):
+        with pytest.raises(RequestError) as err:
+            requests.check_api_key("k", header)
+        assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_cancel_during_submission_aborts_once_the_submission_resolves():
+    class SlowScheduler:
+        def __init__(self):
+            self.release = asyncio.Event()
+            self.aborted: list[str] = []
+
+        async def GetSchedulerStats(self, request, **kwargs):
+            return scheduler_pb2.GetSchedulerStatsResponse(model_name="m", max_model_len=100, vocab_size=10)
+
+        async def SubmitRequest(self, request, **kwargs):
+            await self.release.wait()  # the scheduler takes it, but only after the client left
+            return scheduler_pb2.SubmitRequestResponse(detokenizer="d:1")
+
+        async def AbortRequest(self, request, **kwargs):
+            self.aborted.append(request.request_id)
+            return scheduler_pb2.AbortRequestResponse()
+
+    async def main():
+        scheduler = SlowScheduler()
+        f = frontend()
+        f.schedulers = SchedulerPool(lambda address: (scheduler, FakeChannel()))
+        await f.schedulers.add("s:1").joined.wait()
+        submission = scheduler_pb2.SubmitRequestRequest(request_id="7")
+        task = asyncio.create_task(requests.submit(f, submission))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert scheduler.aborted == []
+        scheduler.release.set()
+        while f.background:
+            await asyncio.sleep(0)
+        return scheduler.aborted, f.schedulers.groups["s:1"].in_flight
+
+    assert asyncio.run(main()) == (["7"], 0)
+
+
+def test_openai_bodies_translate_into_generate_requests():
+    chat = oai.ChatCompletionRequest(messages=[{"role": "developer", "content": "Be brief."},
+                                               {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                            {"type": "text", "text": "b"}]}],
+                                     max_completion_tokens=5, max_tokens=9, logprobs=True, top_logprobs=2, seed=-1,
+                                     stop="x", top_k=3, user="u", parallel_tool_calls=False)
+    request = oai.chat_request(chat, "m")
+    assert [(m.role, m.content) for m in request.chat.messages] == [("system", "Be brief."), ("user", "a\nb")]
+    s = request.sampling
+    assert (s.max_tokens, s.logprobs, s.seed, list(s.stop), s.top_k) == (5, 2, (1 << 64) - 1, ["x"], 3)
+    assert not s.HasField("temperature")  # unset: the server's default, as over gRPC
+
+    completions = oai.completion_requests(oai.CompletionRequest(prompt=[[1, 2], [3]], n=2, seed=5), "m")
+    assert [list(r.token_ids.ids) for r in completions] == [[1, 2], [3]]
+    assert completions[0].sampling.max_tokens == 16  # OpenAI's default for completions
+    copies = oai.fan_out(completions, 2)
+    assert [c.sampling.seed for c in copies] == [5, 6, 5, 6]
+    assert [list(c.token_ids.ids) for c in copies] == [[1, 2], [1, 2], [3], [3]]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": "a", "echo": True}, "echo"), ({"prompt": "a", "suffix": "z"}, "suffix"),
+    ({"prompt": "a", "best_of": 2}, "best_of"), ({"prompt": "a", "logit_bias": {"1": 1.0}}, "logit_bias"),
+    ({"prompt": "a", "max_tokens": -1}, "max_tokens"), ({"prompt": [-1]}, "prompt"), ({"prompt": []}, "prompt"),
+    ({"prompt": "a", "n": 0}, "n"), ({"prompt": ["a"] * 9, "n": 8}, "n"),
+])
+def test_refused_completion_fields_are_named(body, param):
+    with pytest.raises(RequestError) as err:
+        oai.completion_requests(oai.CompletionRequest(**body), "m")
+    status, error = oai.request_error_body(err.value, oai.param_aliases(oai.CompletionRequest(**body)))
+    assert status == 400 and error["error"]["param"] == param
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"), ({"top_logprobs": 1}, "top_logprobs"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+])
+def test_refused_chat_fields_are_named(body, param):
+    with pytest.raises(RequestError) as err:
+        oai.chat_request(oai.ChatCompletionRequest(**{"messages": [{"role": "user", "content": "hi"}], **body}), "m")
+    assert oai.request_error_body(err.value)[1]["error"]["param"] == param
+
+
+def test_unknown_model_is_404_and_errors_map_to_http_statuses():
+    with pytest.raises(RequestError) as err:
+        oai.completion_requests(oai.CompletionRequest(prompt="a", model="other"), "m")
+    assert oai.request_error_body(err.value)[0] == 404
+    for code, status in [(grpc.StatusCode.INVALID_ARGUMENT, 400), (grpc.StatusCode.UNAUTHENTICATED, 401),
+                         (grpc.StatusCode.RESOURCE_EXHAUSTED, 429), (grpc.StatusCode.UNAVAILABLE, 503)]:
+        assert oai.request_error_body(RequestError(code, "x"))[0] == status
+    assert oai.param_of("sampling.top_p must be in (0, 1], got 2") == "top_p"
+    assert oai.param_of("prompt: empty") == "prompt"
