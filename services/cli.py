@@ -8,6 +8,7 @@ import asyncio
 import logging
 import os
 import sys
+from pathlib import Path
 
 from services.common.model_loading import CACHE_DIR_ENV
 
@@ -73,6 +74,19 @@ def add_server_args(parser: argparse.ArgumentParser, port: int = 0) -> None:
          help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; default: off)")
 
 
+def add_security_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("security")
+    _arg(g, "--tls-cert", default=None,
+         help="mutual TLS between services: this service's certificate from the mesh CA, its common name "
+              "its role (vmesh certs writes them); with --tls-key and --tls-ca")
+    _arg(g, "--tls-key", default=None, help="the certificate's private key")
+    _arg(g, "--tls-ca", default=None, help="the mesh CA: the only issuer trusted for calls between services")
+    _arg(g, "--health-port", type=int, default=None,
+         help="also serve the gRPC health service alone, in plaintext, on this port (for probes that cannot "
+              "present a certificate, such as Kubernetes' gRPC probes; 0: any free port)")
+    _arg(g, "--reflection", action="store_true", help="serve gRPC reflection (with mutual TLS: to the admin role)")
+
+
 def add_frontend_args(parser: argparse.ArgumentParser, http_port: int | None) -> None:
     from services.frontend.requests import DEFAULT_MAX_PROMPT_BYTES
 
@@ -86,6 +100,9 @@ def add_frontend_args(parser: argparse.ArgumentParser, http_port: int | None) ->
               "on Generate/Tokenize/GetModelInfo (health checks stay open)")
     _arg(g, "--max-prompt-bytes", type=int, default=DEFAULT_MAX_PROMPT_BYTES,
          help="prompts with more bytes of text are refused (INVALID_ARGUMENT / HTTP 400) before tokenizing")
+    _arg(g, "--public-tls-cert", default=None,
+         help="serve the public gRPC port and the HTTP API over TLS with this certificate (and --public-tls-key)")
+    _arg(g, "--public-tls-key", default=None)
 
 
 def add_detokenizer_discovery_args(parser: argparse.ArgumentParser) -> None:
@@ -143,6 +160,7 @@ def _model_name(args: argparse.Namespace) -> str:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    configure_security(args, "worker")
     from services.worker.model_runner import ModelRunner
     from services.worker.server import serve
 
@@ -153,6 +171,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_detokenizer(args: argparse.Namespace) -> int:
+    configure_security(args, "detokenizer")
     from services.detokenizer.server import serve
 
     loader = _tokenizer_loader(args)
@@ -161,6 +180,7 @@ def cmd_detokenizer(args: argparse.Namespace) -> int:
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
+    configure_security(args, "scheduler")
     from services.scheduler.server import MeshSchedulerConfig, serve
 
     config = MeshSchedulerConfig(
@@ -174,6 +194,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
 
 def cmd_frontend(args: argparse.Namespace) -> int:
+    configure_security(args, "frontend")
     from services.frontend.server import serve
 
     asyncio.run(serve(_tokenizer_loader(args), _address_specs(args.scheduler),
@@ -190,15 +211,47 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve_mesh(args)
 
 
+def configure_security(args: argparse.Namespace, role: str | None) -> None:
+    """This process's mTLS identity and listening options, from its flags. `role`: the role its
+    certificate must carry (None: any, as for `vmesh health`)."""
+    from services.common import grpc_server, tls
+
+    files = [getattr(args, name, None) for name in ("tls_cert", "tls_key", "tls_ca")]
+    if any(files):
+        if not all(files):
+            raise ValueError("--tls-cert, --tls-key and --tls-ca go together")
+        identity = tls.Identity.from_files(*files)
+        if role is not None and identity.role != role:
+            raise ValueError(f"--tls-cert is a {identity.role} certificate; this is the {role}")
+        tls.configure(identity)
+    public = [getattr(args, "public_tls_cert", None), getattr(args, "public_tls_key", None)]
+    if any(public) and not all(public):
+        raise ValueError("--public-tls-cert and --public-tls-key go together")
+    grpc_server.OPTIONS = grpc_server.ShellOptions(reflection=getattr(args, "reflection", False),
+                                                   health_port=getattr(args, "health_port", None),
+                                                   public_tls_cert=public[0], public_tls_key=public[1])
+
+
 def cmd_health(args: argparse.Namespace) -> int:
     """Exit 0 when the service at the address reports SERVING (for container health checks)."""
     from services.common.grpc_server import wait_until_serving
 
     try:
-        asyncio.run(wait_until_serving(args.address, args.timeout))
+        configure_security(args, None)
+        asyncio.run(wait_until_serving(args.address, args.timeout, args.role))
     except TimeoutError as exc:
         print(f"vmesh: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    """A private CA and a certificate per role for one mesh (compose and Kubernetes mount them)."""
+    from services.common.certs import write_mesh_certificates
+
+    directory = write_mesh_certificates(Path(args.out), public_hosts=_address_specs(args.public_hosts),
+                                        key_mode=int(args.key_mode, 8))
+    print(f"vmesh: CA and certificates for every role in {directory}")
     return 0
 
 
@@ -308,6 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     _arg(serve, "--data-parallel-size", type=int, default=1,
          help="worker groups, each a worker and its scheduler; the frontend spreads requests over them")
     _arg(serve, "--metrics", action="store_true", help="every service serves Prometheus metrics on a free port")
+    _arg(serve, "--internal-tls", action="store_true",
+         help="mutual TLS between the services, from a private CA made for this run (its admin certificate "
+              "is printed, for operator tools)")
     add_frontend_args(serve, http_port=DEFAULT_HTTP_PORT)
     add_model_args(serve)
     add_worker_args(serve)
@@ -316,12 +372,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     worker = sub.add_parser("worker", help="run a worker (model, KV cache, persistent batch)")
     add_server_args(worker)
+    add_security_args(worker)
     add_model_args(worker)
     add_worker_args(worker)
     worker.set_defaults(func=cmd_worker)
 
     scheduler = sub.add_parser("scheduler", help="run the scheduler")
     add_server_args(scheduler)
+    add_security_args(scheduler)
     _arg(scheduler, "--workers", required=False, default="", help="worker rank addresses, comma-separated")
     add_detokenizer_discovery_args(scheduler)
     add_scheduler_args(scheduler)
@@ -329,11 +387,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     detok = sub.add_parser("detokenizer", help="run a detokenizer replica")
     add_server_args(detok)
+    add_security_args(detok)
     add_model_args(detok)
     detok.set_defaults(func=cmd_detokenizer)
 
     frontend = sub.add_parser("frontend", help="run a frontend (the public API)")
     add_server_args(frontend, port=DEFAULT_PUBLIC_PORT)
+    add_security_args(frontend)
     _arg(frontend, "--scheduler", default="127.0.0.1:50052",
          help="scheduler addresses, one per worker group (data parallelism): host:port entries, comma-separated, "
               "or dns:///name:port, re-resolved like the detokenizers")
@@ -347,7 +407,19 @@ def build_parser() -> argparse.ArgumentParser:
     health = sub.add_parser("health", help="exit 0 if a service reports SERVING")
     health.add_argument("address")
     health.add_argument("--timeout", type=float, default=3.0)
+    health.add_argument("--role", default=None, choices=["frontend", "scheduler", "worker", "detokenizer"],
+                        help="with --tls-*: the role of the service checked (its certificate must be that role's)")
+    _arg(health, "--tls-cert", default=None, help="a certificate from the mesh CA (e.g. the admin one)")
+    _arg(health, "--tls-key", default=None)
+    _arg(health, "--tls-ca", default=None)
     health.set_defaults(func=cmd_health)
+
+    certs = sub.add_parser("certs", help="make a private CA and a certificate per role for mutual TLS")
+    certs.add_argument("--out", required=True, help="directory to write ca.crt and <role>.crt/.key into")
+    certs.add_argument("--public-hosts", default="",
+                       help="comma-separated DNS names or IPs: also write public.crt/.key for the public port")
+    certs.add_argument("--key-mode", default="600", help="octal mode of the key files (640: a group may read)")
+    certs.set_defaults(func=cmd_certs)
 
     warm = sub.add_parser("warm-cache", help="convert the model once so later starts are fast")
     add_model_args(warm)

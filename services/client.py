@@ -8,11 +8,12 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
 
-from services.common.grpc_server import channel
+from services.common.grpc_server import CHANNEL_OPTIONS
 from vmesh.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 
 _OUTPUT_MODES = {"delta": common_pb2.OUTPUT_MODE_DELTA, "cumulative": common_pb2.OUTPUT_MODE_CUMULATIVE,
@@ -48,15 +49,22 @@ def generate_request(text: str | None = None, chat: Sequence[dict[str, str]] | N
 
 
 class VmeshClient:
-    def __init__(self, address: str, api_key: str | None = None):
-        """`api_key`: for a frontend started with --api-key; sent as `authorization: Bearer KEY`."""
+    def __init__(self, address: str, api_key: str | None = None, tls_ca: str | None = None):
+        """`api_key`: for a frontend started with --api-key; sent as `authorization: Bearer KEY`.
+        `tls_ca`: a PEM file of the CA that signed the frontend's public certificate, for a
+        frontend started with --public-tls-cert; without it the connection is plaintext."""
         self.address = address
+        self.tls_ca = tls_ca
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self._channel: grpc.aio.Channel | None = None
         self.stub: frontend_pb2_grpc.FrontendServiceStub | None = None
 
     async def __aenter__(self) -> VmeshClient:
-        self._channel = channel(self.address)
+        if self.tls_ca:
+            credentials = grpc.ssl_channel_credentials(root_certificates=Path(self.tls_ca).read_bytes())
+            self._channel = grpc.aio.secure_channel(self.address, credentials, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self.stub = frontend_pb2_grpc.FrontendServiceStub(self._channel)
         return self
 

@@ -26,6 +26,7 @@ PARENT_PID_ENV = "VMESH_LAUNCHER_PID"
 @dataclass
 class Child:
     name: str
+    service: str  # its role: worker, scheduler, detokenizer or frontend
     process: subprocess.Popen
     ready_file: Path
     address: str = ""
@@ -46,7 +47,7 @@ def _flags(args: argparse.Namespace, names: list[str]) -> list[str]:
 MODEL_FLAGS = ["model", "cache-dir"]
 WORKER_FLAGS = ["device", "dtype", "block-size", "kv-cache-memory", "kv-cache-memory-fraction", "max-num-seqs",
                 "max-model-len", "attention-backend"]
-FRONTEND_FLAGS = ["api-key", "max-prompt-bytes"]
+FRONTEND_FLAGS = ["api-key", "max-prompt-bytes", "public-tls-cert", "public-tls-key"]
 SCHEDULER_FLAGS = ["max-num-batched-tokens", "pipeline-depth", "scheduling-policy", "no-prefix-caching",
                    "stateless-worker", "max-waiting"]
 
@@ -56,6 +57,7 @@ class Mesh:
         self.args = args
         self.workdir = workdir
         self.children: list[Child] = []
+        self.certificates: Path | None = None  # with --internal-tls: ca.crt and <role>.crt/.key
         self.stop_requested = False
 
     def start(self, name: str, service: str, argv: list[str], host: str = INTERNAL_HOST, port: int = 0) -> Child:
@@ -64,10 +66,16 @@ class Mesh:
                    "--host", host, "--port", str(port), "--ready-file", str(ready), *argv]
         if self.args.metrics:
             command += ["--metrics-port", "0"]
+        if service == "frontend":  # its port is the public one: probed on a plaintext health port
+            command += ["--health-port", "0"]
+        if self.certificates is not None:
+            command += ["--tls-cert", str(self.certificates / f"{service}.crt"),
+                        "--tls-key", str(self.certificates / f"{service}.key"),
+                        "--tls-ca", str(self.certificates / "ca.crt")]
         # No preexec_fn: forking with one runs Python in the child and gRPC's fork handlers in
         # this (multi-threaded, gRPC-using) process. The child asks for its death signal itself.
         env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
-        child = Child(name, subprocess.Popen(command, env=env), ready)
+        child = Child(name, service, subprocess.Popen(command, env=env), ready)
         self.children.append(child)
         return child
 
@@ -80,7 +88,12 @@ class Mesh:
             while not child.ready_file.exists():
                 await asyncio.sleep(0.1)
             child.address = child.ready_file.read_text()
-            await wait_until_serving(child.address, max(1.0, deadline - time.monotonic()))
+            health = Path(str(child.ready_file) + ".health")
+            remaining = max(1.0, deadline - time.monotonic())
+            if health.exists():
+                await wait_until_serving(health.read_text(), remaining, secure=False)
+            else:
+                await wait_until_serving(child.address, remaining, child.service)
             metrics = Path(str(child.ready_file) + ".metrics")
             if metrics.exists():
                 child.metrics_address = metrics.read_text()
@@ -156,8 +169,20 @@ def die_with_launcher() -> None:
         sys.exit(1)
 
 
+def _make_certificates(mesh: Mesh) -> None:
+    """A private CA for this run, a certificate per role; the launcher itself is the admin."""
+    from services.common import tls
+    from services.common.certs import write_mesh_certificates
+
+    mesh.certificates = write_mesh_certificates(mesh.workdir / "certs")
+    tls.configure(tls.Identity.from_files(mesh.certificates / "admin.crt", mesh.certificates / "admin.key",
+                                          mesh.certificates / "ca.crt"))
+
+
 async def _run(mesh: Mesh) -> int:
     args = mesh.args
+    if args.internal_tls:
+        _make_certificates(mesh)
     model = _flags(args, MODEL_FLAGS)
     groups = args.data_parallel_size
     suffixes = [""] if groups == 1 else [f"-{g}" for g in range(groups)]  # one worker group: plain names
@@ -179,8 +204,10 @@ async def _run(mesh: Mesh) -> int:
         metrics = f", metrics http://{child.metrics_address}/metrics" if child.metrics_address else ""
         print(f"vmesh: {child.name} at {child.address} (pid {child.process.pid}{metrics})", flush=True)
     if frontend.http_address:
-        url = f"http://{frontend.http_address}/v1"
+        url = f"{'https' if args.public_tls_cert else 'http'}://{frontend.http_address}/v1"
         print(f"vmesh: OpenAI-compatible HTTP API on {url} — try: curl {url}/models", flush=True)
+    if mesh.certificates is not None:
+        print(f"vmesh: internal mutual TLS; CA and admin certificate in {mesh.certificates}", flush=True)
     print(f"vmesh: serving on {frontend.address} — try: vmesh generate \"Hello\" --address {frontend.address}",
           flush=True)
     while True:  # until check_alive raises: a signal, or a dead child

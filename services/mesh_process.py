@@ -28,6 +28,7 @@ class RunningMesh:
     metrics: dict[str, str] = field(default_factory=dict)  # name -> metrics URL, with --metrics
     http_url: str = ""  # the OpenAI-compatible API's base URL (http://host:port/v1); "" with --no-http
     output: list[str] = field(default_factory=list)
+    certificates: str = ""  # with --internal-tls: the run's CA and admin certificate
 
     def stop(self) -> int:
         if self.process.poll() is None:
@@ -110,6 +111,8 @@ def read_until_serving(process: subprocess.Popen, timeout: float,
                 mesh.metrics[m.group(1)] = m.group(4)
         if m := re.match(r"vmesh: OpenAI-compatible HTTP API on (\S+)", line):
             mesh.http_url = m.group(1)
+        if m := re.match(r"vmesh: internal mutual TLS; CA and admin certificate in (\S+)", line):
+            mesh.certificates = m.group(1)
         if m := re.match(r"vmesh: serving on (\S+)", line):
             mesh.address = m.group(1)
     return mesh

@@ -8,13 +8,15 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.guards import RefuseMalformed
+from services.common import tls
+from services.common.guards import ServerGuard
 
 logger = logging.getLogger(__name__)
 
@@ -36,24 +38,63 @@ SERVER_OPTIONS = [*_MESSAGE_LIMITS, ("grpc.so_reuseport", 0),
                   ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_ping_strikes", 0)]
 
 
+@dataclass
+class ShellOptions:
+    """How this process's server listens, set once from the command line (services/cli.py)."""
+    reflection: bool = False  # gRPC server reflection (with mTLS, for the admin role only)
+    health_port: int | None = None  # also serve Health alone, in plaintext, here (for probes that cannot do TLS)
+    public_tls_cert: str | None = None  # the frontend's public port: TLS with this certificate...
+    public_tls_key: str | None = None  # ...and key
+
+
+OPTIONS = ShellOptions()
+
+
 class ServiceShell:
-    def __init__(self, service: str, descriptor, host: str, port: int):
-        """`service`: the short name (worker, scheduler...); `descriptor`: its gRPC ServiceDescriptor."""
+    def __init__(self, service: str, descriptor, host: str, port: int, public: bool = False):
+        """`service`: the short name (worker, scheduler...); `descriptor`: its gRPC ServiceDescriptor.
+        `public`: the port clients use (the frontend): TLS without client certificates when a
+        public certificate is configured, the caller's role unchecked. Every other server uses
+        mutual TLS and checks roles once this process has an identity (services/common/tls.py)."""
         from services.common import telemetry
 
         telemetry.setup_tracing(service)
         self.host = host
-        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RefuseMalformed()])
+        identity = tls.current()
+        check_roles = identity is not None and not public
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[ServerGuard(check_roles)])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = [descriptor.full_name]
-        reflection.enable_server_reflection([*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME],
-                                            self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
-        if self.port == 0:
-            raise OSError(f"cannot bind {host}:{port}")
+        if OPTIONS.reflection:
+            reflection.enable_server_reflection([*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME],
+                                                self.server)
+        self.port = self._bind(self.server, f"{host}:{port}", public, identity)
         self.address = f"{host}:{self.port}"
+        self.health_server: grpc.aio.Server | None = None
+        self.health_address = ""
+        if OPTIONS.health_port is not None:
+            self.health_server = grpc.aio.server(options=SERVER_OPTIONS)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            health_port = self._bind(self.health_server, f"{host}:{OPTIONS.health_port}", False, None)
+            self.health_address = f"{host}:{health_port}"
         self.stopping = asyncio.Event()
+
+    @staticmethod
+    def _bind(server: grpc.aio.Server, address: str, public: bool, identity: tls.Identity | None) -> int:
+        try:
+            if public and OPTIONS.public_tls_cert:
+                port = server.add_secure_port(address, tls.public_server_credentials(OPTIONS.public_tls_cert,
+                                                                                     OPTIONS.public_tls_key))
+            elif not public and identity is not None:
+                port = server.add_secure_port(address, tls.server_credentials(identity))
+            else:
+                port = server.add_insecure_port(address)
+        except RuntimeError as exc:  # newer gRPC raises where older returned 0
+            raise OSError(f"cannot bind {address}: {exc}") from exc
+        if port == 0:
+            raise OSError(f"cannot bind {address}")
+        return port
 
     def metrics_registry(self, metrics_port: int | None, ready_file: str | None):
         """A Prometheus registry served on `metrics_port`, or None when metrics are off."""
@@ -77,6 +118,10 @@ class ServiceShell:
         """Start NOT_SERVING, warm up, serve until SIGTERM/SIGINT, then drain and stop."""
         await self.set_serving(False)
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
+            if ready_file:
+                Path(ready_file + ".health").write_text(self.health_address)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
@@ -93,21 +138,33 @@ class ServiceShell:
         except asyncio.TimeoutError:
             logger.warning("drain did not finish within %.0f s", grace_seconds)
         await self.server.stop(grace=1.0)
+        if self.health_server is not None:
+            await self.health_server.stop(None)
         from services.common import telemetry
 
         telemetry.shutdown_tracing()
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def channel(address: str, peer: str | None = None, secure: bool = True) -> grpc.aio.Channel:
+    """A channel to another vmesh service. `peer`: the role expected there (scheduler, worker,
+    detokenizer...); once this process has an identity the channel uses mutual TLS and accepts
+    only a certificate issued for that role. `secure=False`: plaintext whatever the identity
+    (a plaintext health port)."""
+    identity = tls.current()
+    if identity is None or not secure:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    if peer is None:
+        raise ValueError(f"a mutual-TLS channel to {address} needs the peer's role")
+    credentials, options = tls.channel_security(identity, peer)
+    return grpc.aio.secure_channel(address, credentials, options=[*CHANNEL_OPTIONS, *options])
 
 
-async def wait_until_serving(address: str, timeout: float) -> None:
+async def wait_until_serving(address: str, timeout: float, peer: str | None = None, secure: bool = True) -> None:
     """Block until `address` reports SERVING; raise TimeoutError otherwise. Each check is also
     bounded on the event loop's clock, so the deadline holds even if gRPC never answers."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    async with channel(address) as ch:
+    async with channel(address, peer, secure) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             attempt = min(2.0, max(0.1, deadline - loop.time()))

@@ -339,8 +339,11 @@ class HttpServer:
         self.socket = bind(host, port)
         bound = self.socket.getsockname()
         self.address = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
+        from services.common.grpc_server import OPTIONS
+
         config = uvicorn.Config(build_app(frontend, registry), log_config=None, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, ssl_certfile=OPTIONS.public_tls_cert,
+                                ssl_keyfile=OPTIONS.public_tls_key)
         self.server = _Server(config)
         self.task: asyncio.Task | None = None
 

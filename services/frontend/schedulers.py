@@ -42,7 +42,7 @@ def health_stream(group: SchedulerGroup) -> AsyncIterator[health_pb2.HealthCheck
 
 
 def connect(address: str) -> tuple[scheduler_pb2_grpc.SchedulerServiceStub, grpc.aio.Channel]:
-    ch = channel(address)
+    ch = channel(address, "scheduler")
     return scheduler_pb2_grpc.SchedulerServiceStub(ch), ch
 
 

@@ -105,7 +105,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
         serving and subscribe again."""
         while True:
             try:
-                async with channel(address) as ch:
+                async with channel(address, "detokenizer") as ch:
                     stub = detokenizer_pb2_grpc.DetokenizerServiceStub(ch)
                     call = stub.Subscribe(detokenizer_pb2.SubscribeRequest(frontend_id=self.frontend_id),
                                           wait_for_ready=True)
@@ -213,7 +213,8 @@ async def serve(load_tokenizer, scheduler_specs: list[str], detokenizer_specs: l
                 api_key: str | None = None, max_prompt_bytes: int = requests.DEFAULT_MAX_PROMPT_BYTES) -> None:
     """`http_port`: also serve the OpenAI-compatible HTTP API there (0: any free port; None: off),
     on this event loop, over the same request path; its address goes to `<ready_file>.http`."""
-    shell = ServiceShell("frontend", frontend_pb2.DESCRIPTOR.services_by_name["FrontendService"], host, port)
+    shell = ServiceShell("frontend", frontend_pb2.DESCRIPTOR.services_by_name["FrontendService"], host, port,
+                         public=True)
     servicer = FrontendServicer(None, scheduler_specs, detokenizer_specs, replica_refresh_interval_s, api_key,
                                 max_prompt_bytes)
     frontend_pb2_grpc.add_FrontendServiceServicer_to_server(servicer, shell.server)

@@ -115,7 +115,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def connect(self) -> None:
         infos = []
         for address in self.config.worker_addresses:
-            ch = channel(address)
+            ch = channel(address, "worker")
             self._channels.append(ch)
             stub = worker_pb2_grpc.WorkerServiceStub(ch)
             infos.append(await stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), wait_for_ready=True, timeout=600))
@@ -393,7 +393,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             logger.info("detokenizer %s left", replica.address)
 
     def _open_stream(self, address: str) -> tuple[grpc.aio.StreamStreamCall, grpc.aio.Channel]:
-        ch = channel(address)
+        ch = channel(address, "detokenizer")
         return detokenizer_pb2_grpc.DetokenizerServiceStub(ch).Detokenize(wait_for_ready=True), ch
 
     async def _keep_replica(self, replica: _Replica) -> None:

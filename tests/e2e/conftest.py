@@ -19,7 +19,7 @@ def default_mesh():
 
 def scheduler_stats(mesh, name: str = "scheduler") -> scheduler_pb2.GetSchedulerStatsResponse:
     async def ask():
-        async with channel(mesh.services[name][0]) as ch:
+        async with channel(mesh.services[name][0], "scheduler") as ch:
             return await scheduler_pb2_grpc.SchedulerServiceStub(ch).GetSchedulerStats(
                 scheduler_pb2.GetSchedulerStatsRequest(), timeout=10)
 

@@ -246,7 +246,8 @@ def test_the_requests_of_a_killed_frontend_are_stopped(stack):
     from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
     async def main() -> scheduler_pb2.GetSchedulerStatsResponse:
-        async with VmeshClient(stack.address("frontend")) as client, channel(stack.address("scheduler")) as ch:
+        async with VmeshClient(stack.address("frontend")) as client, \
+                channel(stack.address("scheduler"), "scheduler") as ch:
             scheduler = scheduler_pb2_grpc.SchedulerServiceStub(ch)
             stream = client.generate(text="Tell me a very long story.", max_tokens=1500, ignore_eos=True)
             await stream.__anext__()

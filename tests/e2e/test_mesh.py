@@ -134,7 +134,7 @@ def test_reset_prefix_cache_makes_a_repeated_prompt_miss(default_mesh):
         return wait_idle(default_mesh).prefix_cache_hits - before
 
     async def reset() -> int:
-        async with channel(default_mesh.services["scheduler"][0]) as ch:
+        async with channel(default_mesh.services["scheduler"][0], "scheduler") as ch:
             response = await scheduler_pb2_grpc.SchedulerServiceStub(ch).ResetPrefixCache(
                 scheduler_pb2.ResetPrefixCacheRequest(), timeout=10)
         return response.num_dropped_blocks

@@ -1,0 +1,104 @@
+"""A private CA for one mesh and a certificate per role (`vmesh certs`, `vmesh serve --internal-tls`),
+and server certificates for the public port. Keys are ECDSA P-256; files are PEM."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from services.common.tls import ROLES, role_dns_name
+
+VALID_DAYS = 825
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "vmesh"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _validity(builder: x509.CertificateBuilder) -> x509.CertificateBuilder:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return builder.not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(
+        now + datetime.timedelta(days=VALID_DAYS))
+
+
+def make_ca() -> tuple[bytes, bytes]:
+    """(certificate, key) of a new CA, PEM."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = _name("vmesh mesh CA")
+    cert = (_validity(x509.CertificateBuilder()).subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, encipher_only=False, decipher_only=False),
+                           critical=True)
+            .sign(key, hashes.SHA256()))
+    return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
+
+
+def issue(ca_cert_pem: bytes, ca_key_pem: bytes, common_name: str, dns_names: list[str],
+          ip_addresses: list[str] = ()) -> tuple[bytes, bytes]:
+    """(certificate, key) signed by the CA, usable as both server and client certificate."""
+    ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
+    ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
+    key = ec.generate_private_key(ec.SECP256R1())
+    names: list[x509.GeneralName] = [x509.DNSName(d) for d in dns_names]
+    names += [x509.IPAddress(ipaddress.ip_address(a)) for a in ip_addresses]
+    cert = (_validity(x509.CertificateBuilder()).subject_name(_name(common_name)).issuer_name(ca_cert.subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
+
+
+def issue_role(ca_cert_pem: bytes, ca_key_pem: bytes, role: str) -> tuple[bytes, bytes]:
+    return issue(ca_cert_pem, ca_key_pem, role, [role_dns_name(role)])
+
+
+def _write(path: Path, data: bytes, mode: int) -> None:
+    path.write_bytes(data)
+    os.chmod(path, mode)
+
+
+def write_mesh_certificates(directory: Path, roles: tuple[str, ...] = ROLES, public_hosts: list[str] = (),
+                            key_mode: int = 0o600) -> Path:
+    """ca.crt and <role>.crt/.key for each role (the CA's key is not kept: the mesh is fixed);
+    public.crt/.key for `public_hosts` (DNS names or IP addresses) when given. Returns `directory`.
+    `key_mode`: 0o640 where a group (a container's runtime user) must read the keys."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ca_cert, ca_key = make_ca()
+    _write(directory / "ca.crt", ca_cert, 0o644)
+    for role in roles:
+        cert, key = issue_role(ca_cert, ca_key, role)
+        _write(directory / f"{role}.crt", cert, 0o644)
+        _write(directory / f"{role}.key", key, key_mode)
+    if public_hosts:
+        ips = [h for h in public_hosts if _is_ip(h)]
+        cert, key = issue(ca_cert, ca_key, public_hosts[0], [h for h in public_hosts if not _is_ip(h)], ips)
+        _write(directory / "public.crt", cert, 0o644)
+        _write(directory / "public.key", key, key_mode)
+    return directory
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,120 @@
+"""The security matrix of the internal services: mutual TLS from the mesh CA, and each method
+callable only by the roles that should call it."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.common import tls
+from services.common.certs import issue_role, make_ca, write_mesh_certificates
+from services.common.grpc_server import CHANNEL_OPTIONS, ServiceShell
+from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+
+class StubScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
+    async def SubmitRequest(self, request, context):
+        return scheduler_pb2.SubmitRequestResponse(detokenizer="d")
+
+    async def ResetPrefixCache(self, request, context):
+        return scheduler_pb2.ResetPrefixCacheResponse()
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory) -> Path:
+    return write_mesh_certificates(tmp_path_factory.mktemp("certs"))
+
+
+def identity(certs: Path, role: str) -> tls.Identity:
+    return tls.Identity.from_files(certs / f"{role}.crt", certs / f"{role}.key", certs / "ca.crt")
+
+
+def client_channel(address: str, caller: tls.Identity | None, peer: str = "scheduler", ca: bytes | None = None):
+    if caller is None:
+        if ca is None:
+            return grpc.aio.insecure_channel(address)
+        return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(ca), options=[
+            ("grpc.ssl_target_name_override", tls.role_dns_name(peer))])
+    credentials, options = tls.channel_security(caller, peer)
+    return grpc.aio.secure_channel(address, credentials, options=[*CHANNEL_OPTIONS, *options])
+
+
+async def call(server_identity: tls.Identity, make_channel, method: str = "SubmitRequest") -> grpc.StatusCode:
+    tls.configure(server_identity)
+    try:
+        shell = ServiceShell("scheduler", scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"],
+                             "127.0.0.1", 0)
+    finally:
+        tls.configure(None)
+    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(StubScheduler(), shell.server)
+    await shell.server.start()
+    try:
+        async with make_channel(shell.address) as ch:
+            stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+            request = (scheduler_pb2.ResetPrefixCacheRequest() if method == "ResetPrefixCache"
+                       else scheduler_pb2.SubmitRequestRequest(request_id="1"))
+            try:
+                await getattr(stub, method)(request, timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+            return grpc.StatusCode.OK
+    finally:
+        await shell.server.stop(None)
+
+
+MATRIX = [
+    # (caller role or special, method, expected)
+    ("frontend", "SubmitRequest", grpc.StatusCode.OK),
+    ("admin", "ResetPrefixCache", grpc.StatusCode.OK),
+    ("worker", "SubmitRequest", grpc.StatusCode.PERMISSION_DENIED),
+    ("detokenizer", "SubmitRequest", grpc.StatusCode.PERMISSION_DENIED),
+    ("frontend", "ResetPrefixCache", grpc.StatusCode.PERMISSION_DENIED),
+    ("admin", "SubmitRequest", grpc.StatusCode.PERMISSION_DENIED),
+]
+
+
+@pytest.mark.parametrize(("role", "method", "expected"), MATRIX, ids=[f"{r}-{m}" for r, m, _ in MATRIX])
+def test_each_method_answers_only_its_roles(certs, role, method, expected):
+    code = asyncio.run(call(identity(certs, "scheduler"),
+                            lambda address: client_channel(address, identity(certs, role)), method))
+    assert code == expected
+
+
+def test_no_certificate_is_refused(certs):
+    """Plaintext, and TLS without a client certificate, never reach a servicer."""
+    server = identity(certs, "scheduler")
+    assert asyncio.run(call(server, lambda a: client_channel(a, None))) == grpc.StatusCode.UNAVAILABLE
+    assert asyncio.run(call(server, lambda a: client_channel(a, None, ca=server.ca))) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_certificate_from_another_ca_is_refused(certs):
+    ca_cert, ca_key = make_ca()
+    cert, key = issue_role(ca_cert, ca_key, "frontend")
+    forged = tls.Identity("frontend", cert, key, identity(certs, "frontend").ca)
+    code = asyncio.run(call(identity(certs, "scheduler"), lambda a: client_channel(a, forged)))
+    assert code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_client_refuses_a_server_of_the_wrong_role(certs):
+    """A frontend that expects a scheduler does not talk to a worker's certificate there."""
+    code = asyncio.run(call(identity(certs, "worker"),
+                            lambda a: client_channel(a, identity(certs, "frontend"), peer="scheduler")))
+    assert code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_role_comes_from_the_certificate(certs):
+    assert identity(certs, "worker").role == "worker"
+    ca_cert, ca_key = make_ca()
+    from services.common.certs import issue
+
+    cert, _ = issue(ca_cert, ca_key, "intruder", ["intruder.vmesh.internal"])
+    with pytest.raises(ValueError, match="not a vmesh role"):
+        tls.role_of_certificate(cert)
+
+
+def test_keys_are_private(certs):
+    assert (certs / "frontend.key").stat().st_mode & 0o077 == 0
+    assert (certs / "ca.crt").stat().st_mode & 0o044 == 0o044
