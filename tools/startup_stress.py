@@ -43,10 +43,17 @@ def main() -> int:
 
 
 def dump_stacks(pid: int) -> str:
+    """Python stacks of the launcher and of every service it started: whichever never became
+    ready shows where it waits (a child that never reached exec shows the launcher's command)."""
     if not shutil.which("py-spy"):
-        return "(install py-spy for the launcher's stacks)"
-    dump = subprocess.run(["py-spy", "dump", "--native", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
-    return "\nlauncher stacks (py-spy):\n" + dump.stdout + dump.stderr
+        return "(install py-spy for the stacks of the launcher and its services)"
+    children = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    report = [f"\nservices of launcher {pid}:\n{children}"]
+    for line in [f"{pid} launcher", *children.splitlines()]:
+        target = line.split()[0]
+        dump = subprocess.run(["py-spy", "dump", "--pid", target], capture_output=True, text=True, timeout=60)
+        report.append(f"--- {line}\n{dump.stdout}{dump.stderr}")
+    return "\n".join(report)
 
 
 if __name__ == "__main__":
