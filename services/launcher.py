@@ -47,7 +47,7 @@ def _flags(args: argparse.Namespace, names: list[str]) -> list[str]:
 MODEL_FLAGS = ["model", "cache-dir"]
 WORKER_FLAGS = ["device", "dtype", "block-size", "kv-cache-memory", "kv-cache-memory-fraction", "max-num-seqs",
                 "max-model-len", "attention-backend"]
-FRONTEND_FLAGS = ["api-key", "max-prompt-bytes", "public-tls-cert", "public-tls-key"]
+FRONTEND_FLAGS = ["max-prompt-bytes", "public-tls-cert", "public-tls-key"]  # the API key goes by env: ps shows argv
 SCHEDULER_FLAGS = ["max-num-batched-tokens", "pipeline-depth", "scheduling-policy", "no-prefix-caching",
                    "stateless-worker", "max-waiting"]
 
@@ -60,7 +60,8 @@ class Mesh:
         self.certificates: Path | None = None  # with --internal-tls: ca.crt and <role>.crt/.key
         self.stop_requested = False
 
-    def start(self, name: str, service: str, argv: list[str], host: str = INTERNAL_HOST, port: int = 0) -> Child:
+    def start(self, name: str, service: str, argv: list[str], host: str = INTERNAL_HOST, port: int = 0,
+              env: dict[str, str] | None = None) -> Child:
         ready = self.workdir / f"{name}.addr"
         command = [sys.executable, "-m", "services.cli", "--log-level", self.args.log_level, service,
                    "--host", host, "--port", str(port), "--ready-file", str(ready), *argv]
@@ -74,7 +75,7 @@ class Mesh:
                         "--tls-ca", str(self.certificates / "ca.crt")]
         # No preexec_fn: forking with one runs Python in the child and gRPC's fork handlers in
         # this (multi-threaded, gRPC-using) process. The child asks for its death signal itself.
-        env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
+        env = {**os.environ, **(env or {}), PARENT_PID_ENV: str(os.getpid())}
         child = Child(name, service, subprocess.Popen(command, env=env), ready)
         self.children.append(child)
         return child
@@ -198,7 +199,7 @@ async def _run(mesh: Mesh) -> int:
     frontend = mesh.start("frontend", "frontend", ["--scheduler", ",".join(s.address for s in schedulers),
                                                    "--detokenizer-addresses", detok_addresses, *model, *http,
                                                    *_flags(args, FRONTEND_FLAGS)],
-                          host=args.host, port=args.port)
+                          host=args.host, port=args.port, env={"VMESH_API_KEY": args.api_key} if args.api_key else None)
     await mesh.wait_ready([frontend])
     for child in mesh.children:
         metrics = f", metrics http://{child.metrics_address}/metrics" if child.metrics_address else ""

@@ -173,7 +173,8 @@ async def _generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRe
         outbox.group = group
         outbox.detokenizer = reply.detokenizer
         if reply.detokenizer not in frontend.subscribed:
-            raise RequestError(Code.UNAVAILABLE, f"detokenizer {reply.detokenizer} unavailable")
+            logger.warning("detokenizer %s chosen for %s is not subscribed", reply.detokenizer, request_id)
+            raise RequestError(Code.UNAVAILABLE, "the detokenizer serving this request is unavailable")
         while True:
             out = await outbox.get()
             if out.error:  # not marked finished: the abort below stops it wherever it still runs
@@ -237,8 +238,11 @@ async def submit(frontend: FrontendServicer, submission: scheduler_pb2.SubmitReq
                 break
     if error is None:
         raise RequestError(Code.UNAVAILABLE, "no scheduler is available")
-    code = error.code() if error.code() in _PASSED_THROUGH else grpc.StatusCode.UNAVAILABLE
-    raise RequestError(code, error.details() or "scheduler unavailable")
+    if error.code() in _PASSED_THROUGH:  # the scheduler's own words about the request
+        raise RequestError(error.code(), error.details())
+    # gRPC's text names internal addresses: the log keeps it, the client gets the gist.
+    logger.warning("submission failed: %s %s", error.code().name, error.details())
+    raise RequestError(grpc.StatusCode.UNAVAILABLE, "no scheduler is available")
 
 
 async def _abort_once_submitted(frontend: FrontendServicer, call: asyncio.Future, group: SchedulerGroup,

@@ -121,7 +121,8 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
                 raise
             except Exception as exc:
                 self.subscribed.discard(address)
-                self._fail_replica(address, f"detokenizer {address} unavailable: {exc}")
+                logger.error("detokenizer %s unavailable: %s", address, exc)
+                self._fail_replica(address, "the detokenizer serving this request became unavailable")
             await asyncio.sleep(1.0)
 
     def _dispatch(self, batch: detokenizer_pb2.SubscribeResponse) -> None:

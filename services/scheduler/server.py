@@ -240,8 +240,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             raise
         except Exception as exc:  # a lost worker: every request fails, the scheduler stops serving
             detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-            self.failure = f"worker unavailable: {detail}"
-            logger.error("%s; failing %d request(s)", self.failure, len(self.routes))
+            # What clients read: the gist, not gRPC's text (it names internal addresses).
+            self.failure = "the worker serving this request became unavailable"
+            logger.error("worker unavailable: %s; failing %d request(s)", detail, len(self.routes))
             for key in list(self.routes):
                 self.scheduler.abort(key)
                 self._end_route(self._pop_route(key), error=self.failure)

@@ -89,6 +89,8 @@ def test_public_grpc_needs_tls_and_the_key(secure_mesh):
     assert len(ids) == 3
     assert no_key == wrong_key == grpc.StatusCode.UNAUTHENTICATED
     assert plaintext == grpc.StatusCode.UNAVAILABLE
+    frontend_argv = Path(f"/proc/{mesh.services['frontend'][1]}/cmdline").read_bytes()
+    assert API_KEY.encode() not in frontend_argv, "the key reaches the frontend by environment, not argv"
 
 
 def test_http_api_needs_tls_and_the_key(secure_mesh):
