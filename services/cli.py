@@ -249,6 +249,9 @@ def cmd_certs(args: argparse.Namespace) -> int:
     """A private CA and a certificate per role for one mesh (compose and Kubernetes mount them)."""
     from services.common.certs import write_mesh_certificates
 
+    if args.if_missing and (Path(args.out) / "ca.crt").exists():
+        print(f"vmesh: certificates already in {args.out}; kept")
+        return 0
     directory = write_mesh_certificates(Path(args.out), public_hosts=_address_specs(args.public_hosts),
                                         key_mode=int(args.key_mode, 8))
     print(f"vmesh: CA and certificates for every role in {directory}")
@@ -419,6 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     certs.add_argument("--public-hosts", default="",
                        help="comma-separated DNS names or IPs: also write public.crt/.key for the public port")
     certs.add_argument("--key-mode", default="600", help="octal mode of the key files (640: a group may read)")
+    certs.add_argument("--if-missing", action="store_true", help="keep certificates already in --out")
     certs.set_defaults(func=cmd_certs)
 
     warm = sub.add_parser("warm-cache", help="convert the model once so later starts are fast")

@@ -1,8 +1,9 @@
 """The docker-compose stack without Docker: each vmesh service's compose command runs as a
-local process (service host names mapped to 127.0.0.1 ports), started in depends_on order
-and gated on the compose healthcheck command; one request is served end to end; then a real
-Prometheus server, with the compose scrape configuration mapped the same way, scrapes every
-service and the key series must have moved."""
+local process (service host names mapped to 127.0.0.1 ports, the certificate volume to a
+directory the compose `certs` job fills), started in depends_on order and gated on the
+compose healthcheck command; one request is served end to end over the stack's mutual TLS;
+then a real Prometheus server, with the compose scrape configuration mapped the same way,
+scrapes every service and the key series must have moved."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from services.client import VmeshClient
 
 ROOT = Path(__file__).resolve().parents[2]
 START_ORDER = ["worker", "detokenizer", "scheduler", "frontend"]
+CERT_VOLUME = "/var/lib/vmesh/certs"
+PORTS = ("grpc", "metrics", "health", "http")
 
 
 def free_port() -> int:
@@ -34,8 +37,7 @@ def free_port() -> int:
 
 
 def free_ports(n: int) -> list[int]:
-    """n distinct free ports: each socket stays bound until all are picked. (gRPC servers bind with
-    SO_REUSEPORT, so two services handed the same port would both start and split its connections.)"""
+    """n distinct free ports: each socket stays bound until all are picked."""
     sockets = [socket.socket() for _ in range(n)]
     try:
         for s in sockets:
@@ -47,13 +49,14 @@ def free_ports(n: int) -> list[int]:
 
 
 class LocalStack:
-    def __init__(self, compose: dict):
+    def __init__(self, compose: dict, certs: Path):
         self.compose = compose
-        self.instances: dict[str, list[dict]] = {}  # service -> [{grpc, metrics}]
+        self.certs = certs  # where the certificate volume lives on this host
+        self.instances: dict[str, list[dict]] = {}  # service -> [{grpc, metrics, health, http}]
         counts = {name: compose["services"][name].get("deploy", {}).get("replicas", 1) for name in START_ORDER}
-        ports = iter(free_ports(2 * sum(counts.values())))
+        ports = iter(free_ports(len(PORTS) * sum(counts.values())))
         for name, replicas in counts.items():
-            self.instances[name] = [{"grpc": next(ports), "metrics": next(ports)} for _ in range(replicas)]
+            self.instances[name] = [{key: next(ports) for key in PORTS} for _ in range(replicas)]
         self.processes: list[subprocess.Popen] = []
         self.process_of: dict[tuple[str, int], subprocess.Popen] = {}
 
@@ -71,27 +74,45 @@ class LocalStack:
 
     def command(self, name: str, instance: dict) -> list[str]:
         argv = list(self.compose["services"][name]["command"])
-        for flag, key in (("--port", "grpc"), ("--metrics-port", "metrics")):
-            argv[argv.index(flag) + 1] = str(instance[key])
+        for flag, key in (("--port", "grpc"), ("--metrics-port", "metrics"), ("--http-port", "http")):
+            if flag in argv:
+                argv[argv.index(flag) + 1] = str(instance[key])
         argv[argv.index("--host") + 1] = "127.0.0.1"
         if "--kv-cache-memory" in argv:  # a test-sized cache
             argv[argv.index("--kv-cache-memory") + 1] = "128MiB"
         return [self.map_arg(a, instance) for a in argv]
 
-    def environment(self, name: str) -> dict[str, str]:
-        env = {k: str(v) for k, v in self.compose["services"][name]["environment"].items()}
+    def environment(self, name: str, instance: dict) -> dict[str, str]:
+        env = {k: str(v).replace(CERT_VOLUME, str(self.certs))
+               for k, v in self.compose["services"][name]["environment"].items()}
         env.pop("OTEL_EXPORTER_OTLP_ENDPOINT")  # no Jaeger here
+        env["VMESH_HEALTH_PORT"] = str(instance["health"])
         return {**os.environ, **env}
 
+    def make_certificates(self) -> None:
+        """The compose `certs` job, run twice: the second run keeps what the first made."""
+        argv = [a.replace(CERT_VOLUME, str(self.certs)) for a in self.compose["services"]["certs"]["command"]]
+        for _ in range(2):
+            subprocess.run([sys.executable, "-m", "services.cli", *argv], cwd=ROOT, check=True, timeout=120,
+                           capture_output=True)
+
+    def admin(self):
+        """This test process as the mesh's admin, for calls straight to the scheduler."""
+        from services.common import tls
+
+        return tls.Identity.from_files(self.certs / "admin.crt", self.certs / "admin.key", self.certs / "ca.crt")
+
     def start(self) -> None:
+        self.make_certificates()
         for name in START_ORDER:
             for i in range(len(self.instances[name])):
                 self.start_instance(name, i)
             self.wait_healthy(name)
 
     def start_instance(self, name: str, i: int) -> None:
-        process = subprocess.Popen([sys.executable, "-m", "services.cli", *self.command(name, self.instances[name][i])],
-                                   cwd=ROOT, env=self.environment(name))
+        instance = self.instances[name][i]
+        process = subprocess.Popen([sys.executable, "-m", "services.cli", *self.command(name, instance)],
+                                   cwd=ROOT, env=self.environment(name, instance))
         self.processes.append(process)
         self.process_of[name, i] = process
 
@@ -99,7 +120,8 @@ class LocalStack:
         """The compose healthcheck's own command, retried like `depends_on: service_healthy`."""
         test = self.compose["services"][name]["healthcheck"]["test"][1:]  # drop "CMD"
         for i in instances or range(len(self.instances[name])):
-            argv = [self.address(name, i) if ":" in a and a.startswith("127.0.0.1") else a for a in test[1:]]
+            health = f"127.0.0.1:{self.instances[name][i]['health']}"
+            argv = [health if a.startswith("127.0.0.1:") else a for a in test[1:]]
             deadline = time.monotonic() + 180
             while subprocess.run([sys.executable, "-m", "services.cli", *argv], cwd=ROOT,
                                  capture_output=True).returncode != 0:
@@ -135,8 +157,8 @@ def query(port: int, expr: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def stack():
-    stack = LocalStack(yaml.safe_load((ROOT / "docker-compose.yml").read_text()))
+def stack(tmp_path_factory):
+    stack = LocalStack(yaml.safe_load((ROOT / "docker-compose.yml").read_text()), tmp_path_factory.mktemp("certs"))
     try:
         stack.start()
         yield stack
@@ -242,6 +264,7 @@ def test_a_restarted_detokenizer_replica_is_reconnected(stack):
 def test_the_requests_of_a_killed_frontend_are_stopped(stack):
     """A frontend dies mid-stream: its detokenizer subscriptions end, the detokenizers tell the
     scheduler, and the scheduler stops computing for nobody and frees the request's KV blocks."""
+    from services.common import tls
     from services.common.grpc_server import channel
     from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -263,10 +286,12 @@ def test_the_requests_of_a_killed_frontend_are_stopped(stack):
                 assert time.monotonic() < deadline, f"still computing for a dead frontend: {stats}"
                 await asyncio.sleep(0.2)
 
+    tls.configure(stack.admin())
     try:
         stats = asyncio.run(main())
         assert stats.num_used_blocks == 0
     finally:
+        tls.configure(None)
         stack.process_of["frontend", 0].wait(10)
         stack.start_instance("frontend", 0)
         stack.wait_healthy("frontend")

@@ -62,10 +62,21 @@ def test_compose_commands_and_environment_parse(compose):
         assert args.command == name
         for key in service["environment"]:
             assert not key.startswith("VMESH_") or key in known_env, f"{name}: unknown setting {key}"
+        environment = {**service["environment"]}
         health = service["healthcheck"]["test"]
-        assert parse_cli(health[2:]).command == "health" and health[3].endswith(f":{args.port}")
+        assert parse_cli(health[2:]).command == "health"
+        assert health[3] == f"127.0.0.1:{environment['VMESH_HEALTH_PORT']}"  # plaintext, health only
+        # mutual TLS: this role's certificate from the certs volume, which the certs job fills once
+        assert environment["VMESH_TLS_CERT"] == f"/var/lib/vmesh/certs/{name}.crt"
+        assert environment["VMESH_TLS_KEY"] == f"/var/lib/vmesh/certs/{name}.key"
+        assert environment["VMESH_TLS_CA"] == "/var/lib/vmesh/certs/ca.crt"
+        assert "certs:/var/lib/vmesh/certs:ro" in service["volumes"]
         assert args.metrics_port == 9400
     assert compose["services"]["detokenizer"]["deploy"]["replicas"] == 2
+    certs = compose["services"]["certs"]
+    assert parse_cli(certs["command"]).if_missing and "certs" in compose["volumes"]
+    for name in ("worker", "detokenizer"):
+        assert compose["services"][name]["depends_on"]["certs"]["condition"] == "service_completed_successfully"
     assert compose["services"]["scheduler"]["depends_on"]["worker"]["condition"] == "service_healthy"
 
 
