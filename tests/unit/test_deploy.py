@@ -116,10 +116,12 @@ def test_k8s_manifests_match_kubernetes_schemas(version):
         kubernetes_validate.validate(doc, version, strict=True)
         kinds.add(doc["kind"])
     assert {"Deployment", "StatefulSet", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget",
-            "ConfigMap"} <= kinds
+            "ConfigMap", "NetworkPolicy"} <= kinds
 
 
 def test_k8s_container_args_parse_and_probes_are_grpc():
+    config = yaml.safe_load((ROOT / "k8s/base/configmap.yaml").read_text())["data"]
+    assert config["VMESH_TLS_CA"] == "/etc/vmesh/certs/ca.crt"
     resources = yaml.safe_load((ROOT / "k8s/base/kustomization.yaml").read_text())["resources"]
     assert sorted(resources) == sorted(p.name for p in (ROOT / "k8s/base").glob("*.yaml")
                                        if p.name != "kustomization.yaml")
@@ -130,7 +132,18 @@ def test_k8s_container_args_parse_and_probes_are_grpc():
         for container in doc["spec"]["template"]["spec"]["containers"]:
             args = parse_cli(container["args"])
             seen.add(args.command)
-            assert container["readinessProbe"]["grpc"]["port"] == args.port
+            env = {e["name"]: e["value"] for e in container["env"]}
+            # mutual TLS: this role's certificate, from the vmesh-certs Secret, and nothing else of it
+            assert env["VMESH_TLS_CERT"] == f"/etc/vmesh/certs/{args.command}.crt"
+            assert env["VMESH_TLS_KEY"] == f"/etc/vmesh/certs/{args.command}.key"
+            volume = next(v for v in doc["spec"]["template"]["spec"]["volumes"] if v["name"] == "certs")
+            assert volume["secret"]["secretName"] == "vmesh-certs"
+            assert {i["key"] for i in volume["secret"]["items"]} == {"ca.crt", f"{args.command}.crt",
+                                                                     f"{args.command}.key"}
+            assert container["volumeMounts"][0]["mountPath"] == "/etc/vmesh/certs"
+            # gRPC probes present no certificate: they use the plaintext health-only port
+            for probe in ("readinessProbe", "livenessProbe"):
+                assert container[probe]["grpc"]["port"] == int(config["VMESH_HEALTH_PORT"])
             if args.command == "worker":
                 assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
                 assert container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"] >= 600
@@ -140,3 +153,21 @@ def test_k8s_container_args_parse_and_probes_are_grpc():
     worker = overlay["spec"]["template"]["spec"]["containers"][0]
     assert parse_cli(worker["args"]).device == "cpu"
     assert worker["resources"]["limits"]["nvidia.com/gpu"] is None  # removed by the strategic merge
+
+
+def test_k8s_network_policies_admit_only_each_port_s_callers():
+    """Each internal gRPC port admits only the pods of the role that calls it (as guards.CALLERS
+    does for certificates); the frontend's public ports are open."""
+    policies = {d["metadata"]["name"]: d for _p, d in k8s_documents() if d["kind"] == "NetworkPolicy"}
+    callers = {"vmesh-scheduler": ({"vmesh-frontend"}, 50052), "vmesh-worker": ({"vmesh-scheduler"}, 50053),
+               "vmesh-detokenizer": ({"vmesh-scheduler", "vmesh-frontend"}, 50054)}
+    for name, (expected, port) in callers.items():
+        rules = policies[name]["spec"]["ingress"]
+        grpc_rules = [r for r in rules if {"port": port} in r.get("ports", [])]
+        assert len(grpc_rules) == 1 and grpc_rules[0]["from"], name
+        allowed = {f["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for f in grpc_rules[0]["from"]}
+        assert allowed == expected, name
+        open_ports = {p["port"] for r in rules if "from" not in r for p in r["ports"]}
+        assert open_ports == {9400, 8081}, name
+    public = policies["vmesh-frontend"]["spec"]["ingress"]
+    assert {p["port"] for r in public for p in r["ports"]} >= {50051, 8000}
