@@ -227,9 +227,11 @@ def configure_security(args: argparse.Namespace, role: str | None) -> None:
     public = [getattr(args, "public_tls_cert", None), getattr(args, "public_tls_key", None)]
     if any(public) and not all(public):
         raise ValueError("--public-tls-cert and --public-tls-key go together")
+    max_prompt_bytes = getattr(args, "max_prompt_bytes", None) or 0
     grpc_server.OPTIONS = grpc_server.ShellOptions(reflection=getattr(args, "reflection", False),
                                                    health_port=getattr(args, "health_port", None),
-                                                   public_tls_cert=public[0], public_tls_key=public[1])
+                                                   public_tls_cert=public[0], public_tls_key=public[1],
+                                                   public_max_message_bytes=max(8 << 20, 2 * max_prompt_bytes))
 
 
 def cmd_health(args: argparse.Namespace) -> int:

@@ -41,6 +41,7 @@ def make_ca() -> tuple[bytes, bytes]:
     cert = (_validity(x509.CertificateBuilder()).subject_name(name).issuer_name(name)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
             .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
                                          content_commitment=False, key_encipherment=False, data_encipherment=False,
                                          key_agreement=False, encipher_only=False, decipher_only=False),
@@ -50,8 +51,10 @@ def make_ca() -> tuple[bytes, bytes]:
 
 
 def issue(ca_cert_pem: bytes, ca_key_pem: bytes, common_name: str, dns_names: list[str],
-          ip_addresses: list[str] = ()) -> tuple[bytes, bytes]:
-    """(certificate, key) signed by the CA, usable as both server and client certificate."""
+          ip_addresses: list[str] = (), client: bool = True) -> tuple[bytes, bytes]:
+    """(certificate, key) signed by the CA: a server certificate, and a client one too unless
+    `client` is False. Key identifiers are included: strict verifiers (Python >= 3.13's
+    default context) refuse certificates without them."""
     ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
     ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
     key = ec.generate_private_key(ec.SECP256R1())
@@ -61,8 +64,15 @@ def issue(ca_cert_pem: bytes, ca_key_pem: bytes, common_name: str, dns_names: li
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.SubjectAlternativeName(names), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]
+                                                 + ([ExtendedKeyUsageOID.CLIENT_AUTH] if client else [])),
                            critical=False)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_agreement=True, key_cert_sign=False,
+                                         crl_sign=False, content_commitment=False, key_encipherment=False,
+                                         data_encipherment=False, encipher_only=False, decipher_only=False),
+                           critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()), critical=False)
             .sign(ca_key, hashes.SHA256()))
     return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
 
@@ -72,8 +82,13 @@ def issue_role(ca_cert_pem: bytes, ca_key_pem: bytes, role: str) -> tuple[bytes,
 
 
 def _write(path: Path, data: bytes, mode: int) -> None:
-    path.write_bytes(data)
-    os.chmod(path, mode)
+    """Created with its final mode (a key is never readable by others, even for an instant),
+    and never through a file or link someone else left there."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(path, mode)  # the umask may have narrowed it
 
 
 def write_mesh_certificates(directory: Path, roles: tuple[str, ...] = ROLES, public_hosts: list[str] = (),
@@ -81,7 +96,7 @@ def write_mesh_certificates(directory: Path, roles: tuple[str, ...] = ROLES, pub
     """ca.crt and <role>.crt/.key for each role (the CA's key is not kept: the mesh is fixed);
     public.crt/.key for `public_hosts` (DNS names or IP addresses) when given. Returns `directory`.
     `key_mode`: 0o640 where a group (a container's runtime user) must read the keys."""
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o755, parents=True, exist_ok=True)
     ca_cert, ca_key = make_ca()
     _write(directory / "ca.crt", ca_cert, 0o644)
     for role in roles:
@@ -89,8 +104,12 @@ def write_mesh_certificates(directory: Path, roles: tuple[str, ...] = ROLES, pub
         _write(directory / f"{role}.crt", cert, 0o644)
         _write(directory / f"{role}.key", key, key_mode)
     if public_hosts:
+        if set(public_hosts) & set(ROLES):
+            raise ValueError(f"a public host may not be named like a role ({', '.join(ROLES)})")
         ips = [h for h in public_hosts if _is_ip(h)]
-        cert, key = issue(ca_cert, ca_key, public_hosts[0], [h for h in public_hosts if not _is_ip(h)], ips)
+        # server-only: the public key may end up on a load balancer; it must not be a client of the mesh
+        cert, key = issue(ca_cert, ca_key, public_hosts[0], [h for h in public_hosts if not _is_ip(h)], ips,
+                          client=False)
         _write(directory / "public.crt", cert, 0o644)
         _write(directory / "public.key", key, key_mode)
     return directory

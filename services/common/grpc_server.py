@@ -41,10 +41,13 @@ SERVER_OPTIONS = [*_MESSAGE_LIMITS, ("grpc.so_reuseport", 0),
 @dataclass
 class ShellOptions:
     """How this process's server listens, set once from the command line (services/cli.py)."""
-    reflection: bool = False  # gRPC server reflection (with mTLS, for the admin role only)
+    reflection: bool = False  # gRPC server reflection on internal ports (with mTLS, for the admin role only)
     health_port: int | None = None  # also serve Health alone, in plaintext, here (for probes that cannot do TLS)
     public_tls_cert: str | None = None  # the frontend's public port: TLS with this certificate...
     public_tls_key: str | None = None  # ...and key
+    # What one client message may hold on the public port: prompts are capped far below the
+    # internal 64 MiB, and a message is parsed (and copied) before any check can see it.
+    public_max_message_bytes: int = 8 << 20
 
 
 OPTIONS = ShellOptions()
@@ -62,11 +65,15 @@ class ServiceShell:
         self.host = host
         identity = tls.current()
         check_roles = identity is not None and not public
-        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[ServerGuard(check_roles)])
+        options = SERVER_OPTIONS
+        if public:
+            options = [*(o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"),
+                       ("grpc.max_receive_message_length", OPTIONS.public_max_message_bytes)]
+        self.server = grpc.aio.server(options=options, interceptors=[ServerGuard(check_roles)])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = [descriptor.full_name]
-        if OPTIONS.reflection:
+        if OPTIONS.reflection and not public:  # the public port describes only its own contract
             reflection.enable_server_reflection([*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME],
                                                 self.server)
         self.port = self._bind(self.server, f"{host}:{port}", public, identity)

@@ -80,7 +80,12 @@ def channel_security(identity: Identity, peer_role: str) -> tuple[grpc.ChannelCr
 
 
 def caller_role(context: grpc.aio.ServicerContext) -> str | None:
-    """The role in the caller's verified client certificate; None without one."""
-    names = context.auth_context().get("x509_common_name") or []
+    """The role in the caller's verified client certificate: its common name, when its DNS name
+    is that role's too (as `vmesh certs` issues them); None otherwise."""
+    auth = context.auth_context()
+    names = auth.get("x509_common_name") or []
     role = names[0].decode() if names else None
-    return role if role in ROLES else None
+    if role not in ROLES:
+        return None
+    alt_names = {n.decode() for n in auth.get("x509_subject_alternative_name") or []}
+    return role if role_dns_name(role) in alt_names else None

@@ -6,6 +6,8 @@ its own transport's error (gRPC status, or an HTTP status with OpenAI's error bo
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import hashlib
 import hmac
 import logging
 import time
@@ -31,7 +33,10 @@ SUBMIT_TIMEOUT_S = 30.0
 # the one step whose cost a client controls, and it runs on a shared thread pool.
 DEFAULT_MAX_PROMPT_BYTES = 1 << 20
 TRACER = telemetry.tracer("vmesh.frontend")
-_PASSED_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
+_PASSED_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                   grpc.StatusCode.DEADLINE_EXCEEDED}
+# Tokenizers release the GIL; two threads keep a core for everything else on a small machine.
+TOKENIZER_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
 FINISH_NAMES = {0: "", 1: "stop", 2: "length", 3: "abort"}
 Code = grpc.StatusCode
 
@@ -50,8 +55,9 @@ def check_api_key(expected: str | None, authorization: str | None) -> None:
     if not expected:
         return
     scheme, _, token = (authorization or "").partition(" ")
-    # compare_digest: the time taken says nothing about how much of the key matched
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+    # Digests of equal length: the time taken says nothing of the key, not even its length.
+    given = hashlib.sha256(token.strip().encode()).digest()
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given, hashlib.sha256(expected.encode()).digest()):
         raise RequestError(Code.UNAUTHENTICATED, "missing or invalid API key (expected 'Authorization: Bearer KEY')")
 
 
@@ -90,10 +96,17 @@ async def encode(frontend: FrontendServicer, message: Any) -> list[int]:
     if size > frontend.max_prompt_bytes:
         raise RequestError(Code.INVALID_ARGUMENT, f"prompt: {size} bytes of text; at most "
                                                   f"{frontend.max_prompt_bytes} are accepted")
+    if which == "token_ids" and frontend.limits is not None:
+        n = len(message.token_ids.ids)  # checked before any copy: a message may hold millions
+        if n >= frontend.limits.max_model_len:
+            raise RequestError(Code.INVALID_ARGUMENT, f"prompt: {n} tokens; the context holds "
+                                                      f"{frontend.limits.max_model_len}, so the prompt must be shorter")
     try:
         if which == "token_ids":  # nothing to tokenize
             return _encode(frontend.tokenizer, which, message)
-        return await asyncio.get_running_loop().run_in_executor(None, _encode, frontend.tokenizer, which, message)
+        # Its own pool: a queue of long prompts never delays DNS look-ups or other default-pool work.
+        return await asyncio.get_running_loop().run_in_executor(TOKENIZER_POOL, _encode, frontend.tokenizer, which,
+                                                                message)
     except InvalidRequest as exc:
         raise RequestError(Code.INVALID_ARGUMENT, str(exc)) from exc
 
@@ -138,6 +151,7 @@ async def _generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRe
                     ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
     ready(frontend)
     prompt = await encode(frontend, request)
+    ready(frontend)  # a drain that began while this prompt was tokenizing counted no request in flight
     try:
         params = validate_generate(request, prompt, frontend.limits)
     except InvalidRequest as exc:
@@ -221,7 +235,9 @@ async def submit(frontend: FrontendServicer, submission: scheduler_pb2.SubmitReq
     error: grpc.aio.AioRpcError | None = None
     for group in frontend.schedulers.candidates():
         remaining = time_remaining()
-        timeout = min(SUBMIT_TIMEOUT_S, remaining) if remaining else SUBMIT_TIMEOUT_S
+        if remaining is not None and remaining <= 0:
+            raise RequestError(Code.DEADLINE_EXCEEDED, "the request's deadline passed before it was submitted")
+        timeout = min(SUBMIT_TIMEOUT_S, remaining) if remaining is not None else SUBMIT_TIMEOUT_S
         frontend.schedulers.acquire(group)
         call = asyncio.ensure_future(group.stub.SubmitRequest(submission, timeout=timeout))
         try:

@@ -118,3 +118,56 @@ def test_role_comes_from_the_certificate(certs):
 def test_keys_are_private(certs):
     assert (certs / "frontend.key").stat().st_mode & 0o077 == 0
     assert (certs / "ca.crt").stat().st_mode & 0o044 == 0o044
+
+
+def test_a_role_name_without_the_role_dns_name_is_no_role():
+    """The common name alone does not make a role: the certificate must be issued as the role."""
+    from services.common.certs import issue
+
+    ca_cert, ca_key = make_ca()
+    server_cert, server_key = issue_role(ca_cert, ca_key, "scheduler")
+    forged_cert, forged_key = issue(ca_cert, ca_key, "frontend", ["evil.example"])
+    server = tls.Identity("scheduler", server_cert, server_key, ca_cert)
+    forged = tls.Identity("frontend", forged_cert, forged_key, ca_cert)
+    assert asyncio.run(call(server, lambda a: client_channel(a, forged))) == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_the_public_certificate_is_no_client_of_the_mesh(tmp_path):
+    directory = write_mesh_certificates(tmp_path / "m", public_hosts=["api.example.com", "127.0.0.1"])
+    server = tls.Identity.from_files(directory / "scheduler.crt", directory / "scheduler.key", directory / "ca.crt")
+    public = tls.Identity("frontend", (directory / "public.crt").read_bytes(), (directory / "public.key").read_bytes(),
+                          (directory / "ca.crt").read_bytes())
+    code = asyncio.run(call(server, lambda a: client_channel(a, public)))
+    assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED)
+    with pytest.raises(ValueError, match="named like a role"):
+        write_mesh_certificates(tmp_path / "n", public_hosts=["frontend"])
+
+
+def test_certificates_pass_strict_x509_verification(tmp_path):
+    """Python >= 3.13 clients (httpx, openai) verify with VERIFY_X509_STRICT, which wants key
+    identifiers; a TLS handshake in memory under that flag must succeed."""
+    import ssl
+
+    directory = write_mesh_certificates(tmp_path / "m", roles=(), public_hosts=["localhost"])
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(directory / "public.crt", directory / "public.key")
+    client_ctx = ssl.create_default_context(cafile=str(directory / "ca.crt"))
+    client_ctx.verify_flags |= ssl.VERIFY_X509_STRICT
+    to_server, to_client = ssl.MemoryBIO(), ssl.MemoryBIO()
+    client = client_ctx.wrap_bio(to_client, to_server, server_hostname="localhost")
+    s_in, s_out = ssl.MemoryBIO(), ssl.MemoryBIO()
+    server = server_ctx.wrap_bio(s_in, s_out, server_side=True)
+    done = {"client": False, "server": False}
+    for _ in range(10):
+        for name, side in (("client", client), ("server", server)):
+            if not done[name]:
+                try:
+                    side.do_handshake()
+                    done[name] = True
+                except ssl.SSLWantReadError:
+                    pass
+        s_in.write(to_server.read())
+        to_client.write(s_out.read())
+        if all(done.values()):
+            break
+    assert all(done.values())

@@ -1,0 +1,81 @@
+"""Limits the frontend's request path enforces before any expensive step: token-id prompts
+longer than the context, a deadline already passed, a drain that began during tokenization."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from services.frontend import requests
+from services.frontend.requests import RequestError
+from services.frontend.server import FrontendServicer
+from services.frontend.validation import ModelLimits
+from vmesh.v1 import frontend_pb2
+
+
+def frontend(tokenizer, limits: ModelLimits) -> FrontendServicer:
+    f = FrontendServicer(tokenizer, ["s:1"], ["d:1"])
+    f.limits = limits
+    return f
+
+
+async def drain(stream) -> list:
+    return [x async for x in stream]
+
+
+class NoCopies:
+    """A token_ids field whose ids must not be copied (only their count read)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        raise AssertionError("copied before the length was checked")
+
+
+class TokenIdsRequest:
+    def __init__(self, n: int):
+        self.token_ids = type("TokenIds", (), {"ids": NoCopies(n)})()
+
+    def WhichOneof(self, _: str) -> str:
+        return "token_ids"
+
+
+def test_token_id_prompts_longer_than_the_context_are_refused_before_any_copy():
+    f = frontend(object(), ModelLimits("m", max_model_len=100, vocab_size=10))
+    with pytest.raises(RequestError) as err:
+        asyncio.run(requests.encode(f, TokenIdsRequest(50_000_000)))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "50000000 tokens" in err.value.message
+
+
+class Tokenizer:
+    def __init__(self, on_encode=lambda: None):
+        self.on_encode = on_encode
+
+    def encode(self, text: str) -> list[int]:
+        self.on_encode()
+        return [1, 2]
+
+
+def test_a_deadline_that_passed_before_submission_is_deadline_exceeded():
+    f = frontend(Tokenizer(), ModelLimits("m", 100, 10))
+    f.subscribed.add("d:1")
+    f.schedulers.candidates = lambda: [object()]
+    with pytest.raises(RequestError) as err:
+        asyncio.run(drain(requests.generate(f, frontend_pb2.GenerateRequest(text="hi"), time_remaining=lambda: 0.0)))
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_a_drain_that_began_during_tokenization_refuses_the_request():
+    """Drain waits for requests in flight; one still tokenizing was not counted, so it must not
+    start once tokenized (it would be cut off when the server stops)."""
+    f = frontend(None, ModelLimits("m", 100, 10))
+    f.tokenizer = Tokenizer(on_encode=lambda: setattr(f, "draining", True))
+    with pytest.raises(RequestError) as err:
+        asyncio.run(drain(requests.generate(f, frontend_pb2.GenerateRequest(text="hi"))))
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.message
+    assert f.in_flight == 0
