@@ -291,7 +291,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from services.client import VmeshClient
 
     async def run() -> None:
-        async with VmeshClient(args.address, api_key=args.api_key) as client:
+        async with VmeshClient(args.address, api_key=args.api_key, tls_ca=args.public_tls_ca) as client:
             chat = None if args.raw else [{"role": "user", "content": args.prompt}]
             async for out in client.generate(text=args.prompt if args.raw else None, chat=chat,
                                              max_tokens=args.max_tokens, temperature=args.temperature,
@@ -331,7 +331,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         history: list[dict[str, str]] = []
-        async with VmeshClient(args.address, api_key=args.api_key) as client:
+        async with VmeshClient(args.address, api_key=args.api_key, tls_ca=args.public_tls_ca) as client:
             while True:
                 try:
                     line = await asyncio.get_running_loop().run_in_executor(None, input, "you> ")
@@ -435,6 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     _arg(gen, "--address", default=f"127.0.0.1:{DEFAULT_PUBLIC_PORT}", help="the mesh's frontend")
     _arg(gen, "--api-key", default=None, help="sent as 'authorization: Bearer KEY'")
+    _arg(gen, "--public-tls-ca", default=None, help="the CA of a frontend serving TLS (--public-tls-cert)")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("--local", action="store_true", help="run the engine in this process instead of a mesh")
     _sampling_args(gen)
@@ -446,6 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="chat with a running mesh")
     _arg(chat, "--address", default=f"127.0.0.1:{DEFAULT_PUBLIC_PORT}")
     _arg(chat, "--api-key", default=None, help="sent as 'authorization: Bearer KEY'")
+    _arg(chat, "--public-tls-ca", default=None, help="the CA of a frontend serving TLS (--public-tls-cert)")
     _sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
     for subparser in sub.choices.values():  # also accepted after the subcommand

@@ -137,5 +137,5 @@ class SchedulerPool:
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-        for group in self.groups.values():
+        for group in list(self.groups.values()):  # a group may leave while another closes
             await group.channel.close()
