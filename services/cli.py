@@ -142,9 +142,12 @@ def worker_config(args: argparse.Namespace):
 def engine_config(args: argparse.Namespace):
     from services.engine.llm import EngineConfig
 
+    if args.stateless_worker:
+        raise ValueError("--stateless-worker is a mode of the mesh's worker protocol; the in-process engine "
+                         "has no protocol to resend (drop --local or the flag)")
     return EngineConfig(worker=worker_config(args), max_num_batched_tokens=args.max_num_batched_tokens,
                         policy=args.scheduling_policy, pipeline_depth=args.pipeline_depth,
-                        enable_prefix_caching=not args.no_prefix_caching)
+                        enable_prefix_caching=not args.no_prefix_caching, max_waiting=args.max_waiting)
 
 
 def _tokenizer_loader(args: argparse.Namespace):

@@ -34,22 +34,31 @@ class Child:
     http_address: str = ""  # the frontend's OpenAI-compatible API, when on
 
 
-def _flags(args: argparse.Namespace, names: list[str]) -> list[str]:
+def _flags(args: argparse.Namespace, group: str) -> list[str]:
+    """The command-line form of every flag `vmesh serve` took in one of its argument groups
+    (model, worker, scheduler, frontend): a service gets its whole group, so a flag added to
+    a group can never be left behind."""
     argv = []
-    for name in names:
-        value = getattr(args, name.replace("-", "_"))
-        if value is None or value is False:
+    for option, dest in group_flags(group):
+        value = getattr(args, dest)
+        if value is None or value is False or dest in NOT_FORWARDED:
             continue
-        argv += [f"--{name}"] if value is True else [f"--{name}", str(value)]
+        argv += [option] if value is True else [option, str(value)]
     return argv
 
 
-MODEL_FLAGS = ["model", "cache-dir"]
-WORKER_FLAGS = ["device", "dtype", "block-size", "kv-cache-memory", "kv-cache-memory-fraction", "max-num-seqs",
-                "max-model-len", "attention-backend"]
-FRONTEND_FLAGS = ["max-prompt-bytes", "public-tls-cert", "public-tls-key"]  # the API key goes by env: ps shows argv
-SCHEDULER_FLAGS = ["max-num-batched-tokens", "pipeline-depth", "scheduling-policy", "no-prefix-caching",
-                   "stateless-worker", "max-waiting"]
+def group_flags(group: str) -> list[tuple[str, str]]:
+    """(--flag, dest) of each option in `vmesh serve`'s argument group titled `group`."""
+    from services.cli import build_parser
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    titled = next(g for g in serve._action_groups if g.title == group)
+    return [(a.option_strings[0], a.dest) for a in titled._group_actions if a.option_strings]
+
+
+# The API key reaches the frontend by environment (ps shows argv); --http-port and --no-http are
+# turned into the frontend's own --http-port by the launcher.
+NOT_FORWARDED = {"api_key", "http_port", "no_http"}
 
 
 class Mesh:
@@ -184,21 +193,21 @@ async def _run(mesh: Mesh) -> int:
     args = mesh.args
     if args.internal_tls:
         _make_certificates(mesh)
-    model = _flags(args, MODEL_FLAGS)
+    model = _flags(args, "model")
     groups = args.data_parallel_size
     suffixes = [""] if groups == 1 else [f"-{g}" for g in range(groups)]  # one worker group: plain names
-    workers = [mesh.start(f"worker{x}", "worker", model + _flags(args, WORKER_FLAGS)) for x in suffixes]
+    workers = [mesh.start(f"worker{x}", "worker", model + _flags(args, "worker")) for x in suffixes]
     detokenizers = [mesh.start(f"detokenizer-{i}", "detokenizer", model) for i in range(args.detokenizers)]
     await mesh.wait_ready([*workers, *detokenizers])
     detok_addresses = ",".join(d.address for d in detokenizers)
     schedulers = [mesh.start(f"scheduler{x}", "scheduler", ["--workers", worker.address, "--detokenizer-addresses",
-                                                             detok_addresses, *_flags(args, SCHEDULER_FLAGS)])
+                                                             detok_addresses, *_flags(args, "scheduler")])
                   for x, worker in zip(suffixes, workers)]
     await mesh.wait_ready(schedulers)
     http = [] if args.no_http else ["--http-port", str(args.http_port)]
     frontend = mesh.start("frontend", "frontend", ["--scheduler", ",".join(s.address for s in schedulers),
                                                    "--detokenizer-addresses", detok_addresses, *model, *http,
-                                                   *_flags(args, FRONTEND_FLAGS)],
+                                                   *_flags(args, "frontend")],
                           host=args.host, port=args.port, env={"VMESH_API_KEY": args.api_key} if args.api_key else None)
     await mesh.wait_ready([frontend])
     for child in mesh.children:

@@ -30,6 +30,7 @@ class EngineConfig:
     policy: str = "fcfs"
     pipeline_depth: int = 2
     enable_prefix_caching: bool = True
+    max_waiting: int | None = None  # waiting-queue size; None: unbounded
 
 
 @dataclass
@@ -74,7 +75,8 @@ class LLMEngine:
         scheduler = Scheduler(SchedulerConfig(max_model_len=runner.max_model_len,
                                               max_num_seqs=runner.batch.max_num_reqs,
                                               max_num_batched_tokens=config.max_num_batched_tokens,
-                                              policy=config.policy), pool, runner.spec.eos_token_ids)
+                                              policy=config.policy, max_waiting=config.max_waiting),
+                              pool, runner.spec.eos_token_ids)
         self.core = EngineCore(scheduler, runner, config.pipeline_depth)
         self.tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
