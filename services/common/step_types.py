@@ -1,8 +1,8 @@
 """What the scheduler sends a worker each step, and what comes back.
 
-A plan is a diff against the worker's persistent batch (DESIGN.md, "Stateful workers"): new
-requests arrive in full once; running requests are columns indexed by a compact integer
-handle. A plan never carries sampled tokens: the worker appends its own.
+A plan is a diff against the worker's persistent batch (docs/architecture.md, "The step
+protocol"): new requests arrive in full once; running requests are columns indexed by a
+compact integer handle. A plan never carries sampled tokens: the worker appends its own.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-# DESIGN.md: a mismatch is accepted only where the reference's top-two logits are this close.
+# Greedy parity: a mismatch is accepted only where the reference's top-two logits are this close.
 NEAR_TIE = 1e-4
 
 
