@@ -10,7 +10,7 @@ import json
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -33,7 +33,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 OPEN_PATHS = {"/health", "/metrics", "/openapi.json"}  # no API key asked: probes and scrapers
+# Connections plus requests in progress before uvicorn answers 503: every open connection holds
+# memory and a task on the frontend's one loop, so a flood of them must stop somewhere.
+LIMIT_CONCURRENCY = 4096
+KEEP_ALIVE_S = 15  # an idle keep-alive connection is closed after this long
 T = TypeVar("T")
+
+
+def body_limit(max_prompt_bytes: int) -> int:
+    """The largest request body accepted: a request holds at most MAX_CHOICES prompts of at most
+    max_prompt_bytes each, plus room for the other fields."""
+    return oai.MAX_CHOICES * max_prompt_bytes + 64 * 1024
 
 
 def _error(status: int, message: str, error_type: str, param: str | None = None,
@@ -66,24 +76,81 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class BodyLimitMiddleware:
+    """Refuses a request body above `limit` bytes with 413 before it is buffered and parsed on
+    the frontend's one loop: by its Content-Length at once, and by counting what arrives for a
+    chunked upload (no Content-Length). Plain ASGI: it must not buffer streamed responses."""
+
+    def __init__(self, app: Any, limit: int):
+        self.app = app
+        self.limit = limit
+
+    def _too_large(self) -> JSONResponse:
+        return _error(413, f"request body: larger than {self.limit} bytes", "invalid_request_error")
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > self.limit:
+            await self._too_large()(scope, receive, send)
+            return
+        received = 0
+        started = False
+
+        async def counted_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    # FastAPI re-raises an HTTPException raised while it reads the body, so the
+                    # app's own handler answers 413; any other reader lets it reach the except below.
+                    raise StarletteHTTPException(413, f"request body: larger than {self.limit} bytes")
+            return message
+
+        async def watched_send(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, watched_send)
+        except StarletteHTTPException as exc:
+            if exc.status_code != 413 or started:
+                raise
+            await self._too_large()(scope, receive, send)
+
+
 class Fanout:
     """Several request streams (n choices, several prompts) merged into one sequence of
-    (choice index, GenerateResponse)."""
+    (choice index, GenerateResponse).
 
-    def __init__(self, streams: list[AsyncIterator[frontend_pb2.GenerateResponse]]):
+    The queue is bounded: a stream whose output the reader has not taken yet stops pulling, so
+    outputs that arrive meanwhile merge in the request's one-slot Outbox rather than pile up
+    here. A slow reader then holds at most a few entries per stream, never tokens × n of them."""
+
+    def __init__(self, streams: list[AsyncGenerator[frontend_pb2.GenerateResponse, None]]):
         self.queue: asyncio.Queue[tuple[int, frontend_pb2.GenerateResponse | None, BaseException | None]] = (
-            asyncio.Queue())
+            asyncio.Queue(maxsize=max(1, len(streams))))
         self.tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
         self.pending: list[tuple[int, frontend_pb2.GenerateResponse]] = []
         self.open = len(streams)
 
-    async def _pump(self, index: int, stream: AsyncIterator[frontend_pb2.GenerateResponse]) -> None:
+    async def _pump(self, index: int, stream: AsyncGenerator[frontend_pb2.GenerateResponse, None]) -> None:
         try:
-            async for out in stream:
-                self.queue.put_nowait((index, out, None))
-            self.queue.put_nowait((index, None, None))
+            try:
+                async for out in stream:
+                    oai.check_not_aborted(out)
+                    await self.queue.put((index, out, None))
+            finally:
+                # Cancelled while waiting for room in the queue, the stream sits at a yield where
+                # the cancellation never reaches it: closing it runs its cleanup (the abort) now.
+                await stream.aclose()
+            await self.queue.put((index, None, None))
         except Exception as exc:  # handed to the reader, which raises it
-            self.queue.put_nowait((index, None, exc))
+            await self.queue.put((index, None, exc))
 
     async def _next(self) -> tuple[int, frontend_pb2.GenerateResponse] | None:
         while self.open:
@@ -97,15 +164,13 @@ class Fanout:
         return None
 
     async def started(self) -> None:
-        """Wait until every stream has sent something, so that a request refused by validation or
-        a full queue fails with an HTTP status before any streamed byte; keeps what came."""
-        seen: set[int] = set()
-        while len(seen) < len(self.tasks):
-            item = await self._next()
-            if item is None:
-                return
+        """Wait for the first output or the first error, so that a request refused by validation
+        or a full queue fails with an HTTP status before any streamed byte, without holding every
+        choice back until the slowest has started; keeps what came. A later failure is sent as
+        an error event."""
+        item = await self._next()
+        if item is not None:
             self.pending.append(item)
-            seen.add(item[0])
 
     async def events(self) -> AsyncIterator[tuple[int, frontend_pb2.GenerateResponse]]:
         while self.pending:
@@ -114,10 +179,27 @@ class Fanout:
             yield item
 
     async def close(self) -> None:
-        """Cancel what still runs: each stream's request is then aborted in the scheduler."""
+        """Cancel what still runs: each stream's request is then aborted in the scheduler. Safe
+        to call more than once."""
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+class FanoutStreamingResponse(StreamingResponse):
+    """Closes its fan-out however the response ends: Starlette may cancel the body before its
+    generator has started (the client left right after the response started), and a generator
+    that never started never runs its `finally`."""
+
+    def __init__(self, fanout: Fanout, content: AsyncIterator[str], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self.fanout = fanout
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.fanout.close()
 
 
 class ClientGone(Exception):
@@ -137,12 +219,18 @@ async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
     watcher = asyncio.ensure_future(disconnected())
     try:
         await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
-    finally:
+    except asyncio.CancelledError:
+        # Our own cancellation (uvicorn shutting down, say), not the client's leaving: stop the
+        # work and let the cancellation through, as swallowing it would keep this task running.
         watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise ClientGone
+        task.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+        raise
+    watcher.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientGone
     return task.result()
 
 
@@ -154,13 +242,19 @@ class OpenAIRoutes:
     def __init__(self, frontend: FrontendServicer):
         self.frontend = frontend
         self.created = int(time.time())
+        self._tokens: oai.TokenTable | None = None
 
     def served(self) -> str:
         requests.ready(self.frontend)
         return self.frontend.limits.name
 
-    def token_text(self, token_id: int) -> str:
-        return self.frontend.tokenizer.decode([token_id])
+    @property
+    def tokens(self) -> oai.TokenTable:
+        """The token table of the tokenizer now loaded (one per tokenizer: ids mean nothing
+        across tokenizers)."""
+        if self._tokens is None or self._tokens.tokenizer is not self.frontend.tokenizer:
+            self._tokens = oai.TokenTable(self.frontend.tokenizer)
+        return self._tokens
 
     async def _run(self, http_request: Request, generate_requests: list[frontend_pb2.GenerateRequest], n: int,
                    stream: bool, include_usage: bool, want_logprobs: bool, chat: bool,
@@ -168,32 +262,48 @@ class OpenAIRoutes:
         model = self.frontend.limits.name
         request_id = oai.new_id("chatcmpl" if chat else "cmpl")
         created = oai.now()
-        fanout = Fanout([requests.generate(self.frontend, r) for r in oai.fan_out(generate_requests, n)])
-        choices = [oai.Choice() for _ in fanout.tasks]
+        choices = [oai.Choice() for _ in range(len(generate_requests) * n)]
+        fanout: Fanout | None = None
 
-        async def collect() -> None:
+        async def start() -> None:
+            nonlocal fanout
+            # Each prompt is tokenized once (off the loop); its n copies carry the token ids.
+            prompts = [await requests.encode(self.frontend, r) for r in generate_requests]
+            fanout = Fanout([requests.generate(self.frontend, r) for r in oai.fan_out(generate_requests, n, prompts)])
+            if stream:
+                await fanout.started()
+                return
             async for index, out in fanout.events():
                 choices[index].add(out)
 
+        handed_over = False  # a streaming response closes the fan-out itself, when it ends
         try:
-            await _until_disconnect(http_request, fanout.started() if stream else collect())
+            await _until_disconnect(http_request, start())
+            assert fanout is not None
+            if not stream:
+                await fanout.close()  # every stream has ended; closing leaves nothing to chance
+                build = oai.chat_body if chat else oai.completion_body
+                tokens = self.tokens
+                # Rendering n × max_tokens entries (with logprobs) is long work: a worker thread
+                # keeps the loop serving other requests meanwhile.
+                body = await asyncio.to_thread(lambda: json.dumps(
+                    build(request_id, created, model, choices, n, want_logprobs, tokens),
+                    ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode())
+                return Response(body, media_type="application/json")
+            events = self._chat_events if chat else self._completion_events
+            response = FanoutStreamingResponse(
+                fanout, self._stream(fanout, events(fanout, choices, request_id, created, model, want_logprobs),
+                                     choices, n, include_usage, request_id, created, model, chat, aliases),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            handed_over = True
+            return response
         except RequestError as exc:
-            await fanout.close()
             return _request_error(exc, aliases)
         except ClientGone:
-            await fanout.close()
             return Response(status_code=499)  # nobody reads it; nginx's code for "client closed"
-        except BaseException:
-            await fanout.close()
-            raise
-        if not stream:
-            build = oai.chat_body if chat else oai.completion_body
-            return JSONResponse(build(request_id, created, model, choices, n, want_logprobs, self.token_text))
-        events = self._chat_events if chat else self._completion_events
-        return StreamingResponse(self._stream(fanout, events(fanout, choices, request_id, created, model,
-                                                             want_logprobs), choices, n, include_usage,
-                                              request_id, created, model, chat, aliases),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        finally:
+            if fanout is not None and not handed_over:
+                await fanout.close()
 
     async def _stream(self, fanout: Fanout, chunks: AsyncIterator[dict[str, Any]], choices: list[oai.Choice], n: int,
                       include_usage: bool, request_id: str, created: int, model: str, chat: bool,
@@ -206,6 +316,9 @@ class OpenAIRoutes:
                             "created": created, "model": model, "choices": [], "usage": oai.usage(choices, n)})
         except RequestError as exc:  # mid-stream: the status line is long gone; OpenAI's clients read this
             yield _sse(oai.request_error_body(exc, aliases)[1])
+        except Exception as exc:
+            logger.exception("HTTP stream failed")
+            yield _sse(oai.error_body(f"internal error: {type(exc).__name__}", "internal_error"))
         finally:
             await fanout.close()
         yield "data: [DONE]\n\n"
@@ -218,7 +331,7 @@ class OpenAIRoutes:
             choice.add(out)
             if not (out.text or out.finish_reason or out.logprobs):
                 continue
-            logprobs = (oai.completion_logprobs(list(out.logprobs), list(out.token_ids), self.token_text, offset)
+            logprobs = (oai.completion_logprobs(list(out.logprobs), list(out.token_ids), self.tokens, offset)
                         if want_logprobs else None)
             yield {"id": request_id, "object": "text_completion", "created": created, "model": model,
                    "choices": [{"index": index, "text": out.text, "logprobs": logprobs,
@@ -236,7 +349,7 @@ class OpenAIRoutes:
             choices[index].add(out)
             if not (out.text or out.finish_reason or out.logprobs):
                 continue
-            logprobs = (oai.chat_logprobs(list(out.logprobs), list(out.token_ids), self.token_text)
+            logprobs = (oai.chat_logprobs(list(out.logprobs), list(out.token_ids), self.tokens)
                         if want_logprobs else None)
             yield chunk(index, {"content": out.text} if out.text else {}, logprobs,
                         oai.finish_reason(out.finish_reason))
@@ -312,6 +425,8 @@ def build_app(frontend: FrontendServicer, registry: CollectorRegistry | None) ->
     async def chat_completions(body: oai.ChatCompletionRequest, request: Request) -> Response:
         return await routes.chat_completions(body, request)
 
+    # The last added runs first: the key is checked before any body byte is read.
+    app.add_middleware(BodyLimitMiddleware, limit=body_limit(frontend.max_prompt_bytes))
     app.add_middleware(ApiKeyMiddleware, frontend=frontend)
     return app
 
@@ -342,7 +457,8 @@ class HttpServer:
         from services.common.grpc_server import OPTIONS
 
         config = uvicorn.Config(build_app(frontend, registry), log_config=None, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5, ssl_certfile=OPTIONS.public_tls_cert,
+                                timeout_graceful_shutdown=5, limit_concurrency=LIMIT_CONCURRENCY,
+                                timeout_keep_alive=KEEP_ALIVE_S, ssl_certfile=OPTIONS.public_tls_cert,
                                 ssl_keyfile=OPTIONS.public_tls_key)
         self.server = _Server(config)
         self.task: asyncio.Task | None = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -15,11 +15,16 @@ from services.frontend.requests import Code, RequestError
 from vmesh.v1 import common_pb2, frontend_pb2
 
 MAX_CHOICES = 64  # n × prompts per HTTP request: each is a request in the scheduler
+# OpenAI's own caps: completions' `logprobs` at most 5, chat's `top_logprobs` at most 20. Each
+# top entry is a token to render per generated token, so the cap bounds a response's size.
+MAX_COMPLETION_LOGPROBS = 5
+MAX_TOP_LOGPROBS = 20
 SEED_MASK = (1 << 64) - 1
 # JSON has no -inf: a logprob that underflowed is sent as this, as vLLM does.
 MIN_LOGPROB = -9999.0
-FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-                  common_pb2.FINISH_REASON_ABORT: "abort"}
+# Only OpenAI's values: "abort" (which vLLM passes through) breaks clients that switch on the
+# enum, and an aborted request did not complete, so it is reported as an error instead.
+FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
 
 
 class _Body(BaseModel):
@@ -111,6 +116,16 @@ def _refuse_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None
         raise invalid("response_format", "only {'type': 'text'} is supported by vmesh")
 
 
+def _text(param: str, value: str) -> str:
+    """`value` if it can be sent as UTF-8: JSON's \\ud800 escapes decode to lone surrogates,
+    which protobuf (and every later step) refuses."""
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise invalid(param, f"not valid Unicode (a lone surrogate at offset {exc.start})") from exc
+    return value
+
+
 def _set(message: Any, name: str, value: Any, param: str | None = None) -> None:
     """Set a proto field, turning a value outside the field's range into a 400 naming it."""
     if value is None:
@@ -133,7 +148,8 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int |
                  "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
                  "include_stop_str_in_output", "stop_token_ids"):
         _set(pb, name, getattr(body, name))
-    _set(pb, "stop", [body.stop] if isinstance(body.stop, str) else body.stop)
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop
+    _set(pb, "stop", [_text("stop", s) for s in stop] if stop is not None else None)
     if body.seed is not None:
         pb.seed = body.seed & SEED_MASK  # OpenAI's seeds may be negative; the same seed, the same draw
     _set(pb, "logprobs", logprobs)
@@ -161,13 +177,15 @@ def completion_requests(body: CompletionRequest, served: str) -> list[frontend_p
         raise invalid("prompt", "empty")
     if len(prompts) * body.n > MAX_CHOICES:
         raise invalid("n", f"{len(prompts)} prompts × n={body.n} choices; at most {MAX_CHOICES} per request")
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise invalid("logprobs", f"must be in [0, {MAX_COMPLETION_LOGPROBS}], got {body.logprobs}")
     sampling = _sampling(body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs)
     out = []
     for p in prompts:
         request = frontend_pb2.GenerateRequest(sampling=sampling)
         _set(request, "priority", body.priority)
         if isinstance(p, str):
-            request.text = p
+            request.text = _text("prompt", p)
         else:
             request.token_ids.SetInParent()
             _set(request.token_ids, "ids", list(p), "prompt")
@@ -180,13 +198,13 @@ def _content_text(i: int, message: ChatMessage) -> str:
     if content is None:
         raise invalid(f"messages[{i}].content", "required")
     if isinstance(content, str):
-        return content
+        return _text(f"messages[{i}].content", content)
     parts = []
     for j, part in enumerate(content):
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise invalid(f"messages[{i}].content[{j}]", "only text parts ({'type': 'text', 'text': ...}) "
                                                          "are supported by vmesh")
-        parts.append(part["text"])
+        parts.append(_text(f"messages[{i}].content[{j}].text", part["text"]))
     return "\n".join(parts)
 
 
@@ -201,6 +219,8 @@ def chat_request(body: ChatCompletionRequest, served: str) -> frontend_pb2.Gener
         raise invalid("n", f"at most {MAX_CHOICES}")
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs", "requires logprobs: true")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise invalid("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {body.top_logprobs}")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     request = frontend_pb2.GenerateRequest(sampling=_sampling(body, max_tokens, logprobs))
@@ -214,15 +234,21 @@ def chat_request(body: ChatCompletionRequest, served: str) -> frontend_pb2.Gener
     return request
 
 
-def fan_out(requests: list[frontend_pb2.GenerateRequest], n: int) -> list[frontend_pb2.GenerateRequest]:
-    """n copies of each request, choice index = prompt index × n + copy. The copies share the
-    prompt's KV blocks through the prefix cache; a seeded request's copies get seed + copy, so
-    that they differ from one another yet reproduce."""
+def fan_out(requests: list[frontend_pb2.GenerateRequest], n: int,
+            prompts: list[list[int]]) -> list[frontend_pb2.GenerateRequest]:
+    """n copies of each request, choice index = prompt index × n + copy. `prompts`: each
+    request's token ids, tokenized once: the copies carry the ids rather than the text, so that
+    n copies cost one tokenization. The copies share the prompt's KV blocks through the prefix
+    cache; a seeded request's copies get seed + copy, so that they differ yet reproduce."""
     out = []
-    for request in requests:
+    for request, ids in zip(requests, prompts, strict=True):
+        template = frontend_pb2.GenerateRequest()
+        template.CopyFrom(request)
+        template.ClearField("input")
+        template.token_ids.ids.extend(ids)
         for j in range(n):
             copy = frontend_pb2.GenerateRequest()
-            copy.CopyFrom(request)
+            copy.CopyFrom(template)
             if j and copy.sampling.HasField("seed"):
                 copy.sampling.seed = (copy.sampling.seed + j) & SEED_MASK
             out.append(copy)
@@ -262,27 +288,98 @@ def _lp(value: float) -> float:
     return max(float(value), MIN_LOGPROB)
 
 
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: the character each byte is written as in a
+    byte-level BPE vocabulary -> that byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+BYTE_DECODER = _byte_decoder()
+
+
+class TokenTexts(Protocol):
+    def text(self, token_id: int) -> str: ...
+
+    def raw(self, token_id: int) -> bytes: ...
+
+
+class TokenTable:
+    """Each token id's text and raw bytes, computed at most once per id: rendering logprobs
+    names every sampled and every top token, and decoding them one by one on the event loop
+    stalls every other request (n × max_tokens × (1 + top) decodes per response). Bounded by
+    the vocabulary; filled lazily, as decoding a whole vocabulary up front is itself a stall."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._text: dict[int, str] = {}
+        self._raw: dict[int, bytes] = {}
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._byte_level = "ByteLevel" in type(getattr(backend, "decoder", None)).__name__
+        self._added = {i for i in (getattr(tokenizer, "added_tokens_decoder", None) or {})}
+
+    def text(self, token_id: int) -> str:
+        text = self._text.get(token_id)
+        if text is None:
+            text = self._text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def raw(self, token_id: int) -> bytes:
+        """The token's own bytes: a token holding part of a UTF-8 character decodes to U+FFFD,
+        whose UTF-8 (EF BF BD) is not what the model produced; OpenAI's `bytes` are the real ones."""
+        raw = self._raw.get(token_id)
+        if raw is None:
+            raw = self._raw[token_id] = self._token_bytes(token_id)
+        return raw
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        convert = getattr(self.tokenizer, "convert_ids_to_tokens", None)
+        piece = convert(token_id) if convert is not None and token_id not in self._added else None
+        if isinstance(piece, str) and piece:  # "": an id the vocabulary lacks
+            if self._byte_level and all(c in BYTE_DECODER for c in piece):
+                return bytes(BYTE_DECODER[c] for c in piece)
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    pass
+        return self.text(token_id).encode(errors="surrogatepass")
+
+
 def completion_logprobs(entries: list[frontend_pb2.GeneratedTokenLogprobs], token_ids: list[int],
-                        token_text: Any, offset: int = 0) -> dict[str, Any]:
+                        tokens: TokenTexts, offset: int = 0) -> dict[str, Any]:
     """OpenAI's legacy completions logprobs; `offset`: where this piece starts in the choice's text."""
-    tokens = [token_text(t) for t in token_ids]
+    texts = [tokens.text(t) for t in token_ids]
     offsets = []
-    for t in tokens:
+    for t in texts:
         offsets.append(offset)
         offset += len(t)
-    return {"tokens": tokens, "token_logprobs": [_lp(e.logprob) for e in entries],
-            "top_logprobs": [{token_text(t.token_id): _lp(t.logprob) for t in e.top} for e in entries],
+    return {"tokens": texts, "token_logprobs": [_lp(e.logprob) for e in entries],
+            "top_logprobs": [{tokens.text(t.token_id): _lp(t.logprob) for t in e.top} for e in entries],
             "text_offset": offsets}
 
 
 def chat_logprobs(entries: list[frontend_pb2.GeneratedTokenLogprobs], token_ids: list[int],
-                  token_text: Any) -> dict[str, Any]:
+                  tokens: TokenTexts) -> dict[str, Any]:
     def item(token_id: int, logprob: float) -> dict[str, Any]:
-        text = token_text(token_id)
-        return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode())}
+        return {"token": tokens.text(token_id), "logprob": _lp(logprob), "bytes": list(tokens.raw(token_id))}
 
     return {"content": [{**item(t, e.logprob), "top_logprobs": [item(x.token_id, x.logprob) for x in e.top]}
                         for t, e in zip(token_ids, entries)]}
+
+
+def check_not_aborted(out: frontend_pb2.GenerateResponse) -> None:
+    """An output the server aborted (a failure or a deadline on its side) ends the request with
+    an error: OpenAI has no finish reason for it, and its text is not a complete answer."""
+    if out.finish_reason == common_pb2.FINISH_REASON_ABORT:
+        raise RequestError(Code.UNAVAILABLE, "the server aborted the request before it finished; try again")
 
 
 def usage(choices: list[Choice], n: int) -> dict[str, Any]:
@@ -299,20 +396,20 @@ def finish_reason(code: int) -> str | None:
 
 
 def completion_body(request_id: str, created: int, model: str, choices: list[Choice], n: int, want_logprobs: bool,
-                    token_text: Any) -> dict[str, Any]:
+                    tokens: TokenTexts) -> dict[str, Any]:
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": i, "text": c.text, "finish_reason": finish_reason(c.finish_reason),
-                         "logprobs": completion_logprobs(c.logprobs, c.token_ids, token_text) if want_logprobs
+                         "logprobs": completion_logprobs(c.logprobs, c.token_ids, tokens) if want_logprobs
                          else None} for i, c in enumerate(choices)],
             "usage": usage(choices, n)}
 
 
 def chat_body(request_id: str, created: int, model: str, choices: list[Choice], n: int, want_logprobs: bool,
-              token_text: Any) -> dict[str, Any]:
+              tokens: TokenTexts) -> dict[str, Any]:
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
                          "finish_reason": finish_reason(c.finish_reason),
-                         "logprobs": chat_logprobs(c.logprobs, c.token_ids, token_text) if want_logprobs else None}
+                         "logprobs": chat_logprobs(c.logprobs, c.token_ids, tokens) if want_logprobs else None}
                         for i, c in enumerate(choices)],
             "usage": usage(choices, n)}
 

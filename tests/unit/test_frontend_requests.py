@@ -139,9 +139,14 @@ def test_openai_bodies_translate_into_generate_requests():
     completions = oai.completion_requests(oai.CompletionRequest(prompt=[[1, 2], [3]], n=2, seed=5), "m")
     assert [list(r.token_ids.ids) for r in completions] == [[1, 2], [3]]
     assert completions[0].sampling.max_tokens == 16  # OpenAI's default for completions
-    copies = oai.fan_out(completions, 2)
+    copies = oai.fan_out(completions, 2, [[1, 2], [3]])
     assert [c.sampling.seed for c in copies] == [5, 6, 5, 6]
     assert [list(c.token_ids.ids) for c in copies] == [[1, 2], [1, 2], [3], [3]]
+    # A text or chat prompt's copies carry the ids it was tokenized to once, and keep the rest.
+    chat_copies = oai.fan_out([request], 2, [[7, 8]])
+    assert [c.WhichOneof("input") for c in chat_copies] == ["token_ids"] * 2
+    assert [list(c.token_ids.ids) for c in chat_copies] == [[7, 8]] * 2
+    assert chat_copies[1].sampling.max_tokens == 5 and chat_copies[1].sampling.top_k == 3
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -149,6 +154,7 @@ def test_openai_bodies_translate_into_generate_requests():
     ({"prompt": "a", "best_of": 2}, "best_of"), ({"prompt": "a", "logit_bias": {"1": 1.0}}, "logit_bias"),
     ({"prompt": "a", "max_tokens": -1}, "max_tokens"), ({"prompt": [-1]}, "prompt"), ({"prompt": []}, "prompt"),
     ({"prompt": "a", "n": 0}, "n"), ({"prompt": ["a"] * 9, "n": 8}, "n"),
+    ({"prompt": "a", "logprobs": 6}, "logprobs"), ({"prompt": "a\ud800"}, "prompt"),
 ])
 def test_refused_completion_fields_are_named(body, param):
     with pytest.raises(RequestError) as err:
@@ -162,6 +168,8 @@ def test_refused_completion_fields_are_named(body, param):
     ({"response_format": {"type": "json_schema"}}, "response_format"), ({"top_logprobs": 1}, "top_logprobs"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x\udc00"}]}, "messages[0].content"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
 ])
 def test_refused_chat_fields_are_named(body, param):
     with pytest.raises(RequestError) as err:

@@ -1,0 +1,396 @@
+"""The frontend's HTTP shell without a network or a mesh: the ASGI app is driven directly, a fake
+scheduler takes submissions, and the test plays the detokenizer by filling each request's
+Outbox. Covers what only shows between the HTTP layer and the request path: tokenizing once
+for n copies, starting a stream on the first choice, closing a stream's requests however it
+ends, bounded fan-out memory, body limits, cancellation, aborted requests and logprob bytes."""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from services.frontend import openai_protocol as oai
+from services.frontend.http_server import Fanout, _until_disconnect, body_limit, build_app
+from services.frontend.outbox import PendingOutput
+from services.frontend.requests import RequestError
+from services.frontend.schedulers import SchedulerPool
+from services.frontend.server import FrontendServicer
+from tests.support.grpc_fakes import FakeChannel
+from vmesh.v1 import common_pb2, frontend_pb2, scheduler_pb2
+
+LENGTH = common_pb2.FINISH_REASON_LENGTH
+ABORT = common_pb2.FINISH_REASON_ABORT
+
+
+class CharTokenizer:
+    """One token per character (id = code point); counts its calls."""
+
+    def __init__(self) -> None:
+        self.encodes = 0
+        self.decodes = 0
+
+    def encode(self, text: str) -> list[int]:
+        self.encodes += 1
+        return [ord(c) for c in text]
+
+    def apply_chat_template(self, messages: list[dict], **kwargs: Any) -> list[int]:
+        self.encodes += 1
+        return [ord(c) for m in messages for c in m["content"]]
+
+    def decode(self, ids: list[int]) -> str:
+        self.decodes += 1
+        return "".join(map(chr, ids))
+
+
+class FakeScheduler:
+    """Takes every submission; records submissions and aborts."""
+
+    def __init__(self) -> None:
+        self.submitted: list[scheduler_pb2.SubmitRequestRequest] = []
+        self.aborted: list[str] = []
+        self.arrived = asyncio.Event()
+
+    async def GetSchedulerStats(self, request: Any, **kwargs: Any) -> scheduler_pb2.GetSchedulerStatsResponse:
+        return scheduler_pb2.GetSchedulerStatsResponse(model_name="m", max_model_len=1000, vocab_size=1000)
+
+    async def SubmitRequest(self, request: Any, **kwargs: Any) -> scheduler_pb2.SubmitRequestResponse:
+        self.submitted.append(request)
+        self.arrived.set()
+        return scheduler_pb2.SubmitRequestResponse(detokenizer="d:1")
+
+    async def AbortRequest(self, request: Any, **kwargs: Any) -> scheduler_pb2.AbortRequestResponse:
+        self.aborted.append(request.request_id)
+        return scheduler_pb2.AbortRequestResponse()
+
+    async def until_submitted(self, count: int) -> None:
+        # An event, not a bounded spin: tokenizing runs on a worker thread.
+        while len(self.submitted) < count:
+            self.arrived.clear()
+            await self.arrived.wait()
+
+
+async def quiet_health(group: Any) -> AsyncIterator[Any]:
+    await asyncio.Event().wait()  # the scheduler never goes away
+    yield
+
+
+async def serving_frontend(tokenizer: Any = None, **kwargs: Any) -> tuple[FrontendServicer, FakeScheduler]:
+    scheduler = FakeScheduler()
+    f = FrontendServicer(tokenizer or CharTokenizer(), ["s:1"], ["d:1"], **kwargs)
+    f.schedulers = SchedulerPool(lambda address: (scheduler, FakeChannel()), health_stream=quiet_health)
+    await f.schedulers.add("s:1").joined.wait()
+    f.limits = f.schedulers.limits
+    f.subscribed.add("d:1")
+    return f, scheduler
+
+
+async def settle(condition: Callable[[], bool], rounds: int = 10_000) -> None:
+    """Let the loop run until `condition` holds; only for work that needs no thread or timer, so
+    a bound on loop rounds (not on time) says it never will."""
+    for _ in range(rounds):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the condition never held")
+
+
+def emit(f: FrontendServicer, text: str, finish: int = 0, keys: list[int] | None = None) -> None:
+    """Play the detokenizer: `text` (one token per character) to the given requests (all: None)."""
+    for key in sorted(f.outboxes) if keys is None else keys:
+        f.outboxes[key].put(PendingOutput(text=text, token_ids=[ord(c) for c in text], finish_reason=finish))
+
+
+class Call:
+    """One request over raw ASGI, so that a test sees each message as it is sent (httpx's ASGI
+    transport hands back a streamed body only once it is complete)."""
+
+    def __init__(self, app: Any, path: str, body: dict, spec_version: str = "2.3",
+                 fail_on_start: bool = False):
+        raw = json.dumps(body).encode()
+        self.sent: list[dict] = []
+        self.inbox: asyncio.Queue[dict] = asyncio.Queue()
+        self.inbox.put_nowait({"type": "http.request", "body": raw, "more_body": False})
+        self.fail_on_start = fail_on_start
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec_version}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+                 "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]}
+        self.task = asyncio.create_task(app(scope, self.inbox.get, self._send))
+
+    async def _send(self, message: dict) -> None:
+        if self.fail_on_start and message["type"] == "http.response.start":
+            raise OSError("the client is gone")  # what uvicorn's send raises once the peer closed
+        self.sent.append(message)
+
+    @property
+    def status(self) -> int | None:
+        return next((m["status"] for m in self.sent if m["type"] == "http.response.start"), None)
+
+    @property
+    def body(self) -> str:
+        return b"".join(m.get("body", b"") for m in self.sent if m["type"] == "http.response.body").decode()
+
+    def events(self) -> list[Any]:
+        return [line.removeprefix("data: ") for line in self.body.splitlines() if line.startswith("data: ")]
+
+
+def test_n_copies_tokenize_the_prompt_once_and_carry_its_ids():
+    async def main():
+        tokenizer = CharTokenizer()
+        f, scheduler = await serving_frontend(tokenizer)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(f, None)),
+                                     base_url="http://frontend") as http:
+            for path, body in (("/v1/completions", {"prompt": "hi", "n": 4, "max_tokens": 2}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3,
+                                                         "max_tokens": 2})):
+                before, submitted = tokenizer.encodes, len(scheduler.submitted)
+                call = asyncio.create_task(http.post(path, json=body))
+                await scheduler.until_submitted(submitted + body["n"])
+                emit(f, "ok", LENGTH)
+                response = await call
+                assert response.status_code == 200, response.text
+                assert tokenizer.encodes - before == 1  # not once per copy
+                assert [list(s.prompt_token_ids) for s in scheduler.submitted[submitted:]] == [[104, 105]] * body["n"]
+                assert len(response.json()["choices"]) == body["n"]
+
+    asyncio.run(main())
+
+
+def test_a_stream_starts_with_its_first_choice_and_its_other_choices_follow():
+    async def main():
+        f, scheduler = await serving_frontend()
+        call = Call(build_app(f, None), "/v1/completions", {"prompt": [1, 2], "n": 3, "max_tokens": 2,
+                                                            "stream": True})
+        await scheduler.until_submitted(3)
+        first, *others = sorted(f.outboxes)
+        emit(f, "a", keys=[first])
+        await settle(lambda: call.status is not None)  # the others have sent nothing yet
+        assert call.status == 200
+        emit(f, "b", LENGTH, keys=others)
+        emit(f, "c", LENGTH, keys=[first])
+        await call.task
+        chunks = [json.loads(e) for e in call.events()[:-1]]
+        assert call.events()[-1] == "[DONE]"
+        text = {i: "".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i)
+                for i in range(3)}
+        assert text == {0: "ac", 1: "b", 2: "b"}
+
+    asyncio.run(main())
+
+
+def test_a_stream_whose_client_left_as_it_started_aborts_its_requests():
+    """Starlette may stop a streaming response before its body generator runs (here: sending the
+    response start fails); the fan-out must be closed all the same."""
+
+    async def main():
+        f, scheduler = await serving_frontend()
+        call = Call(build_app(f, None), "/v1/completions", {"prompt": [1, 2], "n": 2, "max_tokens": 500,
+                                                            "stream": True}, spec_version="2.4", fail_on_start=True)
+        await scheduler.until_submitted(2)
+        emit(f, "a")
+        await asyncio.gather(call.task, return_exceptions=True)
+        await settle(lambda: f.in_flight == 0 and not f.background)
+        return sorted(scheduler.aborted), sorted(s.request_id for s in scheduler.submitted)
+
+    aborted, submitted = asyncio.run(main())
+    assert aborted == submitted
+
+
+def test_a_non_streaming_request_whose_client_left_aborts_its_requests():
+    async def main():
+        f, scheduler = await serving_frontend()
+        call = Call(build_app(f, None), "/v1/completions", {"prompt": [1, 2], "n": 2, "max_tokens": 500})
+        await scheduler.until_submitted(2)
+        emit(f, "a")
+        call.inbox.put_nowait({"type": "http.disconnect"})
+        await call.task
+        await settle(lambda: f.in_flight == 0 and not f.background)
+        return call.status, sorted(scheduler.aborted), sorted(s.request_id for s in scheduler.submitted)
+
+    status, aborted, submitted = asyncio.run(main())
+    assert status == 499 and aborted == submitted
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_aborted_request_is_an_error_not_an_abort_finish_reason(stream: bool):
+    async def main():
+        f, scheduler = await serving_frontend()
+        call = Call(build_app(f, None), "/v1/chat/completions",
+                    {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": stream})
+        await scheduler.until_submitted(1)
+        if stream:
+            emit(f, "a")
+            await settle(lambda: call.status is not None)
+        emit(f, "", ABORT)
+        await call.task
+        return call
+
+    call = asyncio.run(main())
+    assert "abort\"" not in call.body
+    if not stream:
+        assert call.status == 503 and json.loads(call.body)["error"]["type"] == "service_unavailable_error"
+        return
+    assert call.status == 200
+    *chunks, error, done = call.events()
+    assert done == "[DONE]" and json.loads(error)["error"]["type"] == "service_unavailable_error"
+    assert all(json.loads(c)["choices"][0]["finish_reason"] is None for c in chunks)
+
+
+def test_a_slow_reader_holds_a_bounded_number_of_outputs():
+    """A reader that takes nothing: each stream is pulled only a bounded number of times (the
+    rest would merge in the request's Outbox), and closing the fan-out closes every stream."""
+    pulled = [0, 0, 0]
+    closed: set[int] = set()
+
+    async def stream(i: int, count: int) -> AsyncIterator[frontend_pb2.GenerateResponse]:
+        try:
+            for k in range(count):
+                pulled[i] += 1
+                yield frontend_pb2.GenerateResponse(text=f"{i}.{k} ")
+                await asyncio.sleep(0)
+        finally:
+            closed.add(i)
+
+    async def main():
+        fanout = Fanout([stream(i, 300) for i in range(3)])
+        for _ in range(3000):  # every stream could have been drained ten times over
+            await asyncio.sleep(0)
+        assert sum(pulled) <= 2 * len(pulled), pulled
+        got: dict[int, list[str]] = {0: [], 1: [], 2: []}
+        async for index, out in fanout.events():
+            got[index].append(out.text)
+        assert got == {i: [f"{i}.{k} " for k in range(300)] for i in range(3)}
+
+        stalled = Fanout([stream(i, 300) for i in range(3)])
+        await settle(lambda: stalled.queue.full())
+        await stalled.close()
+        assert closed == {0, 1, 2}
+
+    asyncio.run(main())
+
+
+def test_until_disconnect_lets_its_own_cancellation_through():
+    class Connected:
+        def __init__(self) -> None:
+            self.messages: asyncio.Queue[dict] = asyncio.Queue()
+
+        async def receive(self) -> dict:
+            return await self.messages.get()
+
+    async def main():
+        work_cancelled = asyncio.Event()
+
+        async def work() -> None:
+            try:
+                await asyncio.Event().wait()
+            finally:
+                work_cancelled.set()
+
+        request = Connected()
+        task = asyncio.create_task(_until_disconnect(request, work()))  # type: ignore[arg-type]
+        await settle(lambda: request.messages._getters)  # type: ignore[attr-defined]
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert work_cancelled.is_set()
+
+        from services.frontend.http_server import ClientGone  # a disconnect is still ClientGone
+
+        request = Connected()
+        request.messages.put_nowait({"type": "http.disconnect"})
+        with pytest.raises(ClientGone):
+            await _until_disconnect(request, work())  # type: ignore[arg-type]
+
+    asyncio.run(main())
+
+
+def test_request_bodies_over_the_limit_are_refused_with_413():
+    f = FrontendServicer(None, ["s:1"], ["d:1"], max_prompt_bytes=8)
+    limit = body_limit(8)
+    assert limit == 64 * 8 + 64 * 1024
+    chunks_sent = 0
+
+    async def chunked() -> AsyncIterator[bytes]:  # no Content-Length: only counting can stop it
+        nonlocal chunks_sent
+        yield b'{"prompt": "'
+        for _ in range(100):
+            chunks_sent += 1
+            yield b"x" * 4096
+        yield b'"}'
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(f, None)),
+                                     base_url="http://frontend") as http:
+            declared = await http.post("/v1/completions", content=b"{" + b" " * limit + b"}",
+                                       headers={"Content-Type": "application/json"})
+            streamed = await http.post("/v1/completions", content=chunked(),
+                                       headers={"Content-Type": "application/json"})
+            small = await http.post("/v1/completions", json={"prompt": "hi"})
+            return declared, streamed, small
+
+    declared, streamed, small = asyncio.run(main())
+    for response in (declared, streamed):
+        assert response.status_code == 413, response.text
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+        assert response.json()["error"]["type"] == "invalid_request_error"
+    assert chunks_sent < 100  # refused while the body was arriving
+    assert small.status_code == 503  # under the limit: served (this frontend is still starting)
+
+
+def test_a_lone_surrogate_is_a_400_naming_the_field():
+    async def main():
+        f, _ = await serving_frontend()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(f, None)),
+                                     base_url="http://frontend") as http:
+            out = []
+            for path, raw in (("/v1/completions", rb'{"prompt": "a\ud800"}'),
+                              ("/v1/completions", rb'{"prompt": ["ok", "a\ud800"]}'),
+                              ("/v1/completions", rb'{"prompt": "a", "stop": "\udc00"}'),
+                              ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "x\udc00"}]}'),
+                              ("/v1/chat/completions",
+                               rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}')):
+                r = await http.post(path, content=raw, headers={"Content-Type": "application/json"})
+                out.append((r.status_code, r.json()["error"]["param"]))
+            return out
+
+    assert asyncio.run(main()) == [(400, "prompt"), (400, "prompt"), (400, "stop"), (400, "messages[0].content"),
+                                   (400, "messages[0].content[0].text")]
+
+
+def test_logprob_tokens_are_decoded_once_each_and_logprobs_are_capped():
+    tokenizer = CharTokenizer()
+    tokens = oai.TokenTable(tokenizer)
+    entry = frontend_pb2.GeneratedTokenLogprobs(logprob=-0.5, top=[frontend_pb2.TokenLogprob(token_id=t, logprob=-1)
+                                                                   for t in b"abcde"])
+    choice = oai.Choice(text="ab" * 500, token_ids=[97, 98] * 500, logprobs=[entry] * 1000)
+    body = oai.completion_body("id", 0, "m", [choice] * 8, 8, True, tokens)
+    assert body["choices"][0]["logprobs"]["tokens"][:2] == ["a", "b"]
+    chat = oai.chat_body("id", 0, "m", [choice] * 8, 8, True, tokens)
+    assert chat["choices"][7]["logprobs"]["content"][1]["bytes"] == [98]
+    assert tokenizer.decodes == 5  # a..e, once each, for 8 × 1000 × 6 × 2 mentions
+
+    with pytest.raises(RequestError) as err:
+        oai.completion_requests(oai.CompletionRequest(prompt="a", logprobs=6), "m")
+    assert oai.request_error_body(err.value)[1]["error"]["param"] == "logprobs"
+    assert oai.completion_requests(oai.CompletionRequest(prompt="a", logprobs=5), "m")[0].sampling.logprobs == 5
+    with pytest.raises(RequestError) as err:
+        oai.chat_request(oai.ChatCompletionRequest(messages=[{"role": "user", "content": "a"}], logprobs=True,
+                                                   top_logprobs=21), "m")
+    assert oai.request_error_body(err.value)[1]["error"]["param"] == "top_logprobs"
+
+
+@pytest.mark.slow
+def test_chat_logprob_bytes_are_the_tokens_own_bytes(embedded_tokenizer):
+    """A character split over tokens: each token's bytes are its share of the UTF-8, not the
+    EF BF BD of the replacement character its text decodes to."""
+    text = " 日本 héllo"
+    ids = embedded_tokenizer.encode(text)
+    tokens = oai.TokenTable(embedded_tokenizer)
+    assert any(tokens.text(i) == "\ufffd" for i in ids)  # the case that matters is present
+    assert b"".join(tokens.raw(i) for i in ids) == text.encode()
+    end = embedded_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert tokens.raw(end) == b"<|im_end|>"
