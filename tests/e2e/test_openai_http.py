@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+from urllib.parse import urlsplit
 
 import grpc
 import httpx
@@ -90,6 +92,7 @@ def test_chat_logprobs_seed_and_n(mesh, model):
         assert len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-4)
         assert e.top_logprobs[0].token == e.token
     assert "".join(e.token for e in entries) == lp.choices[0].message.content
+    assert bytes(b for e in entries for b in e.bytes).decode() == lp.choices[0].message.content
 
     def seeded() -> list[str]:
         out = client.chat.completions.create(model=model, messages=CHAT, max_tokens=12, temperature=1.0, seed=42,
@@ -214,6 +217,7 @@ BAD = [  # (endpoint, body, status, param)
     ("completions", {"prompt": "hi", "min_p": 2}, 400, "min_p"),
     ("completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
     ("completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("completions", {"prompt": "hi", "logprobs": 6}, 400, "logprobs"),  # OpenAI's cap: 5
     ("completions", {"prompt": "hi", "stop": [f"s{i}" for i in range(40)]}, 400, "stop"),
     ("completions", {"prompt": "hi", "n": 0}, 400, "n"),
     ("completions", {"prompt": "hi", "n": 1000}, 400, "n"),
@@ -233,6 +237,7 @@ BAD = [  # (endpoint, body, status, param)
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "messages[0].content[0]"),
     ("chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
 ]
 
@@ -248,8 +253,29 @@ def test_invalid_requests_get_openai_errors_naming_the_field(mesh, model):
             assert set(error) == {"message", "type", "param", "code"}
         r = http.post("/completions", content=b"{not json", headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and "error" in r.json()
+        # JSON may spell a lone surrogate, which no UTF-8 (nor protobuf) can carry.
+        for endpoint, raw, param in (("completions", rb'{"prompt": "a\ud800"}', "prompt"),
+                                     ("chat/completions", rb'{"messages": [{"role": "user", "content": "x\udc00"}]}',
+                                      "messages[0].content")):
+            r = http.post(f"/{endpoint}", content=raw, headers={"Content-Type": "application/json"})
+            assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text[:300]
         # ...and the mesh keeps serving.
         assert http.post("/completions", json={"prompt": "Say yes.", "max_tokens": 2}).status_code == 200
+
+
+def test_an_oversized_body_is_refused_by_its_content_length(mesh, model):
+    """413 from the declared length alone: the body is never sent, let alone buffered."""
+    url = urlsplit(mesh.http_url)
+    with socket.create_connection((url.hostname, url.port), timeout=60) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {url.hostname}\r\nAuthorization: Bearer {KEY}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {1 << 40}\r\n\r\n".encode())
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
 
 
 def test_fuzzed_bodies_never_get_a_5xx(mesh, model):
