@@ -151,9 +151,11 @@ def engine_config(args: argparse.Namespace):
 
 
 def _tokenizer_loader(args: argparse.Namespace):
-    from services.common.model_loading import load_tokenizer, resolve_model_dir
+    """The frontend's and detokenizers' tokenizer: without transformers, so without torch."""
+    from services.common.model_loading import resolve_model_dir
+    from services.common.tokenizer import ChatTokenizer
 
-    return lambda: load_tokenizer(resolve_model_dir(args.model, args.cache_dir))
+    return lambda: ChatTokenizer.load(resolve_model_dir(args.model, args.cache_dir))
 
 
 def _model_name(args: argparse.Namespace) -> str:

@@ -18,11 +18,12 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from services.common.model_spec import ModelSpec, UnsupportedModelError
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,8 @@ def convert_gguf(gguf_path: Path, cache_dir: Path, name: str | None = None) -> P
     except UnsupportedModelError as exc:
         raise ModelLoadError(f"{gguf_path}: {exc}") from exc
     config.architectures = [ModelSpec.from_hf_config(config).architecture]
+    import torch  # here, not at the top: the frontend, detokenizer and health checks never load it
+
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -312,3 +313,38 @@ def test_cli_generate_and_chat_stream_from_the_mesh(default_mesh):
                           input="Hello there\nAnd again\n", capture_output=True, text=True, timeout=60)
     assert chat.returncode == 0, chat.stderr
     assert chat.stdout.count("assistant> ") == 2
+
+
+def _maps_torch(pid: int) -> bool:
+    """Whether a process has torch loaded (its shared library mapped), read from outside."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def _pss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def test_only_the_worker_loads_torch(default_mesh):
+    """Frontends and detokenizers scale out, so each replica's size is multiplied: they tokenize
+    with `tokenizers` alone. The scheduler has no use for torch either. (PSS is printed for the
+    record; memory is measured in benchmarks, not asserted here.)"""
+    loaded = {name: _maps_torch(pid) for name, (_address, pid) in default_mesh.services.items()}
+    print({name: f"{_pss_mib(pid):.0f} MiB" for name, (_address, pid) in default_mesh.services.items()})
+    assert loaded.pop("worker") is True  # the check sees torch where it is
+    assert loaded and not any(loaded.values()), loaded
+
+
+def test_health_checks_do_not_import_torch(default_mesh):
+    import subprocess
+    import sys
+
+    from services.mesh_process import ROOT
+
+    script = ("import sys\nfrom services.cli import main\n"
+              f"code = main(['health', {default_mesh.address!r}])\n"
+              "print(code, 'torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.stdout.split() == ["0", "False"], result.stdout + result.stderr

@@ -1,0 +1,104 @@
+"""The tokenizer and chat template, loaded without transformers (whose import pulls in torch:
+about 4 s and most of a replica's memory). The frontend and the detokenizer need only this;
+the worker and the in-process engine keep using transformers.
+
+Reads a model directory's `tokenizer.json` (the `tokenizers` library) and its chat template
+(`chat_template.jinja`, or `chat_template` in `tokenizer_config.json`), rendered the way
+transformers renders it: a sandboxed Jinja environment with the special tokens in scope, the
+result encoded without adding special tokens again."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+_SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class TokenizerLoadError(ValueError):
+    pass
+
+
+class ChatTemplateError(ValueError):
+    """The template refused the conversation (its own raise_exception, or a rendering error)."""
+
+
+def _raise(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+
+class ChatTokenizer:
+    def __init__(self, backend: tokenizers.Tokenizer, chat_template: str | None, special_tokens: dict[str, str]):
+        self.backend_tokenizer = backend
+        self.special_tokens = special_tokens
+        self._template = None
+        if chat_template:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = _tojson
+            env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = env.from_string(chat_template)
+
+    @classmethod
+    def load(cls, model_dir: Path) -> ChatTokenizer:
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerLoadError(f"{model_dir} has no tokenizer.json (vmesh needs a fast tokenizer)")
+        backend = tokenizers.Tokenizer.from_file(str(path))
+        config_path = model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        template_path = model_dir / "chat_template.jinja"
+        template = template_path.read_text() if template_path.is_file() else config.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        special = {}
+        for name in _SPECIAL:
+            value = config.get(name)
+            if isinstance(value, dict):  # an AddedToken written out in full
+                value = value.get("content")
+            if value:
+                special[name] = value
+        return cls(backend, template, special)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.backend_tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, token_ids: int | Sequence[int]) -> str | list[str]:
+        """The vocabulary's piece for each id (one id: one piece), as transformers answers."""
+        if isinstance(token_ids, int):
+            return self.backend_tokenizer.id_to_token(token_ids) or ""
+        return [self.backend_tokenizer.id_to_token(t) or "" for t in token_ids]
+
+    @property
+    def added_tokens_decoder(self) -> dict[int, tokenizers.AddedToken]:
+        return self.backend_tokenizer.get_added_tokens_decoder()
+
+    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise ChatTemplateError("this model has no chat template; send text or token ids")
+        try:
+            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                         tools=None, documents=None, **self.special_tokens)
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(str(exc)) from exc
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                            tokenize: bool = True, return_dict: bool = False) -> list[int] | str:
+        """transformers' call, for the frontend's use: ids (or the text when tokenize=False)."""
+        text = self.render_chat(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
