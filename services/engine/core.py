@@ -10,14 +10,14 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from services.common.step_types import StepPlan, StepResult
+from services.scheduler.pipeline import StepPipeline
 from services.scheduler.scheduler import RequestUpdate, Scheduler
 from services.worker.model_runner import ModelRunner
 
 
 class EngineCore:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, pipeline_depth: int = 2):
-        if pipeline_depth not in (1, 2):
-            raise ValueError(f"pipeline_depth must be 1 (synchronous) or 2 (async), got {pipeline_depth}")
+        self.pipeline = StepPipeline(scheduler, pipeline_depth)
         self.scheduler = scheduler
         self.runner = runner
         self.pipeline_depth = pipeline_depth
@@ -27,19 +27,15 @@ class EngineCore:
         self.busy_seconds = 0.0
 
     def has_work(self) -> bool:
-        return bool(self.in_flight) or self.scheduler.has_unfinished()
+        return self.pipeline.has_work()
 
     def step(self) -> list[RequestUpdate]:
         """Fill the pipeline, then wait for the oldest step and apply its result."""
-        while len(self.in_flight) < self.pipeline_depth:
-            plan = self.scheduler.schedule()
-            if plan is None:
-                break
+        for plan in self.pipeline.plans():
             self.in_flight.append(self._worker.submit(self._execute, plan))
         if not self.in_flight:
             return []
-        result = self.in_flight.popleft().result()
-        return self.scheduler.update(result)
+        return self.pipeline.complete(self.in_flight.popleft().result())
 
     def _execute(self, plan: StepPlan) -> StepResult:
         result = self.runner.execute(plan)

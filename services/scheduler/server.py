@@ -20,6 +20,7 @@ from services.common.metrics import Gauges, SchedulerMetrics
 from services.common.request_checks import ModelLimits, check_request
 from services.common.step_types import NewRequest, StepPlan
 from services.scheduler.block_pool import BlockPool
+from services.scheduler.pipeline import StepPipeline
 from services.scheduler.request import FinishReason, Request
 from services.scheduler.scheduler import QueueFullError, RequestUpdate, Scheduler, SchedulerConfig
 from vmesh.v1 import (
@@ -131,6 +132,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                                                                info.max_num_seqs),
             max_num_batched_tokens=self.config.max_num_batched_tokens, policy=self.config.policy,
             max_waiting=self.config.max_waiting), pool, tuple(info.eos_token_ids))
+        self.pipeline = StepPipeline(self.scheduler, self.config.pipeline_depth)
         self._replicas_changed(self.detokenizers.addresses, [])
         await asyncio.gather(*(r.connected.wait() for r in self.replicas.values()))
         self._tasks.append(asyncio.create_task(watch(self.detokenizers, self.config.replica_refresh_interval_s,
@@ -212,10 +214,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     # --- the engine loop ---------------------------------------------------------------------
 
     async def _engine_loop(self) -> None:
-        in_flight = 0
+        pipeline = self.pipeline
         try:
             while True:
-                while in_flight < self.config.pipeline_depth and (plan := self.scheduler.schedule()) is not None:
+                for plan in pipeline.plans():
                     message = self._plan_message(plan)
                     size = message.ByteSize()
                     self.plan_bytes += size
@@ -225,16 +227,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                         self.decode_plan_bytes += size
                     for call in self.worker_calls:
                         await call.write(message)
-                    in_flight += 1
-                if in_flight == 0:
+                if pipeline.idle:
                     self.wake.clear()
                     await self.wake.wait()
                     continue
                 results = [await call.read() for call in self.worker_calls]
                 if any(r is grpc.aio.EOF for r in results):
                     raise ConnectionError("a worker closed its stream")
-                in_flight -= 1
-                self._route(self.scheduler.update(wire.result_from_proto(results[0])))
+                self._route(pipeline.complete(wire.result_from_proto(results[0])))
                 await self._flush_replicas()
         except asyncio.CancelledError:
             raise

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from services.common.sampling_params import SamplingParams
 from services.scheduler.block_pool import BlockPool
+from services.scheduler.pipeline import StepPipeline
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.support.stub_worker import StubWorker
@@ -39,6 +40,7 @@ def test_random_workload_keeps_pool_consistent(seed, num_blocks, depth):
     scheduler = Scheduler(SchedulerConfig(max_model_len=64, max_num_seqs=6, max_num_batched_tokens=rng.randint(4, 32)),
                           pool, eos_token_ids=(0,))
     worker = StubWorker(num_blocks, BLOCK)
+    pipeline = StepPipeline(scheduler, depth)
     in_flight: deque = deque()
     shared_prefix = [rng.randrange(1, 97) for _ in range(12)]
     next_id = 0
@@ -54,18 +56,16 @@ def test_random_workload_keeps_pool_consistent(seed, num_blocks, depth):
         elif action < 0.45 and scheduler.requests:
             scheduler.abort(rng.choice(list(scheduler.requests)))
         else:
-            while len(in_flight) < depth and (plan := scheduler.schedule()) is not None:
-                in_flight.append(worker.execute(plan))
+            in_flight.extend(worker.execute(plan) for plan in pipeline.plans())
             if in_flight:
-                scheduler.update(in_flight.popleft())
+                pipeline.complete(in_flight.popleft())
         check_invariants(scheduler)
     # Drain: everything finishes, every block returns.
     for _ in range(5000):
-        while len(in_flight) < depth and (plan := scheduler.schedule()) is not None:
-            in_flight.append(worker.execute(plan))
+        in_flight.extend(worker.execute(plan) for plan in pipeline.plans())
         if not in_flight:
             break
-        scheduler.update(in_flight.popleft())
+        pipeline.complete(in_flight.popleft())
         check_invariants(scheduler)
     assert not scheduler.has_unfinished()
     assert pool.num_free == num_blocks

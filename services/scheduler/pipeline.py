@@ -1,0 +1,45 @@
+"""Async scheduling's one rule, for every transport: keep up to `depth` step plans in flight
+and apply results in the order the plans went out. With depth 2 the scheduler plans step N+1
+while a worker computes step N; depth 1 is the synchronous loop of earlier engines.
+
+The in-process engine (a worker thread) and the scheduler service (a gRPC Execute stream per
+worker) both drive their plans through this class; only how a plan travels differs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from services.common.step_types import StepPlan, StepResult
+from services.scheduler.scheduler import RequestUpdate, Scheduler
+
+PIPELINE_DEPTHS = (1, 2)
+
+
+class StepPipeline:
+    def __init__(self, scheduler: Scheduler, depth: int):
+        if depth not in PIPELINE_DEPTHS:
+            raise ValueError(f"pipeline depth must be 1 (synchronous) or 2 (async scheduling), got {depth}")
+        self.scheduler = scheduler
+        self.depth = depth
+        self.in_flight = 0
+
+    def plans(self) -> Iterator[StepPlan]:
+        """The plans to send now: scheduled one at a time while there is room in the pipeline,
+        each counted in flight as it is handed out."""
+        while self.in_flight < self.depth and (plan := self.scheduler.schedule()) is not None:
+            self.in_flight += 1
+            yield plan
+
+    def complete(self, result: StepResult) -> list[RequestUpdate]:
+        """Apply the oldest plan's result (transports deliver them in order)."""
+        if self.in_flight == 0:
+            raise RuntimeError(f"a result for step {result.step} with no plan in flight")
+        self.in_flight -= 1
+        return self.scheduler.update(result)
+
+    @property
+    def idle(self) -> bool:
+        return self.in_flight == 0
+
+    def has_work(self) -> bool:
+        return self.in_flight > 0 or self.scheduler.has_unfinished()
