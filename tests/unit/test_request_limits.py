@@ -79,3 +79,39 @@ def test_a_drain_that_began_during_tokenization_refuses_the_request():
         asyncio.run(drain(requests.generate(f, frontend_pb2.GenerateRequest(text="hi"))))
     assert err.value.code == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.message
     assert f.in_flight == 0
+
+
+def test_a_failed_submission_does_not_show_internal_addresses():
+    """gRPC's own text names addresses inside the mesh; the client gets the gist."""
+    from services.frontend.schedulers import SchedulerPool
+    from tests.support.grpc_fakes import FakeChannel, rpc_error
+    from vmesh.v1 import scheduler_pb2
+
+    class DownScheduler:
+        async def GetSchedulerStats(self, request, **kwargs):
+            return scheduler_pb2.GetSchedulerStatsResponse(model_name="m", max_model_len=100, vocab_size=10)
+
+        async def SubmitRequest(self, request, **kwargs):
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE,
+                            "failed to connect to all addresses; last error: ipv4:10.1.2.3:50052: Connection refused")
+
+    async def healthy(group):
+        await asyncio.Event().wait()
+        yield  # pragma: no cover
+
+    async def main() -> RequestError:
+        f = frontend(Tokenizer(), ModelLimits("m", 100, 10))
+        f.schedulers = SchedulerPool(lambda address: (DownScheduler(), FakeChannel()), health_stream=healthy)
+        await f.schedulers.add("s:1").joined.wait()
+        f.subscribed.add("d:1")
+        try:
+            await drain(requests.generate(f, frontend_pb2.GenerateRequest(text="hi")))
+        except RequestError as exc:
+            return exc
+        finally:
+            await f.schedulers.close()
+        raise AssertionError("the submission did not fail")
+
+    error = asyncio.run(main())
+    assert error.code == grpc.StatusCode.UNAVAILABLE
+    assert "10.1.2.3" not in error.message and "ipv4" not in error.message
