@@ -16,15 +16,34 @@ DEFAULT_PUBLIC_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+class BadEnvironmentValue(ValueError):
+    """A VMESH_* variable its flag would refuse."""
+
+
+def _from_env(env: str, value: str, kwargs: dict) -> object:
+    """The value VMESH_<FLAG> sets, checked as the flag itself would check it."""
+    if kwargs.get("action") == "store_true":
+        if value.lower() not in _TRUE + _FALSE:
+            raise BadEnvironmentValue(f"{env}={value!r}: expected one of 1/0, true/false, yes/no, on/off")
+        return value.lower() in _TRUE
+    try:
+        converted = kwargs.get("type", str)(value)
+    except ValueError as exc:
+        raise BadEnvironmentValue(f"{env}={value!r}: {exc}") from exc
+    if kwargs.get("choices") is not None and converted not in kwargs["choices"]:
+        raise BadEnvironmentValue(f"{env}={value!r}: choose from {', '.join(map(str, kwargs['choices']))}")
+    return converted
+
+
 def _arg(group, flag: str, **kwargs) -> None:
-    """add_argument whose default can be overridden by VMESH_<FLAG>."""
+    """add_argument whose default can be overridden by VMESH_<FLAG>, validated as the flag is."""
     env = "VMESH_" + flag.lstrip("-").upper().replace("-", "_")
     value = os.environ.get(env)
     if value is not None:
-        if kwargs.get("action") == "store_true":
-            kwargs["default"] = value.lower() in ("1", "true", "yes")
-        else:
-            kwargs["default"] = kwargs.get("type", str)(value)
+        kwargs["default"] = _from_env(env, value, kwargs)
     kwargs["help"] = (kwargs.get("help", "") + f" [env {env}]").strip()
     group.add_argument(flag, **kwargs)
 
@@ -469,8 +488,15 @@ def main(argv: list[str] | None = None) -> int:
     from services.launcher import die_with_launcher
 
     die_with_launcher()
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()
+    except BadEnvironmentValue as exc:
+        print(f"vmesh: error: {exc}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import grpc
+
     from services.common.model_loading import ModelLoadError
 
     try:
@@ -478,6 +504,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelLoadError, ValueError) as exc:
         print(f"vmesh: error: {exc}", file=sys.stderr)
         return 2
+    except grpc.RpcError as exc:  # a client command that could not get its answer: one line, not a traceback
+        code = exc.code() if callable(getattr(exc, "code", None)) else None
+        reason = "no service answers there" if code == grpc.StatusCode.UNAVAILABLE else (
+            exc.details() if callable(getattr(exc, "details", None)) else str(exc))
+        print(f"vmesh: {getattr(args, 'address', 'the mesh')}: {code.name if code else 'error'}: {reason}",
+              file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 
