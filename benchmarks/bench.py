@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.memory import PeakPss
 from services.client import VmeshClient
 from services.common.grpc_server import channel
 from services.common.model_loading import resolve_model_dir
@@ -205,9 +206,11 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
         runs["mesh"] = run_mesh
         for name in runs:
             result["runs_tokens_per_s"][name] = []
-        for _ in range(args.repeats):
-            for name, run in runs.items():
-                result["runs_tokens_per_s"][name].append(run())
+        with PeakPss({name: pid for name, (_address, pid) in mesh.services.items()}) as peaks:
+            for _ in range(args.repeats):
+                for name, run in runs.items():
+                    result["runs_tokens_per_s"][name].append(run())
+        result["mesh_peak_pss_mib"] = peaks.mib
         result["mesh_duty_cycle"] = statistics.median(r["duty_cycle"] for r in mesh_runs)
         result["latency"] = asyncio.run(mesh_latency(mesh, work["latency_prompt"], work["max_tokens"]))
     result["tokens_per_s"] = {name: statistics.median(v) for name, v in result["runs_tokens_per_s"].items()}
@@ -220,6 +223,9 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{name:>14} {tps:>9.1f} {tps / mesh_tps:>7.2f}   {rounds}")
     lat = result["latency"]
     print(f"single request through the mesh: TTFT {lat['ttft_ms']:.0f} ms, mean ITL {lat['mean_itl_ms']:.1f} ms")
+    memory = result["mesh_peak_pss_mib"]
+    print("mesh peak PSS: " + ", ".join(f"{name} {mib:.0f} MiB" for name, mib in memory.items())
+          + f"; all {sum(memory.values()):.0f} MiB")
     return result
 
 

@@ -38,6 +38,8 @@ def test_offline(tmp_path, tiny_model):
     assert r["ratio_to_mesh"]["mesh"] == pytest.approx(1.0)
     assert positive(r["latency"]["ttft_ms"]) and positive(r["latency"]["mean_itl_ms"])
     assert 0 < r["mesh_duty_cycle"] <= 1
+    assert set(r["mesh_peak_pss_mib"]) == {"worker", "detokenizer-0", "scheduler", "frontend"}
+    assert all(positive(v) for v in r["mesh_peak_pss_mib"].values())
     assert r["command"].startswith("vmesh bench offline") and r["date"]
 
 
