@@ -264,7 +264,9 @@ def cmd_health(args: argparse.Namespace) -> int:
 
     try:
         configure_security(args, None)
-        asyncio.run(wait_until_serving(args.address, args.timeout, args.role))
+        if args.tls_cert and args.role is None:
+            raise ValueError("--role names the role of the service checked over mutual TLS")
+        asyncio.run(wait_until_serving(args.address, args.timeout, args.role, secure=bool(args.tls_cert)))
     except TimeoutError as exc:
         print(f"vmesh: {exc}", file=sys.stderr)
         return 1
@@ -436,11 +438,14 @@ def build_parser() -> argparse.ArgumentParser:
     health = sub.add_parser("health", help="exit 0 if a service reports SERVING")
     health.add_argument("address")
     health.add_argument("--timeout", type=float, default=3.0)
+    # Plaintext unless --tls-* are given on the command line. Deliberately not read from VMESH_TLS_*:
+    # a container's own identity is in its environment, and its health check must still reach the
+    # plaintext health port (--health-port) it probes.
     health.add_argument("--role", default=None, choices=["frontend", "scheduler", "worker", "detokenizer"],
                         help="with --tls-*: the role of the service checked (its certificate must be that role's)")
-    _arg(health, "--tls-cert", default=None, help="a certificate from the mesh CA (e.g. the admin one)")
-    _arg(health, "--tls-key", default=None)
-    _arg(health, "--tls-ca", default=None)
+    health.add_argument("--tls-cert", default=None, help="a certificate from the mesh CA (e.g. the admin one)")
+    health.add_argument("--tls-key", default=None)
+    health.add_argument("--tls-ca", default=None)
     health.set_defaults(func=cmd_health)
 
     certs = sub.add_parser("certs", help="make a private CA and a certificate per role for mutual TLS")

@@ -67,6 +67,7 @@ class Mesh:
         self.workdir = workdir
         self.children: list[Child] = []
         self.certificates: Path | None = None  # with --internal-tls: ca.crt and <role>.crt/.key
+        self.start_deadline = time.monotonic() + START_TIMEOUT_S
         self.stop_requested = False
 
     def start(self, name: str, service: str, argv: list[str], host: str = INTERNAL_HOST, port: int = 0,
@@ -84,15 +85,20 @@ class Mesh:
                         "--tls-ca", str(self.certificates / "ca.crt")]
         # No preexec_fn: forking with one runs Python in the child and gRPC's fork handlers in
         # this (multi-threaded, gRPC-using) process. The child asks for its death signal itself.
-        env = {**os.environ, **(env or {}), PARENT_PID_ENV: str(os.getpid())}
+        # The launcher's own VMESH_* settings reach a child as the flags of its group, never by
+        # inheritance: a VMESH_HEALTH_PORT or VMESH_TLS_CERT meant for one service must not
+        # land on all of them.
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("VMESH_")}
+        env = {**inherited, **(env or {}), PARENT_PID_ENV: str(os.getpid())}
         child = Child(name, service, subprocess.Popen(command, env=env), ready)
         self.children.append(child)
         return child
 
     async def wait_ready(self, children: list[Child]) -> None:
-        """Every child serving within START_TIMEOUT_S, or ChildDied/StartTimeout; a dead child or
-        a stop request ends the wait at once."""
-        deadline = time.monotonic() + START_TIMEOUT_S
+        """Every child serving before the mesh's start deadline (START_TIMEOUT_S for the whole
+        start, not per wait), or ChildDied/StartTimeout; a dead child or a stop request ends the
+        wait at once."""
+        deadline = self.start_deadline
 
         async def one(child: Child) -> None:
             while not child.ready_file.exists():

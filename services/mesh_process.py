@@ -40,10 +40,12 @@ class RunningMesh:
         return self.process.returncode
 
     def kill(self) -> None:
-        """The launcher and every service it started, at once."""
-        for _, pid in self.services.values():
+        """The launcher and every service it started, at once: they share the launcher's process
+        group, so even services the launcher had not announced yet go too."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        for pid in [self.process.pid, *(pid for _, pid in self.services.values())]:
             _kill_quietly(pid)
-        self.process.kill()
         self.process.wait()
 
     def kill_service(self, name: str) -> None:
@@ -73,8 +75,9 @@ def start_mesh(*flags: str, env: dict[str, str] | None = None, timeout: float = 
     execs the launcher's (e.g. one that switches to another user)."""
     command = [*prefix, sys.executable, "-m", "services.cli", "--log-level", "WARNING", "serve", "--port", "0",
                "--http-port", "0", "--kv-cache-memory", "128MiB", *flags]
+    # Its own process group, which its services join: one signal reaches all of them.
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, **(env or {})})
+                               env={**os.environ, **(env or {})}, start_new_session=True)
     return read_until_serving(process, timeout, on_timeout)
 
 
@@ -99,8 +102,13 @@ def read_until_serving(process: subprocess.Popen, timeout: float,
         try:
             line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
-            report = on_timeout(process.pid) if on_timeout else ""
-            mesh.kill()
+            report = ""
+            try:
+                report = on_timeout(process.pid) if on_timeout else ""
+            except Exception as exc:  # the report is a courtesy; the kill is not
+                report = f"\n(no report: {exc})"
+            finally:
+                mesh.kill()
             raise TimeoutError(f"vmesh serve did not start within {timeout:.0f} s:\n" + "".join(output)
                                + report) from None
         if line is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -128,13 +129,22 @@ class ServiceShell:
         if self.health_server is not None:
             await self.health_server.start()
             if ready_file:
-                Path(ready_file + ".health").write_text(self.health_address)
+                write_atomically(Path(ready_file + ".health"), self.health_address)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
         if ready_file:  # lets a launcher that asked for port 0 learn the port
-            Path(ready_file).write_text(self.address)
-        await warm_up()
+            write_atomically(Path(ready_file), self.address)
+        warming = asyncio.ensure_future(warm_up())
+        stopped = asyncio.ensure_future(self.stopping.wait())
+        await asyncio.wait({warming, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not warming.done():
+            # Stopped while warming up (the launcher died or gave up): nothing to drain, and a
+            # model load in a thread cannot be cancelled; leave at once rather than linger.
+            logger.warning("stopped during warm-up; exiting")
+            os._exit(0)
+        stopped.cancel()
+        warming.result()
         await self.set_serving(True)
         logger.info("serving %s on %s", ", ".join(self.service_names), self.address)
         await self.stopping.wait()
@@ -150,6 +160,13 @@ class ServiceShell:
         from services.common import telemetry
 
         telemetry.shutdown_tracing()
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Readers see the whole text or no file (a launcher polls for it)."""
+    staging = path.with_name(path.name + ".tmp")
+    staging.write_text(text)
+    os.replace(staging, path)
 
 
 def channel(address: str, peer: str | None = None, secure: bool = True) -> grpc.aio.Channel:

@@ -123,7 +123,9 @@ class LocalStack:
             health = f"127.0.0.1:{self.instances[name][i]['health']}"
             argv = [health if a.startswith("127.0.0.1:") else a for a in test[1:]]
             deadline = time.monotonic() + 180
-            while subprocess.run([sys.executable, "-m", "services.cli", *argv], cwd=ROOT,
+            # with the service's own environment, as the container runs its health check
+            env = self.environment(name, self.instances[name][i])
+            while subprocess.run([sys.executable, "-m", "services.cli", *argv], cwd=ROOT, env=env,
                                  capture_output=True).returncode != 0:
                 assert all(p.poll() is None for p in self.process_of.values()), f"a process died starting {name}"
                 assert time.monotonic() < deadline, f"{name} never became healthy"

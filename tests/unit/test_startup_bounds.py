@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -64,12 +65,36 @@ def test_a_taken_port_is_refused():
     asyncio.run(run())
 
 
-def test_launched_service_dies_with_its_launcher(tmp_path):
-    """die_with_launcher: a child whose launcher is gone exits instead of serving alone."""
-    script = ("import os, sys; os.environ['VMESH_LAUNCHER_PID'] = '1'\n"
+def test_launched_service_dies_with_its_launcher():
+    """die_with_launcher: a service whose launcher dies gets SIGTERM and goes, however the
+    launcher died (here it just exits without stopping its child)."""
+    child = ("from services.launcher import die_with_launcher\n"
+             "die_with_launcher()\nprint('armed', flush=True)\nimport time\ntime.sleep(60)")
+    launcher = ("import os, subprocess, sys\n"
+                f"child = subprocess.Popen([sys.executable, '-c', {child!r}], stdout=subprocess.PIPE, text=True,\n"
+                "                         env={**os.environ, 'VMESH_LAUNCHER_PID': str(os.getpid())})\n"
+                "assert child.stdout.readline().strip() == 'armed'\n"
+                "print(child.pid, flush=True)\n")  # and exit, leaving the child behind
+    result = subprocess.run([sys.executable, "-c", launcher], capture_output=True, text=True, timeout=60)
+    child_pid = int(result.stdout.split()[0])
+    deadline = time.monotonic() + 20
+    while _alive(child_pid):
+        assert time.monotonic() < deadline, "the service outlived its launcher"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    state = next(line for line in status.splitlines() if line.startswith("State:"))
+    return "Z" not in state.split()[1]  # a zombie has exited, waiting for whoever adopted it
+
+
+def test_a_service_whose_launcher_is_already_gone_exits():
+    script = ("import os; os.environ['VMESH_LAUNCHER_PID'] = str(2**22 + 1)\n"
               "from services.launcher import die_with_launcher\n"
               "die_with_launcher()\nprint('still here')")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "still here" not in result.stdout
-
-
