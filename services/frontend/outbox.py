@@ -30,8 +30,12 @@ class Outbox:
         self.ready = asyncio.Event()
         self.detokenizer: str | None = None
         self.group: object | None = None  # the scheduler group that took the request
+        self.closed = False  # its last output (a finish or an error) is in: later news is moot
 
     def put(self, out: PendingOutput) -> None:
+        if self.closed:  # e.g. a scheduler lost after this request already finished
+            return
+        self.closed = out.finished
         if self.pending is None:
             self.pending = out
         else:

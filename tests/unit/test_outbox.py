@@ -1,0 +1,49 @@
+"""A request's outbox: outputs merge while the client reads, and nothing after its last one
+(a finish or an error) changes what the client gets."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.frontend.outbox import Outbox, PendingOutput
+from vmesh.v1 import common_pb2
+
+STOP = common_pb2.FINISH_REASON_STOP
+
+
+def test_outputs_merge_until_read():
+    async def main():
+        box = Outbox(delta_text=True)
+        box.put(PendingOutput(text="a", token_ids=[1]))
+        box.put(PendingOutput(text="b", token_ids=[2]))
+        return await box.get()
+
+    out = asyncio.run(main())
+    assert out.text == "ab" and out.token_ids == [1, 2] and not out.finished
+
+
+def test_an_error_after_the_finish_does_not_spoil_a_finished_request():
+    """A scheduler lost (or a replica failing) just after a request finished, while its last
+    output waits for a slow client: the client still gets its finished output."""
+    async def main():
+        box = Outbox(delta_text=True)
+        box.put(PendingOutput(text="done", token_ids=[3], finish_reason=STOP))
+        box.put(PendingOutput(error="the scheduler serving this request went away"))
+        first = await box.get()
+        box.put(PendingOutput(error="late"))  # after the client read the finish
+        return first, box.pending
+
+    first, left = asyncio.run(main())
+    assert first.finish_reason == STOP and first.error == "" and first.text == "done"
+    assert left is None
+
+
+def test_nothing_follows_an_error():
+    async def main():
+        box = Outbox(delta_text=True)
+        box.put(PendingOutput(error="replica lost"))
+        box.put(PendingOutput(text="x", token_ids=[1], finish_reason=STOP))
+        return await box.get()
+
+    out = asyncio.run(main())
+    assert out.error == "replica lost" and out.token_ids == []
