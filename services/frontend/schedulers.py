@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 600.0  # a group's worker may still be loading its model
 JOIN_RETRY_S = 5.0
+LOSS_GRACE_S = 3.0  # a broken connection to a live scheduler is normally back well within this
 WATCH_RETRY_S = 0.5
 
 
@@ -33,6 +34,7 @@ class SchedulerGroup:
     ready: bool = False  # it answered, serving the same model as the others
     retired: bool = False  # its address left the list: no new requests; closed once idle
     joined: asyncio.Event = field(default_factory=asyncio.Event)  # set once it answered (or was retired)
+    incarnation: str = ""  # the scheduler process's id: a different one is a restarted scheduler
 
 
 def health_stream(group: SchedulerGroup) -> AsyncIterator[health_pb2.HealthCheckResponse]:
@@ -50,12 +52,16 @@ class SchedulerPool:
     def __init__(self, connect: Callable[[str], tuple[scheduler_pb2_grpc.SchedulerServiceStub,
                                                       grpc.aio.Channel]] = connect,
                  on_lost: Callable[[SchedulerGroup], None] = lambda group: None,
-                 health_stream: Callable[[SchedulerGroup], AsyncIterator[Any]] = health_stream):
+                 health_stream: Callable[[SchedulerGroup], AsyncIterator[Any]] = health_stream,
+                 loss_grace_s: float = LOSS_GRACE_S):
         """`on_lost(group)`: the group's scheduler went away (its process died or restarted); what
-        it held is gone, including requests still queued there that no detokenizer knows of."""
+        it held is gone, including requests still queued there that no detokenizer knows of.
+        `loss_grace_s`: how long a broken connection may take to reach the same process again
+        before its requests are given up."""
         self._connect = connect
         self._on_lost = on_lost
         self._health_stream = health_stream
+        self.loss_grace_s = loss_grace_s
         self.groups: dict[str, SchedulerGroup] = {}
         self.limits: ModelLimits | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -80,6 +86,7 @@ class SchedulerPool:
                 if group.retired:
                     return
                 await asyncio.sleep(JOIN_RETRY_S)
+        group.incarnation = stats.incarnation
         limits = ModelLimits(stats.model_name, stats.max_model_len, stats.vocab_size)
         if self.limits is None:
             self.limits = limits
@@ -92,7 +99,9 @@ class SchedulerPool:
 
     async def _watch(self, group: SchedulerGroup) -> None:
         """Hold a health Watch stream open to the group's scheduler: it breaks the moment the
-        process goes, which is how requests that never produced a token learn of it."""
+        process goes, which is how requests that never produced a token learn of it. A break
+        is only a connection's until proven otherwise: if the same process (same incarnation)
+        answers within the grace period, nothing was lost."""
         while not group.retired:
             try:
                 async for _ in self._health_stream(group):
@@ -100,11 +109,31 @@ class SchedulerPool:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.CANCELLED and group.retired:
                     return
-                logger.error("scheduler %s lost (%s)", group.address, exc.code().name)
+                reason = exc.code().name
             else:
-                logger.error("scheduler %s ended its health stream", group.address)
+                reason = "health stream ended"
+            group.ready = False  # new requests go elsewhere until it is sorted out
+            stats = await self._stats(group, self.loss_grace_s)
+            if stats is not None and stats.incarnation == group.incarnation:
+                logger.warning("scheduler %s: connection broke (%s), same process reached again", group.address,
+                               reason)
+                group.ready = True
+                continue
+            logger.error("scheduler %s lost (%s); failing its requests", group.address, reason)
             self._on_lost(group)
-            await asyncio.sleep(WATCH_RETRY_S)
+            while stats is None and not group.retired:  # until a new process answers
+                await asyncio.sleep(WATCH_RETRY_S)
+                stats = await self._stats(group, JOIN_RETRY_S)
+            if stats is not None:
+                group.incarnation = stats.incarnation
+                group.ready = True
+
+    async def _stats(self, group: SchedulerGroup, timeout: float) -> scheduler_pb2.GetSchedulerStatsResponse | None:
+        try:
+            return await group.stub.GetSchedulerStats(scheduler_pb2.GetSchedulerStatsRequest(), wait_for_ready=True,
+                                                      timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return None
 
     def _spawn(self, work) -> None:
         task = asyncio.create_task(work)

@@ -8,6 +8,7 @@ import asyncio
 import itertools
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import grpc
@@ -93,6 +94,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     def __init__(self, config: MeshSchedulerConfig):
         self.config = config
         self.scheduler: Scheduler | None = None
+        self.incarnation = uuid.uuid4().hex  # this process, as opposed to a restart on the same address
         self.limits: ModelLimits | None = None  # the workers' model, known once connected
         self.worker_calls: list[grpc.aio.StreamStreamCall] = []
         self.detokenizers = AddressBook(config.detokenizer_addresses)
@@ -204,7 +206,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             plan_bytes_sent=self.plan_bytes, pipeline_depth=self.config.pipeline_depth,
             stateless_worker=self.config.stateless_worker, model_name=self.info.model_name,
             max_model_len=self.scheduler.max_model_len, vocab_size=self.info.vocab_size,
-            decode_steps=self.decode_steps, decode_plan_bytes=self.decode_plan_bytes)
+            decode_steps=self.decode_steps, decode_plan_bytes=self.decode_plan_bytes, incarnation=self.incarnation)
 
     async def ResetPrefixCache(self, request, context):
         if self.scheduler is None:

@@ -132,27 +132,68 @@ def test_submission_fails_over_to_the_next_group_only_when_unavailable():
         grpc.StatusCode.RESOURCE_EXHAUSTED, {"a:1": (1, 0), "b:1": (0, 0)})
 
 
-def test_a_scheduler_whose_health_stream_breaks_is_reported_lost():
+class Restartable(FakeScheduler):
+    """A scheduler process that can die, come back as a new process, or stay the same."""
+
+    def __init__(self, model: str):
+        super().__init__(model)
+        self.incarnation = "first"
+        self.down = False
+
+    async def GetSchedulerStats(self, request, **kwargs):
+        if self.down:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE)
+        stats = await super().GetSchedulerStats(request)
+        stats.incarnation = self.incarnation
+        return stats
+
+
+async def _break_once(outcome: str) -> tuple[list, bool]:
+    """a:1's connection breaks once; then its scheduler is `outcome`: the same process, a new
+    one, or gone. Returns what was reported lost and whether a:1 takes requests afterwards."""
+    broken = asyncio.Event()
+
+    async def health(group):
+        yield "SERVING"
+        await broken.wait()
+        broken.clear()
+        raise rpc_error(grpc.StatusCode.UNAVAILABLE)
+
+    scheduler = Restartable("m")
+    lost = []
+    pool = SchedulerPool(lambda address: (scheduler if address == "a:1" else FakeScheduler("m"), FakeChannel()),
+                         on_lost=lost.append, loss_grace_s=0.05,
+                         health_stream=lambda g: health(g) if g.address == "a:1" else healthy_forever(g))
+    a, b = pool.add("a:1"), pool.add("b:1")
+    await asyncio.gather(a.joined.wait(), b.joined.wait())
+    await asyncio.sleep(0.01)
+    assert lost == []
+    if outcome == "restarted":
+        scheduler.incarnation = "second"
+    elif outcome == "dead":
+        scheduler.down = True
+    broken.set()
+    for _ in range(50):
+        await asyncio.sleep(0.01)
+    ready = a in pool.candidates()
+    await pool.close()
+    return lost, ready
+
+
+def test_a_broken_connection_to_the_same_scheduler_loses_nothing():
+    """A network blip: the same process answers again, its requests are fine."""
+    lost, ready = asyncio.run(_break_once("same"))
+    assert lost == [] and ready
+
+
+def test_a_restarted_scheduler_is_reported_lost_and_used_again():
+    """A new process on the address: what the old one held is gone; the new one takes requests."""
+    lost, ready = asyncio.run(_break_once("restarted"))
+    assert [g.address for g in lost] == ["a:1"] and ready
+
+
+def test_a_dead_scheduler_is_reported_lost_and_takes_no_new_requests():
     """The health stream breaking is how requests still queued in a dead scheduler, which no
     detokenizer knows of, are failed instead of waiting for the client's deadline."""
-    async def main() -> None:
-        broken = asyncio.Event()
-
-        async def health(group):
-            yield "SERVING"
-            await broken.wait()
-            raise rpc_error(grpc.StatusCode.UNAVAILABLE)
-
-        lost = []
-        pool, _ = pool_of({"a:1": "m", "b:1": "m"}, on_lost=lost.append,
-                          health_stream=lambda g: health(g) if g.address == "a:1" else healthy_forever(g))
-        a, b = pool.add("a:1"), pool.add("b:1")
-        await asyncio.gather(a.joined.wait(), b.joined.wait())
-        await asyncio.sleep(0.01)
-        assert lost == []
-        broken.set()
-        await asyncio.sleep(0.01)
-        assert lost == [a]
-        await pool.close()
-
-    asyncio.run(main())
+    lost, ready = asyncio.run(_break_once("dead"))
+    assert [g.address for g in lost] == ["a:1"] and not ready
