@@ -8,6 +8,7 @@ sees it, whoever sent it.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -85,8 +86,11 @@ def _wrap(behavior: Callable[..., Any], streams_in: bool, method: str,
 
     if inspect.isasyncgenfunction(behavior):
         async def stream_out(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            async for response in behavior(await check(request, context), context):
-                yield response
+            # aclosing: the handler's own clean-up (its `finally`) runs when the call ends, not
+            # whenever the garbage collector gets to the generator.
+            async with contextlib.aclosing(behavior(await check(request, context), context)) as responses:
+                async for response in responses:
+                    yield response
 
         return stream_out
 

@@ -35,7 +35,12 @@ class EngineCore:
             self.in_flight.append(self._worker.submit(self._execute, plan))
         if not self.in_flight:
             return []
-        return self.pipeline.complete(self.in_flight.popleft().result())
+        try:
+            result = self.in_flight.popleft().result()
+        except BaseException:
+            self.pipeline.abandon_oldest()  # or has_work() would stay true with nothing in flight
+            raise
+        return self.pipeline.complete(result)
 
     def _execute(self, plan: StepPlan) -> StepResult:
         result = self.runner.execute(plan)

@@ -7,6 +7,7 @@ worker) both drive their plans through this class; only how a plan travels diffe
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 
 from services.common.step_types import StepPlan, StepResult
@@ -21,25 +22,35 @@ class StepPipeline:
             raise ValueError(f"pipeline depth must be 1 (synchronous) or 2 (async scheduling), got {depth}")
         self.scheduler = scheduler
         self.depth = depth
-        self.in_flight = 0
+        self._steps: deque[int] = deque()  # the steps in flight, oldest first
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._steps)
 
     def plans(self) -> Iterator[StepPlan]:
         """The plans to send now: scheduled one at a time while there is room in the pipeline,
         each counted in flight as it is handed out."""
         while self.in_flight < self.depth and (plan := self.scheduler.schedule()) is not None:
-            self.in_flight += 1
+            self._steps.append(plan.step)
             yield plan
 
     def complete(self, result: StepResult) -> list[RequestUpdate]:
-        """Apply the oldest plan's result (transports deliver them in order)."""
-        if self.in_flight == 0:
+        """Apply the oldest plan's result; a result for any other step is refused."""
+        if not self._steps:
             raise RuntimeError(f"a result for step {result.step} with no plan in flight")
-        self.in_flight -= 1
+        if result.step != self._steps[0]:
+            raise RuntimeError(f"a result for step {result.step} while step {self._steps[0]} is the oldest in flight")
+        self._steps.popleft()
         return self.scheduler.update(result)
+
+    def abandon_oldest(self) -> None:
+        """The oldest plan will never have a result (its execution failed)."""
+        self._steps.popleft()
 
     @property
     def idle(self) -> bool:
-        return self.in_flight == 0
+        return not self._steps
 
     def has_work(self) -> bool:
         return self.in_flight > 0 or self.scheduler.has_unfinished()

@@ -41,3 +41,14 @@ def test_a_result_without_a_plan_is_refused():
     pipeline = StepPipeline(scheduler(), 2)
     with pytest.raises(RuntimeError, match="no plan in flight"):
         pipeline.complete(StepResult(0, [], []))
+
+
+def test_results_out_of_order_are_refused_and_a_failed_step_can_be_abandoned():
+    pipeline = StepPipeline(scheduler(), 2)
+    _first, second = list(pipeline.plans())
+    with pytest.raises(RuntimeError, match="oldest in flight"):
+        pipeline.complete(StepResult(second.step, [], []))
+    pipeline.abandon_oldest()  # the first step's execution failed
+    assert pipeline.in_flight == 1
+    pipeline.complete(StepResult(second.step, [], []))
+    assert pipeline.idle
