@@ -27,6 +27,7 @@ from vmesh.v1 import (
 )
 
 API_KEY = "test-key-7f3a"
+VICTIM_TOKENS = 200  # long enough to still be generating when every attack has been tried
 
 
 @pytest.fixture(scope="module")
@@ -132,15 +133,21 @@ def test_forged_internal_calls_cannot_touch_a_running_request(secure_mesh):
             stats = await scheduler_pb2_grpc.SchedulerServiceStub(ch).GetSchedulerStats(
                 scheduler_pb2.GetSchedulerStatsRequest(), timeout=10)
             codes["stats/admin"] = grpc.StatusCode.OK if stats.num_blocks else grpc.StatusCode.UNKNOWN
+            # the attacks all ran while the victim was still generating
+            codes["running-during-attack"] = grpc.StatusCode.OK if stats.num_running else grpc.StatusCode.UNKNOWN
         return codes
 
     async def main():
         async with VmeshClient(mesh.address, api_key=API_KEY, tls_ca=str(ca)) as client:
-            victim = asyncio.create_task(client.complete(text="Tell me a story.", max_tokens=40, ignore_eos=True,
-                                                         temperature=0))
-            await asyncio.sleep(0.3)
+            stream = client.generate(text="Tell me a story.", max_tokens=VICTIM_TOKENS, ignore_eos=True,
+                                     temperature=0)
+            first = await stream.__anext__()  # the victim's request is running
             codes = await attack()
-            _text, ids, last = await victim
+            ids = list(first.token_ids)
+            async for out in stream:
+                ids += out.token_ids
+                last = out
+            assert codes.pop("running-during-attack") is grpc.StatusCode.OK
         return codes, ids, last
 
     codes, ids, last = asyncio.run(main())
@@ -151,4 +158,4 @@ def test_forged_internal_calls_cannot_touch_a_running_request(secure_mesh):
     for call in ("abort", "submit", "subscribe", "inject", "execute"):
         assert codes[f"{call}/admin"] == grpc.StatusCode.PERMISSION_DENIED, (call, codes)
     assert codes["stats/admin"] == grpc.StatusCode.OK
-    assert len(ids) == 40 and last.usage.completion_tokens == 40  # the victim's request ran untouched
+    assert len(ids) == VICTIM_TOKENS and last.usage.completion_tokens == VICTIM_TOKENS  # untouched

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from services.common.grpc_server import ServiceShell, channel
-from vmesh.v1 import frontend_pb2, frontend_pb2_grpc
+from vmesh.v1 import frontend_pb2, frontend_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 NOT_A_MESSAGE = b"\xff\xff\xff\xff"
 # field 1 (text, a string) holding bytes that are not UTF-8
@@ -53,3 +53,56 @@ def test_malformed_requests_are_invalid_argument(method, streaming, payload):
 def test_well_formed_requests_pass(method, streaming):
     payload = frontend_pb2.GenerateRequest(text="hi").SerializeToString()
     assert asyncio.run(_serve_and_call(method, payload, streaming)) == grpc.StatusCode.OK
+
+
+class EchoWorker(worker_pb2_grpc.WorkerServiceServicer):
+    """A stream-stream handler, as the worker's Execute is: one response per request."""
+
+    def __init__(self) -> None:
+        self.closed = asyncio.Event()
+
+    async def Execute(self, request_iterator, context):
+        try:
+            async for request in request_iterator:
+                yield worker_pb2.ExecuteResponse(step=request.step)
+        finally:
+            self.closed.set()
+
+
+async def _stream_call(payloads: list[bytes]) -> tuple[grpc.StatusCode, int, bool]:
+    servicer = EchoWorker()
+    shell = ServiceShell("worker", worker_pb2.DESCRIPTOR.services_by_name["WorkerService"], "127.0.0.1", 0)
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, shell.server)
+    await shell.server.start()
+    answered = 0
+    try:
+        async with channel(shell.address) as ch:
+            call = ch.stream_stream("/vmesh.v1.WorkerService/Execute")(iter(payloads), timeout=10)
+            try:
+                async for _ in call:
+                    answered += 1
+            except grpc.aio.AioRpcError as exc:
+                return exc.code(), answered, await _closed(servicer)
+            return grpc.StatusCode.OK, answered, await _closed(servicer)
+    finally:
+        await shell.server.stop(None)
+
+
+async def _closed(servicer: EchoWorker) -> bool:
+    try:
+        await asyncio.wait_for(servicer.closed.wait(), 5)
+    except asyncio.TimeoutError:
+        return False
+    return True
+
+
+def test_a_malformed_message_mid_stream_ends_the_stream_with_invalid_argument():
+    good = worker_pb2.ExecuteRequest(step=1).SerializeToString()
+    code, answered, closed = asyncio.run(_stream_call([good, NOT_A_MESSAGE, good]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and answered == 1
+    assert closed  # the handler's own clean-up ran
+
+
+def test_a_well_formed_stream_passes():
+    messages = [worker_pb2.ExecuteRequest(step=i).SerializeToString() for i in range(3)]
+    assert asyncio.run(_stream_call(messages)) == (grpc.StatusCode.OK, 3, True)
