@@ -9,6 +9,7 @@ loaded from GGUF, so the cache is written with safetensors directly.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -85,6 +86,18 @@ def convert_gguf(gguf_path: Path, cache_dir: Path, name: str | None = None) -> P
     target = cache_dir / f"{name or gguf_path.stem}-{_file_digest(gguf_path)}"
     if (target / _COMPLETE_MARKER).is_file():
         return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Services that share a cache (a compose volume) start together: one converts, the others
+    # wait for it and then read its result, instead of converting too and replacing it under them.
+    with open(cache_dir / f".{target.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / _COMPLETE_MARKER).is_file():
+            return target
+        return _convert(gguf_path, target)
+
+
+def _convert(gguf_path: Path, target: Path) -> Path:
+    cache_dir = target.parent
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 

@@ -92,3 +92,33 @@ def test_cache_dir_from_environment(monkeypatch, tmp_path):
 
     monkeypatch.setenv("VMESH_CACHE_DIR", str(tmp_path / "c"))
     assert default_cache_dir() == tmp_path / "c"
+
+
+def test_services_sharing_a_cache_convert_a_model_once(tmp_path, monkeypatch):
+    """Several services start together on one cache (a compose volume): one converts, the
+    others wait and read its result, none replaces it under another."""
+    import threading
+    import time as time_module
+
+    from services.common import model_loading
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF-not-really")
+    calls = []
+
+    def slow_convert(path, target):
+        calls.append(target)
+        time_module.sleep(0.3)
+        target.mkdir(parents=True)
+        (target / model_loading._COMPLETE_MARKER).write_text("{}")
+        return target
+
+    monkeypatch.setattr(model_loading, "_convert", slow_convert)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(model_loading.convert_gguf(gguf, tmp_path / "c")))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(set(results)) == 1 and len(results) == 3
