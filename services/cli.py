@@ -172,9 +172,9 @@ def engine_config(args: argparse.Namespace):
 def _tokenizer_loader(args: argparse.Namespace):
     """The frontend's and detokenizers' tokenizer: without transformers, so without torch."""
     from services.common.model_loading import resolve_model_dir
-    from services.common.tokenizer import ChatTokenizer
+    from services.common.tokenizer import load_chat_tokenizer
 
-    return lambda: ChatTokenizer.load(resolve_model_dir(args.model, args.cache_dir))
+    return lambda: load_chat_tokenizer(resolve_model_dir(args.model, args.cache_dir))
 
 
 def _model_name(args: argparse.Namespace) -> str:

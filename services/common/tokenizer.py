@@ -13,9 +13,11 @@ import json
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -34,8 +36,25 @@ def _raise(message: str) -> None:
     raise ChatTemplateError(message)
 
 
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """Templates call it as transformers defines it (same parameters, same order)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _GenerationBlocks(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; for
+    serving it renders its body unchanged."""
+
+    tags: ClassVar[set[str]] = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
 
 
 class ChatTokenizer:
@@ -45,7 +64,7 @@ class ChatTokenizer:
         self._template = None
         if chat_template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
+                                                extensions=["jinja2.ext.loopcontrols", _GenerationBlocks])
             env.filters["tojson"] = _tojson
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -63,9 +82,11 @@ class ChatTokenizer:
         template = template_path.read_text() if template_path.is_file() else config.get("chat_template")
         if isinstance(template, list):  # named templates: the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        map_path = model_dir / "special_tokens_map.json"  # older checkpoints keep them only there
+        token_map = json.loads(map_path.read_text()) if map_path.is_file() else {}
         special = {}
         for name in _SPECIAL:
-            value = config.get(name)
+            value = config.get(name) or token_map.get(name)
             if isinstance(value, dict):  # an AddedToken written out in full
                 value = value.get("content")
             if value:
@@ -102,3 +123,17 @@ class ChatTokenizer:
         """transformers' call, for the frontend's use: ids (or the text when tokenize=False)."""
         text = self.render_chat(messages, add_generation_prompt)
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def load_chat_tokenizer(model_dir: Path) -> Any:
+    """ChatTokenizer where the model has a tokenizer.json; otherwise transformers' tokenizer (a
+    slow, sentencepiece-only checkpoint), at the price of importing torch."""
+    try:
+        return ChatTokenizer.load(model_dir)
+    except TokenizerLoadError as exc:
+        import logging
+
+        from services.common.model_loading import load_tokenizer
+
+        logging.getLogger(__name__).warning("%s; loading transformers' tokenizer (and torch) instead", exc)
+        return load_tokenizer(model_dir)

@@ -47,3 +47,30 @@ def test_a_template_error_is_a_chat_template_error(lean):
         broken.apply_chat_template([{"role": "user", "content": "x"}])
     with pytest.raises(ChatTemplateError, match="no chat template"):
         ChatTokenizer(lean.backend_tokenizer, None, {}).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_templates_using_transformers_extensions_render(lean):
+    template = ("{% for m in messages %}{% generation %}{{ m.content | tojson(separators=(',', ':')) }}"
+                "{% endgeneration %}{% endfor %}{{ bos_token }}")
+    tokenizer = ChatTokenizer(lean.backend_tokenizer, template, {"bos_token": "<s>"})
+    assert tokenizer.render_chat([{"role": "user", "content": {"a": [1, 2]}}]) == '{"a":[1,2]}<s>'
+
+
+def test_special_tokens_come_from_the_older_map_file_too(tmp_path, embedded_model_dir):
+    import json
+    import shutil
+
+    for name in ("tokenizer.json", "chat_template.jinja"):
+        shutil.copy(embedded_model_dir / name, tmp_path / name)
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"bos_token": {"content": "<|im_start|>"}}))
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    assert ChatTokenizer.load(tmp_path).special_tokens["bos_token"] == "<|im_start|>"
+
+
+def test_a_model_without_tokenizer_json_falls_back_to_transformers(tmp_path, embedded_model_dir):
+    from services.common.tokenizer import TokenizerLoadError, load_chat_tokenizer
+
+    with pytest.raises(TokenizerLoadError):
+        ChatTokenizer.load(tmp_path)
+    with pytest.raises(Exception, match=str(tmp_path)):  # transformers' own refusal, not ours
+        load_chat_tokenizer(tmp_path)
