@@ -62,3 +62,12 @@ def test_generate_local_honours_or_refuses_every_scheduler_flag():
     assert config.max_waiting == 5
     with pytest.raises(ValueError, match="stateless-worker"):
         engine_config(build_parser().parse_args(["generate", "hi", "--local", "--stateless-worker"]))
+
+
+def test_every_serve_argument_group_is_forwarded_or_the_launcher_s_own():
+    """A group added to `vmesh serve` must be given to its services (OWNERS) or be one the
+    launcher itself reads; otherwise its flags would silently do nothing."""
+    launcher_own = {"positional arguments", "options", "server"}
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    titles = {g.title for g in serve._action_groups}
+    assert titles - launcher_own == set(OWNERS), titles
