@@ -225,7 +225,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
                       _address_specs(args.detokenizer_addresses), args.host, args.port, args.ready_file,
                       args.metrics_port, args.replica_refresh_interval,
                       http_port=None if args.no_http else args.http_port, api_key=args.api_key or None,
-                      max_prompt_bytes=args.max_prompt_bytes))
+                      max_prompt_bytes=args.max_prompt_bytes, model_name=_model_name(args)))
     return 0
 
 

@@ -27,11 +27,12 @@ logger = logging.getLogger(__name__)
 class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
     def __init__(self, tokenizer, scheduler_specs: list[str], detokenizer_specs: list[str],
                  replica_refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S, api_key: str | None = None,
-                 max_prompt_bytes: int = requests.DEFAULT_MAX_PROMPT_BYTES):
+                 max_prompt_bytes: int = requests.DEFAULT_MAX_PROMPT_BYTES, model_name: str | None = None):
         """Specs: host:port or dns:///name:port entries, re-resolved periodically. Several
         schedulers are several worker groups (data parallelism). `api_key`: required of
         Generate, Tokenize and GetModelInfo callers as `authorization: Bearer KEY` metadata."""
         self.tokenizer = tokenizer
+        self.model_name = model_name  # the model whose tokenizer it loaded (None: not checked)
         self.api_key = api_key
         self.max_prompt_bytes = max_prompt_bytes
         self.draining = False
@@ -56,6 +57,10 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
         await asyncio.gather(*(g.joined.wait() for g in groups))
         if not self.schedulers.candidates():
             raise RuntimeError("no scheduler answered")
+        if self.model_name is not None and self.schedulers.limits.name != self.model_name:
+            # Its tokenizer would turn text into ids of another vocabulary: wrong answers, not errors.
+            raise RuntimeError(f"this frontend loaded the tokenizer of {self.model_name!r}, but the schedulers "
+                               f"serve {self.schedulers.limits.name!r}; give both the same --model")
         self.limits = self.schedulers.limits
         subscribed = [self._start_subscription(address) for address in self.detokenizers.addresses]
         await asyncio.gather(*subscribed)
@@ -211,13 +216,14 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
 async def serve(load_tokenizer, scheduler_specs: list[str], detokenizer_specs: list[str], host: str, port: int,
                 ready_file: str | None, metrics_port: int | None = None,
                 replica_refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S, http_port: int | None = None,
-                api_key: str | None = None, max_prompt_bytes: int = requests.DEFAULT_MAX_PROMPT_BYTES) -> None:
+                api_key: str | None = None, max_prompt_bytes: int = requests.DEFAULT_MAX_PROMPT_BYTES,
+                model_name: str | None = None) -> None:
     """`http_port`: also serve the OpenAI-compatible HTTP API there (0: any free port; None: off),
     on this event loop, over the same request path; its address goes to `<ready_file>.http`."""
     shell = ServiceShell("frontend", frontend_pb2.DESCRIPTOR.services_by_name["FrontendService"], host, port,
                          public=True)
     servicer = FrontendServicer(None, scheduler_specs, detokenizer_specs, replica_refresh_interval_s, api_key,
-                                max_prompt_bytes)
+                                max_prompt_bytes, model_name)
     frontend_pb2_grpc.add_FrontendServiceServicer_to_server(servicer, shell.server)
     registry = shell.metrics_registry(metrics_port, ready_file)
     if registry is None and http_port is not None:  # the HTTP API serves /metrics itself

@@ -1,0 +1,45 @@
+"""A frontend whose tokenizer belongs to another model than its schedulers' refuses to start:
+it would turn text into ids of another vocabulary and serve wrong answers, not errors."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.frontend.schedulers import SchedulerPool
+from services.frontend.server import FrontendServicer
+from tests.support.grpc_fakes import FakeChannel
+from vmesh.v1 import scheduler_pb2
+
+
+class Scheduler:
+    async def GetSchedulerStats(self, request, **kwargs):
+        return scheduler_pb2.GetSchedulerStatsResponse(model_name="SmolLM2-135M-Instruct", max_model_len=100,
+                                                       vocab_size=10)
+
+
+async def healthy(group):
+    await asyncio.Event().wait()
+    yield  # pragma: no cover
+
+
+def connect(model_name: str) -> None:
+    async def main() -> None:
+        f = FrontendServicer(object(), ["s:1"], ["d:1"], model_name=model_name)
+        f._start_subscription = lambda address: asyncio.sleep(0)  # no detokenizers here
+        f.schedulers = SchedulerPool(lambda address: (Scheduler(), FakeChannel()), health_stream=healthy)
+        try:
+            await f.connect()
+        finally:
+            await f.close()
+
+    asyncio.run(main())
+
+
+def test_a_frontend_for_another_model_refuses_to_start():
+    with pytest.raises(RuntimeError, match="give both the same --model"):
+        connect("Qwen2-0.5B")
+
+
+def test_a_frontend_for_the_same_model_starts():
+    connect("SmolLM2-135M-Instruct")
