@@ -199,7 +199,8 @@ def cmd_detokenizer(args: argparse.Namespace) -> int:
     from services.detokenizer.server import serve
 
     loader = _tokenizer_loader(args)
-    asyncio.run(serve(lambda: loader().backend_tokenizer, args.host, args.port, args.ready_file, args.metrics_port))
+    asyncio.run(serve(lambda: loader().backend_tokenizer, args.host, args.port, args.ready_file, args.metrics_port,
+                      _model_name(args)))
     return 0
 
 

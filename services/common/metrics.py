@@ -3,23 +3,61 @@ dashboards need only a prefix change. Durations come from one process's monotoni
 
 Gauges and counters the cores already keep (queue lengths, KV usage, prefix-cache counts)
 are read at scrape time by collectors, so the hot path pays nothing for them.
+
+Every series carries a `model_name` label, as vLLM's do: its Grafana dashboard filters every
+query on it. Each series is exported by exactly one service, so a sum over all of them counts
+once: token counters and request histograms by the scheduler (the engine, as in vLLM), client-
+side latencies and request outcomes by the frontend.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+# Otherwise every counter and histogram also exports a `_created` series, which vLLM does not
+# (it disables them too) and which dashboards summing `{__name__=~...}` would pick up.
+disable_created_metrics()
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
                    20.0, 40.0, 80.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+MODEL = ["model_name"]
+
+
+def token_buckets(max_value: int) -> list[int]:
+    """vLLM's 1-2-5 series up to `max_value` (its request_prompt/generation_tokens buckets)."""
+    buckets, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10 ** exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+def iteration_buckets(max_tokens: int) -> list[int]:
+    """Powers of two up to a step's token budget: decode steps (a few tokens) and full prefill
+    chunks both land in a bucket of their own."""
+    buckets = [1]
+    while buckets[-1] < max_tokens:
+        buckets.append(buckets[-1] * 2)
+    return buckets
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int | None, ready_file: str | None) -> str | None:
@@ -57,50 +95,81 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int | None, read
 class Gauges(Collector):
     """Gauges and counters computed at scrape time from a snapshot function."""
 
-    def __init__(self, snapshot: Callable[[], dict[str, tuple[str, str, float]]]):
+    def __init__(self, snapshot: Callable[[], dict[str, tuple[str, str, float]]], model_name: str):
         self.snapshot = snapshot  # name -> (kind "gauge"|"counter", help, value)
+        self.model_name = model_name
 
-    def collect(self):
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         for name, (kind, help_text, value) in self.snapshot().items():
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-            metric = family(name, help_text)
-            metric.add_metric([], value)
+            metric = family(name, help_text, labels=MODEL)
+            metric.add_metric([self.model_name], value)
             yield metric
 
 
 class FrontendMetrics:
-    def __init__(self, registry: CollectorRegistry):
-        self.ttft = Histogram("vmesh:time_to_first_token_seconds", "Time to first token.",
-                              buckets=LATENCY_BUCKETS, registry=registry)
-        self.itl = Histogram("vmesh:inter_token_latency_seconds", "Time between output tokens.",
-                             buckets=LATENCY_BUCKETS, registry=registry)
-        self.e2e = Histogram("vmesh:e2e_request_latency_seconds", "End-to-end request latency.",
-                             buckets=LATENCY_BUCKETS, registry=registry)
-        self.requests = Counter("vmesh:request_success", "Finished requests by reason.", ["finished_reason"],
-                                registry=registry)
-        self.prompt_tokens = Counter("vmesh:prompt_tokens", "Prompt tokens received.", registry=registry)
-        self.generation_tokens = Counter("vmesh:generation_tokens", "Tokens streamed to clients.", registry=registry)
+    """What clients see. Token counts are the scheduler's: counting them here too would make
+    every sum across services count them twice."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str):
+        self.model_name = model_name
+        self.ttft = Histogram("vmesh:time_to_first_token_seconds", "Time to first token.", MODEL,
+                              buckets=LATENCY_BUCKETS, registry=registry).labels(model_name)
+        self.itl = Histogram("vmesh:inter_token_latency_seconds", "Time between output tokens.", MODEL,
+                             buckets=LATENCY_BUCKETS, registry=registry).labels(model_name)
+        self.e2e = Histogram("vmesh:e2e_request_latency_seconds", "End-to-end request latency.", MODEL,
+                             buckets=LATENCY_BUCKETS, registry=registry).labels(model_name)
+        self._requests = Counter("vmesh:request_success", "Finished requests by reason.",
+                                 [*MODEL, "finished_reason"], registry=registry)
+
+    def request_finished(self, reason: str) -> None:
+        self._requests.labels(self.model_name, reason).inc()
 
 
 class SchedulerMetrics:
-    def __init__(self, registry: CollectorRegistry):
-        self.queue_time = Histogram("vmesh:request_queue_time_seconds", "Time from submission to first admission.",
-                                    buckets=LATENCY_BUCKETS, registry=registry)
-        self.prompt_tokens = Counter("vmesh:prompt_tokens", "Prompt tokens admitted.", registry=registry)
-        self.generation_tokens = Counter("vmesh:generation_tokens", "Tokens generated.", registry=registry)
+    """The engine's series, created once the workers have said which model they serve (and its
+    length, which bounds the token buckets)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int,
+                 max_num_batched_tokens: int):
+        def histogram(name: str, help_text: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(name, help_text, MODEL, buckets=buckets, registry=registry).labels(model_name)
+
+        def counter(name: str, help_text: str) -> Counter:
+            return Counter(name, help_text, MODEL, registry=registry).labels(model_name)
+
+        self.queue_time = histogram("vmesh:request_queue_time_seconds", "Time from submission to first admission.",
+                                    LATENCY_BUCKETS)
+        self.prefill_time = histogram("vmesh:request_prefill_time_seconds",
+                                      "Time from first admission to first token.", LATENCY_BUCKETS)
+        self.decode_time = histogram("vmesh:request_decode_time_seconds", "Time from first token to finish.",
+                                     LATENCY_BUCKETS)
+        self.inference_time = histogram("vmesh:request_inference_time_seconds",
+                                        "Time from first admission to finish.", LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram("vmesh:request_prompt_tokens", "Prompt tokens per finished request.",
+                                               token_buckets(max_model_len))
+        self.request_generation_tokens = histogram("vmesh:request_generation_tokens",
+                                                   "Generated tokens per finished request.",
+                                                   token_buckets(max_model_len))
+        self.iteration_tokens = histogram("vmesh:iteration_tokens_total", "Tokens scheduled per step.",
+                                          iteration_buckets(max_num_batched_tokens))
+        self.prompt_tokens = counter("vmesh:prompt_tokens", "Prompt tokens admitted.")
+        self.generation_tokens = counter("vmesh:generation_tokens", "Tokens generated.")
 
 
 class WorkerMetrics:
-    def __init__(self, registry: CollectorRegistry):
-        self.step_time = Histogram("vmesh:worker_step_seconds", "Forward + sampling time per step.",
-                                   buckets=STEP_BUCKETS, registry=registry)
-        self.batch_size = Histogram("vmesh:worker_batch_size", "Requests per step.", buckets=BATCH_BUCKETS,
-                                    registry=registry)
-        self.scheduled_tokens = Counter("vmesh:worker_scheduled_tokens", "Tokens computed.", registry=registry)
+    def __init__(self, registry: CollectorRegistry, model_name: str):
+        self.step_time = Histogram("vmesh:worker_step_seconds", "Forward + sampling time per step.", MODEL,
+                                   buckets=STEP_BUCKETS, registry=registry).labels(model_name)
+        self.batch_size = Histogram("vmesh:worker_batch_size", "Requests per step.", MODEL, buckets=BATCH_BUCKETS,
+                                    registry=registry).labels(model_name)
+        self.scheduled_tokens = Counter("vmesh:worker_scheduled_tokens", "Tokens computed.", MODEL,
+                                        registry=registry).labels(model_name)
 
 
 class DetokenizerMetrics:
-    def __init__(self, registry: CollectorRegistry):
-        self.tokens = Counter("vmesh:detokenizer_tokens", "Token ids turned into text.", registry=registry)
+    def __init__(self, registry: CollectorRegistry, model_name: str):
+        self.tokens = Counter("vmesh:detokenizer_tokens", "Token ids turned into text.", MODEL,
+                              registry=registry).labels(model_name)
         self.stop_string_hits = Counter("vmesh:detokenizer_stop_string_hits", "Requests ended by a stop string.",
-                                        registry=registry)
+                                        MODEL, registry=registry).labels(model_name)

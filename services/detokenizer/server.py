@@ -208,12 +208,13 @@ def _logprob_rows(batch: detokenizer_pb2.DetokenizeRequest) -> dict[int, list[Lo
 
 
 async def serve(load_tokenizer, host: str, port: int, ready_file: str | None,
-                metrics_port: int | None = None) -> None:
+                metrics_port: int | None = None, model_name: str = "") -> None:
+    """`model_name`: the model whose tokenizer it loads, the label on its metrics."""
     shell = ServiceShell("detokenizer", detokenizer_pb2.DESCRIPTOR.services_by_name["DetokenizerService"], host, port)
     servicer = DetokenizerServicer(None)
     detokenizer_pb2_grpc.add_DetokenizerServiceServicer_to_server(servicer, shell.server)
     if registry := shell.metrics_registry(metrics_port, ready_file):
-        servicer.metrics = DetokenizerMetrics(registry)
+        servicer.metrics = DetokenizerMetrics(registry, model_name)
 
     async def warm_up() -> None:
         servicer.tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer)

@@ -171,8 +171,6 @@ async def _generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRe
     started = last_token_at = time.monotonic()
     first_token = True
     metrics = frontend.metrics
-    if metrics:
-        metrics.prompt_tokens.inc(len(prompt))
     group: SchedulerGroup | None = None
     try:
         listening = sorted(frontend.subscribed - frontend.retired)
@@ -203,10 +201,9 @@ async def _generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRe
                     for _ in out.token_ids:
                         metrics.itl.observe((now - last_token_at) / len(out.token_ids))
                 last_token_at = now
-                metrics.generation_tokens.inc(len(out.token_ids))
             if metrics and finished:
                 metrics.e2e.observe(time.monotonic() - started)
-                metrics.requests.labels(FINISH_NAMES[out.finish_reason]).inc()
+                metrics.request_finished(FINISH_NAMES[out.finish_reason])
             if finished and out.usage is not None:
                 span.set_attributes({"gen_ai.usage.output_tokens": out.usage.completion_tokens,
                                      "gen_ai.response.finish_reasons": [FINISH_NAMES[out.finish_reason]]})

@@ -231,7 +231,8 @@ async def serve(load_tokenizer, scheduler_specs: list[str], detokenizer_specs: l
 
         registry = CollectorRegistry()
     if registry is not None:
-        servicer.metrics = FrontendMetrics(registry)
+        # model_name is None only for embedders that skip the tokenizer check: an empty label is an absent one.
+        servicer.metrics = FrontendMetrics(registry, model_name or "")
     http = None
     if http_port is not None:
         from services.frontend.http_server import HttpServer

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry import trace
+from prometheus_client import CollectorRegistry
 
 from services.common import telemetry, wire
 from services.common.discovery import DEFAULT_REFRESH_INTERVAL_S, AddressBook, watch
@@ -66,6 +67,9 @@ class _Route:
     num_prompt_tokens: int
     introduced: bool = False
     submitted_at: float = 0.0  # monotonic
+    admitted_at: float = 0.0  # first admission (monotonic); for the request histograms
+    first_token_at: float = 0.0  # 0: no token yet
+    num_generated: int = 0
     span: trace.Span = trace.INVALID_SPAN  # the request's life in the scheduler
     queue_span: trace.Span | None = None  # from submission to first admission
 
@@ -112,6 +116,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self._tasks: list[asyncio.Task] = []
         self._channels: list[grpc.aio.Channel] = []
         self.metrics: SchedulerMetrics | None = None
+        self.metrics_registry: CollectorRegistry | None = None  # metrics are created at connect, labelled by model
 
     # --- start-up ----------------------------------------------------------------------------
 
@@ -128,6 +133,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             raise RuntimeError("worker ranks disagree on their KV cache")
         self.info = info
         self.limits = ModelLimits(info.model_name, info.max_model_len, info.vocab_size)
+        if self.metrics_registry is not None and self.metrics is None:
+            # Only now is the model known: every series carries its name, as vLLM's do.
+            self.metrics = SchedulerMetrics(self.metrics_registry, info.model_name, info.max_model_len,
+                                            self.config.max_num_batched_tokens)
+            self.metrics_registry.register(Gauges(self.gauges, info.model_name))
         pool = BlockPool(info.num_kv_blocks, info.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             max_model_len=info.max_model_len, max_num_seqs=min(self.config.max_num_seqs or info.max_num_seqs,
@@ -221,6 +231,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             while True:
                 for plan in pipeline.plans():
                     message = self._plan_message(plan)
+                    if self.metrics and plan.scheduled_handles:
+                        self.metrics.iteration_tokens.observe(plan.total_scheduled_tokens)
                     size = message.ByteSize()
                     self.plan_bytes += size
                     self.steps += 1
@@ -281,8 +293,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             if route.queue_span is not None:  # first admission
                 route.queue_span.end()
                 route.queue_span = None
+                route.admitted_at = time.monotonic()
                 if self.metrics:
-                    self.metrics.queue_time.observe(time.monotonic() - route.submitted_at)
+                    self.metrics.queue_time.observe(route.admitted_at - route.submitted_at)
                     self.metrics.prompt_tokens.inc(route.num_prompt_tokens)
             if telemetry.tracing_enabled():
                 new.trace_context.CopyFrom(telemetry.to_proto(route.span))
@@ -303,19 +316,25 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     # --- routing to detokenizers -------------------------------------------------------------
 
     def _route(self, updates: list[RequestUpdate]) -> None:
+        now = time.monotonic()  # one clock read per step, not per request
+        generated = 0
         for update in updates:
             route = self.routes.get(update.request_id)
             if route is None:
                 continue
+            num_new = len(update.new_token_ids)
+            if num_new:
+                generated += num_new
+                route.num_generated += num_new
+                if not route.first_token_at:
+                    route.first_token_at = now
             batch = route.replica.pending
             self._introduce(route)
             batch.handles.append(route.handle)
-            batch.num_tokens.append(len(update.new_token_ids))
+            batch.num_tokens.append(num_new)
             batch.token_ids.extend(update.new_token_ids)
             batch.finish_reasons.append(wire.FINISH_REASONS_PB[update.finish_reason])
             batch.num_cached_prompt_tokens.append(update.num_cached_prompt_tokens)
-            if self.metrics:
-                self.metrics.generation_tokens.inc(len(update.new_token_ids))
             batch.errors.append("")
             for lp in update.logprobs:
                 batch.logprobs_handles.append(route.handle)
@@ -326,6 +345,20 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 batch.top_logprobs.extend(lp.top_logprobs)
             if update.finish_reason is not None:
                 self._pop_route(update.request_id, update.finish_reason.value)
+                if self.metrics:
+                    self._observe_finished(self.metrics, route, now)
+        if self.metrics and generated:
+            self.metrics.generation_tokens.inc(generated)
+
+    @staticmethod
+    def _observe_finished(m: SchedulerMetrics, route: _Route, now: float) -> None:
+        """vLLM's per-request histograms, for a request the engine finished (not one aborted from outside)."""
+        m.request_prompt_tokens.observe(route.num_prompt_tokens)
+        m.request_generation_tokens.observe(route.num_generated)
+        m.inference_time.observe(now - route.admitted_at)
+        if route.first_token_at:  # a request can end without a token (e.g. an engine-side abort)
+            m.prefill_time.observe(route.first_token_at - route.admitted_at)
+            m.decode_time.observe(now - route.first_token_at)
 
     def _pop_route(self, key: str, finish_reason: str = "abort") -> _Route | None:
         route = self.routes.pop(key, None)
@@ -478,9 +511,7 @@ async def serve(config: MeshSchedulerConfig, host: str, port: int, ready_file: s
     shell = ServiceShell("scheduler", scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"], host, port)
     servicer = SchedulerServicer(config)
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, shell.server)
-    if registry := shell.metrics_registry(metrics_port, ready_file):
-        servicer.metrics = SchedulerMetrics(registry)
-        registry.register(Gauges(servicer.gauges))
+    servicer.metrics_registry = shell.metrics_registry(metrics_port, ready_file)
 
     def on_failure() -> None:
         asyncio.get_running_loop().create_task(shell.set_serving(False))

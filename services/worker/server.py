@@ -152,8 +152,8 @@ async def serve(load_runner: Callable[[], ModelRunner], model_name: str, host: s
     servicer = WorkerServicer(None, model_name)  # type: ignore[arg-type]  # set once loaded
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, shell.server)
     if registry := shell.metrics_registry(metrics_port, ready_file):
-        servicer.metrics = WorkerMetrics(registry)
-        registry.register(Gauges(servicer.gauges))
+        servicer.metrics = WorkerMetrics(registry, model_name)
+        registry.register(Gauges(servicer.gauges, model_name))
 
     async def warm_up() -> None:
         # Health stays NOT_SERVING while the model loads and runs one throwaway step.

@@ -5,22 +5,46 @@ from __future__ import annotations
 
 import asyncio
 import urllib.request
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.client import VmeshClient
+from services.common.model_loading import EMBEDDED_MODEL_NAME
 from services.mesh_process import start_mesh
+
+VLLM_NAMES = Path(__file__).parent.parent / "fixtures/vllm_metric_names.txt"
+
+
+def vllm_metric_names() -> list[str]:
+    lines = (line.strip() for line in VLLM_NAMES.read_text().splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def scrape_families(url: str) -> dict[str, list]:
+    """Family name (counters without `_total`) -> its samples. Every sample must carry the
+    model_name label (vLLM's dashboards filter on it), and none may be a `_created` series."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    families = {}
+    for family in text_string_to_metric_families(text):
+        if not family.name.startswith("vmesh:"):
+            continue  # the process and platform collectors, if any
+        for sample in family.samples:
+            assert sample.labels.get("model_name") == EMBEDDED_MODEL_NAME, (url, sample)
+            assert not sample.name.endswith("_created"), (url, sample)
+        families[family.name] = family.samples
+    return families
 
 
 def scrape(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
+    """Sample name (with its labels but model_name and le) -> value, buckets left out."""
     samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k != "le")
+    for family_samples in scrape_families(url).values():
+        for sample in family_samples:
             if "le" in sample.labels:
                 continue
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k != "model_name")
             samples[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
     return samples
 
@@ -44,10 +68,22 @@ def test_every_service_exports_metrics_that_move():
         assert frontend["vmesh:e2e_request_latency_seconds_count"] == 4
         assert frontend["vmesh:inter_token_latency_seconds_count"] == 4 * 5
         assert frontend['vmesh:request_success_total{finished_reason="length"}'] == 4
-        assert frontend["vmesh:generation_tokens_total"] == 24
+        # Token counts are the scheduler's alone: a sum across services counts each token once.
+        assert "vmesh:generation_tokens_total" not in frontend and "vmesh:prompt_tokens_total" not in frontend
         scheduler = scrape(mesh.metrics["scheduler"])
         assert scheduler["vmesh:generation_tokens_total"] == 24
         assert scheduler["vmesh:request_queue_time_seconds_count"] == 4
+        prompt_tokens = scheduler["vmesh:prompt_tokens_total"]
+        assert scheduler["vmesh:request_prompt_tokens_sum"] == prompt_tokens > 0
+        assert scheduler["vmesh:request_generation_tokens_count"] == 4
+        assert scheduler["vmesh:request_generation_tokens_sum"] == 24
+        for phase in ("prefill", "decode", "inference"):
+            assert scheduler[f"vmesh:request_{phase}_time_seconds_count"] == 4
+        assert scheduler["vmesh:request_inference_time_seconds_sum"] >= scheduler[
+            "vmesh:request_decode_time_seconds_sum"]
+        # Every step computes the 4 x 5 decode tokens past the first, plus what prefill did not find cached.
+        assert scheduler["vmesh:iteration_tokens_total_count"] >= 6
+        assert scheduler["vmesh:iteration_tokens_total_sum"] >= 4 * 5
         assert scheduler["vmesh:num_requests_running"] == 0 and scheduler["vmesh:num_requests_waiting"] == 0
         assert 0 <= scheduler["vmesh:kv_cache_usage_perc"] <= 1
         assert scheduler["vmesh:prefix_cache_queries_total"] > 0
@@ -59,5 +95,12 @@ def test_every_service_exports_metrics_that_move():
         assert worker["vmesh:worker_step_seconds_count"] >= 6 and worker["vmesh:worker_batch_size_count"] >= 6
         detokenized = sum(scrape(mesh.metrics[f"detokenizer-{i}"])["vmesh:detokenizer_tokens_total"] for i in (0, 1))
         assert detokenized == 24
+
+        # Every vLLM series vmesh claims, under the same name, from exactly one service.
+        exported = {service: set(scrape_families(url)) for service, url in mesh.metrics.items()}
+        for name in vllm_metric_names():
+            ours = "vmesh:" + name.removeprefix("vllm:")
+            owners = [service for service, names in exported.items() if ours in names]
+            assert len(owners) == 1, (ours, owners)
     finally:
         mesh.stop()

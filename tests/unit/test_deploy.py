@@ -98,6 +98,12 @@ def test_grafana_dashboard_covers_the_key_series():
     for series in ("time_to_first_token_seconds", "inter_token_latency_seconds", "generation_tokens_total",
                    "kv_cache_usage_perc", "worker_duty_cycle", "num_requests_waiting"):
         assert f"vmesh:{series}" in exprs
+    # Under a Kubernetes scrape the job label is the scrape config's, not compose's: no query may rely on it.
+    assert "job=" not in exprs
+    # Filtered on model_name as vLLM's dashboard is, through a template variable.
+    assert [v["name"] for v in dashboard["templating"]["list"]] == ["model_name"]
+    selectors = re.findall(r"vmesh:[a-z_]+(\{[^}]*\})?", exprs)
+    assert selectors and all('model_name=~"$model_name"' in s for s in selectors)
 
 
 def k8s_documents() -> list[tuple[Path, dict]]:
