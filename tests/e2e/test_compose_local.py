@@ -230,8 +230,8 @@ def detokenized_tokens(stack: LocalStack, i: int) -> float:
     url = f"http://127.0.0.1:{stack.instances['detokenizer'][i]['metrics']}/metrics"
     with urllib.request.urlopen(url, timeout=5) as response:
         for line in response.read().decode().splitlines():
-            if line.startswith("vmesh:detokenizer_tokens_total "):
-                return float(line.split()[1])
+            if line.startswith(("vmesh:detokenizer_tokens_total ", "vmesh:detokenizer_tokens_total{")):
+                return float(line.rsplit(maxsplit=1)[1])  # after the labels (model_name=...)
     raise AssertionError("no vmesh:detokenizer_tokens_total series")
 
 
