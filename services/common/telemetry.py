@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -76,6 +77,15 @@ def from_proto(message: common_pb2.TraceContext) -> otel_context.Context | None:
     if message.tracestate:
         carrier["tracestate"] = message.tracestate
     return _PROPAGATOR.extract(carrier)
+
+
+def from_headers(headers: Mapping[str, str] | None) -> otel_context.Context | None:
+    """The context a caller's W3C `traceparent` (and `tracestate`) names, from gRPC metadata or
+    HTTP headers (keys in any case); None without one."""
+    if not headers:
+        return None
+    carrier = {k.lower(): v for k, v in headers.items() if k.lower() in ("traceparent", "tracestate")}
+    return _PROPAGATOR.extract(carrier) if "traceparent" in carrier else None
 
 
 def span_context_of(message: common_pb2.TraceContext) -> trace.SpanContext | None:

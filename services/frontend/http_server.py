@@ -269,7 +269,10 @@ class OpenAIRoutes:
             nonlocal fanout
             # Each prompt is tokenized once (off the loop); its n copies carry the token ids.
             prompts = [await requests.encode(self.frontend, r) for r in generate_requests]
-            fanout = Fanout([requests.generate(self.frontend, r) for r in oai.fan_out(generate_requests, n, prompts)])
+            operation = "chat" if chat else "text_completion"
+            fanout = Fanout([requests.generate(self.frontend, r, trace_headers=http_request.headers,
+                                               operation=operation)
+                             for r in oai.fan_out(generate_requests, n, prompts)])
             if stream:
                 await fanout.started()
                 return

@@ -11,7 +11,7 @@ import hashlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -128,14 +128,20 @@ def spawn(frontend: FrontendServicer, work: Coroutine[Any, Any, None]) -> None:
 
 async def generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRequest,
                    time_remaining: Callable[[], float | None] = lambda: None,
+                   trace_headers: Mapping[str, str] | None = None, operation: str | None = None,
                    ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
     """One request, start to end, as a stream of GenerateResponses. Closing the stream early
-    (the client left) aborts the request wherever it still runs."""
-    which = request.WhichOneof("input")
-    span = TRACER.start_span("generate", kind=trace.SpanKind.SERVER, attributes={
-        "gen_ai.operation.name": "chat" if which == "chat" else "text_completion",
-        "gen_ai.system": "vmesh", "gen_ai.request.model": request.model or (
-            frontend.limits.name if frontend.limits else "")})
+    (the client left) aborts the request wherever it still runs. `trace_headers`: the caller's
+    W3C `traceparent`/`tracestate` (gRPC metadata or HTTP headers), which the request's trace
+    continues. `operation`: the GenAI operation when the input does not say (a chat whose
+    prompt arrives tokenized)."""
+    operation = operation or ("chat" if request.WhichOneof("input") == "chat" else "text_completion")
+    model = request.model or (frontend.limits.name if frontend.limits else "")
+    # OpenTelemetry's GenAI conventions: the span is named "{operation} {model}".
+    span = TRACER.start_span(f"{operation} {model}".strip(), kind=trace.SpanKind.SERVER,
+                             context=telemetry.from_headers(trace_headers), attributes={
+                                 "gen_ai.operation.name": operation, "gen_ai.provider.name": "vmesh",
+                                 "gen_ai.request.model": model})
     try:
         async for response in _generate(frontend, request, time_remaining, span):
             yield response
@@ -158,7 +164,11 @@ async def _generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRe
         raise RequestError(Code.INVALID_ARGUMENT, str(exc)) from exc
     span.set_attributes({"gen_ai.request.max_tokens": params.max_tokens,
                          "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
-                         "gen_ai.usage.input_tokens": len(prompt)})
+                         "gen_ai.usage.input_tokens": len(prompt), "gen_ai.response.model": frontend.limits.name})
+    if params.top_k > 0:
+        span.set_attribute("gen_ai.request.top_k", params.top_k)
+    if params.seed is not None:
+        span.set_attribute("gen_ai.request.seed", params.seed)
     key = next(frontend.keys)
     request_id = f"{key}"
     span.set_attribute("gen_ai.response.id", f"{frontend.frontend_id}/{request_id}")
@@ -206,6 +216,7 @@ async def _generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRe
                 metrics.request_finished(FINISH_NAMES[out.finish_reason])
             if finished and out.usage is not None:
                 span.set_attributes({"gen_ai.usage.output_tokens": out.usage.completion_tokens,
+                                     "gen_ai.usage.cache_read.input_tokens": out.usage.cached_prompt_tokens,
                                      "gen_ai.response.finish_reasons": [FINISH_NAMES[out.finish_reason]]})
             yield frontend_pb2.GenerateResponse(
                 request_id=request_id, text=out.text, token_ids=out.token_ids, logprobs=out.logprobs,

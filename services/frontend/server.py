@@ -183,7 +183,8 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
     async def Generate(self, request, context):
         await self._authorize(context)
         try:
-            async for response in requests.generate(self, request, context.time_remaining):
+            metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+            async for response in requests.generate(self, request, context.time_remaining, trace_headers=metadata):
                 yield response
         except RequestError as exc:
             await context.abort(exc.code, exc.message)

@@ -11,7 +11,7 @@ from concurrent import futures
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from services.client import VmeshClient
+from services.client import VmeshClient, generate_request
 from services.mesh_process import start_mesh
 
 
@@ -34,10 +34,13 @@ def attributes(span) -> dict:
     out = {}
     for a in span.attributes:
         v = a.value
-        out[a.key] = (v.string_value or v.int_value or v.double_value or v.bool_value
-                      or [x.string_value for x in v.array_value.values])
+        kind = v.WhichOneof("value")  # by kind, so that a zero stays a zero
+        out[a.key] = [x.string_value for x in v.array_value.values] if kind == "array_value" else getattr(v, kind)
     return out
 
+
+CLIENT_TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+GENERATE = "chat SmolLM2-135M-Instruct"  # OpenTelemetry GenAI: "{operation} {model}"
 
 def test_one_request_is_one_trace_across_all_services():
     receiver = Receiver()
@@ -51,8 +54,11 @@ def test_one_request_is_one_trace_across_all_services():
     try:
         async def main():
             async with VmeshClient(mesh.address) as client:
-                return await client.complete(chat=[{"role": "user", "content": "Say hi."}], max_tokens=5,
-                                             temperature=0, ignore_eos=True)
+                # The client's own trace (W3C traceparent in the call's metadata) is continued.
+                request = generate_request(chat=[{"role": "user", "content": "Say hi."}], max_tokens=5,
+                                           temperature=0, ignore_eos=True)
+                outs = [o async for o in client.stub.Generate(request, metadata=(("traceparent", CLIENT_TRACE),))]
+                return "", [t for o in outs for t in o.token_ids], outs[-1]
 
         _text, ids, last = asyncio.run(main())
         assert len(ids) == 5
@@ -60,10 +66,10 @@ def test_one_request_is_one_trace_across_all_services():
         wanted = {"vmesh-frontend", "vmesh-scheduler", "vmesh-worker", "vmesh-detokenizer"}
         # Each service exports on its own schedule, and a span arrives only once it ends (the
         # scheduler's request span can end after the client has its last token): wait for all.
-        wanted_names = {"generate", "scheduler.request", "scheduler.queue", "worker.step", "detokenizer.request"}
+        wanted_names = {GENERATE, "scheduler.request", "scheduler.queue", "worker.step", "detokenizer.request"}
         while time.monotonic() < deadline:
             with receiver.lock:
-                generate = [s for svc, s in receiver.spans if svc == "vmesh-frontend" and s.name == "generate"]
+                generate = [s for svc, s in receiver.spans if svc == "vmesh-frontend" and s.name == GENERATE]
                 if generate:
                     trace_id = generate[0].trace_id
                     services = {svc for svc, s in receiver.spans if s.trace_id == trace_id}
@@ -74,9 +80,13 @@ def test_one_request_is_one_trace_across_all_services():
         assert generate, "no frontend span arrived"
         summary = sorted({(svc, s.name, s.trace_id.hex()[:8]) for svc, s in receiver.spans})
         assert wanted <= services, f"services in the trace: {services}; all spans: {summary}"
+        assert generate[0].trace_id.hex() == CLIENT_TRACE.split("-")[1]  # the client's trace...
+        assert generate[0].parent_span_id.hex() == CLIENT_TRACE.split("-")[2]  # ...under the client's span
         attrs = attributes(generate[0])
-        assert attrs["gen_ai.operation.name"] == "chat"
-        assert attrs["gen_ai.request.model"] == "SmolLM2-135M-Instruct"
+        assert attrs["gen_ai.operation.name"] == "chat" and attrs["gen_ai.provider.name"] == "vmesh"
+        assert "gen_ai.system" not in attrs  # the deprecated name
+        assert attrs["gen_ai.request.model"] == attrs["gen_ai.response.model"] == "SmolLM2-135M-Instruct"
+        assert attrs["gen_ai.usage.cache_read.input_tokens"] == last.usage.cached_prompt_tokens
         assert attrs["gen_ai.usage.input_tokens"] == last.usage.prompt_tokens
         assert attrs["gen_ai.usage.output_tokens"] == 5
         assert attrs["gen_ai.response.finish_reasons"] == ["length"]

@@ -25,6 +25,9 @@ class FakeContext:
     async def send_initial_metadata(self, metadata) -> None:
         pass
 
+    def invocation_metadata(self) -> tuple:
+        return ()
+
 
 class FakeChannel:
     closed = False
