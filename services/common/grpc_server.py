@@ -169,12 +169,13 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(staging, path)
 
 
-def channel(address: str, peer: str | None = None, secure: bool = True) -> grpc.aio.Channel:
+def channel(address: str, peer: str | None = None, secure: bool = True,
+            identity: tls.Identity | None = None) -> grpc.aio.Channel:
     """A channel to another vmesh service. `peer`: the role expected there (scheduler, worker,
-    detokenizer...); once this process has an identity the channel uses mutual TLS and accepts
-    only a certificate issued for that role. `secure=False`: plaintext whatever the identity
-    (a plaintext health port)."""
-    identity = tls.current()
+    detokenizer...); once this process has an identity (or one is given) the channel uses mutual
+    TLS and accepts only a certificate issued for that role. `secure=False`: plaintext whatever
+    the identity (a plaintext health port)."""
+    identity = identity or tls.current()
     if identity is None or not secure:
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
     if peer is None:

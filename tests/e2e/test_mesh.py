@@ -320,19 +320,14 @@ def _maps_torch(pid: int) -> bool:
     return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
-def _pss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        if line.startswith("Pss:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def test_only_the_worker_loads_torch(default_mesh):
     """Frontends and detokenizers scale out, so each replica's size is multiplied: they tokenize
     with `tokenizers` alone. The scheduler has no use for torch either. (PSS is printed for the
     record; memory is measured in benchmarks, not asserted here.)"""
     loaded = {name: _maps_torch(pid) for name, (_address, pid) in default_mesh.services.items()}
-    print({name: f"{_pss_mib(pid):.0f} MiB" for name, (_address, pid) in default_mesh.services.items()})
+    from benchmarks.memory import pss_mib
+
+    print({name: f"{pss_mib(pid):.0f} MiB" for name, (_address, pid) in default_mesh.services.items()})
     assert loaded.pop("worker") is True  # the check sees torch where it is
     assert loaded and not any(loaded.values()), loaded
 

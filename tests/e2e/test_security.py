@@ -15,7 +15,7 @@ import pytest
 from services.client import VmeshClient
 from services.common import tls
 from services.common.certs import issue_role, make_ca, write_mesh_certificates
-from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.grpc_server import channel
 from services.mesh_process import start_mesh
 from vmesh.v1 import (
     detokenizer_pb2,
@@ -46,10 +46,7 @@ def _identity(certificates: str, role: str) -> tls.Identity:
 
 
 def _channel(address: str, caller: tls.Identity | None, peer: str) -> grpc.aio.Channel:
-    if caller is None:
-        return grpc.aio.insecure_channel(address)
-    credentials, options = tls.channel_security(caller, peer)
-    return grpc.aio.secure_channel(address, credentials, options=[*CHANNEL_OPTIONS, *options])
+    return channel(address, peer, secure=caller is not None, identity=caller)
 
 
 def _forger(certificates: str) -> tls.Identity:

@@ -38,3 +38,11 @@ class FakeChannel:
 
 def rpc_error(code: grpc.StatusCode, details: str = "") -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details or code.name)
+
+
+async def healthy_forever(group):
+    """A scheduler's health stream that never breaks (SchedulerPool's health_stream)."""
+    import asyncio
+
+    await asyncio.Event().wait()
+    yield  # pragma: no cover

@@ -8,7 +8,7 @@ import pytest
 
 from services.frontend.schedulers import SchedulerPool
 from services.frontend.server import FrontendServicer
-from tests.support.grpc_fakes import FakeChannel
+from tests.support.grpc_fakes import FakeChannel, healthy_forever
 from vmesh.v1 import scheduler_pb2
 
 
@@ -18,16 +18,11 @@ class Scheduler:
                                                        vocab_size=10)
 
 
-async def healthy(group):
-    await asyncio.Event().wait()
-    yield  # pragma: no cover
-
-
 def connect(model_name: str) -> None:
     async def main() -> None:
         f = FrontendServicer(object(), ["s:1"], ["d:1"], model_name=model_name)
         f._start_subscription = lambda address: asyncio.sleep(0)  # no detokenizers here
-        f.schedulers = SchedulerPool(lambda address: (Scheduler(), FakeChannel()), health_stream=healthy)
+        f.schedulers = SchedulerPool(lambda address: (Scheduler(), FakeChannel()), health_stream=healthy_forever)
         try:
             await f.connect()
         finally:

@@ -6,7 +6,7 @@ import asyncio
 import grpc
 
 from services.frontend.schedulers import SchedulerPool
-from tests.support.grpc_fakes import FakeChannel, rpc_error
+from tests.support.grpc_fakes import FakeChannel, healthy_forever, rpc_error
 from vmesh.v1 import scheduler_pb2
 
 
@@ -16,11 +16,6 @@ class FakeScheduler:
 
     async def GetSchedulerStats(self, request, **kwargs):
         return scheduler_pb2.GetSchedulerStatsResponse(model_name=self.model, max_model_len=2048, vocab_size=100)
-
-
-async def healthy_forever(group):
-    await asyncio.Event().wait()
-    yield  # pragma: no cover
 
 
 def pool_of(models: dict[str, str], **kwargs) -> tuple[SchedulerPool, dict[str, FakeChannel]]:

@@ -84,7 +84,7 @@ def test_a_drain_that_began_during_tokenization_refuses_the_request():
 def test_a_failed_submission_does_not_show_internal_addresses():
     """gRPC's own text names addresses inside the mesh; the client gets the gist."""
     from services.frontend.schedulers import SchedulerPool
-    from tests.support.grpc_fakes import FakeChannel, rpc_error
+    from tests.support.grpc_fakes import FakeChannel, healthy_forever, rpc_error
     from vmesh.v1 import scheduler_pb2
 
     class DownScheduler:
@@ -95,13 +95,9 @@ def test_a_failed_submission_does_not_show_internal_addresses():
             raise rpc_error(grpc.StatusCode.UNAVAILABLE,
                             "failed to connect to all addresses; last error: ipv4:10.1.2.3:50052: Connection refused")
 
-    async def healthy(group):
-        await asyncio.Event().wait()
-        yield  # pragma: no cover
-
     async def main() -> RequestError:
         f = frontend(Tokenizer(), ModelLimits("m", 100, 10))
-        f.schedulers = SchedulerPool(lambda address: (DownScheduler(), FakeChannel()), health_stream=healthy)
+        f.schedulers = SchedulerPool(lambda address: (DownScheduler(), FakeChannel()), health_stream=healthy_forever)
         await f.schedulers.add("s:1").joined.wait()
         f.subscribed.add("d:1")
         try:

@@ -11,7 +11,7 @@ import pytest
 
 from services.common import tls
 from services.common.certs import issue_role, make_ca, write_mesh_certificates
-from services.common.grpc_server import CHANNEL_OPTIONS, ServiceShell
+from services.common.grpc_server import ServiceShell, channel
 from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 
@@ -38,8 +38,7 @@ def client_channel(address: str, caller: tls.Identity | None, peer: str = "sched
             return grpc.aio.insecure_channel(address)
         return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(ca), options=[
             ("grpc.ssl_target_name_override", tls.role_dns_name(peer))])
-    credentials, options = tls.channel_security(caller, peer)
-    return grpc.aio.secure_channel(address, credentials, options=[*CHANNEL_OPTIONS, *options])
+    return channel(address, peer, identity=caller)
 
 
 async def call(server_identity: tls.Identity, make_channel, method: str = "SubmitRequest") -> grpc.StatusCode:
