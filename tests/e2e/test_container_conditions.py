@@ -21,19 +21,24 @@ RUNTIME_UID = 65532  # the Dockerfile's USER
 
 
 def as_runtime_user(home: Path) -> list[str]:
-    """A command prefix that execs as RUNTIME_UID. Where the interpreter lives under a directory
-    that user may not enter (a root-only home), a private mount namespace shows it just that
-    directory, as an image would have it installed in a readable place."""
-    interpreter = Path(os.path.realpath(sys.executable))
+    """A command prefix that execs as RUNTIME_UID. Where the interpreter, the virtual
+    environment or the checkout lies under a directory that user may not enter (a root-only
+    home, a 0700 temporary directory), a private mount namespace opens just that directory:
+    a tmpfs over it holds each of its entries bound back in, with their own modes, as an image
+    would have them installed in a readable place. The model cache gets no such help."""
+    needed = [Path(os.path.realpath(sys.executable)), Path(sys.executable).parent, ROOT]
+    hidden = sorted({p for path in needed for p in [path, *path.parents]
+                     if p != Path("/") and p.is_dir() and not os.stat(p).st_mode & 0o001},
+                    key=lambda p: len(p.parts))
     switch = f'exec setpriv --reuid {RUNTIME_UID} --regid {RUNTIME_UID} --clear-groups env HOME={home} "$@"'
-    hidden = next((p for p in interpreter.parents if p != Path("/") and not os.stat(p).st_mode & 0o001), None)
-    if hidden is None:
+    if not hidden:
         return ["sh", "-c", switch, "sh"]
-    inner = interpreter.relative_to(hidden).parts[0]
-    script = (f"set -e; hold=$(mktemp -d); mount --bind {hidden / inner} $hold; "
-              f"mount -t tmpfs -o mode=0755 tmpfs {hidden}; mkdir -p {hidden / inner}; "
-              f"mount --bind $hold {hidden / inner}; {switch}")
-    return ["unshare", "-m", "sh", "-c", script, "sh"]
+    opened = "".join(
+        f'hold=$(mktemp -d); mount --bind "{d}" "$hold"; mount -t tmpfs -o mode=0755 tmpfs "{d}"; '
+        f'for e in "$hold"/* "$hold"/.[!.]* "$hold"/..?*; do [ -e "$e" ] || continue; n=$(basename "$e"); '
+        f'if [ -d "$e" ]; then mkdir "{d}/$n"; else touch "{d}/$n"; fi; mount --bind "$e" "{d}/$n"; done; '
+        for d in hidden)
+    return ["unshare", "-m", "sh", "-c", f"set -e; {opened}{switch}", "sh"]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching to the image's uid needs root")
