@@ -169,10 +169,12 @@ async def _generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRe
         span.set_attribute("gen_ai.request.top_k", params.top_k)
     if params.seed is not None:
         span.set_attribute("gen_ai.request.seed", params.seed)
-    key = next(frontend.keys)
-    request_id = f"{key}"
+    # The frontend key names the request inside the mesh (with this frontend's id); the client
+    # sees it as the request id.
+    frontend_key = next(frontend.frontend_keys)
+    request_id = str(frontend_key)
     span.set_attribute("gen_ai.response.id", f"{frontend.frontend_id}/{request_id}")
-    outbox = frontend.outboxes[key] = Outbox(delta_text=params.output_mode.value == "delta")
+    outbox = frontend.outboxes[frontend_key] = Outbox(delta_text=params.output_mode.value == "delta")
     sampling = frontend_pb2.GenerateRequest().sampling
     sampling.CopyFrom(request.sampling)
     sampling.max_tokens = params.max_tokens
@@ -183,12 +185,12 @@ async def _generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRe
     metrics = frontend.metrics
     group: SchedulerGroup | None = None
     try:
-        listening = sorted(frontend.subscribed - frontend.retired)
+        listening = frontend.listening()
         if not listening:
             finished = True  # nothing to abort
             raise RequestError(Code.UNAVAILABLE, "no detokenizer replica is reachable")
         submission = scheduler_pb2.SubmitRequestRequest(
-            request_id=request_id, frontend_id=frontend.frontend_id, frontend_key=key, prompt_token_ids=prompt,
+            frontend_id=frontend.frontend_id, frontend_key=frontend_key, prompt_token_ids=prompt,
             sampling=sampling, priority=request.priority, trace_context=telemetry.to_proto(span),
             detokenizers=listening)
         group, reply = await submit(frontend, submission, time_remaining)
@@ -225,12 +227,12 @@ async def _generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRe
                 return
     finally:
         frontend.in_flight -= 1
-        del frontend.outboxes[key]
-        if outbox.detokenizer in frontend.retired:
-            frontend._close_if_idle(outbox.detokenizer)
+        del frontend.outboxes[frontend_key]
+        if outbox.detokenizer:
+            frontend.release_if_idle(outbox.detokenizer)
         if group is not None:
             if not finished:  # the client went away or its deadline passed: abort everywhere
-                spawn(frontend, abort(frontend, group, request_id))
+                spawn(frontend, abort(frontend, group, frontend_key))
             else:
                 frontend.schedulers.release(group)
 
@@ -253,7 +255,7 @@ async def submit(frontend: FrontendServicer, submission: scheduler_pb2.SubmitReq
         except asyncio.CancelledError:
             # The client left while the scheduler was taking the request: the scheduler may
             # still take it, so abort it there once the submission resolves.
-            spawn(frontend, _abort_once_submitted(frontend, call, group, submission.request_id))
+            spawn(frontend, _abort_once_submitted(frontend, call, group, submission.frontend_key))
             raise
         except grpc.aio.AioRpcError as exc:
             frontend.schedulers.release(group)
@@ -270,21 +272,21 @@ async def submit(frontend: FrontendServicer, submission: scheduler_pb2.SubmitReq
 
 
 async def _abort_once_submitted(frontend: FrontendServicer, call: asyncio.Future, group: SchedulerGroup,
-                                request_id: str) -> None:
+                                frontend_key: int) -> None:
     try:
         await call
     except (grpc.aio.AioRpcError, asyncio.CancelledError):  # it never took the request
         frontend.schedulers.release(group)
         return
-    await abort(frontend, group, request_id)
+    await abort(frontend, group, frontend_key)
 
 
-async def abort(frontend: FrontendServicer, group: SchedulerGroup, request_id: str) -> None:
+async def abort(frontend: FrontendServicer, group: SchedulerGroup, frontend_key: int) -> None:
     try:
         await group.stub.AbortRequest(scheduler_pb2.AbortRequestRequest(
-            frontend_id=frontend.frontend_id, request_id=request_id), timeout=5)
+            frontend_id=frontend.frontend_id, frontend_key=frontend_key), timeout=5)
     except grpc.aio.AioRpcError as exc:
-        logger.warning("abort of %s failed: %s", request_id, exc.details())
+        logger.warning("abort of request %d failed: %s", frontend_key, exc.details())
     finally:
         frontend.schedulers.release(group)
 

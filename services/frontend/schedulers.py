@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.grpc_server import channel
+from services.common.replica_set import ReplicaSet
 from services.frontend.validation import ModelLimits
 from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -62,15 +63,26 @@ class SchedulerPool:
         self._on_lost = on_lost
         self._health_stream = health_stream
         self.loss_grace_s = loss_grace_s
-        self.groups: dict[str, SchedulerGroup] = {}
+        # A group that leaves keeps its connection until its last request ends (an abort may still be sent).
+        self.members: ReplicaSet[SchedulerGroup] = ReplicaSet(
+            "scheduler", self._start, is_idle=lambda group: group.in_flight == 0,
+            stop=lambda group: self._spawn(group.channel.close()),
+            on_retire=lambda group: group.joined.set())  # start-up stops waiting for it
         self.limits: ModelLimits | None = None
         self._tasks: set[asyncio.Task] = set()
 
+    @property
+    def groups(self) -> dict[str, SchedulerGroup]:
+        return self.members.members
+
     def add(self, address: str) -> SchedulerGroup:
-        if (group := self.groups.get(address)) is not None:  # left and came back before it was idle
-            group.retired = False
-            return group
-        group = self.groups[address] = SchedulerGroup(address, *self._connect(address))
+        return self.members.add(address)
+
+    def remove(self, address: str) -> None:
+        self.members.remove(address)
+
+    def _start(self, address: str) -> SchedulerGroup:
+        group = SchedulerGroup(address, *self._connect(address))
         self._spawn(self._join(group))
         return group
 
@@ -135,36 +147,24 @@ class SchedulerPool:
         except grpc.aio.AioRpcError:
             return None
 
-    def _spawn(self, work) -> None:
+    def _spawn(self, work: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def remove(self, address: str) -> None:
-        if (group := self.groups.get(address)) is not None:
-            group.retired = True
-            group.joined.set()
-            self._close_if_idle(group)
-
     def candidates(self) -> list[SchedulerGroup]:
         """Groups that take new requests, the least busy first."""
-        return sorted((g for g in self.groups.values() if g.ready and not g.retired), key=lambda g: g.in_flight)
+        return sorted((g for g in self.members.active() if g.ready), key=lambda g: g.in_flight)
 
     def acquire(self, group: SchedulerGroup) -> None:
         group.in_flight += 1
 
     def release(self, group: SchedulerGroup) -> None:
         group.in_flight -= 1
-        self._close_if_idle(group)
-
-    def _close_if_idle(self, group: SchedulerGroup) -> None:
-        if group.retired and group.in_flight == 0 and self.groups.get(group.address) is group:
-            del self.groups[group.address]
-            self._spawn(group.channel.close())
-            logger.info("scheduler %s left", group.address)
+        self.members.release_if_idle(group)
 
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-        for group in list(self.groups.values()):  # a group may leave while another closes
+        for group in self.members:  # a copy: a group may leave while another closes
             await group.channel.close()

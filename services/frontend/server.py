@@ -9,11 +9,13 @@ import asyncio
 import itertools
 import logging
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.discovery import DEFAULT_REFRESH_INTERVAL_S, AddressBook, watch
 from services.common.grpc_server import ServiceShell, channel
 from services.common.metrics import FrontendMetrics
+from services.common.replica_set import ReplicaSet
 from services.frontend import requests
 from services.frontend.outbox import Outbox, PendingOutput
 from services.frontend.requests import RequestError
@@ -22,6 +24,16 @@ from services.frontend.validation import ModelLimits
 from vmesh.v1 import detokenizer_pb2, detokenizer_pb2_grpc, frontend_pb2, frontend_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Subscription:
+    """This frontend's subscription to one detokenizer replica, kept open (reopened after a
+    break) by its task for as long as the replica is listed or still serves a request."""
+    address: str
+    task: asyncio.Task | None = None
+    opened: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    retired: bool = False  # its address left the list: no new requests; let go once idle
 
 
 class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
@@ -42,12 +54,12 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
         self.schedulers = SchedulerPool(on_lost=self._scheduler_lost)
         self.detokenizers = AddressBook(detokenizer_specs)
         self.replica_refresh_interval_s = replica_refresh_interval_s
-        self.outboxes: dict[int, Outbox] = {}
-        self.keys = itertools.count(1)
+        self.outboxes: dict[int, Outbox] = {}  # by frontend key
+        self.frontend_keys = itertools.count(1)
         self.limits: ModelLimits | None = None
-        self.subscribed: set[str] = set()  # open subscriptions
-        self.subscriptions: dict[str, asyncio.Task] = {}
-        self.retired: set[str] = set()  # replicas that left the list, kept until their last request ends
+        self.subscribed: set[str] = set()  # replicas whose subscription is open right now
+        self.replicas: ReplicaSet[Subscription] = ReplicaSet(
+            "detokenizer", self._start_subscription, is_idle=self._serves_nothing, stop=self._unsubscribe)
         self._tasks: list[asyncio.Task] = []
         self.in_flight = 0
         self.metrics: FrontendMetrics | None = None
@@ -62,48 +74,40 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
             raise RuntimeError(f"this frontend loaded the tokenizer of {self.model_name!r}, but the schedulers "
                                f"serve {self.schedulers.limits.name!r}; give both the same --model")
         self.limits = self.schedulers.limits
-        subscribed = [self._start_subscription(address) for address in self.detokenizers.addresses]
-        await asyncio.gather(*subscribed)
+        await asyncio.gather(*(self.replicas.add(address).opened for address in self.detokenizers.addresses))
         self._tasks += [
-            asyncio.create_task(watch(self.detokenizers, self.replica_refresh_interval_s, self._replicas_changed)),
+            asyncio.create_task(watch(self.detokenizers, self.replica_refresh_interval_s, self.replicas.update)),
             asyncio.create_task(watch(self.scheduler_addresses, self.replica_refresh_interval_s,
-                                      self._schedulers_changed))]
-
-    def _schedulers_changed(self, joined: list[str], left: list[str]) -> None:
-        for address in joined:
-            self.schedulers.add(address)
-        for address in left:
-            self.schedulers.remove(address)
+                                      self.schedulers.members.update))]
 
     async def close(self) -> None:
-        for task in [*self._tasks, *self.subscriptions.values()]:
+        for task in [*self._tasks, *(s.task for s in self.replicas if s.task)]:
             task.cancel()
         await self.schedulers.close()
 
     # --- subscriptions -----------------------------------------------------------------------
 
-    def _start_subscription(self, address: str) -> asyncio.Future:
-        """Subscribe to a replica; the future completes once the subscription is open."""
-        ready = asyncio.get_running_loop().create_future()
-        self.subscriptions[address] = asyncio.create_task(self._subscribe(address, ready))
-        return ready
+    def listening(self) -> list[str]:
+        """Replicas a new request may be routed to: subscribed, and not leaving."""
+        return sorted(a for a in self.subscribed if not self.replicas.is_retired(a))
 
-    def _replicas_changed(self, joined: list[str], left: list[str]) -> None:
-        for address in joined:
-            self.retired.discard(address)
-            if address not in self.subscriptions:
-                self._start_subscription(address)
-        for address in left:
-            if address in self.subscriptions:
-                self.retired.add(address)
-                self._close_if_idle(address)
+    def release_if_idle(self, address: str) -> None:
+        """A request served by `address` ended: a leaving replica may now be let go."""
+        if (subscription := self.replicas.get(address)) is not None:
+            self.replicas.release_if_idle(subscription)
 
-    def _close_if_idle(self, address: str) -> None:
-        if address in self.retired and all(o.detokenizer != address for o in self.outboxes.values()):
-            self.retired.discard(address)
-            self.subscribed.discard(address)
-            self.subscriptions.pop(address).cancel()
-            logger.info("detokenizer %s left", address)
+    def _start_subscription(self, address: str) -> Subscription:
+        subscription = Subscription(address)
+        subscription.task = asyncio.create_task(self._subscribe(address, subscription.opened))
+        return subscription
+
+    def _serves_nothing(self, subscription: Subscription) -> bool:
+        return all(o.detokenizer != subscription.address for o in self.outboxes.values())
+
+    def _unsubscribe(self, subscription: Subscription) -> None:
+        self.subscribed.discard(subscription.address)
+        if subscription.task is not None:
+            subscription.task.cancel()
 
     async def _subscribe(self, address: str, ready: asyncio.Future) -> None:
         """Keep one subscription open to a replica; when it breaks, fail the requests it was
@@ -132,7 +136,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
 
     def _dispatch(self, batch: detokenizer_pb2.SubscribeResponse) -> None:
         token_offset = logprob_row = top_offset = 0
-        for i, key in enumerate(batch.frontend_keys):
+        for i, frontend_key in enumerate(batch.frontend_keys):
             n = batch.num_tokens[i]
             token_ids = list(batch.token_ids[token_offset:token_offset + n])
             token_offset += n
@@ -146,7 +150,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
                     logprob=batch.sampled_logprobs[logprob_row], rank=batch.sampled_ranks[logprob_row], top=top))
                 top_offset += k
                 logprob_row += 1
-            outbox = self.outboxes.get(key)
+            outbox = self.outboxes.get(frontend_key)
             if outbox is None:
                 continue
             out = PendingOutput(text=batch.texts[i], token_ids=token_ids, logprobs=logprobs,
@@ -206,7 +210,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
     def serving(self) -> bool:
         """Started, not draining, and at least one scheduler group and detokenizer to use."""
         return (self.tokenizer is not None and self.limits is not None and not self.draining
-                and bool(self.schedulers.candidates()) and bool(self.subscribed - self.retired))
+                and bool(self.schedulers.candidates()) and bool(self.listening()))
 
     async def drain(self) -> None:
         self.draining = True  # new requests are refused from here on; those in flight finish

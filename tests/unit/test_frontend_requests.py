@@ -91,7 +91,7 @@ def test_a_cancel_during_submission_aborts_once_the_submission_resolves():
     class SlowScheduler:
         def __init__(self):
             self.release = asyncio.Event()
-            self.aborted: list[str] = []
+            self.aborted: list[int] = []
 
         async def GetSchedulerStats(self, request, **kwargs):
             return scheduler_pb2.GetSchedulerStatsResponse(model_name="m", max_model_len=100, vocab_size=10)
@@ -101,7 +101,7 @@ def test_a_cancel_during_submission_aborts_once_the_submission_resolves():
             return scheduler_pb2.SubmitRequestResponse(detokenizer="d:1")
 
         async def AbortRequest(self, request, **kwargs):
-            self.aborted.append(request.request_id)
+            self.aborted.append(request.frontend_key)
             return scheduler_pb2.AbortRequestResponse()
 
     async def main():
@@ -109,7 +109,7 @@ def test_a_cancel_during_submission_aborts_once_the_submission_resolves():
         f = frontend()
         f.schedulers = SchedulerPool(lambda address: (scheduler, FakeChannel()))
         await f.schedulers.add("s:1").joined.wait()
-        submission = scheduler_pb2.SubmitRequestRequest(request_id="7")
+        submission = scheduler_pb2.SubmitRequestRequest(frontend_key=7)
         task = asyncio.create_task(requests.submit(f, submission))
         await asyncio.sleep(0.01)
         task.cancel()
@@ -121,7 +121,7 @@ def test_a_cancel_during_submission_aborts_once_the_submission_resolves():
             await asyncio.sleep(0)
         return scheduler.aborted, f.schedulers.groups["s:1"].in_flight
 
-    assert asyncio.run(main()) == (["7"], 0)
+    assert asyncio.run(main()) == ([7], 0)
 
 
 def test_openai_bodies_translate_into_generate_requests():

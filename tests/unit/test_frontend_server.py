@@ -19,28 +19,27 @@ class Frontend(FrontendServicer):
 def test_a_leaving_replica_keeps_its_subscription_until_its_last_request_ends():
     async def main() -> None:
         frontend = Frontend(None, ["127.0.0.1:1"], ["127.0.0.1:5"])
-        await asyncio.gather(frontend._start_subscription("127.0.0.1:5"))
-        frontend._replicas_changed(["127.0.0.1:6"], [])
+        await frontend.replicas.add("127.0.0.1:5").opened
+        frontend.replicas.update(["127.0.0.1:6"], [])
         await asyncio.sleep(0)
         assert frontend.subscribed == {"127.0.0.1:5", "127.0.0.1:6"}
 
         outbox = frontend.outboxes[1] = Outbox(delta_text=True)
         outbox.detokenizer = "127.0.0.1:5"
-        frontend._replicas_changed([], ["127.0.0.1:5"])
-        subscription = frontend.subscriptions["127.0.0.1:5"]
+        frontend.replicas.update([], ["127.0.0.1:5"])
+        subscription = frontend.replicas.get("127.0.0.1:5").task
         assert not subscription.done()  # request 1 still streams from there
-        assert sorted(frontend.subscribed - frontend.retired) == ["127.0.0.1:6"]  # new requests go elsewhere
+        assert frontend.listening() == ["127.0.0.1:6"]  # new requests go elsewhere
 
         del frontend.outboxes[1]
-        frontend._close_if_idle("127.0.0.1:5")
+        frontend.release_if_idle("127.0.0.1:5")
         await asyncio.sleep(0)
         assert subscription.cancelled()
-        assert "127.0.0.1:5" not in frontend.subscriptions and frontend.subscribed == {"127.0.0.1:6"}
+        assert "127.0.0.1:5" not in frontend.replicas and frontend.subscribed == {"127.0.0.1:6"}
 
-        frontend._replicas_changed(["127.0.0.1:5"], [])  # it came back
+        frontend.replicas.update(["127.0.0.1:5"], [])  # it came back
         await asyncio.sleep(0)
         assert frontend.subscribed == {"127.0.0.1:5", "127.0.0.1:6"}
-        for task in frontend.subscriptions.values():
-            task.cancel()
+        await frontend.close()
 
     asyncio.run(main())

@@ -51,7 +51,7 @@ class FakeScheduler:
 
     def __init__(self) -> None:
         self.submitted: list[scheduler_pb2.SubmitRequestRequest] = []
-        self.aborted: list[str] = []
+        self.aborted: list[int] = []
         self.arrived = asyncio.Event()
 
     async def GetSchedulerStats(self, request: Any, **kwargs: Any) -> scheduler_pb2.GetSchedulerStatsResponse:
@@ -63,7 +63,7 @@ class FakeScheduler:
         return scheduler_pb2.SubmitRequestResponse(detokenizer="d:1")
 
     async def AbortRequest(self, request: Any, **kwargs: Any) -> scheduler_pb2.AbortRequestResponse:
-        self.aborted.append(request.request_id)
+        self.aborted.append(request.frontend_key)
         return scheduler_pb2.AbortRequestResponse()
 
     async def until_submitted(self, count: int) -> None:
@@ -194,7 +194,7 @@ def test_a_stream_whose_client_left_as_it_started_aborts_its_requests():
         emit(f, "a")
         await asyncio.gather(call.task, return_exceptions=True)
         await settle(lambda: f.in_flight == 0 and not f.background)
-        return sorted(scheduler.aborted), sorted(s.request_id for s in scheduler.submitted)
+        return sorted(scheduler.aborted), sorted(s.frontend_key for s in scheduler.submitted)
 
     aborted, submitted = asyncio.run(main())
     assert aborted == submitted
@@ -209,7 +209,7 @@ def test_a_non_streaming_request_whose_client_left_aborts_its_requests():
         call.inbox.put_nowait({"type": "http.disconnect"})
         await call.task
         await settle(lambda: f.in_flight == 0 and not f.background)
-        return call.status, sorted(scheduler.aborted), sorted(s.request_id for s in scheduler.submitted)
+        return call.status, sorted(scheduler.aborted), sorted(s.frontend_key for s in scheduler.submitted)
 
     status, aborted, submitted = asyncio.run(main())
     assert status == 499 and aborted == submitted

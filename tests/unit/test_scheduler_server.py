@@ -1,4 +1,5 @@
-"""The scheduler service's detokenizer fan-out and replica membership, driven without a network."""
+"""The scheduler service over its DetokenizerRouter: where submissions go, what a replica's word or loss
+does to the scheduler's queues, and refused submissions; driven without a network."""
 from __future__ import annotations
 
 import asyncio
@@ -7,12 +8,12 @@ import grpc
 import pytest
 
 from services.common.request_checks import MAX_STOP_TOKEN_IDS, ModelLimits
-from services.scheduler import server as scheduler_server
+from services.scheduler import detokenizer_router
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.server import MeshSchedulerConfig, SchedulerServicer
 from tests.support.grpc_fakes import Aborted, FakeChannel, FakeContext
-from vmesh.v1 import common_pb2, scheduler_pb2
+from vmesh.v1 import common_pb2, detokenizer_pb2, scheduler_pb2
 
 
 class FakeStream:
@@ -53,7 +54,8 @@ class Servicer(SchedulerServicer):
     """Streams to fake replicas; addresses resolve through `dns`."""
 
     def __init__(self, addresses: list[str]):
-        super().__init__(MeshSchedulerConfig(worker_addresses=[], detokenizer_addresses=addresses))
+        super().__init__(MeshSchedulerConfig(worker_addresses=[], detokenizer_addresses=addresses),
+                         open_detokenizer_stream=self._open_stream)
         self.streams: dict[str, list[FakeStream]] = {}
         self.scheduler = Scheduler(SchedulerConfig(max_model_len=64), BlockPool(16, 4), (0,))
         self.limits = ModelLimits("tiny", max_model_len=64, vocab_size=100)
@@ -63,27 +65,26 @@ class Servicer(SchedulerServicer):
         self.streams.setdefault(address, []).append(stream)
         return stream, FakeChannel()
 
-    async def submit(self, request_id: str, detokenizers: tuple[str, ...] = ()) -> str:
+    async def submit(self, frontend_key: int, detokenizers: tuple[str, ...] = ()) -> str:
         reply = await self.SubmitRequest(scheduler_pb2.SubmitRequestRequest(
-            request_id=request_id, frontend_id="f", frontend_key=1, prompt_token_ids=[1, 2, 3],
+            frontend_id="f", frontend_key=frontend_key, prompt_token_ids=[1, 2, 3],
             detokenizers=detokenizers), FakeContext())
         return reply.detokenizer
 
 
 async def connected(servicer: Servicer) -> None:
-    servicer._replicas_changed(servicer.detokenizers.addresses, [])
-    await asyncio.gather(*(r.connected.wait() for r in servicer.replicas.values()))
+    await servicer.router.connect(servicer.detokenizers.addresses)
 
 
 def test_concurrent_flushes_write_one_at_a_time_and_in_order():
     async def main() -> None:
         servicer = Servicer(["127.0.0.1:1"])
         await connected(servicer)
-        replica = servicer.replicas["127.0.0.1:1"]
+        replica = servicer.router.replicas.members["127.0.0.1:1"]
         flushes = []
         for handle in range(6):  # abort RPCs and the engine loop each flush whatever is pending, concurrently
             replica.pending.handles.append(handle)
-            flushes.append(asyncio.create_task(servicer._flush_replicas()))
+            flushes.append(asyncio.create_task(servicer.router.flush()))
             await asyncio.sleep(0)
         await asyncio.gather(*flushes)
         assert replica.alive
@@ -97,12 +98,12 @@ def test_requests_go_only_to_replicas_the_frontend_listens_to():
     async def main() -> None:
         servicer = Servicer(["127.0.0.1:1", "127.0.0.1:2"])
         await connected(servicer)
-        picks = {await servicer.submit(f"r{i}", ("127.0.0.1:2",)) for i in range(4)}
+        picks = {await servicer.submit(i, ("127.0.0.1:2",)) for i in range(4)}
         assert picks == {"127.0.0.1:2"}
         # unrestricted requests spread by least outstanding: the idle replica catches up first
-        assert [await servicer.submit(f"s{i}") for i in range(4)] == ["127.0.0.1:1"] * 4
+        assert [await servicer.submit(10 + i) for i in range(4)] == ["127.0.0.1:1"] * 4
         with pytest.raises(Aborted) as err:
-            await servicer.submit("t", ("127.0.0.1:9",))
+            await servicer.submit(20, ("127.0.0.1:9",))
         assert err.value.code == grpc.StatusCode.UNAVAILABLE
         await servicer.close()
 
@@ -113,18 +114,18 @@ def test_a_replica_that_leaves_finishes_its_requests_and_then_closes():
     async def main() -> None:
         servicer = Servicer(["127.0.0.1:1"])
         await connected(servicer)
-        assert await servicer.submit("r0") == "127.0.0.1:1"
-        servicer._replicas_changed(["127.0.0.1:2"], ["127.0.0.1:1"])
-        await servicer.replicas["127.0.0.1:2"].connected.wait()
-        leaving = servicer.replicas["127.0.0.1:1"]
+        assert await servicer.submit(0) == "127.0.0.1:1"
+        servicer.router.replicas.update(["127.0.0.1:2"], ["127.0.0.1:1"])
+        await servicer.router.replicas.members["127.0.0.1:2"].connected.wait()
+        leaving = servicer.router.replicas.members["127.0.0.1:1"]
         assert leaving.retired and leaving.alive  # r0 still streams there
-        assert await servicer.submit("r1") == "127.0.0.1:2"
-        r0 = servicer._pop_route("f/r0")
-        servicer._end_route(r0)  # its last output is queued for the leaving replica...
-        assert "127.0.0.1:1" in servicer.replicas
-        await servicer._flush_replicas()  # ...and written before the replica is let go
-        assert servicer.streams["127.0.0.1:1"][0].received == [[r0.handle]]
-        assert "127.0.0.1:1" not in servicer.replicas
+        assert await servicer.submit(1) == "127.0.0.1:2"
+        r0 = servicer._release("f/0")
+        servicer.router.add_end(r0)  # its last output is queued for the leaving replica...
+        assert "127.0.0.1:1" in servicer.router.replicas
+        await servicer.router.flush()  # ...and written before the replica is let go
+        assert servicer.streams["127.0.0.1:1"][0].received == [[r0.stream_handle]]
+        assert "127.0.0.1:1" not in servicer.router.replicas
         await asyncio.sleep(0)
         assert leaving.task.done()
         await servicer.close()
@@ -133,43 +134,43 @@ def test_a_replica_that_leaves_finishes_its_requests_and_then_closes():
 
 
 def test_a_lost_stream_fails_its_requests_and_reconnects(monkeypatch):
-    monkeypatch.setattr(scheduler_server, "RECONNECT_DELAY_S", 0.0)
+    monkeypatch.setattr(detokenizer_router, "RECONNECT_DELAY_S", 0.0)
 
     async def main() -> None:
         servicer = Servicer(["127.0.0.1:1"])
         await connected(servicer)
-        await servicer.submit("r0")
+        await servicer.submit(0)
         first = servicer.streams["127.0.0.1:1"][0]
         first.responses.put_nowait(ConnectionError("reset by peer"))
         for _ in range(50):
             await asyncio.sleep(0)
         assert first.cancelled
-        assert "f/r0" not in servicer.routes and not servicer.scheduler.has_unfinished()
+        assert "f/0" not in servicer.router.routes and not servicer.scheduler.has_unfinished()
         assert len(servicer.streams["127.0.0.1:1"]) == 2  # reopened
-        assert servicer.replicas["127.0.0.1:1"].alive
-        assert await servicer.submit("r1") == "127.0.0.1:1"
+        assert servicer.router.replicas.members["127.0.0.1:1"].alive
+        assert await servicer.submit(1) == "127.0.0.1:1"
         await servicer.close()
 
     asyncio.run(main())
 
 
 def test_a_draining_replica_gets_no_new_requests_until_it_restarts(monkeypatch):
-    monkeypatch.setattr(scheduler_server, "RECONNECT_DELAY_S", 0.0)
+    monkeypatch.setattr(detokenizer_router, "RECONNECT_DELAY_S", 0.0)
 
     async def main() -> None:
         servicer = Servicer(["127.0.0.1:1", "127.0.0.1:2"])
         await connected(servicer)
-        servicer.streams["127.0.0.1:1"][0].responses.put_nowait(scheduler_server.detokenizer_pb2.DetokenizeResponse(
+        servicer.streams["127.0.0.1:1"][0].responses.put_nowait(detokenizer_pb2.DetokenizeResponse(
             draining=True))
         for _ in range(10):
             await asyncio.sleep(0)
-        assert servicer.replicas["127.0.0.1:1"].draining
-        assert {await servicer.submit(f"r{i}") for i in range(3)} == {"127.0.0.1:2"}
+        assert servicer.router.replicas.members["127.0.0.1:1"].draining
+        assert {await servicer.submit(i) for i in range(3)} == {"127.0.0.1:2"}
         servicer.streams["127.0.0.1:1"][0].responses.put_nowait(ConnectionError("it exited"))  # ...and comes back
         for _ in range(50):
             await asyncio.sleep(0)
         assert len(servicer.streams["127.0.0.1:1"]) == 2
-        assert await servicer.submit("r3") == "127.0.0.1:1"
+        assert await servicer.submit(3) == "127.0.0.1:1"
         await servicer.close()
 
     asyncio.run(main())
@@ -179,16 +180,16 @@ def test_requests_the_detokenizer_reports_orphaned_are_stopped():
     async def main() -> None:
         servicer = Servicer(["127.0.0.1:1"])
         await connected(servicer)
-        await servicer.submit("r0")
-        await servicer.submit("r1")
-        handle = servicer.routes["f/r0"].handle
-        servicer.streams["127.0.0.1:1"][0].responses.put_nowait(scheduler_server.detokenizer_pb2.DetokenizeResponse(
+        await servicer.submit(0)
+        await servicer.submit(1)
+        handle = servicer.router.routes["f/0"].stream_handle
+        servicer.streams["127.0.0.1:1"][0].responses.put_nowait(detokenizer_pb2.DetokenizeResponse(
             orphaned_handles=[handle, 999]))  # 999: unknown, or already gone
         for _ in range(10):
             await asyncio.sleep(0)
-        assert "f/r0" not in servicer.routes and "f/r1" in servicer.routes
+        assert "f/0" not in servicer.router.routes and "f/1" in servicer.router.routes
         assert servicer.scheduler.stats().num_waiting == 1
-        assert servicer.replicas["127.0.0.1:1"].outstanding == 1
+        assert servicer.router.replicas.members["127.0.0.1:1"].outstanding == 1
         await servicer.close()
 
     asyncio.run(main())
@@ -213,7 +214,7 @@ def test_a_submission_the_worker_cannot_serve_is_refused_alone(fields, name):
     async def main() -> None:
         servicer = Servicer(["127.0.0.1:1"])
         await connected(servicer)
-        request = scheduler_pb2.SubmitRequestRequest(request_id="bad", frontend_id="f", frontend_key=1,
+        request = scheduler_pb2.SubmitRequestRequest(frontend_id="f", frontend_key=1,
                                                      prompt_token_ids=[1, 2, 3])
         request.MergeFrom(scheduler_pb2.SubmitRequestRequest(**fields))
         if "prompt_token_ids" in fields:
@@ -221,8 +222,8 @@ def test_a_submission_the_worker_cannot_serve_is_refused_alone(fields, name):
         with pytest.raises(Aborted) as refused:
             await servicer.SubmitRequest(request, FakeContext())
         assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and name in str(refused.value)
-        assert not servicer.scheduler.has_unfinished() and not servicer.routes
-        assert await servicer.submit("good")  # the next one is served
+        assert not servicer.scheduler.has_unfinished() and not servicer.router.routes
+        assert await servicer.submit(2)  # the next one is served
         await servicer.close()
 
     asyncio.run(main())

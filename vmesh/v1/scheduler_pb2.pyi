@@ -8,8 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequestRequest(_message.Message):
-    __slots__ = ("request_id", "frontend_id", "frontend_key", "prompt_token_ids", "sampling", "priority", "trace_context", "detokenizers")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("frontend_id", "frontend_key", "prompt_token_ids", "sampling", "priority", "trace_context", "detokenizers")
     FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_KEY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -17,7 +16,6 @@ class SubmitRequestRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     DETOKENIZERS_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
     frontend_id: str
     frontend_key: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -25,7 +23,7 @@ class SubmitRequestRequest(_message.Message):
     priority: int
     trace_context: _common_pb2.TraceContext
     detokenizers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., frontend_id: _Optional[str] = ..., frontend_key: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., detokenizers: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, frontend_id: _Optional[str] = ..., frontend_key: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., detokenizers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SubmitRequestResponse(_message.Message):
     __slots__ = ("detokenizer",)
@@ -34,12 +32,12 @@ class SubmitRequestResponse(_message.Message):
     def __init__(self, detokenizer: _Optional[str] = ...) -> None: ...
 
 class AbortRequestRequest(_message.Message):
-    __slots__ = ("frontend_id", "request_id")
+    __slots__ = ("frontend_id", "frontend_key")
     FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FRONTEND_KEY_FIELD_NUMBER: _ClassVar[int]
     frontend_id: str
-    request_id: str
-    def __init__(self, frontend_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    frontend_key: int
+    def __init__(self, frontend_id: _Optional[str] = ..., frontend_key: _Optional[int] = ...) -> None: ...
 
 class AbortRequestResponse(_message.Message):
     __slots__ = ("aborted",)

@@ -1,0 +1,245 @@
+"""The scheduler's side of its detokenizer replicas: one Detokenize stream per replica, kept
+open and reopened after a loss; which replica serves each request and under which number;
+each step's tokens batched per replica and written in order; and what the replicas say back
+(draining, stop-string hits, requests whose frontend went away).
+
+A request has one number per link. On this one it is its *stream handle*, numbered here, apart
+from the worker handle the scheduler core gives it on the Execute stream."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.common import wire
+from services.common.grpc_server import channel
+from services.common.replica_set import ReplicaSet
+from services.scheduler.request import FinishReason
+from services.scheduler.scheduler import RequestUpdate
+from vmesh.v1 import detokenizer_pb2, detokenizer_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+RECONNECT_DELAY_S = 1.0
+
+OpenStream = Callable[[str], tuple[grpc.aio.StreamStreamCall, grpc.aio.Channel]]
+
+
+def open_stream(address: str) -> tuple[grpc.aio.StreamStreamCall, grpc.aio.Channel]:
+    ch = channel(address, "detokenizer")
+    return detokenizer_pb2_grpc.DetokenizerServiceStub(ch).Detokenize(wait_for_ready=True), ch
+
+
+@dataclass
+class Replica:
+    """One detokenizer replica and the stream to it. A lost stream is reopened (the replica may
+    have restarted); a replica whose address leaves the list takes no new requests and is closed
+    once its last request ends."""
+    address: str
+    call: grpc.aio.StreamStreamCall | None = None
+    alive: bool = False  # the stream is open: new requests may be routed here
+    draining: bool = False  # the replica is shutting down (it said so): no new requests
+    retired: bool = False  # its address left the list
+    outstanding: int = 0
+    connected: asyncio.Event = field(default_factory=asyncio.Event)  # set on the first connection (or retirement)
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task | None = None
+    pending: detokenizer_pb2.DetokenizeRequest = field(default_factory=detokenizer_pb2.DetokenizeRequest)
+    # A gRPC stream takes one write at a time (a second one in flight fails the call with TOO_MANY_OPERATIONS),
+    # and abort RPCs flush concurrently with the engine loop. The lock's FIFO wake-up keeps batches in order.
+    write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def routable(self) -> bool:
+        return self.alive and not self.draining and not self.retired
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self.pending.handles or self.pending.new_requests)
+
+
+@dataclass
+class Route:
+    """Where one request's outputs go."""
+    stream_handle: int  # the request's number on its replica's stream
+    replica: Replica
+    introduction: detokenizer_pb2.DetokenizerRequestInfo  # sent once, ahead of its first tokens
+    introduced: bool = False
+
+
+class DetokenizerRouter:
+    def __init__(self, on_released: Callable[[str, FinishReason], None], open_stream: OpenStream = open_stream):
+        """`on_released(request_key, reason)`: the router let a request go on a replica's word (a
+        stop string matched: STOP; its frontend went away: ABORT) or because its replica was lost
+        (ABORT); the caller stops computing it. Requests are named by the scheduler's request key."""
+        self._on_released = on_released
+        self._open_stream = open_stream
+        self.replicas: ReplicaSet[Replica] = ReplicaSet(
+            "detokenizer", self._start, is_idle=lambda r: r.outstanding == 0 and not r.has_pending,
+            stop=self._stop, on_retire=lambda r: r.connected.set())  # start-up stops waiting for it
+        self.routes: dict[str, Route] = {}
+        self.request_key_of: dict[int, str] = {}  # by stream handle
+        self._stream_handles = itertools.count()
+
+    async def connect(self, addresses: list[str]) -> None:
+        """Open a stream to each replica; returns once each is open (or has left the list)."""
+        for address in addresses:
+            self.replicas.add(address)
+        await asyncio.gather(*(r.connected.wait() for r in self.replicas))
+
+    def close(self) -> None:
+        for replica in self.replicas:
+            if replica.task is not None:
+                replica.task.cancel()
+
+    # --- routes ------------------------------------------------------------------------------
+
+    def routable(self, allowed: Collection[str] = ()) -> list[Replica]:
+        """Replicas that take new requests; `allowed`, when given, limits them to those addresses."""
+        return [r for r in self.replicas if r.routable and (not allowed or r.address in allowed)]
+
+    def open_route(self, request_key: str, replica: Replica,
+                   introduction: detokenizer_pb2.DetokenizerRequestInfo) -> Route:
+        """Route a request to `replica`; `introduction` lacks only the stream handle, set here."""
+        route = Route(next(self._stream_handles), replica, introduction)
+        introduction.handle = route.stream_handle
+        replica.outstanding += 1
+        self.routes[request_key] = route
+        self.request_key_of[route.stream_handle] = request_key
+        return route
+
+    def close_route(self, request_key: str) -> Route | None:
+        """Forget a request's route (it finished, or is being aborted); None if it had none."""
+        route = self.routes.pop(request_key, None)
+        if route is not None:
+            del self.request_key_of[route.stream_handle]
+            route.replica.outstanding -= 1
+        return route
+
+    def add_update(self, route: Route, update: RequestUpdate) -> None:
+        """Queue a step's update (tokens, logprobs, finish) for the route's replica."""
+        batch = route.replica.pending
+        self._introduce(route)
+        batch.handles.append(route.stream_handle)
+        batch.num_tokens.append(len(update.new_token_ids))
+        batch.token_ids.extend(update.new_token_ids)
+        batch.finish_reasons.append(wire.FINISH_REASONS_PB[update.finish_reason])
+        batch.num_cached_prompt_tokens.append(update.num_cached_prompt_tokens)
+        batch.errors.append("")
+        for lp in update.logprobs:
+            batch.logprobs_handles.append(route.stream_handle)
+            batch.sampled_logprobs.append(lp.logprob)
+            batch.sampled_ranks.append(lp.rank)
+            batch.num_top.append(len(lp.top_token_ids))
+            batch.top_token_ids.extend(lp.top_token_ids)
+            batch.top_logprobs.extend(lp.top_logprobs)
+
+    def add_end(self, route: Route, error: str = "") -> None:
+        """Tell a closed route's replica that its request ended without more tokens (aborted or failed)."""
+        self._introduce(route)
+        batch = route.replica.pending
+        batch.handles.append(route.stream_handle)
+        batch.num_tokens.append(0)
+        batch.finish_reasons.append(wire.FINISH_REASONS_PB[FinishReason.ABORT])
+        batch.num_cached_prompt_tokens.append(0)
+        batch.errors.append(error)
+
+    def _introduce(self, route: Route) -> None:
+        if not route.introduced:
+            route.replica.pending.new_requests.append(route.introduction)
+            route.introduced = True
+
+    async def flush(self) -> None:
+        """Write each replica's pending batch."""
+        for replica in self.replicas:
+            if replica.has_pending:
+                batch, replica.pending = replica.pending, detokenizer_pb2.DetokenizeRequest()
+                async with replica.write_lock:
+                    if replica.alive:
+                        try:
+                            await replica.call.write(batch)
+                        except Exception as exc:
+                            self._lost(replica, exc)
+            self.replicas.release_if_idle(replica)  # a retired replica goes once its last outputs are out
+
+    # --- replica streams ---------------------------------------------------------------------
+
+    def _start(self, address: str) -> Replica:
+        replica = Replica(address)
+        replica.task = asyncio.create_task(self._keep(replica))
+        return replica
+
+    @staticmethod
+    def _stop(replica: Replica) -> None:
+        replica.alive = False
+        if replica.task is not None:
+            replica.task.cancel()
+
+    async def _keep(self, replica: Replica) -> None:
+        """Hold a stream open to the replica; reopen it after a loss until the replica leaves."""
+        while True:
+            call, ch = self._open_stream(replica.address)
+            reader = None
+            try:
+                await call.wait_for_connection()  # the replica sends initial metadata on a new stream
+                replica.lost.clear()
+                async with replica.write_lock:  # not while a write to the previous stream is in flight
+                    replica.call = call
+                    replica.alive = True
+                    replica.draining = False  # a restarted replica; one still draining says so again at once
+                replica.connected.set()
+                logger.info("detokenizer %s connected", replica.address)
+                reader = asyncio.create_task(self._read(replica, call))
+                await replica.lost.wait()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._lost(replica, exc)
+            finally:
+                if reader is not None:
+                    reader.cancel()
+                call.cancel()
+                await ch.close()
+            await asyncio.sleep(RECONNECT_DELAY_S)
+
+    async def _read(self, replica: Replica, call: grpc.aio.StreamStreamCall) -> None:
+        try:
+            while True:
+                response = await call.read()
+                if response is grpc.aio.EOF:
+                    raise ConnectionError("stream closed")
+                if response.draining and not replica.draining:
+                    replica.draining = True
+                    logger.info("detokenizer %s is draining; routing no new requests to it", replica.address)
+                # A stop string matched, or the owning frontend went away: either way the
+                # detokenizer has already let the request go.
+                for stream_handles, reason in ((response.stopped_handles, FinishReason.STOP),
+                                               (response.orphaned_handles, FinishReason.ABORT)):
+                    for stream_handle in stream_handles:
+                        if (request_key := self.request_key_of.get(stream_handle)) is not None:
+                            self.close_route(request_key)
+                            self._on_released(request_key, reason)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._lost(replica, exc)
+
+    def _lost(self, replica: Replica, exc: Exception) -> None:
+        """Release the replica's requests; the replica tells their frontends (or their
+        subscriptions break, when the replica itself is gone). `_keep` reconnects."""
+        replica.lost.set()
+        if not replica.alive:
+            return
+        replica.alive = False
+        replica.pending = detokenizer_pb2.DetokenizeRequest()  # nothing in it can reach anyone now
+        lost = [key for key, route in self.routes.items() if route.replica is replica]
+        logger.error("detokenizer %s lost (%s); aborting its %d request(s)", replica.address, exc, len(lost))
+        for request_key in lost:
+            self.close_route(request_key)
+            self._on_released(request_key, FinishReason.ABORT)
+        self.replicas.release_if_idle(replica)
