@@ -32,8 +32,8 @@ class _Tracked:
 
 @dataclass
 class _SchedulerStream:
-    """One scheduler's stream: its requests (handles are numbered per scheduler, and a request
-    lives no longer than the stream that introduced it) and the replies waiting to go back."""
+    """One scheduler's stream: its requests by stream handle (numbered per scheduler, and a
+    request lives no longer than the stream that introduced it) and the replies waiting to go back."""
     requests: dict[int, _Tracked] = field(default_factory=dict)
     replies: asyncio.Queue[detokenizer_pb2.DetokenizeResponse | None] = field(default_factory=asyncio.Queue)
 
@@ -44,11 +44,11 @@ class _FrontendBatch:
     def __init__(self) -> None:
         self.pb = detokenizer_pb2.SubscribeResponse()
 
-    def add(self, key: int, text: str, token_ids: list[int], reason: int, tracked: _Tracked, cached: int,
+    def add(self, frontend_key: int, text: str, token_ids: list[int], reason: int, tracked: _Tracked, cached: int,
             logprob_rows: list[LogprobRow], error: str) -> None:
         pb = self.pb
         pb.errors.append(error)
-        pb.frontend_keys.append(key)
+        pb.frontend_keys.append(frontend_key)
         pb.texts.append(text)
         pb.num_tokens.append(len(token_ids))
         pb.token_ids.extend(token_ids)

@@ -2,6 +2,8 @@
 driven in unit tests without a network."""
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 
@@ -34,6 +36,42 @@ class FakeChannel:
 
     async def close(self) -> None:
         self.closed = True
+
+
+class FakeStream:
+    """Behaves like a grpc.aio stream-stream call: one write at a time (a second write in flight
+    fails the call), reads that wait for responses or a failure."""
+
+    def __init__(self) -> None:
+        self.writing = False
+        self.received: list[list[int]] = []  # each written message's handles
+        self.messages: list = []  # the messages themselves
+        self.responses: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+
+    async def wait_for_connection(self) -> None:
+        await asyncio.sleep(0)
+
+    async def write(self, message) -> None:
+        if self.writing:
+            raise RuntimeError("GRPC_CALL_ERROR_TOO_MANY_OPERATIONS")
+        self.writing = True
+        try:
+            for _ in range(3):  # the transport yields while the message goes out
+                await asyncio.sleep(0)
+            self.received.append(list(message.handles))
+            self.messages.append(message)
+        finally:
+            self.writing = False
+
+    async def read(self):
+        response = await self.responses.get()
+        if isinstance(response, Exception):
+            raise response
+        return response
+
+    def cancel(self) -> None:
+        self.cancelled = True
 
 
 def rpc_error(code: grpc.StatusCode, details: str = "") -> grpc.aio.AioRpcError:

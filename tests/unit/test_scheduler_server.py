@@ -12,42 +12,8 @@ from services.scheduler import detokenizer_router
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.server import MeshSchedulerConfig, SchedulerServicer
-from tests.support.grpc_fakes import Aborted, FakeChannel, FakeContext
+from tests.support.grpc_fakes import Aborted, FakeChannel, FakeContext, FakeStream
 from vmesh.v1 import common_pb2, detokenizer_pb2, scheduler_pb2
-
-
-class FakeStream:
-    """Behaves like a grpc.aio stream-stream call: one write at a time (a second write in flight
-    fails the call), reads that wait for responses or a failure."""
-
-    def __init__(self) -> None:
-        self.writing = False
-        self.received: list[list[int]] = []
-        self.responses: asyncio.Queue = asyncio.Queue()
-        self.cancelled = False
-
-    async def wait_for_connection(self) -> None:
-        await asyncio.sleep(0)
-
-    async def write(self, message) -> None:
-        if self.writing:
-            raise RuntimeError("GRPC_CALL_ERROR_TOO_MANY_OPERATIONS")
-        self.writing = True
-        try:
-            for _ in range(3):  # the transport yields while the message goes out
-                await asyncio.sleep(0)
-            self.received.append(list(message.handles))
-        finally:
-            self.writing = False
-
-    async def read(self):
-        response = await self.responses.get()
-        if isinstance(response, Exception):
-            raise response
-        return response
-
-    def cancel(self) -> None:
-        self.cancelled = True
 
 
 class Servicer(SchedulerServicer):
