@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import os
 import platform
 import random
 import shutil
@@ -276,12 +277,13 @@ async def request_sender(backend: str, address: str | None, base_url: str | None
         yield lambda prompt, max_tokens: timed_openai_request(http, base_url, model, prompt, max_tokens)
 
 
-async def _serve_load(send: Callable[..., Any], prompts: list[list[int]], max_tokens: int, rate: float,
+async def _serve_load(senders: list[Callable[..., Any]], prompts: list[list[int]], max_tokens: int, rate: float,
                       concurrency: int, seed: int) -> tuple[list[dict[str, Any]], float]:
+    """One Poisson schedule over `prompts`; request i goes through senders[i]."""
     rng = random.Random(seed)
     gate = asyncio.Semaphore(concurrency)
 
-    async def one(prompt: list[int], delay: float) -> dict[str, Any]:
+    async def one(send: Callable[..., Any], prompt: list[int], delay: float) -> dict[str, Any]:
         await asyncio.sleep(delay)
         async with gate:
             return await send(prompt, max_tokens)
@@ -291,18 +293,47 @@ async def _serve_load(send: Callable[..., Any], prompts: list[list[int]], max_to
         delays.append(t)
         t += rng.expovariate(rate) if rate > 0 else 0.0
     started = time.perf_counter()
-    results = await asyncio.gather(*(one(p, d) for p, d in zip(prompts, delays)))
+    results = await asyncio.gather(*(one(s, p, d) for s, p, d in zip(senders, prompts, delays)))
     return results, time.perf_counter() - started
 
 
-async def _serve_backend(backend: str, args: argparse.Namespace, work: dict[str, Any], address: str | None,
-                         base_url: str | None, mesh: RunningMesh | None) -> tuple[list[dict[str, Any]], float]:
-    async with request_sender(backend, address, base_url, args.served_model) as send:
-        await send(work["prompts"][0], 2)  # warm-up: connections open, first-call costs paid
+def cpu_seconds(mesh: RunningMesh | None) -> dict[str, float]:
+    """User + system CPU seconds so far of each service of `mesh` and of this process (the
+    load generator): what a path costs, beside what it takes in latency."""
+    tick = os.sysconf("SC_CLK_TCK")
+    spent = {"client": sum(os.times()[:2])}
+    for name, (_address, pid) in (mesh.services.items() if mesh else ()):
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            spent[name] = (int(fields[11]) + int(fields[12])) / tick
+    return spent
+
+
+async def _serve_backends(backends: list[str], args: argparse.Namespace, work: dict[str, Any],
+                          address: str | None, base_url: str | None,
+                          mesh: RunningMesh | None) -> tuple[dict[str, list[dict[str, Any]]], float, dict[str, float]]:
+    """Each request of the one schedule goes through one of `backends`, balanced and shuffled
+    (seeded): with more than one, they share every moment of the load, so what differs between
+    their latencies is the path, not the machine's mood. Returns the results per backend, the
+    elapsed time and the CPU seconds each process spent."""
+    async with contextlib.AsyncExitStack() as stack:
+        senders = {b: await stack.enter_async_context(request_sender(b, address, base_url, args.served_model))
+                   for b in backends}
+        for send in senders.values():
+            await send(work["prompts"][0], 2)  # warm-up: connections open, first-call costs paid
         if mesh is not None:
-            await reset_prefix_cache(mesh)  # every backend starts cold on the same prompts
-        return await _serve_load(send, work["prompts"], work["max_tokens"], args.request_rate, args.max_concurrency,
-                                 args.seed)
+            await reset_prefix_cache(mesh)  # every run starts cold on the same prompts
+        prompts = work["prompts"]
+        assignment = [backends[i % len(backends)] for i in range(len(prompts))]
+        random.Random(args.seed + 1).shuffle(assignment)
+        before = cpu_seconds(mesh)
+        results, elapsed = await _serve_load([senders[b] for b in assignment], prompts, work["max_tokens"],
+                                             args.request_rate, args.max_concurrency, args.seed)
+        after = cpu_seconds(mesh)
+    by_backend: dict[str, list[dict[str, Any]]] = {b: [] for b in backends}
+    for backend, result in zip(assignment, results):
+        by_backend[backend].append(result)
+    return by_backend, elapsed, {name: after[name] - before[name] for name in before if name in after}
 
 
 def _summarize(results: list[dict[str, Any]], elapsed: float, args: argparse.Namespace) -> dict[str, Any]:
@@ -328,20 +359,27 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
     args.served_model = args.model if args.base_url else None  # --model: a name for a server we did not start
     mesh = None if external else start_mesh("--model", str(resolve_model_dir(args.model)),
                                               "--kv-cache-memory", args.kv_cache_memory)
+    address = args.address or (mesh.address if mesh else None)
+    base_url = (args.base_url or (mesh.http_url if mesh else "")).rstrip("/")
+    for backend in backends:
+        if (backend == "grpc" and not address) or (backend == "openai" and not base_url):
+            raise SystemExit(f"vmesh bench serving: --backend {backend} needs "
+                             f"{'--address' if backend == 'grpc' else '--base-url'} when a server is given")
+    runs = [backends] if args.interleave else [[b] for b in backends]
     summaries: dict[str, dict[str, Any]] = {}
     try:
-        for backend in backends:
-            address = args.address or (mesh.address if mesh else None)
-            base_url = (args.base_url or (mesh.http_url if mesh else "")).rstrip("/")
-            if (backend == "grpc" and not address) or (backend == "openai" and not base_url):
-                raise SystemExit(f"vmesh bench serving: --backend {backend} needs "
-                                 f"{'--address' if backend == 'grpc' else '--base-url'} when a server is given")
-            results, elapsed = asyncio.run(_serve_backend(backend, args, work, address, base_url, mesh))
-            summaries[backend] = _summarize(results, elapsed, args)
+        for run in runs:
+            by_backend, elapsed, cpu = asyncio.run(_serve_backends(run, args, work, address, base_url, mesh))
+            for backend, results in by_backend.items():
+                summaries[backend] = _summarize(results, elapsed, args)
+                if len(run) == 1:  # CPU cannot be told apart between interleaved backends
+                    tokens = sum(r["tokens"] for r in results)
+                    summaries[backend]["cpu_ms_per_token"] = {k: 1e3 * v / tokens for k, v in cpu.items()}
     finally:
         if mesh is not None:
             mesh.stop()
     result: dict[str, Any] = {"mode": "serving", **machine(), "request_rate": args.request_rate,
+                              "interleaved": bool(args.interleave and len(backends) > 1),
                               "max_concurrency": args.max_concurrency, "max_tokens": work["max_tokens"],
                               "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}}
     if len(summaries) == 1:
@@ -355,6 +393,8 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
         for name in ("ttft_ms", "tpot_ms", "itl_ms"):
             p = summary[name]
             print(f"{name:>8}: p50 {p['p50']:8.1f}  p90 {p['p90']:8.1f}  p99 {p['p99']:8.1f}")
+        if cpu := summary.get("cpu_ms_per_token"):
+            print("  CPU ms/token: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(cpu.items())))
     return result
 
 
@@ -521,7 +561,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--address", default=None, help="a running mesh's gRPC address (default: start a mesh)")
     srv.add_argument("--backend", default="grpc",
                      help="grpc (vmesh's API), openai (/v1/completions of --base-url or of the started mesh), "
-                          "or both in turn: grpc,openai")
+                          "or both: grpc,openai (in turn, or mixed with --interleave)")
+    srv.add_argument("--interleave", action="store_true",
+                     help="with several backends: one load, each request through one of them (balanced, "
+                          "shuffled), so that latencies are compared under the same conditions")
     srv.add_argument("--base-url", default=None,
                      help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1 (vmesh or vLLM); "
                           "--model is then the model name it serves")

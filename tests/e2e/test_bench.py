@@ -53,13 +53,24 @@ def test_serving(tmp_path, tiny_model):
     assert 0 <= r["goodput_requests_per_s"] <= r["request_throughput"]
 
 
-def test_serving_grpc_and_openai_backends_on_one_load(tmp_path, tiny_model):
+def test_serving_grpc_and_openai_backends_in_turn(tmp_path, tiny_model):
     r = bench(tmp_path, "serving", "--model", str(tiny_model), "--num-requests", "4", "--max-tokens", "4",
               "--request-rate", "0", "--backend", "grpc,openai")
-    assert set(r["backends"]) == {"grpc", "openai"}
+    assert set(r["backends"]) == {"grpc", "openai"} and not r["interleaved"]
     for summary in r["backends"].values():
         assert summary["num_requests"] == 4 and positive(summary["output_token_throughput"])
         assert set(summary["ttft_ms"]) == {"p50", "p90", "p99", "mean"}
+        assert {"client", "frontend", "scheduler", "worker", "detokenizer-0"} <= set(summary["cpu_ms_per_token"])
+        assert positive(summary["cpu_ms_per_token"]["worker"])
+
+
+def test_serving_interleaved_splits_one_load_between_backends(tmp_path, tiny_model):
+    r = bench(tmp_path, "serving", "--model", str(tiny_model), "--num-requests", "5", "--max-tokens", "4",
+              "--request-rate", "0", "--backend", "grpc,openai", "--interleave")
+    assert r["interleaved"] and set(r["backends"]) == {"grpc", "openai"}
+    assert sorted(s["num_requests"] for s in r["backends"].values()) == [2, 3]
+    assert r["backends"]["grpc"]["duration_s"] == r["backends"]["openai"]["duration_s"]  # one load
+    assert all("cpu_ms_per_token" not in s for s in r["backends"].values())
 
 
 def test_claims(tmp_path):
