@@ -63,6 +63,7 @@ class ServiceShell:
         from services.common import telemetry
 
         telemetry.setup_tracing(service)
+        telemetry.setup_metrics(service)
         self.host = host
         identity = tls.current()
         check_roles = identity is not None and not public

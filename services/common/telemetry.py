@@ -1,9 +1,10 @@
-"""OpenTelemetry tracing and Prometheus metrics, shared by every service.
+"""OpenTelemetry traces and GenAI server metrics, shared by every service (Prometheus metrics
+are services/common/metrics.py).
 
-Tracing is configured from the standard OTEL_* variables: spans are exported over OTLP only
-when an endpoint is set (OTEL_EXPORTER_OTLP_ENDPOINT or ..._TRACES_ENDPOINT); otherwise the
-API's no-op tracer is used and costs next to nothing. Trace context crosses services inside
-the messages that first introduce a request (W3C traceparent/tracestate).
+Both are configured from the standard OTEL_* variables and exported over OTLP only when an
+endpoint is set (OTEL_EXPORTER_OTLP_ENDPOINT, or the ..._TRACES_ / ..._METRICS_ one); otherwise
+the API's no-op tracer and meter are used and cost next to nothing. Trace context crosses
+services inside the messages that first introduce a request (W3C traceparent/tracestate).
 """
 
 from __future__ import annotations
@@ -11,12 +12,16 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from opentelemetry import context as otel_context
-from opentelemetry import trace
+from opentelemetry import metrics, trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from vmesh.v1 import common_pb2
+
+if TYPE_CHECKING:  # the SDK is imported only when something is exported
+    from opentelemetry.sdk.resources import Resource
 
 logger = logging.getLogger(__name__)
 
@@ -24,25 +29,52 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 _enabled = False
 
 
+def _otlp_endpoint(signal: str) -> str | None:
+    """Where `signal` (traces, metrics) goes over OTLP, or None when it is not to be exported."""
+    endpoint = (os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT")
+                or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+    disabled = os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true"
+    if not endpoint or disabled or os.environ.get(f"OTEL_{signal.upper()}_EXPORTER", "otlp") == "none":
+        return None
+    return endpoint
+
+
+def _resource(service: str) -> Resource:
+    from opentelemetry.sdk.resources import Resource
+
+    return Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", f"vmesh-{service}"),
+                            "service.namespace": "vmesh", "vmesh.service": service})
+
+
 def setup_tracing(service: str) -> bool:
     """Install an OTLP-exporting tracer provider if the environment asks for one."""
     global _enabled
-    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    disabled = os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true"
-    if not endpoint or disabled or os.environ.get("OTEL_TRACES_EXPORTER", "otlp") == "none":
+    if not (endpoint := _otlp_endpoint("traces")):
         return False
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", f"vmesh-{service}"),
-                                "service.namespace": "vmesh", "vmesh.service": service})
-    provider = TracerProvider(resource=resource)
+    provider = TracerProvider(resource=_resource(service))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
     _enabled = True
     logger.info("exporting traces over OTLP to %s", endpoint)
+    return True
+
+
+def setup_metrics(service: str) -> bool:
+    """Install an OTLP-exporting meter provider (every OTEL_METRIC_EXPORT_INTERVAL ms) if the
+    environment asks for one."""
+    if not (endpoint := _otlp_endpoint("metrics")):
+        return False
+    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+    reader = PeriodicExportingMetricReader(OTLPMetricExporter())
+    metrics.set_meter_provider(MeterProvider(resource=_resource(service), metric_readers=[reader]))
+    logger.info("exporting metrics over OTLP to %s", endpoint)
     return True
 
 
@@ -51,9 +83,10 @@ def tracing_enabled() -> bool:
 
 
 def shutdown_tracing() -> None:
-    provider = trace.get_tracer_provider()
-    if hasattr(provider, "shutdown"):
-        provider.shutdown()  # flushes what is batched
+    """Flush what is batched, spans and metrics."""
+    for provider in (trace.get_tracer_provider(), metrics.get_meter_provider()):
+        if hasattr(provider, "shutdown"):
+            provider.shutdown()
 
 
 def tracer(name: str) -> trace.Tracer:
@@ -94,3 +127,45 @@ def span_context_of(message: common_pb2.TraceContext) -> trace.SpanContext | Non
         return None
     span_context = trace.get_current_span(ctx).get_span_context()
     return span_context if span_context.is_valid else None
+
+
+# OpenTelemetry's GenAI conventions for model servers: these names, units and buckets.
+TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                               7.5, 10.0)
+TIME_PER_OUTPUT_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+REQUEST_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96,
+                            81.92)
+
+
+class GenAIServerMetrics:
+    """gen_ai.server.time_to_first_token, .time_per_output_token and .request.duration, as the
+    frontend sees each request. Made from the global meter provider, they stay no-ops until
+    setup_metrics installs one."""
+
+    def __init__(self, meter_provider: metrics.MeterProvider | None = None):
+        meter = metrics.get_meter("vmesh", meter_provider=meter_provider)
+        self.time_to_first_token = meter.create_histogram(
+            "gen_ai.server.time_to_first_token", unit="s",
+            description="Time to generate first token for successful responses.",
+            explicit_bucket_boundaries_advisory=TIME_TO_FIRST_TOKEN_BUCKETS)
+        self.time_per_output_token = meter.create_histogram(
+            "gen_ai.server.time_per_output_token", unit="s",
+            description="Time per output token generated after the first token for successful responses.",
+            explicit_bucket_boundaries_advisory=TIME_PER_OUTPUT_TOKEN_BUCKETS)
+        self.request_duration = meter.create_histogram(
+            "gen_ai.server.request.duration", unit="s",
+            description="Generative AI server request duration such as time-to-last byte or last output token.",
+            explicit_bucket_boundaries_advisory=REQUEST_DURATION_BUCKETS)
+
+    def record(self, attributes: Mapping[str, str], started: float, first_token_at: float | None, ended: float,
+               output_tokens: int, error_type: str | None = None) -> None:
+        """One request's times (monotonic seconds). A failed request counts in the duration
+        only, with `error.type`; the token times are for successful responses."""
+        if error_type is not None:
+            self.request_duration.record(ended - started, {**attributes, "error.type": error_type})
+            return
+        self.request_duration.record(ended - started, attributes)
+        if first_token_at is not None:
+            self.time_to_first_token.record(first_token_at - started, attributes)
+            if output_tokens > 1:
+                self.time_per_output_token.record((ended - first_token_at) / (output_tokens - 1), attributes)

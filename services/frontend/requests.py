@@ -33,6 +33,7 @@ SUBMIT_TIMEOUT_S = 30.0
 # the one step whose cost a client controls, and it runs on a shared thread pool.
 DEFAULT_MAX_PROMPT_BYTES = 1 << 20
 TRACER = telemetry.tracer("vmesh.frontend")
+GENAI_METRICS = telemetry.GenAIServerMetrics()
 _PASSED_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                    grpc.StatusCode.DEADLINE_EXCEEDED}
 # Tokenizers release the GIL; two threads keep a core for everything else on a small machine.
@@ -138,18 +139,32 @@ async def generate(frontend: FrontendServicer, request: frontend_pb2.GenerateReq
     operation = operation or ("chat" if request.WhichOneof("input") == "chat" else "text_completion")
     model = request.model or (frontend.limits.name if frontend.limits else "")
     # OpenTelemetry's GenAI conventions: the span is named "{operation} {model}".
+    attributes = {"gen_ai.operation.name": operation, "gen_ai.provider.name": "vmesh", "gen_ai.request.model": model}
     span = TRACER.start_span(f"{operation} {model}".strip(), kind=trace.SpanKind.SERVER,
-                             context=telemetry.from_headers(trace_headers), attributes={
-                                 "gen_ai.operation.name": operation, "gen_ai.provider.name": "vmesh",
-                                 "gen_ai.request.model": model})
+                             context=telemetry.from_headers(trace_headers), attributes=attributes)
+    started = time.monotonic()
+    first_token_at: float | None = None
+    output_tokens = 0
+    error_type: str | None = None
     try:
         async for response in _generate(frontend, request, time_remaining, span):
+            if response.token_ids and first_token_at is None:
+                first_token_at = time.monotonic()
+            if response.HasField("usage"):
+                output_tokens = response.usage.completion_tokens
             yield response
     except BaseException as exc:
         span.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
+        # GeneratorExit: the client went away mid-stream, which gRPC reports as CANCELLED.
+        error_type = (exc.code.name if isinstance(exc, RequestError)
+                      else "CANCELLED" if isinstance(exc, (GeneratorExit, asyncio.CancelledError))
+                      else type(exc).__name__)
         raise
     finally:
         span.end()
+        if frontend.limits:
+            attributes["gen_ai.response.model"] = frontend.limits.name
+        GENAI_METRICS.record(attributes, started, first_token_at, time.monotonic(), output_tokens, error_type)
 
 
 async def _generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRequest,

@@ -1,5 +1,6 @@
-"""One Generate call is one trace with spans from all four services, exported through the
-real OTLP exporter to an OTLP/gRPC receiver built on the protocol's own service definitions."""
+"""One Generate call is one trace with spans from all four services, and the frontend's GenAI
+server metrics, exported through the real OTLP exporters to an OTLP/gRPC receiver built on the
+protocol's own service definitions."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 from concurrent import futures
 
 import grpc
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from services.client import VmeshClient, generate_request
@@ -30,6 +32,23 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
+class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
+    def __init__(self) -> None:
+        self.histograms: dict[tuple[str, str], list] = {}  # (service.name, metric) -> data points
+        self.lock = threading.Lock()
+
+    def Export(self, request, context):
+        with self.lock:
+            for resource_metrics in request.resource_metrics:
+                attrs = {a.key: a.value.string_value for a in resource_metrics.resource.attributes}
+                for scope_metrics in resource_metrics.scope_metrics:
+                    for metric in scope_metrics.metrics:
+                        if metric.WhichOneof("data") == "histogram":
+                            key = (attrs.get("service.name", ""), metric.name)
+                            self.histograms[key] = list(metric.histogram.data_points)
+        return metrics_service_pb2.ExportMetricsServiceResponse()
+
+
 def attributes(span) -> dict:
     out = {}
     for a in span.attributes:
@@ -46,10 +65,12 @@ def test_one_request_is_one_trace_across_all_services():
     receiver = Receiver()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
+    metrics_receiver = MetricsReceiver()
+    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(metrics_receiver, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_EXPORTER_OTLP_INSECURE": "true",
-           "OTEL_BSP_SCHEDULE_DELAY": "200"}
+           "OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_METRIC_EXPORT_INTERVAL": "300"}
     mesh = start_mesh(env=env)
     try:
         async def main():
@@ -95,6 +116,21 @@ def test_one_request_is_one_trace_across_all_services():
         assert all(any(link.trace_id == trace_id for link in s.links) for s in steps)
         # Health checks are not traced.
         assert not any("Health" in s.name for _svc, s in receiver.spans)
+
+        # The frontend's GenAI server metrics, exported on their own schedule.
+        wanted_metrics = {("vmesh-frontend", f"gen_ai.server.{name}")
+                          for name in ("time_to_first_token", "time_per_output_token", "request.duration")}
+        while time.monotonic() < deadline and not wanted_metrics <= set(metrics_receiver.histograms):
+            time.sleep(0.2)
+        with metrics_receiver.lock:
+            for key in wanted_metrics:
+                points = metrics_receiver.histograms.get(key)
+                assert points, f"{key} not exported; got {sorted(metrics_receiver.histograms)}"
+                chat = [p for p in points if attributes(p).get("gen_ai.operation.name") == "chat"]
+                assert len(chat) == 1 and chat[0].count >= 1 and chat[0].sum > 0
+                assert attributes(chat[0]) == {"gen_ai.operation.name": "chat", "gen_ai.provider.name": "vmesh",
+                                               "gen_ai.request.model": "SmolLM2-135M-Instruct",
+                                               "gen_ai.response.model": "SmolLM2-135M-Instruct"}
     finally:
         mesh.stop()
         server.stop(0)

@@ -447,14 +447,17 @@ def test_k8s_otel_endpoints_resolve_to_a_service_in_the_same_set(rendered, compo
     volume = next(v for v in collector["volumes"] if v["name"] == mount["name"])
     config = yaml.safe_load(by_kind(docs, "ConfigMap")[volume["configMap"]["name"]]["data"][config_path.name])
     assert config["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"] == "0.0.0.0:4317"
-    pipeline = config["service"]["pipelines"]["traces"]
-    assert pipeline["receivers"] == ["otlp"] and "debug" in pipeline["exporters"] and "debug" in config["exporters"]
+    for signal in ("traces", "metrics"):  # the services send both once an endpoint is set
+        pipeline = config["service"]["pipelines"][signal]
+        assert pipeline["receivers"] == ["otlp"] and "debug" in pipeline["exporters"]
+    assert "debug" in config["exporters"]
     policy = by_kind(docs, "NetworkPolicy")["otel-collector"]["spec"]["ingress"][0]
     allowed = policy["from"][0]["podSelector"]["matchExpressions"][0]["values"]
     assert set(allowed) == {f"vmesh-{s}" for s in VMESH_SERVICES} and policy["ports"] == [{"port": 4317}]
     endpoint = urlsplit(compose["x-vmesh"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"])
     assert endpoint.hostname in compose["services"] and endpoint.port == 4317
     assert compose["services"][endpoint.hostname]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    assert compose["x-vmesh"]["environment"]["OTEL_METRICS_EXPORTER"] == "none"  # Jaeger has no metrics
 
 
 def scheduler_gauges() -> set[str]:
