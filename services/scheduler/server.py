@@ -278,9 +278,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         # V0 behaviour: every scheduled request travels in full, every step.
         full = StepPlan(step=plan.step, scheduled_handles=plan.scheduled_handles,
                         num_scheduled_tokens=plan.num_scheduled_tokens)
-        for handle, n in zip(plan.scheduled_handles, plan.num_scheduled_tokens):
-            r = self.scheduler.by_handle[handle]
-            full.new_requests.append(NewRequest(handle, r.all_token_ids, len(r.prompt_token_ids), r.sampling,
+        for worker_handle, n in zip(plan.scheduled_handles, plan.num_scheduled_tokens):
+            r = self.scheduler.by_handle[worker_handle]
+            full.new_requests.append(NewRequest(worker_handle, r.all_token_ids, len(r.prompt_token_ids), r.sampling,
                                                 list(r.block_ids), r.num_computed_tokens - n))
         return wire.plan_to_proto(full, full_state=True)
 

@@ -9,7 +9,7 @@ import pytest
 from services.scheduler import detokenizer_router
 from services.scheduler.detokenizer_router import DetokenizerRouter
 from services.scheduler.request import FinishReason
-from services.scheduler.scheduler import RequestUpdate
+from services.scheduler.scheduler import RequestUpdate, TokenLogprobs
 from tests.support.grpc_fakes import FakeChannel, FakeStream
 from vmesh.v1 import common_pb2, detokenizer_pb2
 
@@ -56,13 +56,15 @@ def test_a_request_is_introduced_once_with_its_stream_handle_ahead_of_its_tokens
         h.router.add_update(a, update("f/1", [5, 6]))
         await h.router.flush()
         h.router.add_update(a, update("f/1", [7], FinishReason.LENGTH))
-        h.router.add_update(b, update("f/2", []))
+        h.router.add_update(b, RequestUpdate("f/2", [8], logprobs=[TokenLogprobs(-0.5, 1, [8, 9], [-0.5, -1.5])]))
         await h.router.flush()
         first, second = h.streams["d:1"][0].messages
         assert [(i.handle, i.frontend_key) for i in first.new_requests] == [(a.stream_handle, 1)]
         assert list(first.handles) == [a.stream_handle] and list(first.token_ids) == [5, 6]
         assert [i.handle for i in second.new_requests] == [b.stream_handle]  # a is not introduced again
-        assert list(second.handles) == [a.stream_handle, b.stream_handle] and list(second.num_tokens) == [1, 0]
+        assert list(second.handles) == [a.stream_handle, b.stream_handle] and list(second.num_tokens) == [1, 1]
+        assert list(second.logprobs_handles) == [b.stream_handle] and list(second.num_top) == [2]
+        assert list(second.top_token_ids) == [8, 9] and list(second.sampled_ranks) == [1]
         assert list(second.finish_reasons) == [common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_UNSPECIFIED]
         h.router.close()
 
