@@ -74,6 +74,8 @@ class CpuKernels:
         self._attention = _bind(library.paged_attention_f32,
                              [p, i64, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, f32, p, threads], ctypes.c_int)
         self._small_batch_linear = _bind(library.small_batch_linear_f32, [p, p, p, p, i64, i64, i64, threads])
+        self._packed_small_batch_linear = _bind(library.packed_small_batch_linear_f32,
+                                                [p, p, p, p, i64, i64, i64, i64, threads], ctypes.c_int)
         self._add_rms_norm = _bind(library.add_rms_norm_f32, [p, p, p, p, i64, i64, f32, threads])
         self._silu_and_mul = _bind(library.silu_and_mul_f32, [p, p, i64, i64, threads])
         self._rotary_write_kv = _bind(library.rotary_write_kv_f32,
@@ -143,6 +145,20 @@ class CpuKernels:
         self._small_batch_linear(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
                                  out.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1],
                                  torch.get_num_threads())
+        return out
+
+    def packed_small_batch_linear(self, x: torch.Tensor, packed_weight_address: int, out_features: int,
+                                  padded_in_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """small_batch_linear over oneDNN's packed copy of the weight, at its raw address, in the
+        OI16i64o layout that services/worker/linear.py checked at load (see small_batch_linear.c).
+        x: contiguous float32 [1 to 4 rows, in]; the caller (Linear) guarantees it."""
+        out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+        status = self._packed_small_batch_linear(x.data_ptr(), packed_weight_address,
+                                                 0 if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0],
+                                                 out_features, x.shape[1], padded_in_features, torch.get_num_threads())
+        if status:
+            raise ValueError(f"packed_small_batch_linear_f32: {x.shape[0]} rows of {x.shape[1]} features do not fit "
+                             f"a packed weight of {padded_in_features} input features")
         return out
 
     @staticmethod

@@ -8,6 +8,7 @@
  * Layouts (float32, contiguous): x [rows, in], w [out, in], bias [out] or NULL, y [rows, out].
  * Built with -fopenmp, sharing torch's OpenMP runtime (see paged_attention.c).
  */
+#include <omp.h>
 #include <stdint.h>
 
 void small_batch_linear_f32(const float *x, const float *w, const float *bias, float *y, int64_t rows,
@@ -24,4 +25,88 @@ void small_batch_linear_f32(const float *x, const float *w, const float *bias, f
             y[r * out_features + o] = acc + b;
         }
     }
+}
+
+/* The same product over oneDNN's packed copy of the weight, so that no plain copy need be kept
+ * beside it. For float32 on AVX-512 oneDNN lays the weight out as OI16i64o: output features in
+ * blocks of 64, and block b is a row-major [padded_in][64] array at w + b * padded_in * 64 (the
+ * transpose of those 64 weight rows; padding rows and columns are zero). services/worker/linear.py
+ * checks that layout on every weight before it lets this kernel read one.
+ *
+ * Such a block is a GEMV layout already: each input feature's 64 weights are contiguous, so a row
+ * of x is broadcast against them and every output stays in its own vector lane (no horizontal
+ * sums). Work is split in 16-lane groups (one cache line per input feature), each thread a
+ * contiguous run of them, so 576 outputs divide evenly over 2 threads where whole blocks would not.
+ */
+#include <string.h>
+
+#define PACKED_OUT_BLOCK 64
+#define LANES 16
+#define GROUPS_PER_BLOCK (PACKED_OUT_BLOCK / LANES)
+
+typedef float lanes_f32 __attribute__((vector_size(LANES * sizeof(float))));
+
+/* ROWS and GROUPS are constants at every call, so the accumulators live in registers. */
+static inline __attribute__((always_inline)) void packed_pass(const float *x, const float *w, int64_t in_features,
+                                                              float *y, const float *bias, int64_t out_features,
+                                                              int64_t first_out, const int ROWS, const int GROUPS) {
+    lanes_f32 acc[4][GROUPS_PER_BLOCK];
+    for (int r = 0; r < ROWS; ++r)
+        for (int g = 0; g < GROUPS; ++g) acc[r][g] = (lanes_f32){0};
+    for (int64_t i = 0; i < in_features; ++i) {
+        lanes_f32 weights[GROUPS_PER_BLOCK];
+        for (int g = 0; g < GROUPS; ++g) memcpy(&weights[g], w + i * PACKED_OUT_BLOCK + g * LANES, sizeof(lanes_f32));
+        for (int r = 0; r < ROWS; ++r) {
+            const float xv = x[r * in_features + i];
+            for (int g = 0; g < GROUPS; ++g) acc[r][g] += xv * weights[g];
+        }
+    }
+    for (int r = 0; r < ROWS; ++r)
+        for (int g = 0; g < GROUPS; ++g)
+            for (int lane = 0; lane < LANES; ++lane) {
+                const int64_t o = first_out + g * LANES + lane;
+                if (o < out_features) y[r * out_features + o] = acc[r][g][lane] + (bias ? bias[o] : 0.0f);
+            }
+}
+
+#define PACKED_PASS_ROWS(GROUPS)                                                                                  \
+    switch (rows) {                                                                                               \
+    case 1: packed_pass(x, w, in_features, y, bias, out_features, first_out, 1, GROUPS); break;                    \
+    case 2: packed_pass(x, w, in_features, y, bias, out_features, first_out, 2, GROUPS); break;                    \
+    case 3: packed_pass(x, w, in_features, y, bias, out_features, first_out, 3, GROUPS); break;                    \
+    default: packed_pass(x, w, in_features, y, bias, out_features, first_out, 4, GROUPS); break;                   \
+    }
+
+static void packed_groups(const float *x, const float *w, int64_t in_features, float *y, const float *bias,
+                          int64_t out_features, int64_t first_out, int64_t rows, int64_t groups) {
+    if (groups == GROUPS_PER_BLOCK) {
+        PACKED_PASS_ROWS(GROUPS_PER_BLOCK)
+        return;
+    }
+    for (int64_t g = 0; g < groups; ++g, w += LANES, first_out += LANES) PACKED_PASS_ROWS(1)
+}
+
+/* x [rows <= 4, in], w as above with padded_in >= in, bias [out] or NULL, y [rows, out]. */
+int packed_small_batch_linear_f32(const float *x, const float *w, const float *bias, float *y, int64_t rows,
+                                  int64_t out_features, int64_t in_features, int64_t padded_in, int num_threads) {
+    if (rows == 0) return 0;
+    if (rows < 0 || rows > 4 || padded_in < in_features) return 1;
+    const int64_t blocks = (out_features + PACKED_OUT_BLOCK - 1) / PACKED_OUT_BLOCK;
+    const int64_t units = blocks * GROUPS_PER_BLOCK;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        int64_t unit = units * t / threads;
+        const int64_t end = units * (t + 1) / threads;
+        while (unit < end) {
+            const int64_t block = unit / GROUPS_PER_BLOCK, first_group = unit % GROUPS_PER_BLOCK;
+            const int64_t left_in_run = end - block * GROUPS_PER_BLOCK;
+            const int64_t stop = left_in_run < GROUPS_PER_BLOCK ? left_in_run : GROUPS_PER_BLOCK;
+            const float *block_w = w + block * padded_in * PACKED_OUT_BLOCK + first_group * LANES;
+            packed_groups(x, block_w, in_features, y, bias, out_features,
+                          block * PACKED_OUT_BLOCK + first_group * LANES, rows, stop - first_group);
+            unit = block * GROUPS_PER_BLOCK + stop;
+        }
+    }
+    return 0;
 }

@@ -8,14 +8,17 @@ faster (measured 2026-11-29; `benchmarks/README.md`). inductor uses the same two
 frozen CPU linears. Elsewhere (CUDA) `F.linear` is already the fast path.
 
 For one to four rows (single streams, small batches) the layer is a pass over its weights,
-and the plain row-major pass of `kernels/cpu/small_batch_linear.c` streams them ~1.5x faster
-than oneDNN. Using it keeps the plain weight beside the packed one: the price is a second
-copy of the weights in memory (the tied LM head shares the embedding table, so it costs
-nothing there).
+which `kernels/cpu/small_batch_linear.c` streams faster than oneDNN does. It reads oneDNN's
+packed copy itself: for float32 on AVX-512 that layout (OI16i64o) stores each block of 64
+output features as the transpose of their weight rows, already the layout a matrix-vector
+product wants. Each weight is therefore held once. Where oneDNN picks another layout (another
+instruction set), checked weight by weight at load, the layer keeps a plain copy for the
+small-batch kernel instead, and says so in `held_bytes`.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from typing import TYPE_CHECKING
 
@@ -33,11 +36,43 @@ PACKING_ROWS_HINT = 64
 # Up to this many rows the small-batch kernel beats oneDNN (measured: 1.6x at 1 row, 1.2x at
 # 4, 0.8x at 8).
 SMALL_BATCH_ROWS = 4
+# The packed layout the small-batch kernel reads: output features in blocks of this many.
+PACKED_OUT_BLOCK = 64
 
 
 def onednn_packing_usable(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def packed_buffer(packed: torch.Tensor) -> torch.Tensor:
+    """The raw float32 buffer behind an opaque oneDNN tensor, as a flat tensor sharing its memory
+    (valid while `packed` lives)."""
+    nbytes = torch.ops.mkldnn._nbytes(packed)
+    raw = (ctypes.c_float * (nbytes // 4)).from_address(torch.ops.mkldnn.data_ptr(packed))
+    return torch.frombuffer(raw, dtype=torch.float32)
+
+
+def packed_in_features(weight: torch.Tensor, packed: torch.Tensor) -> int | None:
+    """The padded input width if `packed` holds `weight` in the layout the small-batch kernel
+    reads (blocks of 64 output features, each a row-major [padded_in, 64] array), else None.
+    Compared value by value: oneDNN documents no layout, and a wrong guess would be wrong output."""
+    if weight.dtype != torch.float32 or not hasattr(torch.ops.mkldnn, "data_ptr"):
+        return None
+    out_features, in_features = weight.shape
+    blocks = -(-out_features // PACKED_OUT_BLOCK)
+    floats = torch.ops.mkldnn._nbytes(packed) // 4
+    if floats % (blocks * PACKED_OUT_BLOCK):
+        return None
+    padded_in = floats // (blocks * PACKED_OUT_BLOCK)
+    if padded_in < in_features:
+        return None
+    raw = packed_buffer(packed).view(blocks, padded_in, PACKED_OUT_BLOCK)
+    for block in range(blocks):  # block by block: no transient copy of a whole weight
+        rows = weight[block * PACKED_OUT_BLOCK:(block + 1) * PACKED_OUT_BLOCK]
+        if not torch.equal(raw[block, :in_features, :rows.shape[0]], rows.T):
+            return None
+    return padded_in
 
 
 class Linear:
@@ -47,27 +82,48 @@ class Linear:
                  small_batch_kernels: CpuKernels | None = None):
         self.out_features, self.in_features = weight.shape
         self.bias = bias.contiguous() if bias is not None else None
+        # Kept only while no other representation serves every row count.
         self.weight: torch.Tensor | None = weight.contiguous()
         self._small_batch = (small_batch_kernels if weight.dtype == torch.float32 and weight.device.type == "cpu"
                              else None)
         self._packed: torch.Tensor | None = None
+        self._packed_address = 0
+        self._packed_in_features: int | None = None  # set: the small-batch kernel reads the packed copy
         if pack and onednn_packing_usable(weight):
             try:
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACKING_ROWS_HINT)
             except RuntimeError as exc:  # an unusual torch build: fall back, loudly
                 logger.warning("oneDNN weight packing failed (%s); using F.linear", exc)
-        if self._packed is not None and self._small_batch is None:
-            self.weight = None  # the packed copy replaces it
+        if self._packed is not None and self._small_batch is not None:
+            self._packed_in_features = packed_in_features(self.weight, self._packed)
+            if self._packed_in_features is not None:
+                self._packed_address = torch.ops.mkldnn.data_ptr(self._packed)
+        if self._packed is not None and (self._small_batch is None or self._packed_in_features is not None):
+            self.weight = None  # the packed copy serves every row count
 
     @property
     def packed(self) -> bool:
         return self._packed is not None
 
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes this layer holds per representation of its weight (its bias aside)."""
+        held: dict[str, int] = {}
+        if self._packed is not None:
+            held["packed"] = torch.ops.mkldnn._nbytes(self._packed)
+        if self.weight is not None:
+            held["plain"] = self.weight.nbytes
+        return held
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features)
         if self._small_batch is not None and x.shape[0] <= SMALL_BATCH_ROWS and x.dtype == torch.float32:
-            out = self._small_batch.small_batch_linear(x.contiguous(), self.weight, self.bias)
+            if self._packed_in_features is not None:
+                out = self._small_batch.packed_small_batch_linear(x.contiguous(), self._packed_address,
+                                                                  self.out_features, self._packed_in_features,
+                                                                  self.bias)
+            else:
+                out = self._small_batch.small_batch_linear(x.contiguous(), self.weight, self.bias)
         elif self._packed is not None:
             out = torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         else:

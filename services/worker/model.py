@@ -57,17 +57,37 @@ class FusedOps:
         return cls(rms_norm_ref, silu_and_mul_ref)
 
 
+class WeightSource:
+    """The checkpoint's tensors, handed out one at a time as owned copies in the model's device
+    and dtype. The checkpoint's own tensors may be views of its memory-mapped file; copying each
+    as it is taken lets the mapping go once the model is built, and converting one at a time
+    keeps the peak at one float32 tensor (plus its packed copy) beyond the model itself."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
+        self.tensors = tensors
+        self.device = device
+        self.dtype = dtype
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def take(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise MissingWeightError(name)
+        return self.tensors[name].to(device=self.device, dtype=self.dtype, copy=True)
+
+    def optional(self, name: str) -> torch.Tensor | None:
+        return self.take(name) if name in self.tensors else None
+
+
 class DecoderLayer:
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], prefix: str,
+    def __init__(self, spec: ModelSpec, weights: WeightSource, prefix: str,
                  linear: Callable[..., Linear] = Linear):
         def take(name: str) -> torch.Tensor:
-            key = prefix + name
-            if key not in weights:
-                raise MissingWeightError(key)
-            return weights[key]
+            return weights.take(prefix + name)
 
         def optional(name: str) -> torch.Tensor | None:
-            return weights.get(prefix + name)
+            return weights.optional(prefix + name)
 
         self.spec = spec
         self.input_norm = take("input_layernorm.weight")
@@ -117,32 +137,38 @@ class DecoderLayer:
 class DecoderModel:
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, max_positions: int, cpu_kernels: CpuKernels | None = None):
-        weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+        source = WeightSource(weights, device, dtype)
         self.spec = spec
         self.device = device
         self.dtype = dtype
-        if "model.embed_tokens.weight" not in weights:
-            raise MissingWeightError("model.embed_tokens.weight")
-        self.embed = weights["model.embed_tokens.weight"]
+        self.embed = source.take("model.embed_tokens.weight")
         linear = functools.partial(Linear, small_batch_kernels=cpu_kernels)
-        self.layers = [DecoderLayer(spec, weights, f"model.layers.{i}.", linear) for i in range(spec.num_layers)]
-        if "model.norm.weight" not in weights:
-            raise MissingWeightError("model.norm.weight")
-        self.final_norm = weights["model.norm.weight"]
-        lm_head = self.embed if spec.tie_word_embeddings else weights.get("lm_head.weight")
-        if lm_head is None:
-            raise MissingWeightError("lm_head.weight")
+        self.layers = [DecoderLayer(spec, source, f"model.layers.{i}.", linear) for i in range(spec.num_layers)]
+        self.final_norm = source.take("model.norm.weight")
         # A fifth of all FLOPs for small models; with tied embeddings the packed copy is extra
         # memory (the lookup needs the plain table) that buys 1.8-2.4x on CPU.
-        self.lm_head = linear(lm_head)
+        self.lm_head = linear(self.embed if spec.tie_word_embeddings else source.take("lm_head.weight"))
         self.rotary = RotaryEmbedding(spec, max_positions, device, dtype)
-        linears = [self.lm_head] + [p for layer in self.layers for p in layer.projections()]
-        # Packed layers that still hold their plain weight keep it for the small-batch kernel.
-        kept = [p.weight for p in linears if p.packed and p.weight is not None and p.weight is not self.embed]
-        plain = sum(w.nbytes for w in kept)
-        if plain:
-            logger.info("small-batch linear kernel: %.0f MiB of plain weights kept beside the packed ones "
-                        "(--no-small-batch-linear frees them)", plain / (1 << 20))
+        logger.info("weights: %s", ", ".join(f"{name} {size / (1 << 20):.1f} MiB"
+                                             for name, size in self.held_bytes().items()))
+
+    def linears(self) -> list[Linear]:
+        return [self.lm_head] + [p for layer in self.layers for p in layer.projections()]
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes of weights held per representation: oneDNN's packed linears, plain linear weights
+        (a small-batch copy, or the only one where nothing is packed), the embedding table (also
+        the tied LM head's plain weight), and the rest (norms, biases)."""
+        held = {"packed oneDNN": 0, "plain linear": 0, "embedding": self.embed.nbytes, "norms and biases": 0}
+        for layer in self.linears():
+            for representation, size in layer.held_bytes().items():
+                if representation == "plain" and layer.weight is self.embed:
+                    continue  # the embedding table, counted once
+                held["packed oneDNN" if representation == "packed" else "plain linear"] += size
+            held["norms and biases"] += layer.bias.nbytes if layer.bias is not None else 0
+        norms = [self.final_norm] + [n for layer in self.layers for n in (layer.input_norm, layer.post_attention_norm)]
+        held["norms and biases"] += sum(n.nbytes for n in norms)
+        return held
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

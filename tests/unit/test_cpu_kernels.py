@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from kernels import cpu_native, reference
 from kernels.cpu_native import CpuKernelBuildError
 from services.worker.attention import CpuAttentionBackend, TorchAttentionBackend, make_attention_backend
-from services.worker.linear import SMALL_BATCH_ROWS, Linear, onednn_packing_usable
+from services.worker.linear import SMALL_BATCH_ROWS, Linear, onednn_packing_usable, packed_in_features
 from tests.support.paged import ragged_batch
 
 CASES = [  # (head_dim, heads, kv_heads, block_size): the specialised sizes and the generic path
@@ -155,16 +155,21 @@ def test_packed_linear_matches_f_linear(rows, with_bias):
     torch.testing.assert_close(plain(x), F.linear(x, weight, bias))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4, 5])
+@pytest.mark.parametrize("rows", [0, 1, 2, 4, 5])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_small_batch_linear_matches_f_linear(kernels, rows, with_bias, monkeypatch):
+@pytest.mark.parametrize("pack", [False, True])
+def test_small_batch_linear_matches_f_linear(kernels, rows, with_bias, pack, monkeypatch):
+    """Packed, the small-batch kernel reads oneDNN's copy (no plain weight kept) where the layout
+    check accepts it; unpacked, the plain weight. 300 x 72 pads both dimensions of the blocks."""
     g = torch.Generator().manual_seed(10 + rows)
     weight = torch.randn(300, 72, generator=g)
     bias = torch.randn(300, generator=g) if with_bias else None
-    layer = Linear(weight, bias, small_batch_kernels=kernels)
-    calls = []
-    monkeypatch.setattr(kernels, "_small_batch_linear",
-                        lambda *a, f=kernels._small_batch_linear: calls.append(a[4]) or f(*a))
+    layer = Linear(weight, bias, pack=pack, small_batch_kernels=kernels)
+    reads_packed = layer.weight is None
+    assert reads_packed == (pack and packed_in_features(weight, layer._packed) is not None)
+    kernel = "_packed_small_batch_linear" if reads_packed else "_small_batch_linear"
+    calls, original = [], getattr(kernels, kernel)
+    monkeypatch.setattr(kernels, kernel, lambda *a: calls.append(a[4]) or original(*a))
     x = torch.randn(rows, 72, generator=g)
     torch.testing.assert_close(layer(x), F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
     x3 = torch.randn(1, rows, 72, generator=g)
