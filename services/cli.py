@@ -487,8 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "bench":  # its own parser, in benchmarks/
-        from benchmarks.bench import main as bench_main
+    if argv and argv[0] == "bench":  # its own parser, in services/bench/
+        from services.bench.cli import main as bench_main
 
         return bench_main(argv[1:])
     from services.launcher import die_with_launcher

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from benchmarks.bench import tiny_model_dir
+from services.bench.claims import tiny_model_dir
 from services.mesh_process import ROOT
 
 

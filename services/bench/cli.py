@@ -1,0 +1,74 @@
+"""`vmesh bench`'s command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from services.bench import __doc__ as bench_doc
+from services.bench.claims import claims
+from services.bench.common import RESULTS, WORKLOAD, save
+from services.bench.detokenizer import detokenizer
+from services.bench.offline import offline
+from services.bench.serving import serving
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vmesh bench", description=bench_doc.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="mode", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--workload", type=Path, default=WORKLOAD)
+    common.add_argument("--model", default=None, help="default: the embedded model")
+    common.add_argument("--max-tokens", type=int, default=None, help="default: the workload's (128)")
+    common.add_argument("--kv-cache-memory", default="1GiB")
+    common.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
+    off = sub.add_parser("offline", parents=[common])
+    off.add_argument("--requests", type=int, default=None)
+    off.add_argument("--baselines", default="transformers,engine,mesh")
+    off.add_argument("--repeats", type=int, default=1, help="rounds of every run, in turn; medians are reported")
+    srv = sub.add_parser("serving", parents=[common])
+    srv.add_argument("--address", default=None, help="a running mesh's gRPC address (default: start a mesh)")
+    srv.add_argument("--backend", default="grpc",
+                     help="grpc (vmesh's API), openai (/v1/completions of --base-url or of the started mesh), "
+                          "or both: grpc,openai (in turn, or mixed with --interleave)")
+    srv.add_argument("--interleave", action="store_true",
+                     help="with several backends: one load, each request through one of them (balanced, "
+                          "shuffled), so that latencies are compared under the same conditions")
+    srv.add_argument("--base-url", default=None,
+                     help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1 (vmesh or vLLM); "
+                          "--model is then the model name it serves")
+    srv.add_argument("--num-requests", type=int, default=None)
+    srv.add_argument("--request-rate", type=float, default=4.0, help="Poisson arrivals per second; 0: all at once")
+    srv.add_argument("--max-concurrency", type=int, default=64)
+    srv.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    srv.add_argument("--slo-tpot-ms", type=float, default=200.0)
+    srv.add_argument("--seed", type=int, default=0)
+    cl = sub.add_parser("claims", parents=[common])
+    cl.add_argument("--requests", type=int, default=None)
+    cl.add_argument("--models", default="embedded,tiny")
+    det = sub.add_parser("detokenizer", parents=[common])
+    det.add_argument("--requests", type=int, default=None)
+    det.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
+    return parser
+
+
+MODES = {"offline": offline, "serving": serving, "claims": claims, "detokenizer": detokenizer}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from services.worker.kv_cache import parse_memory_size
+
+    args = build_parser().parse_args(argv)
+    args.kv_cache_memory_bytes = parse_memory_size(args.kv_cache_memory)
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    result = MODES[args.mode](args)
+    result["command"] = "vmesh bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(f"results: {save(args.mode, result, args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

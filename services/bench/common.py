@@ -1,0 +1,104 @@
+"""What every `vmesh bench` mode shares: the standard workload, the machine's description,
+percentiles, results on disk, and timed requests against a running mesh."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.client import VmeshClient
+from services.common.grpc_server import channel
+from services.mesh_process import RunningMesh
+from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+WORKLOAD = Path(__file__).resolve().parent / "standard-64x128.json"
+_CHECKOUT_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+# In a checkout the figures land beside benchmarks/README.md; installed, in the working directory.
+RESULTS = _CHECKOUT_RESULTS if _CHECKOUT_RESULTS.parent.is_dir() else Path("vmesh-bench-results")
+
+
+def load_workload(path: Path, requests: int | None, max_tokens: int | None) -> dict[str, Any]:
+    workload = json.loads(Path(path).read_text())
+    n = requests or workload["n_requests"]
+    return {"prompts": workload["prompt_token_ids"][:n], "max_tokens": max_tokens or workload["max_new_tokens"],
+            "latency_prompt": workload["latency_prompt_token_ids"]}
+
+
+def machine() -> dict[str, Any]:
+    return {"machine": platform.machine(), "processor": platform.processor(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d")}
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": 0.0, "p90": 0.0, "p99": 0.0, "mean": 0.0}
+    ordered = sorted(values)
+
+    def pick(q: float) -> float:
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "mean": statistics.fmean(values)}
+
+
+def save(mode: str, result: dict[str, Any], out_dir: Path = RESULTS) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{mode}.json"
+    path.write_text(json.dumps(result, indent=1))
+    return path
+
+
+async def timed_request(client: VmeshClient, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """One streamed greedy request: TTFT, inter-token gaps, end-to-end, tokens."""
+    started = time.perf_counter()
+    arrivals: list[tuple[float, int]] = []
+    async for out in client.generate(token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
+        if out.token_ids:
+            arrivals.append((time.perf_counter(), len(out.token_ids)))
+    end = time.perf_counter()
+    tokens = sum(n for _, n in arrivals)
+    ttft = arrivals[0][0] - started if arrivals else end - started
+    # A response that merged n tokens spreads its gap over them.
+    gaps = [(b - a) / n for (a, _), (b, n) in itertools.pairwise(arrivals)]
+    tpot = (end - started - ttft) / max(tokens - 1, 1)
+    return {"ttft": ttft, "itl": gaps, "tpot": tpot, "e2e": end - started, "tokens": tokens}
+
+
+async def reset_prefix_cache(mesh: RunningMesh) -> None:
+    async with channel(mesh.services["scheduler"][0], "scheduler") as ch:
+        await scheduler_pb2_grpc.SchedulerServiceStub(ch).ResetPrefixCache(scheduler_pb2.ResetPrefixCacheRequest())
+
+
+async def mesh_stats(mesh: RunningMesh) -> tuple[Any, Any]:
+    async with channel(mesh.services["scheduler"][0], "scheduler") as ch:
+        s = await scheduler_pb2_grpc.SchedulerServiceStub(ch).GetSchedulerStats(
+            scheduler_pb2.GetSchedulerStatsRequest())
+    async with channel(mesh.services["worker"][0], "worker") as ch:
+        w = await worker_pb2_grpc.WorkerServiceStub(ch).GetWorkerStats(worker_pb2.GetWorkerStatsRequest())
+    return s, w
+
+
+async def mesh_generate(mesh: RunningMesh, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
+    async with VmeshClient(mesh.address) as client:
+        await client.complete(token_ids=prompts[0], max_tokens=2, temperature=0)  # warm-up
+        await reset_prefix_cache(mesh)  # every round starts cold
+        s0, w0 = await mesh_stats(mesh)
+        started = time.perf_counter()
+        results = await asyncio.gather(*(client.complete(token_ids=p, max_tokens=max_tokens, temperature=0.0,
+                                                         ignore_eos=True) for p in prompts))
+        elapsed = time.perf_counter() - started
+        s1, w1 = await mesh_stats(mesh)
+    assert all(len(ids) == max_tokens for _t, ids, _l in results)
+    decode_steps = s1.decode_steps - s0.decode_steps
+    wall = w1.wall_seconds - w0.wall_seconds
+    return {"tokens_per_s": len(prompts) * max_tokens / elapsed,
+            "duty_cycle": (w1.busy_seconds - w0.busy_seconds) / wall if wall else 0.0,
+            "bytes_per_decode_step": (s1.decode_plan_bytes - s0.decode_plan_bytes) / max(decode_steps, 1),
+            "decode_steps": decode_steps}

@@ -1,0 +1,126 @@
+"""`vmesh bench offline`: the standard workload through transformers `generate`, the in-process
+engine and the mesh, in turn, with the mesh's peak memory and single-request latency."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.memory import PeakPss
+from services.bench.common import load_workload, machine, mesh_generate, timed_request
+from services.client import VmeshClient
+from services.common.model_loading import resolve_model_dir
+from services.common.sampling_params import SamplingParams
+from services.mesh_process import RunningMesh, start_mesh
+
+
+def transformers_generate(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> Callable[[], float]:
+    """Loads the model once; each call of the result is one timed batched `generate` (tokens/s)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True).eval()
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left-padded
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    config = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+
+    def run() -> float:
+        with torch.inference_mode():
+            started = time.perf_counter()
+            out = model.generate(ids, attention_mask=mask, generation_config=config)
+            elapsed = time.perf_counter() - started
+        assert out.shape[1] - width == max_tokens
+        return len(prompts) * max_tokens / elapsed
+
+    return run
+
+
+@contextlib.contextmanager
+def engine_generate(model_dir: Path, prompts: list[list[int]], max_tokens: int, depth: int = 2,
+                    kv_cache_memory: int = 1 << 30) -> Iterator[Callable[[], float]]:
+    """An in-process engine, warmed up; each call of the yielded function is one timed run."""
+    from services.engine.llm import EngineConfig, LLMEngine
+    from services.worker.model_runner import WorkerConfig
+
+    engine = LLMEngine.from_config(EngineConfig(worker=WorkerConfig(model=str(model_dir), max_num_seqs=256,
+                                                                    kv_cache_memory=kv_cache_memory),
+                                                pipeline_depth=depth))
+
+    def run() -> float:
+        engine.reset_prefix_cache()  # every round starts cold, as the first one does
+        started = time.perf_counter()
+        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        elapsed = time.perf_counter() - started
+        assert all(len(o.token_ids) == max_tokens for o in outs)
+        return len(prompts) * max_tokens / elapsed
+
+    try:
+        engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2))  # warm-up
+        yield run
+    finally:
+        engine.shutdown()
+
+
+async def mesh_latency(mesh: RunningMesh, prompt: list[int], max_tokens: int) -> dict[str, float]:
+    async with VmeshClient(mesh.address) as client:
+        await client.complete(token_ids=prompt, max_tokens=2, temperature=0)  # warm-up
+        r = await timed_request(client, prompt, max_tokens)
+    return {"ttft_ms": r["ttft"] * 1e3, "mean_itl_ms": statistics.fmean(r["itl"]) * 1e3 if r["itl"] else 0.0}
+
+
+def offline(args: argparse.Namespace) -> dict[str, Any]:
+    """Each baseline loads once; then `--repeats` rounds run transformers, engine and mesh in
+    turn, so that the machine's drift (runs here vary by ~10 %) reaches all three alike. The
+    figures reported are each run's median over the rounds."""
+    work = load_workload(args.workload, args.requests, args.max_tokens)
+    model_dir = resolve_model_dir(args.model)
+    baselines = set(args.baselines.split(","))
+    result: dict[str, Any] = {"mode": "offline", "requests": len(work["prompts"]), "max_tokens": work["max_tokens"],
+                              "repeats": args.repeats, **machine(), "tokens_per_s": {}, "runs_tokens_per_s": {}}
+    runs: dict[str, Callable[[], float]] = {}
+    with contextlib.ExitStack() as stack:
+        if "transformers" in baselines:
+            runs["transformers"] = transformers_generate(model_dir, work["prompts"], work["max_tokens"])
+        if "engine" in baselines:
+            runs["engine"] = stack.enter_context(engine_generate(model_dir, work["prompts"], work["max_tokens"],
+                                                                 kv_cache_memory=args.kv_cache_memory_bytes))
+        mesh = start_mesh("--model", str(model_dir), "--kv-cache-memory", args.kv_cache_memory)
+        stack.callback(mesh.stop)
+        mesh_runs: list[dict[str, float]] = []
+
+        def run_mesh() -> float:
+            mesh_runs.append(asyncio.run(mesh_generate(mesh, work["prompts"], work["max_tokens"])))
+            return mesh_runs[-1]["tokens_per_s"]
+
+        runs["mesh"] = run_mesh
+        for name in runs:
+            result["runs_tokens_per_s"][name] = []
+        with PeakPss({name: pid for name, (_address, pid) in mesh.services.items()}) as peaks:
+            for _ in range(args.repeats):
+                for name, run in runs.items():
+                    result["runs_tokens_per_s"][name].append(run())
+        result["mesh_peak_pss_mib"] = peaks.mib
+        result["mesh_duty_cycle"] = statistics.median(r["duty_cycle"] for r in mesh_runs)
+        result["latency"] = asyncio.run(mesh_latency(mesh, work["latency_prompt"], work["max_tokens"]))
+    result["tokens_per_s"] = {name: statistics.median(v) for name, v in result["runs_tokens_per_s"].items()}
+    mesh_tps = result["tokens_per_s"]["mesh"]
+    result["ratio_to_mesh"] = {k: v / mesh_tps for k, v in result["tokens_per_s"].items()}
+    label = "tokens/s" if args.repeats == 1 else "median"
+    print(f"{'run':>14} {label:>9} {'x mesh':>7}" + ("   every round" if args.repeats > 1 else ""))
+    for name, tps in result["tokens_per_s"].items():
+        rounds = "  ".join(f"{v:.1f}" for v in result["runs_tokens_per_s"][name]) if args.repeats > 1 else ""
+        print(f"{name:>14} {tps:>9.1f} {tps / mesh_tps:>7.2f}   {rounds}")
+    lat = result["latency"]
+    print(f"single request through the mesh: TTFT {lat['ttft_ms']:.0f} ms, mean ITL {lat['mean_itl_ms']:.1f} ms")
+    memory = result["mesh_peak_pss_mib"]
+    print("mesh peak PSS: " + ", ".join(f"{name} {mib:.0f} MiB" for name, mib in memory.items())
+          + f"; all {sum(memory.values()):.0f} MiB")
+    return result
