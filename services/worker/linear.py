@@ -88,22 +88,41 @@ class Linear:
                              else None)
         self._packed: torch.Tensor | None = None
         self._packed_address = 0
-        self._packed_in_features: int | None = None  # set: the small-batch kernel reads the packed copy
+        self._packed_in_features: int | None = None
         if pack and onednn_packing_usable(weight):
             try:
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACKING_ROWS_HINT)
             except RuntimeError as exc:  # an unusual torch build: fall back, loudly
                 logger.warning("oneDNN weight packing failed (%s); using F.linear", exc)
-        if self._packed is not None and self._small_batch is not None:
+        # [blocks, padded_in, 64] over the packed copy, where its layout is the one checked.
+        self._packed_blocks: torch.Tensor | None = None
+        if self._packed is not None and weight.dtype == torch.float32:
             self._packed_in_features = packed_in_features(self.weight, self._packed)
             if self._packed_in_features is not None:
                 self._packed_address = torch.ops.mkldnn.data_ptr(self._packed)
-        if self._packed is not None and (self._small_batch is None or self._packed_in_features is not None):
+                self._packed_blocks = packed_buffer(self._packed).view(-1, self._packed_in_features,
+                                                                       PACKED_OUT_BLOCK)
+        if self._packed is not None and (self._small_batch is None or self._packed_blocks is not None):
             self.weight = None  # the packed copy serves every row count
 
     @property
     def packed(self) -> bool:
         return self._packed is not None
+
+    @property
+    def rows_readable(self) -> bool:
+        """Whether `weight_rows` can answer: a tied embedding then needs no table of its own."""
+        return self.weight is not None or self._packed_blocks is not None
+
+    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """weight[ids] for 1-D ids, from whichever representation is held: the lookup of an
+        embedding table tied to this layer. From the packed copy each row is a strided gather
+        (one cache line per feature), negligible beside the layers a token then goes through."""
+        if self.weight is not None:
+            return self.weight[ids]
+        if self._packed_blocks is None:
+            raise RuntimeError("this layer holds its weight in an unknown packed layout only")
+        return self._packed_blocks[ids // PACKED_OUT_BLOCK, :self.in_features, ids % PACKED_OUT_BLOCK]
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes this layer holds per representation of its weight (its bias aside)."""
@@ -118,7 +137,7 @@ class Linear:
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features)
         if self._small_batch is not None and x.shape[0] <= SMALL_BATCH_ROWS and x.dtype == torch.float32:
-            if self._packed_in_features is not None:
+            if self._packed_blocks is not None:
                 out = self._small_batch.packed_small_batch_linear(x.contiguous(), self._packed_address,
                                                                   self.out_features, self._packed_in_features,
                                                                   self.bias)

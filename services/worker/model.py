@@ -141,13 +141,16 @@ class DecoderModel:
         self.spec = spec
         self.device = device
         self.dtype = dtype
-        self.embed = source.take("model.embed_tokens.weight")
+        embed = source.take("model.embed_tokens.weight")
         linear = functools.partial(Linear, small_batch_kernels=cpu_kernels)
         self.layers = [DecoderLayer(spec, source, f"model.layers.{i}.", linear) for i in range(spec.num_layers)]
         self.final_norm = source.take("model.norm.weight")
-        # A fifth of all FLOPs for small models; with tied embeddings the packed copy is extra
-        # memory (the lookup needs the plain table) that buys 1.8-2.4x on CPU.
-        self.lm_head = linear(self.embed if spec.tie_word_embeddings else source.take("lm_head.weight"))
+        # A fifth of all FLOPs for small models: packed, it runs 1.8-2.4x faster on CPU. A tied
+        # head also serves the embedding lookups when its rows can be read back, so that the
+        # table is held once; otherwise the plain table stays for them.
+        self.lm_head = linear(embed if spec.tie_word_embeddings else source.take("lm_head.weight"))
+        lookups_from_head = spec.tie_word_embeddings and self.lm_head.weight is None and self.lm_head.rows_readable
+        self.embed: torch.Tensor | None = None if lookups_from_head else embed
         self.rotary = RotaryEmbedding(spec, max_positions, device, dtype)
         logger.info("weights: %s", ", ".join(f"{name} {size / (1 << 20):.1f} MiB"
                                              for name, size in self.held_bytes().items()))
@@ -157,9 +160,10 @@ class DecoderModel:
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of weights held per representation: oneDNN's packed linears, plain linear weights
-        (a small-batch copy, or the only one where nothing is packed), the embedding table (also
-        the tied LM head's plain weight), and the rest (norms, biases)."""
-        held = {"packed oneDNN": 0, "plain linear": 0, "embedding": self.embed.nbytes, "norms and biases": 0}
+        (a small-batch copy, or the only one where nothing is packed), the plain embedding table
+        (0 when the tied LM head's copy serves the lookups), and the rest (norms, biases)."""
+        embedding = self.embed.nbytes if self.embed is not None else 0
+        held = {"packed oneDNN": 0, "plain linear": 0, "embedding": embedding, "norms and biases": 0}
         for layer in self.linears():
             for representation, size in layer.held_bytes().items():
                 if representation == "plain" and layer.weight is self.embed:
@@ -170,10 +174,13 @@ class DecoderModel:
         held["norms and biases"] += sum(n.nbytes for n in norms)
         return held
 
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed[input_ids] if self.embed is not None else self.lm_head.weight_rows(input_ids)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache, backend: AttentionBackend, logits_indices: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed[input_ids], None
+        hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.tables(positions)
         ops = FusedOps.for_backend(backend, self.dtype)
         for i, layer in enumerate(self.layers):
