@@ -19,6 +19,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from services.common.model_spec import ModelSpec, UnsupportedModelError
@@ -183,9 +184,35 @@ def load_hf_config(model_dir: Path) -> Any:
         raise ModelLoadError(f"cannot parse {config_path}: {exc}") from exc
 
 
+# What ModelSpec.from_hf_config reads. A config.json of these model types that states every
+# one of them is read as plain JSON: nothing is then left to a transformers config class's
+# defaults, and the worker never imports transformers (~75 MiB of its memory).
+_PLAIN_CONFIG_MODEL_TYPES = ("llama", "qwen2")
+_PLAIN_CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                      "intermediate_size", "rms_norm_eps", "max_position_embeddings", "eos_token_id", "bos_token_id",
+                      "tie_word_embeddings")
+
+
+def plain_config(model_dir: Path) -> SimpleNamespace | None:
+    """config.json as attributes when it states all ModelSpec needs (see above), else None."""
+    try:
+        raw = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # load_hf_config says what is wrong
+    if not isinstance(raw, dict) or raw.get("model_type") not in _PLAIN_CONFIG_MODEL_TYPES:
+        return None
+    if not all(key in raw for key in _PLAIN_CONFIG_KEYS):
+        return None
+    # transformers >= 5 rewrites older rope keys into rope_parameters; only that form, or no
+    # scaling at all, reads the same without it.
+    if not raw.get("rope_parameters") and raw.get("rope_scaling"):
+        return None
+    return SimpleNamespace(**raw)
+
+
 def load_model_spec(model_dir: Path) -> ModelSpec:
     try:
-        return ModelSpec.from_hf_config(load_hf_config(model_dir))
+        return ModelSpec.from_hf_config(plain_config(model_dir) or load_hf_config(model_dir))
     except UnsupportedModelError as exc:
         raise ModelLoadError(f"{model_dir}: {exc}") from exc
 

@@ -102,3 +102,35 @@ def test_packed_layout_check_refuses_a_weight_it_does_not_hold():
     other[129, 39] += 1.0  # the last output's last input: in the padded last block
     assert packed_in_features(other, packed) is None
     assert packed_in_features(weight.T.contiguous(), packed) is None
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "embedded"])
+def test_spec_from_plain_config_json_matches_transformers(tmp_path, kind, embedded_model_dir):
+    """The worker reads a complete config.json without transformers (whose import alone costs it
+    ~75 MiB); what it reads must be what transformers' config classes would give."""
+    from services.common.model_loading import load_hf_config, load_model_spec, plain_config
+    from services.common.model_spec import ModelSpec
+
+    model_dir = embedded_model_dir if kind == "embedded" else tmp_path
+    if kind == "qwen2":
+        save_tiny_qwen2(tmp_path)
+    elif kind == "llama":
+        save_tiny_llama(tmp_path)
+    assert plain_config(model_dir) is not None
+    assert load_model_spec(model_dir) == ModelSpec.from_hf_config(load_hf_config(model_dir))
+
+
+def test_plain_config_defers_to_transformers_when_a_key_is_left_to_defaults(tmp_path):
+    import json
+
+    from services.common.model_loading import plain_config
+
+    save_tiny_llama(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["rms_norm_eps"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert plain_config(tmp_path) is None
+    config["rms_norm_eps"] = 1e-5
+    config["rope_scaling"], config["rope_parameters"] = {"type": "linear", "factor": 2.0}, None
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert plain_config(tmp_path) is None
