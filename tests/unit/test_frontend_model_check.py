@@ -21,7 +21,11 @@ class Scheduler:
 def connect(model_name: str) -> None:
     async def main() -> None:
         f = FrontendServicer(object(), ["s:1"], ["d:1"], model_name=model_name)
-        f._start_subscription = lambda address: asyncio.sleep(0)  # no detokenizers here
+
+        async def no_detokenizer(address: str, opened: asyncio.Future) -> None:  # no detokenizers here
+            opened.set_result(None)
+
+        f._subscribe = no_detokenizer
         f.schedulers = SchedulerPool(lambda address: (Scheduler(), FakeChannel()), health_stream=healthy_forever)
         try:
             await f.connect()
