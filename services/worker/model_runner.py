@@ -46,8 +46,8 @@ class WorkerConfig:
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's own context length
     attention_backend: str = "auto"
-    # CPU, float32: 1-4 row linears through kernels/cpu (1.5x faster single streams), at the
-    # cost of a plain copy of the weights beside oneDNN's packed one.
+    # CPU, float32: 1-4 row linears through kernels/cpu (faster single streams). They read
+    # oneDNN's packed copy where its layout is the known one (AVX-512), else keep a plain copy.
     small_batch_linear: bool = True
 
 
