@@ -54,7 +54,7 @@ async def call(server_identity: tls.Identity, make_channel, method: str = "Submi
         async with make_channel(shell.address) as ch:
             stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
             request = (scheduler_pb2.ResetPrefixCacheRequest() if method == "ResetPrefixCache"
-                       else scheduler_pb2.SubmitRequestRequest(request_id="1"))
+                       else scheduler_pb2.SubmitRequestRequest(frontend_key=1))
             try:
                 await getattr(stub, method)(request, timeout=10)
             except grpc.aio.AioRpcError as exc:
