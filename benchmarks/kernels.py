@@ -15,7 +15,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
+from vmesh.kernels import reference
 
 # Peak HBM bandwidth of known devices, GB/s; override with --peak-gbps.
 PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L4": 300.0}
@@ -57,9 +57,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA device", file=sys.stderr)
         return 2
-    from kernels.fused_ops import rms_norm, silu_and_mul
-    from kernels.kv_cache_write import write_kv
-    from kernels.paged_attention import split_kv_decode_attention, unified_attention
+    from vmesh.kernels.fused_ops import rms_norm, silu_and_mul
+    from vmesh.kernels.kv_cache_write import write_kv
+    from vmesh.kernels.paged_attention import split_kv_decode_attention, unified_attention
 
     dtype = getattr(torch, args.dtype)
     name = torch.cuda.get_device_name()

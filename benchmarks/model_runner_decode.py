@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from services.common.model_loading import resolve_model_dir
-from services.common.sampling_params import SamplingParams
-from services.common.step_types import NewRequest, StepPlan
-from services.worker.model_runner import ModelRunner, WorkerConfig
+from vmesh.services.common.model_loading import resolve_model_dir
+from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.common.step_types import NewRequest, StepPlan
+from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
 
 PROMPT_LEN = 128
 

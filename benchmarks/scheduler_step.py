@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import time
 
-from services.common.sampling_params import SamplingParams
-from services.scheduler.block_pool import BlockPool
-from services.scheduler.request import Request
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.support.stub_worker import StubWorker
+from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.scheduler.block_pool import BlockPool
+from vmesh.services.scheduler.request import Request
+from vmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
 def main() -> None:

@@ -86,7 +86,7 @@ class CpuKernels:
 
     def add_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                      residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """kernels.reference.rms_norm_ref's contract for 2-D float32 x, except that `residual`
+        """vmesh.kernels.reference.rms_norm_ref's contract for 2-D float32 x, except that `residual`
         is updated in place to x + residual (and returned) rather than copied."""
         if x.dim() != 2 or weight.shape != (x.shape[1],):
             raise ValueError(f"x must be [rows, dim] with a weight of [dim], got {tuple(x.shape)} and "

@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from services.common.model_loading import CACHE_DIR_ENV
+from vmesh.services.common.model_loading import CACHE_DIR_ENV
 
 DEFAULT_PUBLIC_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
@@ -107,7 +107,7 @@ def add_security_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_frontend_args(parser: argparse.ArgumentParser, http_port: int | None) -> None:
-    from services.frontend.requests import DEFAULT_MAX_PROMPT_BYTES
+    from vmesh.services.frontend.requests import DEFAULT_MAX_PROMPT_BYTES
 
     g = parser.add_argument_group("frontend")
     _arg(g, "--http-port", type=int, default=http_port,
@@ -125,7 +125,7 @@ def add_frontend_args(parser: argparse.ArgumentParser, http_port: int | None) ->
 
 
 def add_detokenizer_discovery_args(parser: argparse.ArgumentParser) -> None:
-    from services.common.discovery import DEFAULT_REFRESH_INTERVAL_S
+    from vmesh.services.common.discovery import DEFAULT_REFRESH_INTERVAL_S
 
     g = parser.add_argument_group("detokenizer replicas")
     _arg(g, "--detokenizer-addresses", default="",
@@ -141,14 +141,14 @@ def _address_specs(text: str) -> list[str]:
 
 def _addresses(text: str) -> list[str]:
     """The specs resolved once: for a fixed group such as worker ranks."""
-    from services.common.discovery import expand_addresses
+    from vmesh.services.common.discovery import expand_addresses
 
     return expand_addresses(_address_specs(text))
 
 
 def worker_config(args: argparse.Namespace):
-    from services.worker.kv_cache import parse_memory_size
-    from services.worker.model_runner import WorkerConfig
+    from vmesh.services.worker.kv_cache import parse_memory_size
+    from vmesh.services.worker.model_runner import WorkerConfig
 
     return WorkerConfig(
         model=args.model, cache_dir=args.cache_dir, device=args.device, dtype=args.dtype, block_size=args.block_size,
@@ -159,7 +159,7 @@ def worker_config(args: argparse.Namespace):
 
 
 def engine_config(args: argparse.Namespace):
-    from services.engine.llm import EngineConfig
+    from vmesh.services.engine.llm import EngineConfig
 
     if args.stateless_worker:
         raise ValueError("--stateless-worker is a mode of the mesh's worker protocol; the in-process engine "
@@ -171,22 +171,22 @@ def engine_config(args: argparse.Namespace):
 
 def _tokenizer_loader(args: argparse.Namespace):
     """The frontend's and detokenizers' tokenizer: without transformers, so without torch."""
-    from services.common.model_loading import resolve_model_dir
-    from services.common.tokenizer import load_chat_tokenizer
+    from vmesh.services.common.model_loading import resolve_model_dir
+    from vmesh.services.common.tokenizer import load_chat_tokenizer
 
     return lambda: load_chat_tokenizer(resolve_model_dir(args.model, args.cache_dir))
 
 
 def _model_name(args: argparse.Namespace) -> str:
-    from services.common.model_loading import EMBEDDED_MODEL_NAME
+    from vmesh.services.common.model_loading import EMBEDDED_MODEL_NAME
 
     return os.path.basename(os.path.normpath(args.model)) if args.model else EMBEDDED_MODEL_NAME
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
     configure_security(args, "worker")
-    from services.worker.model_runner import ModelRunner
-    from services.worker.server import serve
+    from vmesh.services.worker.model_runner import ModelRunner
+    from vmesh.services.worker.server import serve
 
     config = worker_config(args)
     asyncio.run(serve(lambda: ModelRunner.load(config), _model_name(args), args.host, args.port, args.ready_file,
@@ -196,7 +196,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def cmd_detokenizer(args: argparse.Namespace) -> int:
     configure_security(args, "detokenizer")
-    from services.detokenizer.server import serve
+    from vmesh.services.detokenizer.server import serve
 
     loader = _tokenizer_loader(args)
     asyncio.run(serve(lambda: loader().backend_tokenizer, args.host, args.port, args.ready_file, args.metrics_port,
@@ -206,7 +206,7 @@ def cmd_detokenizer(args: argparse.Namespace) -> int:
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
     configure_security(args, "scheduler")
-    from services.scheduler.server import MeshSchedulerConfig, serve
+    from vmesh.services.scheduler.server import MeshSchedulerConfig, serve
 
     config = MeshSchedulerConfig(
         worker_addresses=_addresses(args.workers), detokenizer_addresses=_address_specs(args.detokenizer_addresses),
@@ -220,7 +220,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
 def cmd_frontend(args: argparse.Namespace) -> int:
     configure_security(args, "frontend")
-    from services.frontend.server import serve
+    from vmesh.services.frontend.server import serve
 
     asyncio.run(serve(_tokenizer_loader(args), _address_specs(args.scheduler),
                       _address_specs(args.detokenizer_addresses), args.host, args.port, args.ready_file,
@@ -231,7 +231,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from services.launcher import serve_mesh
+    from vmesh.services.launcher import serve_mesh
 
     return serve_mesh(args)
 
@@ -239,7 +239,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def configure_security(args: argparse.Namespace, role: str | None) -> None:
     """This process's mTLS identity and listening options, from its flags. `role`: the role its
     certificate must carry (None: any, as for `vmesh health`)."""
-    from services.common import grpc_server, tls
+    from vmesh.services.common import grpc_server, tls
 
     files = [getattr(args, name, None) for name in ("tls_cert", "tls_key", "tls_ca")]
     if any(files):
@@ -261,7 +261,7 @@ def configure_security(args: argparse.Namespace, role: str | None) -> None:
 
 def cmd_health(args: argparse.Namespace) -> int:
     """Exit 0 when the service at the address reports SERVING (for container health checks)."""
-    from services.common.grpc_server import wait_until_serving
+    from vmesh.services.common.grpc_server import wait_until_serving
 
     try:
         configure_security(args, None)
@@ -276,7 +276,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 def cmd_certs(args: argparse.Namespace) -> int:
     """A private CA and a certificate per role for one mesh (compose and Kubernetes mount them)."""
-    from services.common.certs import write_mesh_certificates
+    from vmesh.services.common.certs import write_mesh_certificates
 
     if args.if_missing and (Path(args.out) / "ca.crt").exists():
         print(f"vmesh: certificates already in {args.out}; kept")
@@ -288,13 +288,13 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 
 def cmd_warm_cache(args: argparse.Namespace) -> int:
-    from services.common.model_loading import load_tokenizer, resolve_model_dir
+    from vmesh.services.common.model_loading import load_tokenizer, resolve_model_dir
 
     model_dir = resolve_model_dir(args.model, args.cache_dir)
     load_tokenizer(model_dir)
     print(f"model ready at {model_dir}")
-    from kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
-    from services.common.model_loading import cache_dir_path
+    from vmesh.kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
+    from vmesh.services.common.model_loading import cache_dir_path
 
     try:
         load_cpu_kernels(cache_dir_path(args.cache_dir))
@@ -315,7 +315,7 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.local:
         return _generate_in_process(args)
-    from services.client import VmeshClient
+    from vmesh.services.client import VmeshClient
 
     async def run() -> None:
         async with VmeshClient(args.address, api_key=args.api_key, tls_ca=args.public_tls_ca) as client:
@@ -332,8 +332,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _generate_in_process(args: argparse.Namespace) -> int:
-    from services.common.sampling_params import SamplingParams
-    from services.engine.llm import LLMEngine
+    from vmesh.services.common.sampling_params import SamplingParams
+    from vmesh.services.engine.llm import LLMEngine
 
     engine = LLMEngine.from_config(engine_config(args))
     prompt = args.prompt if args.raw else engine.encode_chat([{"role": "user", "content": args.prompt}])
@@ -354,7 +354,7 @@ def _generate_in_process(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from services.client import VmeshClient
+    from vmesh.services.client import VmeshClient
 
     async def run() -> None:
         history: list[dict[str, str]] = []
@@ -488,10 +488,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":  # its own parser, in services/bench/
-        from services.bench.cli import main as bench_main
+        from vmesh.services.bench.cli import main as bench_main
 
         return bench_main(argv[1:])
-    from services.launcher import die_with_launcher
+    from vmesh.services.launcher import die_with_launcher
 
     die_with_launcher()
     try:
@@ -503,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import grpc
 
-    from services.common.model_loading import ModelLoadError
+    from vmesh.services.common.model_loading import ModelLoadError
 
     try:
         return args.func(args)

@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from services.common.grpc_server import CHANNEL_OPTIONS
+from vmesh.services.common.grpc_server import CHANNEL_OPTIONS
 from vmesh.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 
 _OUTPUT_MODES = {"delta": common_pb2.OUTPUT_MODE_DELTA, "cumulative": common_pb2.OUTPUT_MODE_CUMULATIVE,

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.grpc_server import wait_until_serving
+from vmesh.services.common.grpc_server import wait_until_serving
 
 INTERNAL_HOST = "127.0.0.1"
 START_TIMEOUT_S = 900.0  # the first start converts the model
@@ -49,7 +49,7 @@ def _flags(args: argparse.Namespace, group: str) -> list[str]:
 
 def group_flags(group: str) -> list[tuple[str, str]]:
     """(--flag, dest) of each option in `vmesh serve`'s argument group titled `group`."""
-    from services.cli import build_parser
+    from vmesh.services.cli import build_parser
 
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     titled = next(g for g in serve._action_groups if g.title == group)
@@ -73,7 +73,7 @@ class Mesh:
     def start(self, name: str, service: str, argv: list[str], host: str = INTERNAL_HOST, port: int = 0,
               env: dict[str, str] | None = None) -> Child:
         ready = self.workdir / f"{name}.addr"
-        command = [sys.executable, "-m", "services.cli", "--log-level", self.args.log_level, service,
+        command = [sys.executable, "-m", "vmesh", "--log-level", self.args.log_level, service,
                    "--host", host, "--port", str(port), "--ready-file", str(ready), *argv]
         if self.args.metrics:
             command += ["--metrics-port", "0"]
@@ -187,8 +187,8 @@ def die_with_launcher() -> None:
 
 def _make_certificates(mesh: Mesh) -> None:
     """A private CA for this run, a certificate per role; the launcher itself is the admin."""
-    from services.common import tls
-    from services.common.certs import write_mesh_certificates
+    from vmesh.services.common import tls
+    from vmesh.services.common.certs import write_mesh_certificates
 
     mesh.certificates = write_mesh_certificates(mesh.workdir / "certs")
     tls.configure(tls.Identity.from_files(mesh.certificates / "admin.crt", mesh.certificates / "admin.key",

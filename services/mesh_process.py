@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]  # the checkout, when this is one
 START_TIMEOUT_S = 240
 STOP_TIMEOUT_S = 60
 
@@ -67,16 +67,20 @@ def _kill_quietly(pid: int) -> None:
 
 
 def start_mesh(*flags: str, env: dict[str, str] | None = None, timeout: float = START_TIMEOUT_S,
-               on_timeout: Callable[[int], str] | None = None, prefix: Sequence[str] = ()) -> RunningMesh:
+               on_timeout: Callable[[int], str] | None = None, prefix: Sequence[str] = (),
+               vmesh: Sequence[str] = (sys.executable, "-m", "vmesh"), cwd: Path | None = None) -> RunningMesh:
     """`env`: extra environment variables for every service (e.g. OTEL_*). Raises TimeoutError,
     with the launcher's output, when the mesh is not serving within `timeout` seconds; the
     launcher is then killed (its children follow it: they die with their parent), after
     `on_timeout(launcher_pid)` has added what it reports to the error. `prefix`: a command that
-    execs the launcher's (e.g. one that switches to another user)."""
-    command = [*prefix, sys.executable, "-m", "services.cli", "--log-level", "WARNING", "serve", "--port", "0",
+    execs the launcher's (e.g. one that switches to another user). `vmesh`: the command to run
+    (another installation's `vmesh`, say); `cwd`: where (default: the checkout, if this is one)."""
+    command = [*prefix, *vmesh, "--log-level", "WARNING", "serve", "--port", "0",
                "--http-port", "0", "--kv-cache-memory", "128MiB", *flags]
+    if cwd is None and (ROOT / "pyproject.toml").is_file():
+        cwd = ROOT
     # Its own process group, which its services join: one signal reaches all of them.
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, **(env or {})}, start_new_session=True)
     return read_until_serving(process, timeout, on_timeout)
 

@@ -35,14 +35,14 @@ CHAT_PROMPTS = [
 
 @pytest.fixture(scope="session")
 def embedded_model_dir():
-    from services.common.model_loading import resolve_model_dir
+    from vmesh.services.common.model_loading import resolve_model_dir
 
     return resolve_model_dir(None)
 
 
 @pytest.fixture(scope="session")
 def embedded_tokenizer(embedded_model_dir):
-    from services.common.model_loading import load_tokenizer
+    from vmesh.services.common.model_loading import load_tokenizer
 
     return load_tokenizer(embedded_model_dir)
 

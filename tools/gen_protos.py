@@ -27,7 +27,7 @@ def generate(out: Path) -> list[Path]:
     if protoc.main(args) != 0:
         raise RuntimeError("protoc failed")
     for package in {p.relative_to(PROTO_ROOT).parent for p in protos}:
-        for part in [package, *package.parents][:-1]:
+        for part in [package, *package.parents][:-2]:  # vmesh/__init__.py is written by hand
             (out / part / "__init__.py").touch()
     return sorted(p for p in out.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
-from services.bench import __doc__ as bench_doc
-from services.bench.claims import claims
-from services.bench.common import RESULTS, WORKLOAD, save
-from services.bench.detokenizer import detokenizer
-from services.bench.offline import offline
-from services.bench.serving import serving
+from vmesh.services.bench import __doc__ as bench_doc
+from vmesh.services.bench.claims import claims
+from vmesh.services.bench.common import RESULTS, WORKLOAD, save
+from vmesh.services.bench.detokenizer import detokenizer
+from vmesh.services.bench.offline import offline
+from vmesh.services.bench.serving import serving
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,7 +59,7 @@ MODES = {"offline": offline, "serving": serving, "claims": claims, "detokenizer"
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.worker.kv_cache import parse_memory_size
+    from vmesh.services.worker.kv_cache import parse_memory_size
 
     args = build_parser().parse_args(argv)
     args.kv_cache_memory_bytes = parse_memory_size(args.kv_cache_memory)

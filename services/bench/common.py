@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from services.client import VmeshClient
-from services.common.grpc_server import channel
-from services.mesh_process import RunningMesh
+from vmesh.services.client import VmeshClient
+from vmesh.services.common.grpc_server import channel
+from vmesh.services.mesh_process import RunningMesh
 from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 WORKLOAD = Path(__file__).resolve().parent / "standard-64x128.json"

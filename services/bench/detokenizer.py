@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from services.bench.common import load_workload, machine
-from services.common.grpc_server import channel
-from services.common.sampling_params import SamplingParams
+from vmesh.services.bench.common import load_workload, machine
+from vmesh.services.common.grpc_server import channel
+from vmesh.services.common.sampling_params import SamplingParams
 
 
 async def _detokenizer_throughput(replicas: int, prompts: list[list[int]], max_tokens: int) -> float:
@@ -20,15 +20,15 @@ async def _detokenizer_throughput(replicas: int, prompts: list[list[int]], max_t
     import subprocess
     import sys
 
-    from services.common.grpc_server import wait_until_serving
-    from services.common.wire import sampling_to_proto
+    from vmesh.services.common.grpc_server import wait_until_serving
+    from vmesh.services.common.wire import sampling_to_proto
     from vmesh.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc
 
     with tempfile.TemporaryDirectory() as tmp:
         procs, addresses = [], []
         for i in range(replicas):
             ready = Path(tmp) / f"d{i}"
-            procs.append(subprocess.Popen([sys.executable, "-m", "services.cli", "--log-level", "WARNING",
+            procs.append(subprocess.Popen([sys.executable, "-m", "vmesh", "--log-level", "WARNING",
                                            "detokenizer", "--port", "0", "--ready-file", str(ready)]))
             while not ready.exists():
                 await asyncio.sleep(0.05)

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 
 from benchmarks.memory import PeakPss
-from services.bench.common import load_workload, machine, mesh_generate, timed_request
-from services.client import VmeshClient
-from services.common.model_loading import resolve_model_dir
-from services.common.sampling_params import SamplingParams
-from services.mesh_process import RunningMesh, start_mesh
+from vmesh.services.bench.common import load_workload, machine, mesh_generate, timed_request
+from vmesh.services.client import VmeshClient
+from vmesh.services.common.model_loading import resolve_model_dir
+from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.mesh_process import RunningMesh, start_mesh
 
 
 def transformers_generate(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> Callable[[], float]:
@@ -47,8 +47,8 @@ def transformers_generate(model_dir: Path, prompts: list[list[int]], max_tokens:
 def engine_generate(model_dir: Path, prompts: list[list[int]], max_tokens: int, depth: int = 2,
                     kv_cache_memory: int = 1 << 30) -> Iterator[Callable[[], float]]:
     """An in-process engine, warmed up; each call of the yielded function is one timed run."""
-    from services.engine.llm import EngineConfig, LLMEngine
-    from services.worker.model_runner import WorkerConfig
+    from vmesh.services.engine.llm import EngineConfig, LLMEngine
+    from vmesh.services.worker.model_runner import WorkerConfig
 
     engine = LLMEngine.from_config(EngineConfig(worker=WorkerConfig(model=str(model_dir), max_num_seqs=256,
                                                                     kv_cache_memory=kv_cache_memory),

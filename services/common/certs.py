@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from services.common.tls import ROLES, role_dns_name
+from vmesh.services.common.tls import ROLES, role_dns_name
 
 VALID_DAYS = 825
 

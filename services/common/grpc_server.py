@@ -16,8 +16,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common import tls
-from services.common.guards import ServerGuard
+from vmesh.services.common import tls
+from vmesh.services.common.guards import ServerGuard
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class ServiceShell:
         `public`: the port clients use (the frontend): TLS without client certificates when a
         public certificate is configured, the caller's role unchecked. Every other server uses
         mutual TLS and checks roles once this process has an identity (services/common/tls.py)."""
-        from services.common import telemetry
+        from vmesh.services.common import telemetry
 
         telemetry.setup_tracing(service)
         telemetry.setup_metrics(service)
@@ -111,7 +111,7 @@ class ServiceShell:
             return None
         from prometheus_client import CollectorRegistry
 
-        from services.common.metrics import serve_metrics
+        from vmesh.services.common.metrics import serve_metrics
 
         registry = CollectorRegistry()
         serve_metrics(registry, self.host, metrics_port, ready_file)
@@ -158,7 +158,7 @@ class ServiceShell:
         await self.server.stop(grace=1.0)
         if self.health_server is not None:
             await self.health_server.stop(None)
-        from services.common import telemetry
+        from vmesh.services.common import telemetry
 
         telemetry.shutdown_tracing()
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from services.common.tls import ROLES, caller_role
+from vmesh.services.common.tls import ROLES, caller_role
 
 _ANY = frozenset(ROLES)
 # Who may call what inside the mesh. A method not listed is refused to every caller.

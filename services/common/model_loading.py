@@ -22,7 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from services.common.model_spec import ModelSpec, UnsupportedModelError
+from vmesh.services.common.model_spec import ModelSpec, UnsupportedModelError
 
 if TYPE_CHECKING:
     import torch

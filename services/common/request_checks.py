@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.common.sampling_params import SamplingParams
+from vmesh.services.common.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.sampling_params import SamplingParams
+from vmesh.services.common.sampling_params import SamplingParams
 
 
 @dataclass

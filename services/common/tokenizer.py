@@ -133,7 +133,7 @@ def load_chat_tokenizer(model_dir: Path) -> Any:
     except TokenizerLoadError as exc:
         import logging
 
-        from services.common.model_loading import load_tokenizer
+        from vmesh.services.common.model_loading import load_tokenizer
 
         logging.getLogger(__name__).warning("%s; loading transformers' tokenizer (and torch) instead", exc)
         return load_tokenizer(model_dir)

@@ -3,9 +3,9 @@ gRPC shell."""
 
 from __future__ import annotations
 
-from services.common.sampling_params import OutputMode, SamplingParams
-from services.common.step_types import NewRequest, StepPlan, StepResult
-from services.scheduler.request import FinishReason
+from vmesh.services.common.sampling_params import OutputMode, SamplingParams
+from vmesh.services.common.step_types import NewRequest, StepPlan, StepResult
+from vmesh.services.scheduler.request import FinishReason
 from vmesh.v1 import common_pb2, worker_pb2
 
 _OUTPUT_MODES = {

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from services.common.sampling_params import OutputMode, SamplingParams
+from vmesh.services.common.sampling_params import OutputMode, SamplingParams
 
 # Prompt tokens given to the decoder as context, so the first output token decodes as it
 # would mid-text (some tokenizers drop a leading space at the start of a text).

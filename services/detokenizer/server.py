@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
-from services.common import telemetry, wire
-from services.common.grpc_server import ServiceShell
-from services.common.metrics import DetokenizerMetrics
-from services.detokenizer.incremental import IncrementalDetokenizer
+from vmesh.services.common import telemetry, wire
+from vmesh.services.common.grpc_server import ServiceShell
+from vmesh.services.common.metrics import DetokenizerMetrics
+from vmesh.services.detokenizer.incremental import IncrementalDetokenizer
 from vmesh.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc
 
 logger = logging.getLogger(__name__)

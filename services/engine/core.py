@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from services.common.step_types import StepPlan, StepResult
-from services.scheduler.pipeline import StepPipeline
-from services.scheduler.scheduler import RequestUpdate, Scheduler
-from services.worker.model_runner import ModelRunner
+from vmesh.services.common.step_types import StepPlan, StepResult
+from vmesh.services.scheduler.pipeline import StepPipeline
+from vmesh.services.scheduler.scheduler import RequestUpdate, Scheduler
+from vmesh.services.worker.model_runner import ModelRunner
 
 
 class EngineCore:

@@ -13,14 +13,14 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.model_loading import load_tokenizer, resolve_model_dir
-from services.common.sampling_params import OutputMode, SamplingParams
-from services.detokenizer.incremental import IncrementalDetokenizer
-from services.engine.core import EngineCore
-from services.scheduler.block_pool import BlockPool
-from services.scheduler.request import FinishReason, Request
-from services.scheduler.scheduler import Scheduler, SchedulerConfig, TokenLogprobs
-from services.worker.model_runner import ModelRunner, WorkerConfig
+from vmesh.services.common.model_loading import load_tokenizer, resolve_model_dir
+from vmesh.services.common.sampling_params import OutputMode, SamplingParams
+from vmesh.services.detokenizer.incremental import IncrementalDetokenizer
+from vmesh.services.engine.core import EngineCore
+from vmesh.services.scheduler.block_pool import BlockPool
+from vmesh.services.scheduler.request import FinishReason, Request
+from vmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig, TokenLogprobs
+from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
 
 
 @dataclass

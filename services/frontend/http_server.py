@@ -20,15 +20,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.frontend import openai_protocol as oai
-from services.frontend import requests
-from services.frontend.requests import RequestError
+from vmesh.services.frontend import openai_protocol as oai
+from vmesh.services.frontend import requests
+from vmesh.services.frontend.requests import RequestError
 from vmesh.v1 import frontend_pb2
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from services.frontend.server import FrontendServicer
+    from vmesh.services.frontend.server import FrontendServicer
 
 logger = logging.getLogger(__name__)
 
@@ -457,7 +457,7 @@ class HttpServer:
         self.socket = bind(host, port)
         bound = self.socket.getsockname()
         self.address = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
-        from services.common.grpc_server import OPTIONS
+        from vmesh.services.common.grpc_server import OPTIONS
 
         config = uvicorn.Config(build_app(frontend, registry), log_config=None, access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5, limit_concurrency=LIMIT_CONCURRENCY,

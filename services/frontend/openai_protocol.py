@@ -11,7 +11,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.frontend.requests import Code, RequestError
+from vmesh.services.frontend.requests import Code, RequestError
 from vmesh.v1 import common_pb2, frontend_pb2
 
 MAX_CHOICES = 64  # n × prompts per HTTP request: each is a request in the scheduler

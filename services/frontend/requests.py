@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from opentelemetry import trace
 
-from services.common import telemetry
-from services.frontend.outbox import Outbox
-from services.frontend.schedulers import SchedulerGroup
-from services.frontend.validation import InvalidRequest, validate_generate
+from vmesh.services.common import telemetry
+from vmesh.services.frontend.outbox import Outbox
+from vmesh.services.frontend.schedulers import SchedulerGroup
+from vmesh.services.frontend.validation import InvalidRequest, validate_generate
 from vmesh.v1 import frontend_pb2, scheduler_pb2
 
 if TYPE_CHECKING:
-    from services.frontend.server import FrontendServicer
+    from vmesh.services.frontend.server import FrontendServicer
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.grpc_server import channel
-from services.common.replica_set import ReplicaSet
-from services.frontend.validation import ModelLimits
+from vmesh.services.common.grpc_server import channel
+from vmesh.services.common.replica_set import ReplicaSet
+from vmesh.services.frontend.validation import ModelLimits
 from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -12,15 +12,15 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common.discovery import DEFAULT_REFRESH_INTERVAL_S, AddressBook, watch
-from services.common.grpc_server import ServiceShell, channel
-from services.common.metrics import FrontendMetrics
-from services.common.replica_set import ReplicaSet
-from services.frontend import requests
-from services.frontend.outbox import Outbox, PendingOutput
-from services.frontend.requests import RequestError
-from services.frontend.schedulers import SchedulerPool
-from services.frontend.validation import ModelLimits
+from vmesh.services.common.discovery import DEFAULT_REFRESH_INTERVAL_S, AddressBook, watch
+from vmesh.services.common.grpc_server import ServiceShell, channel
+from vmesh.services.common.metrics import FrontendMetrics
+from vmesh.services.common.replica_set import ReplicaSet
+from vmesh.services.frontend import requests
+from vmesh.services.frontend.outbox import Outbox, PendingOutput
+from vmesh.services.frontend.requests import RequestError
+from vmesh.services.frontend.schedulers import SchedulerPool
+from vmesh.services.frontend.validation import ModelLimits
 from vmesh.v1 import detokenizer_pb2, detokenizer_pb2_grpc, frontend_pb2, frontend_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -240,7 +240,7 @@ async def serve(load_tokenizer, scheduler_specs: list[str], detokenizer_specs: l
         servicer.metrics = FrontendMetrics(registry, model_name or "")
     http = None
     if http_port is not None:
-        from services.frontend.http_server import HttpServer
+        from vmesh.services.frontend.http_server import HttpServer
 
         # Listening before warm-up, as gRPC does: requests meanwhile get 503, not a refused connection.
         http = HttpServer(servicer, registry, host, http_port)

@@ -3,9 +3,9 @@ rules the scheduler applies too (services/common/request_checks.py)."""
 
 from __future__ import annotations
 
-from services.common import wire
-from services.common.request_checks import InvalidRequest, ModelLimits, check_prompt, check_sampling
-from services.common.sampling_params import SamplingParams
+from vmesh.services.common import wire
+from vmesh.services.common.request_checks import InvalidRequest, ModelLimits, check_prompt, check_sampling
+from vmesh.services.common.sampling_params import SamplingParams
 from vmesh.v1 import frontend_pb2
 
 __all__ = ["InvalidRequest", "ModelLimits", "validate_generate"]

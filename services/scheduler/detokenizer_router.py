@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from services.common import wire
-from services.common.grpc_server import channel
-from services.common.replica_set import ReplicaSet
-from services.scheduler.request import FinishReason
-from services.scheduler.scheduler import RequestUpdate
+from vmesh.services.common import wire
+from vmesh.services.common.grpc_server import channel
+from vmesh.services.common.replica_set import ReplicaSet
+from vmesh.services.scheduler.request import FinishReason
+from vmesh.services.scheduler.scheduler import RequestUpdate
 from vmesh.v1 import detokenizer_pb2, detokenizer_pb2_grpc
 
 logger = logging.getLogger(__name__)

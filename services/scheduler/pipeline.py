@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 
-from services.common.step_types import StepPlan, StepResult
-from services.scheduler.scheduler import RequestUpdate, Scheduler
+from vmesh.services.common.step_types import StepPlan, StepResult
+from vmesh.services.scheduler.scheduler import RequestUpdate, Scheduler
 
 PIPELINE_DEPTHS = (1, 2)
 

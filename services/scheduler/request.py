@@ -6,7 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 
-from services.common.sampling_params import SamplingParams
+from vmesh.services.common.sampling_params import SamplingParams
 
 
 class FinishReason(Enum):

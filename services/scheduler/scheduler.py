@@ -16,9 +16,9 @@ import bisect
 import itertools
 from dataclasses import dataclass, field
 
-from services.common.step_types import NewRequest, StepPlan, StepResult
-from services.scheduler.block_pool import BlockPool
-from services.scheduler.request import FinishReason, Request, RequestStatus
+from vmesh.services.common.step_types import NewRequest, StepPlan, StepResult
+from vmesh.services.scheduler.block_pool import BlockPool
+from vmesh.services.scheduler.request import FinishReason, Request, RequestStatus
 
 
 class QueueFullError(RuntimeError):

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import write_kv_ref
-from services.common.model_loading import cache_dir_path
+from vmesh.kernels.reference import write_kv_ref
+from vmesh.services.common.model_loading import cache_dir_path
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     MAX_KERNEL_QUERY_LEN = 64
 
     def __init__(self, cache_dir: Path | None = None) -> None:
-        from kernels.cpu_native import load_cpu_kernels
+        from vmesh.kernels.cpu_native import load_cpu_kernels
 
         self.kernels = load_cpu_kernels(cache_dir_path(cache_dir))
 
@@ -207,8 +207,8 @@ class TritonAttentionBackend(AttentionBackend):
     MAX_SPLITS = 16
 
     def __init__(self) -> None:
-        from kernels.kv_cache_write import write_kv
-        from kernels.paged_attention import split_kv_decode_attention, unified_attention
+        from vmesh.kernels.kv_cache_write import write_kv
+        from vmesh.kernels.paged_attention import split_kv_decode_attention, unified_attention
 
         self._write_kv, self._unified, self._split = write_kv, unified_attention, split_kv_decode_attention
 
@@ -246,7 +246,7 @@ def triton_usable(device: torch.device) -> bool:
 
 def make_attention_backend(name: str, device: torch.device, cache_dir: Path | None = None) -> AttentionBackend:
     """`auto`: Triton on CUDA; on CPU the C attention kernels, or plain torch where they cannot be built."""
-    from kernels.cpu_native import CpuKernelBuildError
+    from vmesh.kernels.cpu_native import CpuKernelBuildError
 
     if name == "auto":
         if device.type == "cuda" and triton_usable(device):

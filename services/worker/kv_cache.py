@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.model_spec import ModelSpec
+from vmesh.services.common.model_spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 

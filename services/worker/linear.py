@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from kernels.cpu_native import CpuKernels
+    from vmesh.kernels.cpu_native import CpuKernels
 
 logger = logging.getLogger(__name__)
 

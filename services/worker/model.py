@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.reference import rms_norm_ref, silu_and_mul_ref
-from services.common.model_spec import ModelSpec
-from services.worker.attention import AttentionBackend, AttentionMetadata, CpuAttentionBackend
-from services.worker.kv_cache import KVCache
-from services.worker.linear import Linear
-from services.worker.rotary import RotaryEmbedding
+from vmesh.kernels.reference import rms_norm_ref, silu_and_mul_ref
+from vmesh.services.common.model_spec import ModelSpec
+from vmesh.services.worker.attention import AttentionBackend, AttentionMetadata, CpuAttentionBackend
+from vmesh.services.worker.kv_cache import KVCache
+from vmesh.services.worker.linear import Linear
+from vmesh.services.worker.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
-    from kernels.cpu_native import CpuKernels
+    from vmesh.kernels.cpu_native import CpuKernels
 
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class FusedOps:
     @classmethod
     def for_backend(cls, backend: AttentionBackend, dtype: torch.dtype) -> FusedOps:
         if backend.name == "triton":
-            from kernels.fused_ops import rms_norm, silu_and_mul
+            from vmesh.kernels.fused_ops import rms_norm, silu_and_mul
 
             return cls(rms_norm, silu_and_mul)
         if isinstance(backend, CpuAttentionBackend) and dtype == torch.float32:

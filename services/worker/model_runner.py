@@ -8,26 +8,26 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
-from services.common.model_loading import (
+from vmesh.kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
+from vmesh.services.common.model_loading import (
     ModelLoadError,
     cache_dir_path,
     load_model_spec,
     load_state_dict,
     resolve_model_dir,
 )
-from services.common.model_spec import ModelSpec
-from services.common.step_types import StepPlan, StepResult
-from services.worker.attention import AttentionBackend, make_attention_backend
-from services.worker.kv_cache import (
+from vmesh.services.common.model_spec import ModelSpec
+from vmesh.services.common.step_types import StepPlan, StepResult
+from vmesh.services.worker.attention import AttentionBackend, make_attention_backend
+from vmesh.services.worker.kv_cache import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CUDA_MEMORY_FRACTION,
     KVCache,
     kv_cache_budget,
 )
-from services.worker.model import DecoderModel, MissingWeightError
-from services.worker.persistent_batch import PersistentBatch, PlanError, StepInputs
-from services.worker.sampler import Sampler, SamplerOutput, SamplingBatch
+from vmesh.services.worker.model import DecoderModel, MissingWeightError
+from vmesh.services.worker.persistent_batch import PersistentBatch, PlanError, StepInputs
+from vmesh.services.worker.sampler import Sampler, SamplerOutput, SamplingBatch
 
 logger = logging.getLogger(__name__)
 

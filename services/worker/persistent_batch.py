@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.sampling_params import SamplingParams
-from services.common.step_types import NewRequest, StepPlan
-from services.worker.attention import AttentionMetadata
+from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.common.step_types import NewRequest, StepPlan
+from vmesh.services.worker.attention import AttentionMetadata
 
 
 class PlanError(ValueError):

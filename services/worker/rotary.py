@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from services.common.model_spec import ModelSpec
+from vmesh.services.common.model_spec import ModelSpec
 
 
 def inverse_frequencies(spec: ModelSpec) -> torch.Tensor:

@@ -11,12 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from opentelemetry import trace
 
-from services.common import telemetry, wire
-from services.common.grpc_server import ServiceShell
-from services.common.metrics import Gauges, WorkerMetrics
-from services.common.step_types import NewRequest, StepPlan
-from services.worker.model_runner import ModelRunner
-from services.worker.persistent_batch import PlanError
+from vmesh.services.common import telemetry, wire
+from vmesh.services.common.grpc_server import ServiceShell
+from vmesh.services.common.metrics import Gauges, WorkerMetrics
+from vmesh.services.common.step_types import NewRequest, StepPlan
+from vmesh.services.worker.model_runner import ModelRunner
+from vmesh.services.worker.persistent_batch import PlanError
 from vmesh.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ async def serve(load_runner: Callable[[], ModelRunner], model_name: str, host: s
 def _warm_step(runner: ModelRunner) -> None:
     """Run one tiny request through the model so the first real step pays no first-call costs,
     then leave the runner as if nothing happened (step numbering restarts at 0)."""
-    from services.common.sampling_params import SamplingParams
+    from vmesh.services.common.sampling_params import SamplingParams
 
     handle = -1
     runner.execute(StepPlan(0, new_requests=[NewRequest(handle, [0, 1], 2, SamplingParams(temperature=0), [0])],

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from services.bench.claims import tiny_model_dir
-from services.mesh_process import ROOT
+from vmesh.services.bench.claims import tiny_model_dir
+from vmesh.services.mesh_process import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def tiny_model(tmp_path_factory):
 
 
 def bench(out, *args) -> dict:
-    done = subprocess.run([sys.executable, "-m", "services.cli", "bench", *args, "--out", str(out),
+    done = subprocess.run([sys.executable, "-m", "vmesh", "bench", *args, "--out", str(out),
                            "--kv-cache-memory", "64MiB"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads((out / f"{args[0]}.json").read_text())

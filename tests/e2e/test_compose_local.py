@@ -24,7 +24,7 @@ import grpc
 import pytest
 import yaml
 
-from services.client import VmeshClient
+from vmesh.services.client import VmeshClient
 
 ROOT = Path(__file__).resolve().parents[2]
 START_ORDER = ["worker", "detokenizer", "scheduler", "frontend"]
@@ -93,12 +93,12 @@ class LocalStack:
         """The compose `certs` job, run twice: the second run keeps what the first made."""
         argv = [a.replace(CERT_VOLUME, str(self.certs)) for a in self.compose["services"]["certs"]["command"]]
         for _ in range(2):
-            subprocess.run([sys.executable, "-m", "services.cli", *argv], cwd=ROOT, check=True, timeout=120,
+            subprocess.run([sys.executable, "-m", "vmesh", *argv], cwd=ROOT, check=True, timeout=120,
                            capture_output=True)
 
     def admin(self):
         """This test process as the mesh's admin, for calls straight to the scheduler."""
-        from services.common import tls
+        from vmesh.services.common import tls
 
         return tls.Identity.from_files(self.certs / "admin.crt", self.certs / "admin.key", self.certs / "ca.crt")
 
@@ -111,7 +111,7 @@ class LocalStack:
 
     def start_instance(self, name: str, i: int) -> None:
         instance = self.instances[name][i]
-        process = subprocess.Popen([sys.executable, "-m", "services.cli", *self.command(name, instance)],
+        process = subprocess.Popen([sys.executable, "-m", "vmesh", *self.command(name, instance)],
                                    cwd=ROOT, env=self.environment(name, instance))
         self.processes.append(process)
         self.process_of[name, i] = process
@@ -125,7 +125,7 @@ class LocalStack:
             deadline = time.monotonic() + 180
             # with the service's own environment, as the container runs its health check
             env = self.environment(name, self.instances[name][i])
-            while subprocess.run([sys.executable, "-m", "services.cli", *argv], cwd=ROOT, env=env,
+            while subprocess.run([sys.executable, "-m", "vmesh", *argv], cwd=ROOT, env=env,
                                  capture_output=True).returncode != 0:
                 assert all(p.poll() is None for p in self.process_of.values()), f"a process died starting {name}"
                 assert time.monotonic() < deadline, f"{name} never became healthy"
@@ -266,8 +266,8 @@ def test_a_restarted_detokenizer_replica_is_reconnected(stack):
 def test_the_requests_of_a_killed_frontend_are_stopped(stack):
     """A frontend dies mid-stream: its detokenizer subscriptions end, the detokenizers tell the
     scheduler, and the scheduler stops computing for nobody and frees the request's KV blocks."""
-    from services.common import tls
-    from services.common.grpc_server import channel
+    from vmesh.services.common import tls
+    from vmesh.services.common.grpc_server import channel
     from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
     async def main() -> scheduler_pb2.GetSchedulerStatsResponse:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from services.client import VmeshClient
-from services.mesh_process import ROOT, start_mesh
+from vmesh.services.client import VmeshClient
+from vmesh.services.mesh_process import ROOT, start_mesh
 
 RUNTIME_UID = 65532  # the Dockerfile's USER
 
@@ -49,7 +49,7 @@ def test_services_run_as_the_image_user_against_a_cache_built_by_root():
         cache.chmod(0o755)
         os.chown(home, RUNTIME_UID, RUNTIME_UID)
         # The Dockerfile's build steps, as root.
-        subprocess.run([sys.executable, "-m", "services.cli", "warm-cache", "--cache-dir", str(cache)], cwd=ROOT,
+        subprocess.run([sys.executable, "-m", "vmesh", "warm-cache", "--cache-dir", str(cache)], cwd=ROOT,
                        check=True, capture_output=True, timeout=300)
         (cache / "kernels").mkdir(exist_ok=True)
         os.chown(cache / "kernels", RUNTIME_UID, RUNTIME_UID)

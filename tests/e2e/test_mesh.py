@@ -9,10 +9,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.client import VmeshClient
-from services.mesh_process import start_mesh
 from tests.e2e.conftest import scheduler_stats, wait_idle
 from tests.support.reference import assert_greedy_match
+from vmesh.services.client import VmeshClient
+from vmesh.services.mesh_process import start_mesh
 
 
 async def _greedy_all(address: str, prompts: list[list[int]], max_tokens: int = 32) -> list[list[int]]:
@@ -124,7 +124,7 @@ def test_cancelling_20_streams_frees_everything(default_mesh):
 
 
 def test_reset_prefix_cache_makes_a_repeated_prompt_miss(default_mesh):
-    from services.common.grpc_server import channel
+    from vmesh.services.common.grpc_server import channel
     from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
     prompt = [1, *range(100, 140)]  # 41 tokens: two full blocks of 16 to cache
@@ -302,9 +302,9 @@ def test_cli_generate_and_chat_stream_from_the_mesh(default_mesh):
     import subprocess
     import sys
 
-    from services.mesh_process import ROOT
+    from vmesh.services.mesh_process import ROOT
 
-    cli = [sys.executable, "-m", "services.cli", "--log-level", "WARNING"]
+    cli = [sys.executable, "-m", "vmesh", "--log-level", "WARNING"]
     generated = subprocess.run([*cli, "generate", "What is 2 + 2?", "--address", default_mesh.address,
                                 "--max-tokens", "12"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert generated.returncode == 0, generated.stderr
@@ -336,9 +336,9 @@ def test_health_checks_do_not_import_torch(default_mesh):
     import subprocess
     import sys
 
-    from services.mesh_process import ROOT
+    from vmesh.services.mesh_process import ROOT
 
-    script = ("import sys\nfrom services.cli import main\n"
+    script = ("import sys\nfrom vmesh.services.cli import main\n"
               f"code = main(['health', {default_mesh.address!r}])\n"
               "print(code, 'torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)

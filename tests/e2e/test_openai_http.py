@@ -14,9 +14,9 @@ import httpx
 import openai
 import pytest
 
-from services.client import VmeshClient
-from services.mesh_process import start_mesh
 from tests.e2e.conftest import scheduler_stats, wait_idle
+from vmesh.services.client import VmeshClient
+from vmesh.services.mesh_process import start_mesh
 
 KEY = "test-key"
 CHAT = [{"role": "user", "content": "Count from 1 to 10 with commas."}]
@@ -284,7 +284,7 @@ def test_fuzzed_bodies_never_get_a_5xx(mesh, model):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from services.frontend.openai_protocol import ChatCompletionRequest, CompletionRequest
+    from vmesh.services.frontend.openai_protocol import ChatCompletionRequest, CompletionRequest
 
     junk = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
                         lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,

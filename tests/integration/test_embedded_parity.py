@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.model_runner import ModelRunner, WorkerConfig
 from tests.support.plan_driver import DrivenRequest, drive
 from tests.support.reference import assert_greedy_match
+from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
-from services.common.sampling_params import SamplingParams
-from services.engine.llm import EngineConfig, LLMEngine
-from services.worker.model_runner import ModelRunner, WorkerConfig
 from tests.conftest import CHAT_PROMPTS
 from tests.support.reference import assert_greedy_match, hf_greedy
+from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.engine.llm import EngineConfig, LLMEngine
+from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
 
 GREEDY_32 = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 LONG_SYSTEM = ("You are a meticulous assistant for a public library. Answer briefly, cite no sources, be kind, "
@@ -26,7 +26,7 @@ def runner(embedded_model_dir):
 
 def make_engine(runner, tokenizer, *, num_blocks=None, budget=2048, depth=2):
     """An engine over the shared model runner, with a fresh batch, scheduler and (optionally) a smaller pool."""
-    from services.worker.persistent_batch import PersistentBatch
+    from vmesh.services.worker.persistent_batch import PersistentBatch
 
     runner.batch = PersistentBatch(runner.batch.max_num_reqs, runner.max_model_len, runner.kv_cache.block_size,
                                    runner.model.device, runner.kv_cache.num_blocks)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.sampling_params import SamplingParams
-from services.common.step_types import NewRequest, StepPlan
-from services.worker.model_runner import ModelRunner
+from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.common.step_types import NewRequest, StepPlan
+from vmesh.services.worker.model_runner import ModelRunner
 
 
 @dataclass

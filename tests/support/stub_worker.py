@@ -5,7 +5,7 @@ whatever the batching, preemption or pipeline depth."""
 
 from __future__ import annotations
 
-from services.common.step_types import StepPlan, StepResult
+from vmesh.services.common.step_types import StepPlan, StepResult
 
 
 def next_token(tokens: list[int], vocab: int = 97) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
+from vmesh.kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,12 @@ from collections import Counter, deque
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.common.sampling_params import SamplingParams
-from services.scheduler.block_pool import BlockPool
-from services.scheduler.pipeline import StepPipeline
-from services.scheduler.request import Request
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.support.stub_worker import StubWorker
+from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.scheduler.block_pool import BlockPool
+from vmesh.services.scheduler.pipeline import StepPipeline
+from vmesh.services.scheduler.request import Request
+from vmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig
 
 BLOCK = 4
 

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from services.cli import main
+from vmesh.services.cli import main
 
 
 def closed_port() -> int:
@@ -37,7 +37,7 @@ def test_a_bad_environment_value_is_refused_like_a_bad_flag(monkeypatch, capsys,
 
 
 def test_good_environment_values_still_apply(monkeypatch):
-    from services.cli import build_parser
+    from vmesh.services.cli import build_parser
 
     monkeypatch.setenv("VMESH_NO_PREFIX_CACHING", "yes")
     monkeypatch.setenv("VMESH_PIPELINE_DEPTH", "1")

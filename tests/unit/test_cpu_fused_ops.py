@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import rms_norm_ref, silu_and_mul_ref, write_kv_ref
-from services.worker.rotary import RotaryEmbedding
+from vmesh.kernels.reference import rms_norm_ref, silu_and_mul_ref, write_kv_ref
+from vmesh.services.worker.rotary import RotaryEmbedding
 
 ROWS = [1, 7, 300]  # 300 rows crosses PARALLEL_MIN_FLOATS for every op below
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native, reference
-from kernels.cpu_native import CpuKernelBuildError
-from services.worker.attention import CpuAttentionBackend, TorchAttentionBackend, make_attention_backend
-from services.worker.linear import SMALL_BATCH_ROWS, Linear, onednn_packing_usable, packed_in_features
 from tests.support.paged import ragged_batch
+from vmesh.kernels import cpu_native, reference
+from vmesh.kernels.cpu_native import CpuKernelBuildError
+from vmesh.services.worker.attention import CpuAttentionBackend, TorchAttentionBackend, make_attention_backend
+from vmesh.services.worker.linear import SMALL_BATCH_ROWS, Linear, onednn_packing_usable, packed_in_features
 
 CASES = [  # (head_dim, heads, kv_heads, block_size): the specialised sizes and the generic path
     (64, 9, 3, 16),   # the default model: GQA ratio 3
@@ -97,7 +97,7 @@ def test_cpu_backend_matches_torch_backend_on_a_mixed_batch(kernels, tmp_path, m
     """Decodes and chunks of every kind in one step; chunks longer than the kernel takes after
     cached tokens go to SDPA (the 70-token one; in the second case also the 6-token one,
     while the 6-token one from an empty context stays with the kernel)."""
-    from services.worker.attention import AttentionMetadata
+    from vmesh.services.worker.attention import AttentionMetadata
 
     monkeypatch.setattr(CpuAttentionBackend, "MAX_KERNEL_QUERY_LEN", longest_kernel_chunk)
     query_lens, context_lens = [1, 6, 1, 1, 3, 70, 6], [31, 0, 2, 64, 20, 9, 5]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.cli import build_parser
+from vmesh.services.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 VMESH_SERVICES = ("worker", "detokenizer", "scheduler", "frontend")
@@ -509,3 +509,19 @@ def test_compose_shares_a_model_cache_volume_writable_by_the_image_user(compose)
     assert {cache, f"{cache}/kernels"} <= chowned
     for service in compose["services"].values():
         assert not service.get("image", "x:pinned").endswith(":latest") and ":" in service.get("image", "x:pinned")
+
+
+def test_image_copies_what_the_package_is_built_from():
+    """`pip install .` in the image needs every folder pyproject maps into the package, and
+    nothing else of the checkout (benchmarks and tests stay out of the image)."""
+    import tomllib
+
+    setuptools_config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    needed = {*setuptools_config["package-dir"].values(), "vmesh", "pyproject.toml", "README.md"}
+    copied = set()
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        if line.startswith("COPY "):
+            copied.update(line.split()[1:-1])
+    assert needed == copied
+    assert {p.split(".")[0] for p in setuptools_config["packages"]} == {"vmesh"}
+    assert 'pip install ".${VMESH_EXTRAS}"' in (ROOT / "Dockerfile").read_text()

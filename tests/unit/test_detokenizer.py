@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.sampling_params import OutputMode, SamplingParams
-from services.detokenizer.incremental import IncrementalDetokenizer
 from tests.support.grpc_fakes import FakeContext
+from vmesh.services.common.sampling_params import OutputMode, SamplingParams
+from vmesh.services.detokenizer.incremental import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def test_output_modes(tok):
 def test_a_closed_scheduler_stream_fails_its_requests_toward_their_frontends(tok):
     import asyncio
 
-    from services.detokenizer.server import DetokenizerServicer
+    from vmesh.services.detokenizer.server import DetokenizerServicer
     from vmesh.v1 import common_pb2, detokenizer_pb2
 
     async def scheduler_stream():
@@ -123,7 +123,7 @@ def test_a_closed_scheduler_stream_fails_its_requests_toward_their_frontends(tok
 def test_draining_tells_open_and_new_scheduler_streams():
     import asyncio
 
-    from services.detokenizer.server import DetokenizerServicer
+    from vmesh.services.detokenizer.server import DetokenizerServicer
 
     async def idle_scheduler(closed: asyncio.Event):
         await closed.wait()
@@ -157,7 +157,7 @@ def test_draining_tells_open_and_new_scheduler_streams():
 def test_a_frontend_whose_subscription_ends_has_its_requests_stopped(tok):
     import asyncio
 
-    from services.detokenizer.server import DetokenizerServicer
+    from vmesh.services.detokenizer.server import DetokenizerServicer
     from vmesh.v1 import detokenizer_pb2
 
     def introduce(handle: int, frontend_id: str) -> detokenizer_pb2.DetokenizeRequest:

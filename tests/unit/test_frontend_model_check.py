@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from services.frontend.schedulers import SchedulerPool
-from services.frontend.server import FrontendServicer
 from tests.support.grpc_fakes import FakeChannel, healthy_forever
+from vmesh.services.frontend.schedulers import SchedulerPool
+from vmesh.services.frontend.server import FrontendServicer
 from vmesh.v1 import scheduler_pb2
 
 

@@ -8,14 +8,14 @@ import grpc
 import httpx
 import pytest
 
-from services.frontend import openai_protocol as oai
-from services.frontend import requests
-from services.frontend.http_server import build_app
-from services.frontend.requests import RequestError
-from services.frontend.schedulers import SchedulerPool
-from services.frontend.server import FrontendServicer
-from services.frontend.validation import ModelLimits
 from tests.support.grpc_fakes import Aborted, FakeChannel, FakeContext
+from vmesh.services.frontend import openai_protocol as oai
+from vmesh.services.frontend import requests
+from vmesh.services.frontend.http_server import build_app
+from vmesh.services.frontend.requests import RequestError
+from vmesh.services.frontend.schedulers import SchedulerPool
+from vmesh.services.frontend.server import FrontendServicer
+from vmesh.services.frontend.validation import ModelLimits
 from vmesh.v1 import frontend_pb2, scheduler_pb2
 
 

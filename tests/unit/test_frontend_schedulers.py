@@ -5,8 +5,8 @@ import asyncio
 
 import grpc
 
-from services.frontend.schedulers import SchedulerPool
 from tests.support.grpc_fakes import FakeChannel, healthy_forever, rpc_error
+from vmesh.services.frontend.schedulers import SchedulerPool
 from vmesh.v1 import scheduler_pb2
 
 
@@ -64,7 +64,7 @@ def test_a_group_that_leaves_takes_no_new_requests_and_closes_when_idle():
 def test_a_group_that_is_not_ready_yet_is_asked_again(monkeypatch):
     import grpc
 
-    from services.frontend import schedulers
+    from vmesh.services.frontend import schedulers
 
     monkeypatch.setattr(schedulers, "JOIN_RETRY_S", 0.0)
 
@@ -91,9 +91,9 @@ def test_a_group_that_is_not_ready_yet_is_asked_again(monkeypatch):
 def test_submission_fails_over_to_the_next_group_only_when_unavailable():
     import grpc
 
-    from services.frontend.requests import RequestError
-    from services.frontend.requests import submit as submit_request
-    from services.frontend.server import FrontendServicer
+    from vmesh.services.frontend.requests import RequestError
+    from vmesh.services.frontend.requests import submit as submit_request
+    from vmesh.services.frontend.server import FrontendServicer
 
     class Group(FakeScheduler):
         def __init__(self, error: grpc.StatusCode | None):

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import asyncio
 
-from services.frontend.outbox import Outbox
-from services.frontend.server import FrontendServicer
+from vmesh.services.frontend.outbox import Outbox
+from vmesh.services.frontend.server import FrontendServicer
 
 
 class Frontend(FrontendServicer):

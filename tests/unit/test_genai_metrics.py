@@ -6,7 +6,7 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from services.common.telemetry import (
+from vmesh.services.common.telemetry import (
     REQUEST_DURATION_BUCKETS,
     TIME_PER_OUTPUT_TOKEN_BUCKETS,
     TIME_TO_FIRST_TOKEN_BUCKETS,

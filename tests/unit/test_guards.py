@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import pytest
 
-from services.common.grpc_server import ServiceShell, channel
+from vmesh.services.common.grpc_server import ServiceShell, channel
 from vmesh.v1 import frontend_pb2, frontend_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 NOT_A_MESSAGE = b"\xff\xff\xff\xff"

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
 from tests.support.paged import ragged_batch
+from vmesh.kernels import reference
 
 triton = pytest.importorskip("triton")
-from kernels.fused_ops import rms_norm, silu_and_mul  # noqa: E402
-from kernels.kv_cache_write import write_kv  # noqa: E402
-from kernels.paged_attention import split_kv_decode_attention, unified_attention  # noqa: E402
+from vmesh.kernels.fused_ops import rms_norm, silu_and_mul  # noqa: E402
+from vmesh.kernels.kv_cache_write import write_kv  # noqa: E402
+from vmesh.kernels.paged_attention import split_kv_decode_attention, unified_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3}

@@ -7,8 +7,8 @@ import argparse
 
 import pytest
 
-from services.cli import build_parser
-from services.launcher import NOT_FORWARDED, _flags, group_flags
+from vmesh.services.cli import build_parser
+from vmesh.services.launcher import NOT_FORWARDED, _flags, group_flags
 
 OWNERS = {"model": ["worker", "detokenizer", "frontend"], "worker": ["worker"], "scheduler": ["scheduler"],
           "frontend": ["frontend"]}
@@ -56,7 +56,7 @@ def test_the_flags_that_once_went_missing_are_forwarded():
 
 
 def test_generate_local_honours_or_refuses_every_scheduler_flag():
-    from services.cli import engine_config
+    from vmesh.services.cli import engine_config
 
     config = engine_config(build_parser().parse_args(["generate", "hi", "--local", "--max-waiting", "5"]))
     assert config.max_waiting == 5

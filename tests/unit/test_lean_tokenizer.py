@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.tokenizer import ChatTemplateError, ChatTokenizer
 from tests.conftest import CHAT_PROMPTS
+from vmesh.services.common.tokenizer import ChatTemplateError, ChatTokenizer
 
 TEXTS = ["Hello!", "  leading spaces and ünïcödé — 你好 🙂", "<|im_start|>user\nhi<|im_end|>", "a" * 300, ""]
 
@@ -68,7 +68,7 @@ def test_special_tokens_come_from_the_older_map_file_too(tmp_path, embedded_mode
 
 
 def test_a_model_without_tokenizer_json_falls_back_to_transformers(tmp_path, embedded_model_dir):
-    from services.common.tokenizer import TokenizerLoadError, load_chat_tokenizer
+    from vmesh.services.common.tokenizer import TokenizerLoadError, load_chat_tokenizer
 
     with pytest.raises(TokenizerLoadError):
         ChatTokenizer.load(tmp_path)

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from services.common.model_loading import ModelLoadError, resolve_model_dir
-from services.worker.model_runner import ModelRunner, WorkerConfig
 from tests.support.tiny_models import save_tiny_llama
+from vmesh.services.common.model_loading import ModelLoadError, resolve_model_dir
+from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
 
 
 def load(path) -> ModelRunner:
@@ -88,7 +88,7 @@ def test_embedded_model_is_cached(embedded_model_dir):
 
 
 def test_cache_dir_from_environment(monkeypatch, tmp_path):
-    from services.common.model_loading import default_cache_dir
+    from vmesh.services.common.model_loading import default_cache_dir
 
     monkeypatch.setenv("VMESH_CACHE_DIR", str(tmp_path / "c"))
     assert default_cache_dir() == tmp_path / "c"
@@ -100,7 +100,7 @@ def test_services_sharing_a_cache_convert_a_model_once(tmp_path, monkeypatch):
     import threading
     import time as time_module
 
-    from services.common import model_loading
+    from vmesh.services.common import model_loading
 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF-not-really")

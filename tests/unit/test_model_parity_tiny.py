@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.model_runner import ModelRunner, WorkerConfig
 from tests.support.plan_driver import DrivenRequest, drive
 from tests.support.reference import assert_greedy_match, hf_greedy
 from tests.support.tiny_models import TINY_VOCAB, save_tiny_llama, save_tiny_qwen2
+from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
 
 PROMPT_LENGTHS = (5, 17, 40, 1, 33, 16)
 

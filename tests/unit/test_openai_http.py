@@ -13,13 +13,13 @@ from typing import Any
 import httpx
 import pytest
 
-from services.frontend import openai_protocol as oai
-from services.frontend.http_server import Fanout, _until_disconnect, body_limit, build_app
-from services.frontend.outbox import PendingOutput
-from services.frontend.requests import RequestError
-from services.frontend.schedulers import SchedulerPool
-from services.frontend.server import FrontendServicer
 from tests.support.grpc_fakes import FakeChannel
+from vmesh.services.frontend import openai_protocol as oai
+from vmesh.services.frontend.http_server import Fanout, _until_disconnect, body_limit, build_app
+from vmesh.services.frontend.outbox import PendingOutput
+from vmesh.services.frontend.requests import RequestError
+from vmesh.services.frontend.schedulers import SchedulerPool
+from vmesh.services.frontend.server import FrontendServicer
 from vmesh.v1 import common_pb2, frontend_pb2, scheduler_pb2
 
 LENGTH = common_pb2.FINISH_REASON_LENGTH
@@ -298,7 +298,7 @@ def test_until_disconnect_lets_its_own_cancellation_through():
             await task
         assert work_cancelled.is_set()
 
-        from services.frontend.http_server import ClientGone  # a disconnect is still ClientGone
+        from vmesh.services.frontend.http_server import ClientGone  # a disconnect is still ClientGone
 
         request = Connected()
         request.messages.put_nowait({"type": "http.disconnect"})

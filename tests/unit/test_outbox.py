@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.frontend.outbox import Outbox, PendingOutput
+from vmesh.services.frontend.outbox import Outbox, PendingOutput
 from vmesh.v1 import common_pb2
 
 STOP = common_pb2.FINISH_REASON_STOP

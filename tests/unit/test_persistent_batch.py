@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.common.sampling_params import SamplingParams
-from services.common.step_types import NewRequest, StepPlan
-from services.worker.persistent_batch import PersistentBatch, PlanError
+from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.common.step_types import NewRequest, StepPlan
+from vmesh.services.worker.persistent_batch import PersistentBatch, PlanError
 
 BLOCK = 4
 MAX_LEN = 64

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.sampling_params import SamplingParams
-from services.common.step_types import StepResult
-from services.scheduler.block_pool import BlockPool
-from services.scheduler.pipeline import StepPipeline
-from services.scheduler.request import Request
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.common.step_types import StepResult
+from vmesh.services.scheduler.block_pool import BlockPool
+from vmesh.services.scheduler.pipeline import StepPipeline
+from vmesh.services.scheduler.request import Request
+from vmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
 def scheduler() -> Scheduler:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.replica_set import ReplicaSet
+from vmesh.services.common.replica_set import ReplicaSet
 
 
 @dataclass

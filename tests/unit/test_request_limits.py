@@ -7,10 +7,10 @@ import asyncio
 import grpc
 import pytest
 
-from services.frontend import requests
-from services.frontend.requests import RequestError
-from services.frontend.server import FrontendServicer
-from services.frontend.validation import ModelLimits
+from vmesh.services.frontend import requests
+from vmesh.services.frontend.requests import RequestError
+from vmesh.services.frontend.server import FrontendServicer
+from vmesh.services.frontend.validation import ModelLimits
 from vmesh.v1 import frontend_pb2
 
 
@@ -83,8 +83,8 @@ def test_a_drain_that_began_during_tokenization_refuses_the_request():
 
 def test_a_failed_submission_does_not_show_internal_addresses():
     """gRPC's own text names addresses inside the mesh; the client gets the gist."""
-    from services.frontend.schedulers import SchedulerPool
     from tests.support.grpc_fakes import FakeChannel, healthy_forever, rpc_error
+    from vmesh.services.frontend.schedulers import SchedulerPool
     from vmesh.v1 import scheduler_pb2
 
     class DownScheduler:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.sampler import Sampler, SamplingBatch, apply_penalties, restrict_logits
+from vmesh.services.worker.sampler import Sampler, SamplingBatch, apply_penalties, restrict_logits
 
 VOCAB = 50
 

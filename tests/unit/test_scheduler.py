@@ -7,11 +7,11 @@ from collections import deque
 
 import pytest
 
-from services.common.sampling_params import SamplingParams
-from services.scheduler.block_pool import BlockPool
-from services.scheduler.request import FinishReason, Request
-from services.scheduler.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from tests.support.stub_worker import StubWorker, next_token, reference_tokens
+from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.scheduler.block_pool import BlockPool
+from vmesh.services.scheduler.request import FinishReason, Request
+from vmesh.services.scheduler.scheduler import QueueFullError, Scheduler, SchedulerConfig
 
 BLOCK = 4
 

@@ -7,12 +7,12 @@ import asyncio
 import grpc
 import pytest
 
-from services.common.request_checks import MAX_STOP_TOKEN_IDS, ModelLimits
-from services.scheduler import detokenizer_router
-from services.scheduler.block_pool import BlockPool
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
-from services.scheduler.server import MeshSchedulerConfig, SchedulerServicer
 from tests.support.grpc_fakes import Aborted, FakeChannel, FakeContext, FakeStream
+from vmesh.services.common.request_checks import MAX_STOP_TOKEN_IDS, ModelLimits
+from vmesh.services.scheduler import detokenizer_router
+from vmesh.services.scheduler.block_pool import BlockPool
+from vmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig
+from vmesh.services.scheduler.server import MeshSchedulerConfig, SchedulerServicer
 from vmesh.v1 import common_pb2, detokenizer_pb2, scheduler_pb2
 
 

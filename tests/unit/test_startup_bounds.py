@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common.grpc_server import ServiceShell, wait_until_serving
-from services.mesh_process import read_until_serving
+from vmesh.services.common.grpc_server import ServiceShell, wait_until_serving
+from vmesh.services.mesh_process import read_until_serving
 from vmesh.v1 import frontend_pb2
 
 
@@ -68,7 +68,7 @@ def test_a_taken_port_is_refused():
 def test_launched_service_dies_with_its_launcher():
     """die_with_launcher: a service whose launcher dies gets SIGTERM and goes, however the
     launcher died (here it just exits without stopping its child)."""
-    child = ("from services.launcher import die_with_launcher\n"
+    child = ("from vmesh.services.launcher import die_with_launcher\n"
              "die_with_launcher()\nprint('armed', flush=True)\nimport time\ntime.sleep(60)")
     launcher = ("import os, subprocess, sys\n"
                 f"child = subprocess.Popen([sys.executable, '-c', {child!r}], stdout=subprocess.PIPE, text=True,\n"
@@ -94,7 +94,7 @@ def _alive(pid: int) -> bool:
 
 def test_a_service_whose_launcher_is_already_gone_exits():
     script = ("import os; os.environ['VMESH_LAUNCHER_PID'] = str(2**22 + 1)\n"
-              "from services.launcher import die_with_launcher\n"
+              "from vmesh.services.launcher import die_with_launcher\n"
               "die_with_launcher()\nprint('still here')")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "still here" not in result.stdout

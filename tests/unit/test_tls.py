@@ -9,9 +9,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.common import tls
-from services.common.certs import issue_role, make_ca, write_mesh_certificates
-from services.common.grpc_server import ServiceShell, channel
+from vmesh.services.common import tls
+from vmesh.services.common.certs import issue_role, make_ca, write_mesh_certificates
+from vmesh.services.common.grpc_server import ServiceShell, channel
 from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 
@@ -107,7 +107,7 @@ def test_a_client_refuses_a_server_of_the_wrong_role(certs):
 def test_role_comes_from_the_certificate(certs):
     assert identity(certs, "worker").role == "worker"
     ca_cert, ca_key = make_ca()
-    from services.common.certs import issue
+    from vmesh.services.common.certs import issue
 
     cert, _ = issue(ca_cert, ca_key, "intruder", ["intruder.vmesh.internal"])
     with pytest.raises(ValueError, match="not a vmesh role"):
@@ -121,7 +121,7 @@ def test_keys_are_private(certs):
 
 def test_a_role_name_without_the_role_dns_name_is_no_role():
     """The common name alone does not make a role: the certificate must be issued as the role."""
-    from services.common.certs import issue
+    from vmesh.services.common.certs import issue
 
     ca_cert, ca_key = make_ca()
     server_cert, server_key = issue_role(ca_cert, ca_key, "scheduler")

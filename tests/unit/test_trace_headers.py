@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from opentelemetry import trace
 
-from services.common.telemetry import from_headers
+from vmesh.services.common.telemetry import from_headers
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.linear import Linear, onednn_packing_usable, packed_in_features
-from services.worker.model_runner import ModelRunner, WorkerConfig
 from tests.support.tiny_models import save_tiny_llama, save_tiny_qwen2
+from vmesh.services.worker.linear import Linear, onednn_packing_usable, packed_in_features
+from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
 
 
 def mapped_files() -> set[Path]:
@@ -46,7 +46,7 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="r
 def test_each_weight_is_held_once(tmp_path, caplog, kind, small_batch_linear):
     reference = save_tiny_qwen2(tmp_path) if kind == "qwen2" else save_tiny_llama(tmp_path)
     checkpoint = tmp_path / "model.safetensors"
-    with caplog.at_level(logging.INFO, logger="services.worker.model"):
+    with caplog.at_level(logging.INFO, logger="vmesh.services.worker.model"):
         runner = load(tmp_path, small_batch_linear)
     model = runner.model
     assert checkpoint.resolve() not in mapped_files(), "the checkpoint stays mapped after load"
@@ -108,8 +108,8 @@ def test_packed_layout_check_refuses_a_weight_it_does_not_hold():
 def test_spec_from_plain_config_json_matches_transformers(tmp_path, kind, embedded_model_dir):
     """The worker reads a complete config.json without transformers (whose import alone costs it
     ~75 MiB); what it reads must be what transformers' config classes would give."""
-    from services.common.model_loading import load_hf_config, load_model_spec, plain_config
-    from services.common.model_spec import ModelSpec
+    from vmesh.services.common.model_loading import load_hf_config, load_model_spec, plain_config
+    from vmesh.services.common.model_spec import ModelSpec
 
     model_dir = embedded_model_dir if kind == "embedded" else tmp_path
     if kind == "qwen2":
@@ -123,7 +123,7 @@ def test_spec_from_plain_config_json_matches_transformers(tmp_path, kind, embedd
 def test_plain_config_defers_to_transformers_when_a_key_is_left_to_defaults(tmp_path):
     import json
 
-    from services.common.model_loading import plain_config
+    from vmesh.services.common.model_loading import plain_config
 
     save_tiny_llama(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())

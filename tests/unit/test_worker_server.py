@@ -6,10 +6,10 @@ import asyncio
 import grpc
 import pytest
 
-from services.common.step_types import StepResult
-from services.worker.persistent_batch import PlanError
-from services.worker.server import WorkerServicer
 from tests.support.grpc_fakes import Aborted, FakeContext
+from vmesh.services.common.step_types import StepResult
+from vmesh.services.worker.persistent_batch import PlanError
+from vmesh.services.worker.server import WorkerServicer
 from vmesh.v1 import worker_pb2
 
 

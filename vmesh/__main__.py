@@ -1,0 +1,5 @@
+"""`python -m vmesh ...`: the `vmesh` command."""
+
+from vmesh.services.cli import main
+
+raise SystemExit(main())
