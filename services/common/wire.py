@@ -3,9 +3,9 @@ gRPC shell."""
 
 from __future__ import annotations
 
+from vmesh.services.common.finish_reason import FINISH_REASONS, FINISH_REASONS_PB
 from vmesh.services.common.sampling_params import OutputMode, SamplingParams
 from vmesh.services.common.step_types import NewRequest, StepPlan, StepResult
-from vmesh.services.scheduler.request import FinishReason
 from vmesh.v1 import common_pb2, worker_pb2
 
 _OUTPUT_MODES = {
@@ -19,13 +19,7 @@ _OUTPUT_MODES_PB = {
     OutputMode.CUMULATIVE: common_pb2.OUTPUT_MODE_CUMULATIVE,
     OutputMode.FINAL_ONLY: common_pb2.OUTPUT_MODE_FINAL_ONLY,
 }
-FINISH_REASONS_PB = {
-    None: common_pb2.FINISH_REASON_UNSPECIFIED,
-    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
-}
-FINISH_REASONS = {v: k for k, v in FINISH_REASONS_PB.items()}
+__all__ = ["FINISH_REASONS", "FINISH_REASONS_PB"]  # the wire codes, re-exported for the shells that translate
 
 
 def sampling_from_proto(pb: common_pb2.SamplingParams, default_max_tokens: int = 16) -> SamplingParams:

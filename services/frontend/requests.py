@@ -18,6 +18,7 @@ import grpc
 from opentelemetry import trace
 
 from vmesh.services.common import telemetry
+from vmesh.services.common.finish_reason import finish_name
 from vmesh.services.frontend.outbox import Outbox
 from vmesh.services.frontend.schedulers import SchedulerGroup
 from vmesh.services.frontend.validation import InvalidRequest, validate_generate
@@ -38,7 +39,6 @@ _PASSED_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EX
                    grpc.StatusCode.DEADLINE_EXCEEDED}
 # Tokenizers release the GIL; two threads keep a core for everything else on a small machine.
 TOKENIZER_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
-FINISH_NAMES = {0: "", 1: "stop", 2: "length", 3: "abort"}
 Code = grpc.StatusCode
 
 
@@ -230,11 +230,11 @@ async def _generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRe
                 last_token_at = now
             if metrics and finished:
                 metrics.e2e.observe(time.monotonic() - started)
-                metrics.request_finished(FINISH_NAMES[out.finish_reason])
+                metrics.request_finished(finish_name(out.finish_reason))
             if finished and out.usage is not None:
                 span.set_attributes({"gen_ai.usage.output_tokens": out.usage.completion_tokens,
                                      "gen_ai.usage.cache_read.input_tokens": out.usage.cached_prompt_tokens,
-                                     "gen_ai.response.finish_reasons": [FINISH_NAMES[out.finish_reason]]})
+                                     "gen_ai.response.finish_reasons": [finish_name(out.finish_reason)]})
             yield frontend_pb2.GenerateResponse(
                 request_id=request_id, text=out.text, token_ids=out.token_ids, logprobs=out.logprobs,
                 finish_reason=out.finish_reason, usage=out.usage)

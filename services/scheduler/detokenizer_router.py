@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from vmesh.services.common import wire
+from vmesh.services.common.finish_reason import FinishReason
 from vmesh.services.common.grpc_server import channel
 from vmesh.services.common.replica_set import ReplicaSet
-from vmesh.services.scheduler.request import FinishReason
 from vmesh.services.scheduler.scheduler import RequestUpdate
 from vmesh.v1 import detokenizer_pb2, detokenizer_pb2_grpc
 

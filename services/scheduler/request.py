@@ -6,13 +6,8 @@ import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 
+from vmesh.services.common.finish_reason import FinishReason
 from vmesh.services.common.sampling_params import SamplingParams
-
-
-class FinishReason(Enum):
-    STOP = "stop"  # EOS, a stop token id or a stop string
-    LENGTH = "length"  # max_tokens or the context length
-    ABORT = "abort"
 
 
 class RequestStatus(Enum):

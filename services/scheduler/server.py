@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from vmesh.services.common import telemetry, wire
 from vmesh.services.common.discovery import DEFAULT_REFRESH_INTERVAL_S, AddressBook, watch
+from vmesh.services.common.finish_reason import FinishReason
 from vmesh.services.common.grpc_server import ServiceShell, channel
 from vmesh.services.common.metrics import Gauges, SchedulerMetrics
 from vmesh.services.common.request_checks import ModelLimits, check_request
@@ -27,7 +28,7 @@ from vmesh.services.common.step_types import NewRequest, StepPlan
 from vmesh.services.scheduler.block_pool import BlockPool
 from vmesh.services.scheduler.detokenizer_router import DetokenizerRouter, OpenStream, Route, open_stream
 from vmesh.services.scheduler.pipeline import StepPipeline
-from vmesh.services.scheduler.request import FinishReason, Request
+from vmesh.services.scheduler.request import Request
 from vmesh.services.scheduler.scheduler import QueueFullError, RequestUpdate, Scheduler, SchedulerConfig
 from vmesh.v1 import detokenizer_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 

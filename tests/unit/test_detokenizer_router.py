@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from tests.support.grpc_fakes import FakeChannel, FakeStream
+from vmesh.services.common.finish_reason import FinishReason
 from vmesh.services.scheduler import detokenizer_router
 from vmesh.services.scheduler.detokenizer_router import DetokenizerRouter
-from vmesh.services.scheduler.request import FinishReason
 from vmesh.services.scheduler.scheduler import RequestUpdate, TokenLogprobs
 from vmesh.v1 import common_pb2, detokenizer_pb2
 

@@ -8,9 +8,10 @@ from collections import deque
 import pytest
 
 from tests.support.stub_worker import StubWorker, next_token, reference_tokens
+from vmesh.services.common.finish_reason import FinishReason
 from vmesh.services.common.sampling_params import SamplingParams
 from vmesh.services.scheduler.block_pool import BlockPool
-from vmesh.services.scheduler.request import FinishReason, Request
+from vmesh.services.scheduler.request import Request
 from vmesh.services.scheduler.scheduler import QueueFullError, Scheduler, SchedulerConfig
 
 BLOCK = 4
