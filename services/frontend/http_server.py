@@ -10,18 +10,26 @@ import json
 import logging
 import socket
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vmesh.services.frontend import openai_protocol as oai
 from vmesh.services.frontend import requests
+from vmesh.services.frontend.fanout import ClientGone, Fanout, FanoutStreamingResponse, until_disconnect
+from vmesh.services.frontend.http_middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    body_limit,
+    error_response,
+    request_error_response,
+)
 from vmesh.services.frontend.requests import RequestError
 from vmesh.v1 import frontend_pb2
 
@@ -32,206 +40,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = {"/health", "/metrics", "/openapi.json"}  # no API key asked: probes and scrapers
 # Connections plus requests in progress before uvicorn answers 503: every open connection holds
 # memory and a task on the frontend's one loop, so a flood of them must stop somewhere.
 LIMIT_CONCURRENCY = 4096
 KEEP_ALIVE_S = 15  # an idle keep-alive connection is closed after this long
-T = TypeVar("T")
-
-
-def body_limit(max_prompt_bytes: int) -> int:
-    """The largest request body accepted: a request holds at most MAX_CHOICES prompts of at most
-    max_prompt_bytes each, plus room for the other fields."""
-    return oai.MAX_CHOICES * max_prompt_bytes + 64 * 1024
-
-
-def _error(status: int, message: str, error_type: str, param: str | None = None,
-           code: str | None = None) -> JSONResponse:
-    return JSONResponse(oai.error_body(message, error_type, param, code), status_code=status)
-
-
-def _request_error(exc: RequestError, aliases: dict[str, str] | None = None) -> JSONResponse:
-    status, body = oai.request_error_body(exc, aliases)
-    return JSONResponse(body, status_code=status)
-
-
-class ApiKeyMiddleware:
-    """Bearer-key check ahead of everything else (body parsing included), so that a caller
-    without the key learns nothing but 401. Plain ASGI: it must not buffer streamed responses."""
-
-    def __init__(self, app: Any, frontend: FrontendServicer):
-        self.app = app
-        self.frontend = frontend
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and self.frontend.api_key and scope["path"] not in OPEN_PATHS:
-            headers = dict(scope["headers"])
-            authorization = headers.get(b"authorization", b"").decode("latin-1")
-            try:
-                requests.check_api_key(self.frontend.api_key, authorization)
-            except RequestError as exc:
-                await _request_error(exc)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class BodyLimitMiddleware:
-    """Refuses a request body above `limit` bytes with 413 before it is buffered and parsed on
-    the frontend's one loop: by its Content-Length at once, and by counting what arrives for a
-    chunked upload (no Content-Length). Plain ASGI: it must not buffer streamed responses."""
-
-    def __init__(self, app: Any, limit: int):
-        self.app = app
-        self.limit = limit
-
-    def _too_large(self) -> JSONResponse:
-        return _error(413, f"request body: larger than {self.limit} bytes", "invalid_request_error")
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.strip().isdigit() and int(declared) > self.limit:
-            await self._too_large()(scope, receive, send)
-            return
-        received = 0
-        started = False
-
-        async def counted_receive() -> dict:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.limit:
-                    # FastAPI re-raises an HTTPException raised while it reads the body, so the
-                    # app's own handler answers 413; any other reader lets it reach the except below.
-                    raise StarletteHTTPException(413, f"request body: larger than {self.limit} bytes")
-            return message
-
-        async def watched_send(message: dict) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, counted_receive, watched_send)
-        except StarletteHTTPException as exc:
-            if exc.status_code != 413 or started:
-                raise
-            await self._too_large()(scope, receive, send)
-
-
-class Fanout:
-    """Several request streams (n choices, several prompts) merged into one sequence of
-    (choice index, GenerateResponse).
-
-    The queue is bounded: a stream whose output the reader has not taken yet stops pulling, so
-    outputs that arrive meanwhile merge in the request's one-slot Outbox rather than pile up
-    here. A slow reader then holds at most a few entries per stream, never tokens × n of them."""
-
-    def __init__(self, streams: list[AsyncGenerator[frontend_pb2.GenerateResponse, None]]):
-        self.queue: asyncio.Queue[tuple[int, frontend_pb2.GenerateResponse | None, BaseException | None]] = (
-            asyncio.Queue(maxsize=max(1, len(streams))))
-        self.tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
-        self.pending: list[tuple[int, frontend_pb2.GenerateResponse]] = []
-        self.open = len(streams)
-
-    async def _pump(self, index: int, stream: AsyncGenerator[frontend_pb2.GenerateResponse, None]) -> None:
-        try:
-            try:
-                async for out in stream:
-                    oai.check_not_aborted(out)
-                    await self.queue.put((index, out, None))
-            finally:
-                # Cancelled while waiting for room in the queue, the stream sits at a yield where
-                # the cancellation never reaches it: closing it runs its cleanup (the abort) now.
-                await stream.aclose()
-            await self.queue.put((index, None, None))
-        except Exception as exc:  # handed to the reader, which raises it
-            await self.queue.put((index, None, exc))
-
-    async def _next(self) -> tuple[int, frontend_pb2.GenerateResponse] | None:
-        while self.open:
-            index, out, error = await self.queue.get()
-            if error is not None:
-                raise error
-            if out is None:
-                self.open -= 1
-                continue
-            return index, out
-        return None
-
-    async def started(self) -> None:
-        """Wait for the first output or the first error, so that a request refused by validation
-        or a full queue fails with an HTTP status before any streamed byte, without holding every
-        choice back until the slowest has started; keeps what came. A later failure is sent as
-        an error event."""
-        item = await self._next()
-        if item is not None:
-            self.pending.append(item)
-
-    async def events(self) -> AsyncIterator[tuple[int, frontend_pb2.GenerateResponse]]:
-        while self.pending:
-            yield self.pending.pop(0)
-        while (item := await self._next()) is not None:
-            yield item
-
-    async def close(self) -> None:
-        """Cancel what still runs: each stream's request is then aborted in the scheduler. Safe
-        to call more than once."""
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-
-
-class FanoutStreamingResponse(StreamingResponse):
-    """Closes its fan-out however the response ends: Starlette may cancel the body before its
-    generator has started (the client left right after the response started), and a generator
-    that never started never runs its `finally`."""
-
-    def __init__(self, fanout: Fanout, content: AsyncIterator[str], **kwargs: Any):
-        super().__init__(content, **kwargs)
-        self.fanout = fanout
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.fanout.close()
-
-
-class ClientGone(Exception):
-    pass
-
-
-async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Run `work` unless the client disconnects first: then it is cancelled (which aborts its
-    requests) and ClientGone raised. The body has been read, so the next ASGI message the
-    server hands over is the disconnect."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        # Our own cancellation (uvicorn shutting down, say), not the client's leaving: stop the
-        # work and let the cancellation through, as swallowing it would keep this task running.
-        watcher.cancel()
-        task.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
-        raise
-    watcher.cancel()
-    if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise ClientGone
-    return task.result()
 
 
 def _sse(payload: dict[str, Any]) -> str:
@@ -281,7 +93,7 @@ class OpenAIRoutes:
 
         handed_over = False  # a streaming response closes the fan-out itself, when it ends
         try:
-            await _until_disconnect(http_request, start())
+            await until_disconnect(http_request, start())
             assert fanout is not None
             if not stream:
                 await fanout.close()  # every stream has ended; closing leaves nothing to chance
@@ -301,7 +113,7 @@ class OpenAIRoutes:
             handed_over = True
             return response
         except RequestError as exc:
-            return _request_error(exc, aliases)
+            return request_error_response(exc, aliases)
         except ClientGone:
             return Response(status_code=499)  # nobody reads it; nginx's code for "client closed"
         finally:
@@ -383,7 +195,7 @@ def build_app(frontend: FrontendServicer, registry: CollectorRegistry | None) ->
 
     @app.exception_handler(RequestError)
     async def on_request_error(_: Request, exc: RequestError) -> JSONResponse:
-        return _request_error(exc)
+        return request_error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -391,24 +203,24 @@ def build_app(frontend: FrontendServicer, registry: CollectorRegistry | None) ->
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = ".".join(loc) or None
         message = f"{param or 'body'}: {first.get('msg', 'invalid request body')}"
-        return _error(400, message, "invalid_request_error", param)
+        return error_response(400, message, "invalid_request_error", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500
+        return error_response(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500
                       else "internal_error")
 
     @app.exception_handler(Exception)
     async def on_bug(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("HTTP request failed")
-        return _error(500, f"internal error: {type(exc).__name__}", "internal_error")
+        return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
 
     @app.get("/health")
     async def health() -> Response:
         if frontend.serving():
             return Response(status_code=200)
         message = "draining" if frontend.draining else "not ready: starting, or no scheduler/detokenizer reachable"
-        return _error(503, message, "service_unavailable_error")
+        return error_response(503, message, "service_unavailable_error")
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -15,7 +15,9 @@ import pytest
 
 from tests.support.grpc_fakes import FakeChannel
 from vmesh.services.frontend import openai_protocol as oai
-from vmesh.services.frontend.http_server import Fanout, _until_disconnect, body_limit, build_app
+from vmesh.services.frontend.fanout import Fanout, until_disconnect
+from vmesh.services.frontend.http_middleware import body_limit
+from vmesh.services.frontend.http_server import build_app
 from vmesh.services.frontend.outbox import PendingOutput
 from vmesh.services.frontend.requests import RequestError
 from vmesh.services.frontend.schedulers import SchedulerPool
@@ -291,19 +293,19 @@ def test_until_disconnect_lets_its_own_cancellation_through():
                 work_cancelled.set()
 
         request = Connected()
-        task = asyncio.create_task(_until_disconnect(request, work()))  # type: ignore[arg-type]
+        task = asyncio.create_task(until_disconnect(request, work()))  # type: ignore[arg-type]
         await settle(lambda: request.messages._getters)  # type: ignore[attr-defined]
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         assert work_cancelled.is_set()
 
-        from vmesh.services.frontend.http_server import ClientGone  # a disconnect is still ClientGone
+        from vmesh.services.frontend.fanout import ClientGone  # a disconnect is still ClientGone
 
         request = Connected()
         request.messages.put_nowait({"type": "http.disconnect"})
         with pytest.raises(ClientGone):
-            await _until_disconnect(request, work())  # type: ignore[arg-type]
+            await until_disconnect(request, work())  # type: ignore[arg-type]
 
     asyncio.run(main())
 

@@ -1,0 +1,102 @@
+"""ASGI middleware ahead of the OpenAI routes: the API key and the body size are checked before a
+request body is buffered or parsed on the frontend's one loop; OpenAI-shaped error responses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from vmesh.services.frontend import openai_protocol as oai
+from vmesh.services.frontend import requests
+from vmesh.services.frontend.requests import RequestError
+
+if TYPE_CHECKING:
+    from vmesh.services.frontend.server import FrontendServicer
+
+OPEN_PATHS = {"/health", "/metrics", "/openapi.json"}  # no API key asked: probes and scrapers
+
+
+def body_limit(max_prompt_bytes: int) -> int:
+    """The largest request body accepted: a request holds at most MAX_CHOICES prompts of at most
+    max_prompt_bytes each, plus room for the other fields."""
+    return oai.MAX_CHOICES * max_prompt_bytes + 64 * 1024
+
+
+def error_response(status: int, message: str, error_type: str, param: str | None = None,
+           code: str | None = None) -> JSONResponse:
+    return JSONResponse(oai.error_body(message, error_type, param, code), status_code=status)
+
+
+def request_error_response(exc: RequestError, aliases: dict[str, str] | None = None) -> JSONResponse:
+    status, body = oai.request_error_body(exc, aliases)
+    return JSONResponse(body, status_code=status)
+
+
+class ApiKeyMiddleware:
+    """Bearer-key check ahead of everything else (body parsing included), so that a caller
+    without the key learns nothing but 401. Plain ASGI: it must not buffer streamed responses."""
+
+    def __init__(self, app: Any, frontend: FrontendServicer):
+        self.app = app
+        self.frontend = frontend
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and self.frontend.api_key and scope["path"] not in OPEN_PATHS:
+            headers = dict(scope["headers"])
+            authorization = headers.get(b"authorization", b"").decode("latin-1")
+            try:
+                requests.check_api_key(self.frontend.api_key, authorization)
+            except RequestError as exc:
+                await request_error_response(exc)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Refuses a request body above `limit` bytes with 413 before it is buffered and parsed on
+    the frontend's one loop: by its Content-Length at once, and by counting what arrives for a
+    chunked upload (no Content-Length). Plain ASGI: it must not buffer streamed responses."""
+
+    def __init__(self, app: Any, limit: int):
+        self.app = app
+        self.limit = limit
+
+    def _too_large(self) -> JSONResponse:
+        return error_response(413, f"request body: larger than {self.limit} bytes", "invalid_request_error")
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > self.limit:
+            await self._too_large()(scope, receive, send)
+            return
+        received = 0
+        started = False
+
+        async def counted_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    # FastAPI re-raises an HTTPException raised while it reads the body, so the
+                    # app's own handler answers 413; any other reader lets it reach the except below.
+                    raise StarletteHTTPException(413, f"request body: larger than {self.limit} bytes")
+            return message
+
+        async def watched_send(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, watched_send)
+        except StarletteHTTPException as exc:
+            if exc.status_code != 413 or started:
+                raise
+            await self._too_large()(scope, receive, send)
