@@ -141,10 +141,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
     the paged pool in place (`kernels/cpu`): no padded copy of every context in every layer,
     and each cached key and value read once per query token.
 
-    Per layer, 9 heads of 64 (the default model), 2 threads: 8 chunks of 16 tokens 0.37 ms
-    against SDPA's 1.49; a 2048-token prompt 109 ms against 147; but a 512-token chunk after
-    1536 cached tokens 45 ms against 36, where SDPA's blocked matmuls pay off. So chunks
-    longer than MAX_KERNEL_QUERY_LEN that follow cached tokens keep torch's SDPA."""
+    The kernel wins on decodes, short chunks and whole prompts, but loses to SDPA's blocked
+    matmuls on a long chunk after cached context (timings in benchmarks/README.md, "Prefill
+    chunks"): chunks longer than MAX_KERNEL_QUERY_LEN that follow cached tokens keep SDPA."""
 
     name = "cpu"
     MAX_KERNEL_QUERY_LEN = 64

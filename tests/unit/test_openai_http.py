@@ -385,7 +385,6 @@ def test_logprob_tokens_are_decoded_once_each_and_logprobs_are_capped():
     assert oai.request_error_body(err.value)[1]["error"]["param"] == "top_logprobs"
 
 
-@pytest.mark.slow
 def test_chat_logprob_bytes_are_the_tokens_own_bytes(embedded_tokenizer):
     """A character split over tokens: each token's bytes are its share of the UTF-8, not the
     EF BF BD of the replacement character its text decodes to."""
