@@ -57,7 +57,7 @@ class VmeshClient:
         self.tls_ca = tls_ca
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self._channel: grpc.aio.Channel | None = None
-        self.stub: frontend_pb2_grpc.FrontendServiceStub | None = None
+        self._stub: frontend_pb2_grpc.FrontendServiceStub | None = None
 
     async def __aenter__(self) -> VmeshClient:
         if self.tls_ca:
@@ -65,11 +65,18 @@ class VmeshClient:
             self._channel = grpc.aio.secure_channel(self.address, credentials, options=CHANNEL_OPTIONS)
         else:
             self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
-        self.stub = frontend_pb2_grpc.FrontendServiceStub(self._channel)
+        self._stub = frontend_pb2_grpc.FrontendServiceStub(self._channel)
         return self
 
+    @property
+    def stub(self) -> frontend_pb2_grpc.FrontendServiceStub:
+        if self._stub is None:
+            raise RuntimeError("VmeshClient is used inside `async with`")
+        return self._stub
+
     async def __aexit__(self, *exc: object) -> None:
-        await self._channel.close()
+        if self._channel is not None:
+            await self._channel.close()
 
     async def generate(self, text: str | None = None, chat: Sequence[dict[str, str]] | None = None,
                        token_ids: Sequence[int] | None = None, *, timeout: float | None = None,
@@ -84,11 +91,13 @@ class VmeshClient:
 
     async def complete(self, **kwargs: Any) -> tuple[str, list[int], frontend_pb2.GenerateResponse]:
         """The whole text and token ids of one request, and its last response (finish reason, usage)."""
-        text, ids, last = "", [], None
+        text, ids, last = "", list[int](), None
         async for out in self.generate(**kwargs):
             text += out.text
             ids += out.token_ids
             last = out
+        if last is None:
+            raise RuntimeError("the stream ended without a response")
         return text, ids, last
 
     async def tokenize(self, text: str) -> list[int]:

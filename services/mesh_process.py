@@ -94,6 +94,7 @@ def read_until_serving(process: subprocess.Popen, timeout: float,
     def pump() -> None:
         # Reading in a thread from the start keeps the deadline below in force even while the
         # launcher prints nothing (a blocking readline would wait forever).
+        assert process.stdout is not None, "started with stdout=PIPE"
         for line in process.stdout:
             output.append(line)
             lines.put(line)

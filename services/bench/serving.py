@@ -56,11 +56,13 @@ async def timed_openai_request(http: Any, base_url: str, model: str | None, prom
 async def request_sender(backend: str, address: str | None, base_url: str | None, model: str | None):
     """An async function (prompt, max_tokens) -> timings, for one backend."""
     if backend == "grpc":
+        assert address, "serving() checks that --backend grpc has an address"
         async with VmeshClient(address) as client:
             yield lambda prompt, max_tokens: timed_request(client, prompt, max_tokens)
         return
     import httpx
 
+    assert base_url, "serving() checks that --backend openai has a base URL"
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=None, limits=limits) as http:
         yield lambda prompt, max_tokens: timed_openai_request(http, base_url, model, prompt, max_tokens)
@@ -182,6 +184,6 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
         for name in ("ttft_ms", "tpot_ms", "itl_ms"):
             p = summary[name]
             print(f"{name:>8}: p50 {p['p50']:8.1f}  p90 {p['p90']:8.1f}  p99 {p['p99']:8.1f}")
-        if cpu := summary.get("cpu_ms_per_token"):
-            print("  CPU ms/token: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(cpu.items())))
+        if cpu_per_token := summary.get("cpu_ms_per_token"):
+            print("  CPU ms/token: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(cpu_per_token.items())))
     return result

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from cryptography import x509
@@ -51,12 +52,15 @@ def make_ca() -> tuple[bytes, bytes]:
 
 
 def issue(ca_cert_pem: bytes, ca_key_pem: bytes, common_name: str, dns_names: list[str],
-          ip_addresses: list[str] = (), client: bool = True) -> tuple[bytes, bytes]:
+          ip_addresses: Sequence[str] = (), client: bool = True) -> tuple[bytes, bytes]:
     """(certificate, key) signed by the CA: a server certificate, and a client one too unless
     `client` is False. Key identifiers are included: strict verifiers (Python >= 3.13's
     default context) refuse certificates without them."""
     ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
     ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
+    ca_public_key = ca_cert.public_key()
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey) or not isinstance(ca_public_key, ec.EllipticCurvePublicKey):
+        raise ValueError("the CA's key is not an elliptic-curve key, as `vmesh certs` makes them")
     key = ec.generate_private_key(ec.SECP256R1())
     names: list[x509.GeneralName] = [x509.DNSName(d) for d in dns_names]
     names += [x509.IPAddress(ipaddress.ip_address(a)) for a in ip_addresses]
@@ -72,7 +76,7 @@ def issue(ca_cert_pem: bytes, ca_key_pem: bytes, common_name: str, dns_names: li
                                          data_encipherment=False, encipher_only=False, decipher_only=False),
                            critical=True)
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_public_key), critical=False)
             .sign(ca_key, hashes.SHA256()))
     return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
 
@@ -91,7 +95,7 @@ def _write(path: Path, data: bytes, mode: int) -> None:
     os.chmod(path, mode)  # the umask may have narrowed it
 
 
-def write_mesh_certificates(directory: Path, roles: tuple[str, ...] = ROLES, public_hosts: list[str] = (),
+def write_mesh_certificates(directory: Path, roles: tuple[str, ...] = ROLES, public_hosts: Sequence[str] = (),
                             key_mode: int = 0o600) -> Path:
     """ca.crt and <role>.crt/.key for each role (the CA's key is not kept: the mesh is fixed);
     public.crt/.key for `public_hosts` (DNS names or IP addresses) when given. Returns `directory`.

@@ -24,7 +24,7 @@ def resolve_spec(spec: str) -> list[str]:
         return [spec]
     host, _, port = spec[len(DNS_PREFIX):].rpartition(":")
     infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    ips = sorted({info[4][0] for info in infos})
+    ips = sorted({str(info[4][0]) for info in infos})
     if not ips:
         raise OSError(f"{spec} resolves to no address")
     return [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]

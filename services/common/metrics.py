@@ -41,7 +41,8 @@ MODEL = ["model_name"]
 
 def token_buckets(max_value: int) -> list[int]:
     """vLLM's 1-2-5 series up to `max_value` (its request_prompt/generation_tokens buckets)."""
-    buckets, exponent = [], 0
+    buckets: list[int] = []
+    exponent = 0
     while True:
         for mantissa in (1, 2, 5):
             value = mantissa * 10 ** exponent

@@ -13,7 +13,7 @@ import json
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -46,7 +46,7 @@ class _GenerationBlocks(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; for
     serving it renders its body unchanged."""
 
-    tags: ClassVar[set[str]] = {"generation"}
+    tags = {"generation"}  # noqa: RUF012 - jinja2 declares it as a plain class attribute
 
     def parse(self, parser: Any) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno

@@ -4,11 +4,12 @@ them when the client leaves."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from vmesh.services.frontend import openai_protocol as oai
 from vmesh.v1 import frontend_pb2
@@ -88,7 +89,7 @@ class FanoutStreamingResponse(StreamingResponse):
         super().__init__(content, **kwargs)
         self.fanout = fanout
 
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from vmesh.services.common.logprobs import TokenLogprobs
 from vmesh.v1 import common_pb2, frontend_pb2
 
 
@@ -13,7 +14,7 @@ from vmesh.v1 import common_pb2, frontend_pb2
 class PendingOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[frontend_pb2.GeneratedTokenLogprobs] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     usage: frontend_pb2.Usage | None = None
     error: str = ""
@@ -52,4 +53,5 @@ class Outbox:
         await self.ready.wait()
         self.ready.clear()
         out, self.pending = self.pending, None
+        assert out is not None, "ready is set only with an output pending"
         return out

@@ -67,11 +67,14 @@ class BlockPool:
         """The cached blocks holding the longest prefix of `hashes`, each taken (ref += 1)."""
         if not self.enable_prefix_caching:
             return []
-        found = []
+        found: list[int] = []
         bs = self.block_size
         for i, h in enumerate(hashes):
             block = self.cached.get(h)
-            if block is None or self.block_key[block][1] != tuple(token_ids[i * bs:(i + 1) * bs]):
+            if block is None:
+                break
+            key = self.block_key[block]
+            if key is None or key[1] != tuple(token_ids[i * bs:(i + 1) * bs]):
                 break
             found.append(block)
         self.prefix_queries += len(hashes)
@@ -133,6 +136,8 @@ class BlockPool:
             self.evictions += 1
 
     def _forget(self, block: int) -> None:
-        del self.cached[self.block_hash[block]]
+        block_hash = self.block_hash[block]
+        assert block_hash is not None, "only a cached block is forgotten"
+        del self.cached[block_hash]
         self.block_hash[block] = None
         self.block_key[block] = None
