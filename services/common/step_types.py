@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vmesh.services.common.logprobs import TokenLogprobs
 from vmesh.services.common.sampling_params import SamplingParams
 
 
@@ -48,13 +49,9 @@ class StepResult:
     # of the prompt produces none), in plan order.
     handles: list[int]
     sampled_token_ids: list[int]
-    # Present only for requests that asked for logprobs: rows of logprobs_handles.
+    # Present only for requests that asked for logprobs: one row per token, owned by the handle
+    # at the same index of logprobs_handles.
     logprobs_handles: list[int] = field(default_factory=list)
-    sampled_logprobs: list[float] = field(default_factory=list)
-    sampled_ranks: list[int] = field(default_factory=list)
-    # Top-N per row, flattened with one count per row.
-    top_token_ids: list[int] = field(default_factory=list)
-    top_logprobs: list[float] = field(default_factory=list)
-    num_top: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
     forward_seconds: float = 0.0
     sampling_seconds: float = 0.0

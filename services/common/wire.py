@@ -4,6 +4,7 @@ gRPC shell."""
 from __future__ import annotations
 
 from vmesh.services.common.finish_reason import FINISH_REASONS, FINISH_REASONS_PB
+from vmesh.services.common.logprobs import pack_logprobs, unpack_logprobs
 from vmesh.services.common.sampling_params import OutputMode, SamplingParams
 from vmesh.services.common.step_types import NewRequest, StepPlan, StepResult
 from vmesh.v1 import common_pb2, worker_pb2
@@ -82,17 +83,15 @@ def plan_from_proto(pb: worker_pb2.ExecuteRequest) -> StepPlan:
 
 
 def result_to_proto(r: StepResult) -> worker_pb2.ExecuteResponse:
-    return worker_pb2.ExecuteResponse(
+    pb = worker_pb2.ExecuteResponse(
         step=r.step, handles=r.handles, sampled_token_ids=r.sampled_token_ids, logprobs_handles=r.logprobs_handles,
-        sampled_logprobs=r.sampled_logprobs, sampled_ranks=r.sampled_ranks, top_token_ids=r.top_token_ids,
-        top_logprobs=r.top_logprobs, num_top=r.num_top, forward_seconds=r.forward_seconds,
-        sampling_seconds=r.sampling_seconds)
+        forward_seconds=r.forward_seconds, sampling_seconds=r.sampling_seconds)
+    pack_logprobs(r.logprobs, pb.logprobs)
+    return pb
 
 
 def result_from_proto(pb: worker_pb2.ExecuteResponse) -> StepResult:
     return StepResult(
         step=pb.step, handles=list(pb.handles), sampled_token_ids=list(pb.sampled_token_ids),
-        logprobs_handles=list(pb.logprobs_handles), sampled_logprobs=list(pb.sampled_logprobs),
-        sampled_ranks=list(pb.sampled_ranks), top_token_ids=list(pb.top_token_ids),
-        top_logprobs=list(pb.top_logprobs), num_top=list(pb.num_top), forward_seconds=pb.forward_seconds,
-        sampling_seconds=pb.sampling_seconds)
+        logprobs_handles=list(pb.logprobs_handles), logprobs=unpack_logprobs(pb.logprobs),
+        forward_seconds=pb.forward_seconds, sampling_seconds=pb.sampling_seconds)

@@ -12,6 +12,7 @@ from opentelemetry import trace
 
 from vmesh.services.common import telemetry, wire
 from vmesh.services.common.grpc_server import ServiceShell
+from vmesh.services.common.logprobs import TokenLogprobs, pack_logprobs, unpack_logprobs
 from vmesh.services.common.metrics import DetokenizerMetrics
 from vmesh.services.detokenizer.incremental import IncrementalDetokenizer
 from vmesh.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc
@@ -45,7 +46,7 @@ class _FrontendBatch:
         self.pb = detokenizer_pb2.SubscribeResponse()
 
     def add(self, frontend_key: int, text: str, token_ids: list[int], reason: int, tracked: _Tracked, cached: int,
-            logprob_rows: list[LogprobRow], error: str) -> None:
+            logprobs: list[TokenLogprobs], error: str) -> None:
         pb = self.pb
         pb.errors.append(error)
         pb.frontend_keys.append(frontend_key)
@@ -56,13 +57,8 @@ class _FrontendBatch:
         pb.num_prompt_tokens.append(tracked.num_prompt_tokens)
         pb.num_output_tokens.append(tracked.num_output_tokens)
         pb.num_cached_prompt_tokens.append(cached)
-        pb.num_logprobs_rows.append(len(logprob_rows))
-        for logprob, rank, top_ids, top_lps in logprob_rows:
-            pb.sampled_logprobs.append(logprob)
-            pb.sampled_ranks.append(rank)
-            pb.num_top.append(len(top_ids))
-            pb.top_token_ids.extend(top_ids)
-            pb.top_logprobs.extend(top_lps)
+        pb.num_logprobs_rows.append(len(logprobs))
+        pack_logprobs(logprobs, pb.logprobs)
 
 
 class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
@@ -149,7 +145,7 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
                 info.frontend_key, info.num_prompt_tokens,
                 span=TRACER.start_span("detokenizer.request", context=telemetry.from_proto(info.trace_context))
                 if telemetry.tracing_enabled() else trace.INVALID_SPAN)
-        logprobs = _logprob_rows(batch)
+        logprobs = _logprobs_by_handle(batch)
         out: dict[str, _FrontendBatch] = {}
         stopped = []
         offset = 0
@@ -192,19 +188,11 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
             queue.put_nowait(frontend_batch.pb)
 
 
-LogprobRow = tuple[float, int, list[int], list[float]]  # sampled logprob, rank, top ids, top logprobs
-
-
-def _logprob_rows(batch: detokenizer_pb2.DetokenizeRequest) -> dict[int, list[LogprobRow]]:
-    rows: dict[int, list] = {}
-    offset = 0
-    for i, handle in enumerate(batch.logprobs_handles):
-        n = batch.num_top[i]
-        rows.setdefault(handle, []).append((batch.sampled_logprobs[i], batch.sampled_ranks[i],
-                                            list(batch.top_token_ids[offset:offset + n]),
-                                            list(batch.top_logprobs[offset:offset + n])))
-        offset += n
-    return rows
+def _logprobs_by_handle(batch: detokenizer_pb2.DetokenizeRequest) -> dict[int, list[TokenLogprobs]]:
+    by_handle: dict[int, list[TokenLogprobs]] = {}
+    for handle, row in zip(batch.logprobs_handles, unpack_logprobs(batch.logprobs)):
+        by_handle.setdefault(handle, []).append(row)
+    return by_handle
 
 
 async def serve(load_tokenizer, host: str, port: int, ready_file: str | None,

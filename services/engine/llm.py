@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vmesh.services.common.finish_reason import FinishReason
+from vmesh.services.common.logprobs import TokenLogprobs
 from vmesh.services.common.model_loading import load_tokenizer, resolve_model_dir
 from vmesh.services.common.sampling_params import OutputMode, SamplingParams
 from vmesh.services.detokenizer.incremental import IncrementalDetokenizer
 from vmesh.services.engine.core import EngineCore
 from vmesh.services.scheduler.block_pool import BlockPool
 from vmesh.services.scheduler.request import Request
-from vmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig, TokenLogprobs
+from vmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig
 from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
 
 

@@ -19,6 +19,7 @@ from opentelemetry import trace
 
 from vmesh.services.common import telemetry
 from vmesh.services.common.finish_reason import finish_name
+from vmesh.services.common.logprobs import to_public
 from vmesh.services.frontend.outbox import Outbox
 from vmesh.services.frontend.schedulers import SchedulerGroup
 from vmesh.services.frontend.validation import InvalidRequest, validate_generate
@@ -236,7 +237,7 @@ async def _generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRe
                                      "gen_ai.usage.cache_read.input_tokens": out.usage.cached_prompt_tokens,
                                      "gen_ai.response.finish_reasons": [finish_name(out.finish_reason)]})
             yield frontend_pb2.GenerateResponse(
-                request_id=request_id, text=out.text, token_ids=out.token_ids, logprobs=out.logprobs,
+                request_id=request_id, text=out.text, token_ids=out.token_ids, logprobs=to_public(out.logprobs),
                 finish_reason=out.finish_reason, usage=out.usage)
             if finished:
                 return

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from vmesh.services.common.discovery import DEFAULT_REFRESH_INTERVAL_S, AddressBook, watch
 from vmesh.services.common.grpc_server import ServiceShell, channel
+from vmesh.services.common.logprobs import unpack_logprobs
 from vmesh.services.common.metrics import FrontendMetrics
 from vmesh.services.common.replica_set import ReplicaSet
 from vmesh.services.frontend import requests
@@ -135,21 +136,15 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
             await asyncio.sleep(1.0)
 
     def _dispatch(self, batch: detokenizer_pb2.SubscribeResponse) -> None:
-        token_offset = logprob_row = top_offset = 0
+        token_offset = logprob_offset = 0
+        logprob_rows = unpack_logprobs(batch.logprobs)
         for i, frontend_key in enumerate(batch.frontend_keys):
             n = batch.num_tokens[i]
             token_ids = list(batch.token_ids[token_offset:token_offset + n])
             token_offset += n
-            logprobs = []
-            for _ in range(batch.num_logprobs_rows[i]):
-                k = batch.num_top[logprob_row]
-                span = slice(top_offset, top_offset + k)
-                top = [frontend_pb2.TokenLogprob(token_id=t, logprob=lp)
-                       for t, lp in zip(batch.top_token_ids[span], batch.top_logprobs[span])]
-                logprobs.append(frontend_pb2.GeneratedTokenLogprobs(
-                    logprob=batch.sampled_logprobs[logprob_row], rank=batch.sampled_ranks[logprob_row], top=top))
-                top_offset += k
-                logprob_row += 1
+            num_rows = batch.num_logprobs_rows[i]
+            logprobs = logprob_rows[logprob_offset:logprob_offset + num_rows]
+            logprob_offset += num_rows
             outbox = self.outboxes.get(frontend_key)
             if outbox is None:
                 continue

@@ -19,6 +19,7 @@ import grpc
 from vmesh.services.common import wire
 from vmesh.services.common.finish_reason import FinishReason
 from vmesh.services.common.grpc_server import channel
+from vmesh.services.common.logprobs import pack_logprobs
 from vmesh.services.common.replica_set import ReplicaSet
 from vmesh.services.scheduler.scheduler import RequestUpdate
 from vmesh.v1 import detokenizer_pb2, detokenizer_pb2_grpc
@@ -131,13 +132,8 @@ class DetokenizerRouter:
         batch.finish_reasons.append(wire.FINISH_REASONS_PB[update.finish_reason])
         batch.num_cached_prompt_tokens.append(update.num_cached_prompt_tokens)
         batch.errors.append("")
-        for lp in update.logprobs:
-            batch.logprobs_handles.append(route.stream_handle)
-            batch.sampled_logprobs.append(lp.logprob)
-            batch.sampled_ranks.append(lp.rank)
-            batch.num_top.append(len(lp.top_token_ids))
-            batch.top_token_ids.extend(lp.top_token_ids)
-            batch.top_logprobs.extend(lp.top_logprobs)
+        batch.logprobs_handles.extend([route.stream_handle] * len(update.logprobs))
+        pack_logprobs(update.logprobs, batch.logprobs)
 
     def add_end(self, route: Route, error: str = "") -> None:
         """Tell a closed route's replica that its request ended without more tokens (aborted or failed)."""

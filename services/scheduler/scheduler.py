@@ -17,6 +17,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from vmesh.services.common.finish_reason import FinishReason
+from vmesh.services.common.logprobs import TokenLogprobs
 from vmesh.services.common.step_types import NewRequest, StepPlan, StepResult
 from vmesh.services.scheduler.block_pool import BlockPool
 from vmesh.services.scheduler.request import Request, RequestStatus
@@ -37,14 +38,6 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {self.policy!r} (fcfs or priority)")
-
-
-@dataclass
-class TokenLogprobs:
-    logprob: float
-    rank: int
-    top_token_ids: list[int]
-    top_logprobs: list[float]
 
 
 @dataclass
@@ -265,15 +258,10 @@ class Scheduler:
                                             num_cached_prompt_tokens=request.num_cached_prompt_tokens)
             if reason is not None:
                 self._finish(request, reason)
-        offset = 0
-        for i, handle in enumerate(result.logprobs_handles):
-            n = result.num_top[i]
+        for handle, row in zip(result.logprobs_handles, result.logprobs):
             update = updates.get(handle)
             if update is not None:
-                update.logprobs.append(TokenLogprobs(result.sampled_logprobs[i], result.sampled_ranks[i],
-                                                     result.top_token_ids[offset:offset + n],
-                                                     result.top_logprobs[offset:offset + n]))
-            offset += n
+                update.logprobs.append(row)
         return list(updates.values())
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:

@@ -62,13 +62,8 @@ def drive(runner: ModelRunner, requests: list[DrivenRequest], chunk: int = 1 << 
         assert next_block <= runner.kv_cache.num_blocks, "test KV pool too small"
         result = runner.execute(plan)
         by_handle = dict(zip(result.handles, result.sampled_token_ids))
-        offset = 0
-        for j, h in enumerate(result.logprobs_handles):
-            n = result.num_top[j]
-            requests[h].logprob_results.append((result.sampled_logprobs[j], result.sampled_ranks[j],
-                                                result.top_token_ids[offset:offset + n],
-                                                result.top_logprobs[offset:offset + n]))
-            offset += n
+        for h, row in zip(result.logprobs_handles, result.logprobs):
+            requests[h].logprob_results.append((row.logprob, row.rank, row.top_token_ids, row.top_logprobs))
         finished = []
         for h, token in by_handle.items():
             requests[h].output.append(token)

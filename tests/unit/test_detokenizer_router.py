@@ -8,9 +8,10 @@ import pytest
 
 from tests.support.grpc_fakes import FakeChannel, FakeStream
 from vmesh.services.common.finish_reason import FinishReason
+from vmesh.services.common.logprobs import TokenLogprobs
 from vmesh.services.scheduler import detokenizer_router
 from vmesh.services.scheduler.detokenizer_router import DetokenizerRouter
-from vmesh.services.scheduler.scheduler import RequestUpdate, TokenLogprobs
+from vmesh.services.scheduler.scheduler import RequestUpdate
 from vmesh.v1 import common_pb2, detokenizer_pb2
 
 
@@ -63,8 +64,8 @@ def test_a_request_is_introduced_once_with_its_stream_handle_ahead_of_its_tokens
         assert list(first.handles) == [a.stream_handle] and list(first.token_ids) == [5, 6]
         assert [i.handle for i in second.new_requests] == [b.stream_handle]  # a is not introduced again
         assert list(second.handles) == [a.stream_handle, b.stream_handle] and list(second.num_tokens) == [1, 1]
-        assert list(second.logprobs_handles) == [b.stream_handle] and list(second.num_top) == [2]
-        assert list(second.top_token_ids) == [8, 9] and list(second.sampled_ranks) == [1]
+        assert list(second.logprobs_handles) == [b.stream_handle] and list(second.logprobs.num_top) == [2]
+        assert list(second.logprobs.top_token_ids) == [8, 9] and list(second.logprobs.sampled_ranks) == [1]
         assert list(second.finish_reasons) == [common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_UNSPECIFIED]
         h.router.close()
 

@@ -24,19 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15vmesh/v1/common.proto\x12\x08vmesh.v1\"\xb1\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\rH\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x0c\n\x04stop\x18\r \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x07\x88\x01\x01\x12)\n\x0boutput_mode\x18\x11 \x01(\x0e\x32\x14.vmesh.v1.OutputModeB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x16\n\x14_skip_special_tokensB\x0b\n\t_logprobs\"7\n\x0cTraceContext\x12\x13\n\x0btraceparent\x18\x01 \x01(\t\x12\x12\n\ntracestate\x18\x02 \x01(\t*x\n\nOutputMode\x12\x1b\n\x17OUTPUT_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11OUTPUT_MODE_DELTA\x10\x01\x12\x1a\n\x16OUTPUT_MODE_CUMULATIVE\x10\x02\x12\x1a\n\x16OUTPUT_MODE_FINAL_ONLY\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15vmesh/v1/common.proto\x12\x08vmesh.v1\"\xb1\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\rH\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x0c\n\x04stop\x18\r \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x07\x88\x01\x01\x12)\n\x0boutput_mode\x18\x11 \x01(\x0e\x32\x14.vmesh.v1.OutputModeB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x16\n\x14_skip_special_tokensB\x0b\n\t_logprobs\"\x7f\n\x0eLogprobColumns\x12\x18\n\x10sampled_logprobs\x18\x01 \x03(\x02\x12\x15\n\rsampled_ranks\x18\x02 \x03(\r\x12\x0f\n\x07num_top\x18\x03 \x03(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"7\n\x0cTraceContext\x12\x13\n\x0btraceparent\x18\x01 \x01(\t\x12\x12\n\ntracestate\x18\x02 \x01(\t*x\n\nOutputMode\x12\x1b\n\x17OUTPUT_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11OUTPUT_MODE_DELTA\x10\x01\x12\x1a\n\x16OUTPUT_MODE_CUMULATIVE\x10\x02\x12\x1a\n\x16OUTPUT_MODE_FINAL_ONLY\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'vmesh.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OUTPUTMODE']._serialized_start=656
-  _globals['_OUTPUTMODE']._serialized_end=776
-  _globals['_FINISHREASON']._serialized_start=778
-  _globals['_FINISHREASON']._serialized_end=898
+  _globals['_OUTPUTMODE']._serialized_start=785
+  _globals['_OUTPUTMODE']._serialized_end=905
+  _globals['_FINISHREASON']._serialized_start=907
+  _globals['_FINISHREASON']._serialized_end=1027
   _globals['_SAMPLINGPARAMS']._serialized_start=36
   _globals['_SAMPLINGPARAMS']._serialized_end=597
-  _globals['_TRACECONTEXT']._serialized_start=599
-  _globals['_TRACECONTEXT']._serialized_end=654
+  _globals['_LOGPROBCOLUMNS']._serialized_start=599
+  _globals['_LOGPROBCOLUMNS']._serialized_end=726
+  _globals['_TRACECONTEXT']._serialized_start=728
+  _globals['_TRACECONTEXT']._serialized_end=783
 # @@protoc_insertion_point(module_scope)

@@ -67,6 +67,20 @@ class SamplingParams(_message.Message):
     output_mode: OutputMode
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., logprobs: _Optional[int] = ..., output_mode: _Optional[_Union[OutputMode, str]] = ...) -> None: ...
 
+class LogprobColumns(_message.Message):
+    __slots__ = ("sampled_logprobs", "sampled_ranks", "num_top", "top_token_ids", "top_logprobs")
+    SAMPLED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOP_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    sampled_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    sampled_ranks: _containers.RepeatedScalarFieldContainer[int]
+    num_top: _containers.RepeatedScalarFieldContainer[int]
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, sampled_logprobs: _Optional[_Iterable[float]] = ..., sampled_ranks: _Optional[_Iterable[int]] = ..., num_top: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class TraceContext(_message.Message):
     __slots__ = ("traceparent", "tracestate")
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]

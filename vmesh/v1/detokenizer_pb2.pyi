@@ -26,7 +26,7 @@ class DetokenizerRequestInfo(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., frontend_id: _Optional[str] = ..., frontend_key: _Optional[int] = ..., prompt_tail: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
 
 class DetokenizeRequest(_message.Message):
-    __slots__ = ("new_requests", "handles", "num_tokens", "token_ids", "finish_reasons", "num_cached_prompt_tokens", "logprobs_handles", "sampled_logprobs", "sampled_ranks", "top_token_ids", "top_logprobs", "num_top", "errors")
+    __slots__ = ("new_requests", "handles", "num_tokens", "token_ids", "finish_reasons", "num_cached_prompt_tokens", "logprobs_handles", "logprobs", "errors")
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     HANDLES_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -34,11 +34,7 @@ class DetokenizeRequest(_message.Message):
     FINISH_REASONS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_HANDLES_FIELD_NUMBER: _ClassVar[int]
-    SAMPLED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    SAMPLED_RANKS_FIELD_NUMBER: _ClassVar[int]
-    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    NUM_TOP_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     new_requests: _containers.RepeatedCompositeFieldContainer[DetokenizerRequestInfo]
     handles: _containers.RepeatedScalarFieldContainer[int]
@@ -47,13 +43,9 @@ class DetokenizeRequest(_message.Message):
     finish_reasons: _containers.RepeatedScalarFieldContainer[_common_pb2.FinishReason]
     num_cached_prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     logprobs_handles: _containers.RepeatedScalarFieldContainer[int]
-    sampled_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    sampled_ranks: _containers.RepeatedScalarFieldContainer[int]
-    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    num_top: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _common_pb2.LogprobColumns
     errors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, new_requests: _Optional[_Iterable[_Union[DetokenizerRequestInfo, _Mapping]]] = ..., handles: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reasons: _Optional[_Iterable[_Union[_common_pb2.FinishReason, str]]] = ..., num_cached_prompt_tokens: _Optional[_Iterable[int]] = ..., logprobs_handles: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Iterable[float]] = ..., sampled_ranks: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., num_top: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, new_requests: _Optional[_Iterable[_Union[DetokenizerRequestInfo, _Mapping]]] = ..., handles: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reasons: _Optional[_Iterable[_Union[_common_pb2.FinishReason, str]]] = ..., num_cached_prompt_tokens: _Optional[_Iterable[int]] = ..., logprobs_handles: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ..., errors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DetokenizeResponse(_message.Message):
     __slots__ = ("stopped_handles", "draining", "orphaned_handles")
@@ -72,7 +64,7 @@ class SubscribeRequest(_message.Message):
     def __init__(self, frontend_id: _Optional[str] = ...) -> None: ...
 
 class SubscribeResponse(_message.Message):
-    __slots__ = ("frontend_keys", "texts", "num_tokens", "token_ids", "finish_reasons", "num_prompt_tokens", "num_output_tokens", "num_cached_prompt_tokens", "num_logprobs_rows", "sampled_logprobs", "sampled_ranks", "num_top", "top_token_ids", "top_logprobs", "errors")
+    __slots__ = ("frontend_keys", "texts", "num_tokens", "token_ids", "finish_reasons", "num_prompt_tokens", "num_output_tokens", "num_cached_prompt_tokens", "num_logprobs_rows", "logprobs", "errors")
     FRONTEND_KEYS_FIELD_NUMBER: _ClassVar[int]
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -82,11 +74,7 @@ class SubscribeResponse(_message.Message):
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_LOGPROBS_ROWS_FIELD_NUMBER: _ClassVar[int]
-    SAMPLED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    SAMPLED_RANKS_FIELD_NUMBER: _ClassVar[int]
-    NUM_TOP_FIELD_NUMBER: _ClassVar[int]
-    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     frontend_keys: _containers.RepeatedScalarFieldContainer[int]
     texts: _containers.RepeatedScalarFieldContainer[str]
@@ -97,10 +85,6 @@ class SubscribeResponse(_message.Message):
     num_output_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_cached_prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_logprobs_rows: _containers.RepeatedScalarFieldContainer[int]
-    sampled_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    sampled_ranks: _containers.RepeatedScalarFieldContainer[int]
-    num_top: _containers.RepeatedScalarFieldContainer[int]
-    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    logprobs: _common_pb2.LogprobColumns
     errors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, frontend_keys: _Optional[_Iterable[int]] = ..., texts: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reasons: _Optional[_Iterable[_Union[_common_pb2.FinishReason, str]]] = ..., num_prompt_tokens: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[_Iterable[int]] = ..., num_cached_prompt_tokens: _Optional[_Iterable[int]] = ..., num_logprobs_rows: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Iterable[float]] = ..., sampled_ranks: _Optional[_Iterable[int]] = ..., num_top: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., errors: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, frontend_keys: _Optional[_Iterable[int]] = ..., texts: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reasons: _Optional[_Iterable[_Union[_common_pb2.FinishReason, str]]] = ..., num_prompt_tokens: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[_Iterable[int]] = ..., num_cached_prompt_tokens: _Optional[_Iterable[int]] = ..., num_logprobs_rows: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ..., errors: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -50,7 +50,7 @@ class DetokenizerServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Detokenize(self, request_iterator, context):
-        """From the scheduler: one TokenBatch per engine step; back: stop-string hits and a drain notice.
+        """From the scheduler: one DetokenizeRequest per engine step; back: stop-string hits and a drain notice.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -68,30 +68,22 @@ class ExecuteRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., removed_handles: _Optional[_Iterable[int]] = ..., scheduled_handles: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., full_state: _Optional[bool] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
-    __slots__ = ("step", "handles", "sampled_token_ids", "logprobs_handles", "sampled_logprobs", "sampled_ranks", "top_token_ids", "top_logprobs", "num_top", "forward_seconds", "sampling_seconds")
+    __slots__ = ("step", "handles", "sampled_token_ids", "logprobs_handles", "logprobs", "forward_seconds", "sampling_seconds")
     STEP_FIELD_NUMBER: _ClassVar[int]
     HANDLES_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_HANDLES_FIELD_NUMBER: _ClassVar[int]
-    SAMPLED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    SAMPLED_RANKS_FIELD_NUMBER: _ClassVar[int]
-    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    NUM_TOP_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step: int
     handles: _containers.RepeatedScalarFieldContainer[int]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs_handles: _containers.RepeatedScalarFieldContainer[int]
-    sampled_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    sampled_ranks: _containers.RepeatedScalarFieldContainer[int]
-    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    num_top: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _common_pb2.LogprobColumns
     forward_seconds: float
     sampling_seconds: float
-    def __init__(self, step: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs_handles: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Iterable[float]] = ..., sampled_ranks: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., num_top: _Optional[_Iterable[int]] = ..., forward_seconds: _Optional[float] = ..., sampling_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs_handles: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., sampling_seconds: _Optional[float] = ...) -> None: ...
 
 class GetWorkerStatsRequest(_message.Message):
     __slots__ = ()
