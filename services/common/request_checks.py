@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from vmesh.services.common import wire
 from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.v1 import common_pb2
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -66,6 +68,13 @@ def check_sampling(params: SamplingParams, num_prompt_tokens: int, limits: Model
         raise InvalidRequest(f"sampling.{exc}") from exc
 
 
-def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, limits: ModelLimits) -> None:
-    check_prompt(prompt_token_ids, limits)
-    check_sampling(params, len(prompt_token_ids), limits)
+def decode_sampling(pb: common_pb2.SamplingParams, num_prompt_tokens: int, limits: ModelLimits,
+                    default_max_tokens: int = wire.DEFAULT_MAX_TOKENS) -> SamplingParams:
+    """A request's sampling settings as a door takes them in: decoded, defaults filled, checked.
+
+    The frontend passes the context's room as `default_max_tokens` and forwards the result,
+    encoded in full; the scheduler decodes that again here, whoever sent it. Raise
+    InvalidRequest naming the field as `sampling.<field>`."""
+    params = wire.sampling_from_proto(pb, default_max_tokens)
+    check_sampling(params, num_prompt_tokens, limits)
+    return params

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from opentelemetry import trace
 
-from vmesh.services.common import telemetry
+from vmesh.services.common import telemetry, wire
 from vmesh.services.common.finish_reason import finish_name
 from vmesh.services.common.logprobs import to_public
 from vmesh.services.frontend.outbox import Outbox
@@ -191,9 +191,6 @@ async def _generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRe
     request_id = str(frontend_key)
     span.set_attribute("gen_ai.response.id", f"{frontend.frontend_id}/{request_id}")
     outbox = frontend.outboxes[frontend_key] = Outbox(delta_text=params.output_mode.value == "delta")
-    sampling = frontend_pb2.GenerateRequest().sampling
-    sampling.CopyFrom(request.sampling)
-    sampling.max_tokens = params.max_tokens
     finished = False
     frontend.in_flight += 1
     started = last_token_at = time.monotonic()
@@ -207,7 +204,7 @@ async def _generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRe
             raise RequestError(Code.UNAVAILABLE, "no detokenizer replica is reachable")
         submission = scheduler_pb2.SubmitRequestRequest(
             frontend_id=frontend.frontend_id, frontend_key=frontend_key, prompt_token_ids=prompt,
-            sampling=sampling, priority=request.priority, trace_context=telemetry.to_proto(span),
+            sampling=wire.sampling_to_proto(params), priority=request.priority, trace_context=telemetry.to_proto(span),
             detokenizers=listening)
         group, reply = await submit(frontend, submission, time_remaining)
         outbox.group = group

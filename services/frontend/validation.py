@@ -3,8 +3,7 @@ rules the scheduler applies too (services/common/request_checks.py)."""
 
 from __future__ import annotations
 
-from vmesh.services.common import wire
-from vmesh.services.common.request_checks import InvalidRequest, ModelLimits, check_prompt, check_sampling
+from vmesh.services.common.request_checks import InvalidRequest, ModelLimits, check_prompt, decode_sampling
 from vmesh.services.common.sampling_params import SamplingParams
 from vmesh.v1 import frontend_pb2
 
@@ -13,11 +12,10 @@ __all__ = ["InvalidRequest", "ModelLimits", "validate_generate"]
 
 def validate_generate(request: frontend_pb2.GenerateRequest, prompt_token_ids: list[int],
                       limits: ModelLimits) -> SamplingParams:
-    """Check a GenerateRequest against the model; return its sampling params with defaults filled."""
+    """Check a GenerateRequest against the model; return its sampling params with defaults filled:
+    the form the frontend forwards (wire.sampling_to_proto), every field set, so later decodes read the same."""
     if request.model and request.model != limits.name:
         raise InvalidRequest(f"model: unknown model {request.model!r} (this server serves {limits.name!r})")
     check_prompt(prompt_token_ids, limits)
-    params = wire.sampling_from_proto(request.sampling,
-                                      default_max_tokens=limits.max_model_len - len(prompt_token_ids))
-    check_sampling(params, len(prompt_token_ids), limits)
-    return params
+    return decode_sampling(request.sampling, len(prompt_token_ids), limits,
+                           default_max_tokens=limits.max_model_len - len(prompt_token_ids))

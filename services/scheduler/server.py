@@ -23,7 +23,7 @@ from vmesh.services.common.discovery import DEFAULT_REFRESH_INTERVAL_S, AddressB
 from vmesh.services.common.finish_reason import FinishReason
 from vmesh.services.common.grpc_server import ServiceShell, channel
 from vmesh.services.common.metrics import Gauges, SchedulerMetrics
-from vmesh.services.common.request_checks import ModelLimits, check_request
+from vmesh.services.common.request_checks import ModelLimits, check_prompt, decode_sampling
 from vmesh.services.common.step_types import NewRequest, StepPlan
 from vmesh.services.scheduler.block_pool import BlockPool
 from vmesh.services.scheduler.detokenizer_router import DetokenizerRouter, OpenStream, Route, open_stream
@@ -143,11 +143,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         if not replicas:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no detokenizer replica is reachable")
         key = request_key(request.frontend_id, request.frontend_key)
-        sampling = wire.sampling_from_proto(request.sampling)
         try:
             # Checked here too, whoever sent it: a request the worker cannot serve would fail
             # the whole step, and with it every other request in the batch.
-            check_request(request.prompt_token_ids, sampling, self.limits)
+            check_prompt(request.prompt_token_ids, self.limits)
+            sampling = decode_sampling(request.sampling, len(request.prompt_token_ids), self.limits)
             self.scheduler.add_request(Request(key, list(request.prompt_token_ids), sampling,
                                                priority=request.priority))
         except QueueFullError as exc:
