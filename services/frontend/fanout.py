@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from vmesh.services.frontend import openai_protocol as oai
+from vmesh.services.frontend import openai_responses as render
 from vmesh.v1 import frontend_pb2
 
 T = TypeVar("T")
@@ -36,7 +36,7 @@ class Fanout:
         try:
             try:
                 async for out in stream:
-                    oai.check_not_aborted(out)
+                    render.check_not_aborted(out)
                     await self.queue.put((index, out, None))
             finally:
                 # Cancelled while waiting for room in the queue, the stream sits at a yield where

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vmesh.services.frontend import openai_protocol as oai
+from vmesh.services.frontend import openai_responses as render
 from vmesh.services.frontend import requests
 from vmesh.services.frontend.fanout import ClientGone, Fanout, FanoutStreamingResponse, until_disconnect
 from vmesh.services.frontend.http_middleware import (
@@ -54,27 +55,27 @@ class OpenAIRoutes:
     def __init__(self, frontend: FrontendServicer):
         self.frontend = frontend
         self.created = int(time.time())
-        self._tokens: oai.TokenTable | None = None
+        self._tokens: render.TokenTable | None = None
 
     def served(self) -> str:
         requests.ready(self.frontend)
         return self.frontend.limits.name
 
     @property
-    def tokens(self) -> oai.TokenTable:
+    def tokens(self) -> render.TokenTable:
         """The token table of the tokenizer now loaded (one per tokenizer: ids mean nothing
         across tokenizers)."""
         if self._tokens is None or self._tokens.tokenizer is not self.frontend.tokenizer:
-            self._tokens = oai.TokenTable(self.frontend.tokenizer)
+            self._tokens = render.TokenTable(self.frontend.tokenizer)
         return self._tokens
 
     async def _run(self, http_request: Request, generate_requests: list[frontend_pb2.GenerateRequest], n: int,
                    stream: bool, include_usage: bool, want_logprobs: bool, chat: bool,
                    aliases: dict[str, str]) -> Response:
         model = self.frontend.limits.name
-        request_id = oai.new_id("chatcmpl" if chat else "cmpl")
-        created = oai.now()
-        choices = [oai.Choice() for _ in range(len(generate_requests) * n)]
+        request_id = render.new_id("chatcmpl" if chat else "cmpl")
+        created = render.now()
+        choices = [render.Choice() for _ in range(len(generate_requests) * n)]
         fanout: Fanout | None = None
 
         async def start() -> None:
@@ -97,7 +98,7 @@ class OpenAIRoutes:
             assert fanout is not None
             if not stream:
                 await fanout.close()  # every stream has ended; closing leaves nothing to chance
-                build = oai.chat_body if chat else oai.completion_body
+                build = render.chat_body if chat else render.completion_body
                 tokens = self.tokens
                 # Rendering n × max_tokens entries (with logprobs) is long work: a worker thread
                 # keeps the loop serving other requests meanwhile.
@@ -120,7 +121,7 @@ class OpenAIRoutes:
             if fanout is not None and not handed_over:
                 await fanout.close()
 
-    async def _stream(self, fanout: Fanout, chunks: AsyncIterator[dict[str, Any]], choices: list[oai.Choice], n: int,
+    async def _stream(self, fanout: Fanout, chunks: AsyncIterator[dict[str, Any]], choices: list[render.Choice], n: int,
                       include_usage: bool, request_id: str, created: int, model: str, chat: bool,
                       aliases: dict[str, str]) -> AsyncIterator[str]:
         try:
@@ -128,7 +129,7 @@ class OpenAIRoutes:
                 yield _sse(chunk)
             if include_usage:
                 yield _sse({"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-                            "created": created, "model": model, "choices": [], "usage": oai.usage(choices, n)})
+                            "created": created, "model": model, "choices": [], "usage": render.usage(choices, n)})
         except RequestError as exc:  # mid-stream: the status line is long gone; OpenAI's clients read this
             yield _sse(oai.request_error_body(exc, aliases)[1])
         except Exception as exc:
@@ -138,7 +139,7 @@ class OpenAIRoutes:
             await fanout.close()
         yield "data: [DONE]\n\n"
 
-    async def _completion_events(self, fanout: Fanout, choices: list[oai.Choice], request_id: str, created: int,
+    async def _completion_events(self, fanout: Fanout, choices: list[render.Choice], request_id: str, created: int,
                                  model: str, want_logprobs: bool) -> AsyncIterator[dict[str, Any]]:
         async for index, out in fanout.events():
             choice = choices[index]
@@ -146,13 +147,13 @@ class OpenAIRoutes:
             choice.add(out)
             if not (out.text or out.finish_reason or out.logprobs):
                 continue
-            logprobs = (oai.completion_logprobs(list(out.logprobs), list(out.token_ids), self.tokens, offset)
+            logprobs = (render.completion_logprobs(list(out.logprobs), list(out.token_ids), self.tokens, offset)
                         if want_logprobs else None)
             yield {"id": request_id, "object": "text_completion", "created": created, "model": model,
                    "choices": [{"index": index, "text": out.text, "logprobs": logprobs,
-                                "finish_reason": oai.finish_reason(out.finish_reason)}]}
+                                "finish_reason": render.finish_reason(out.finish_reason)}]}
 
-    async def _chat_events(self, fanout: Fanout, choices: list[oai.Choice], request_id: str, created: int,
+    async def _chat_events(self, fanout: Fanout, choices: list[render.Choice], request_id: str, created: int,
                            model: str, want_logprobs: bool) -> AsyncIterator[dict[str, Any]]:
         def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> dict:
             return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -164,10 +165,10 @@ class OpenAIRoutes:
             choices[index].add(out)
             if not (out.text or out.finish_reason or out.logprobs):
                 continue
-            logprobs = (oai.chat_logprobs(list(out.logprobs), list(out.token_ids), self.tokens)
+            logprobs = (render.chat_logprobs(list(out.logprobs), list(out.token_ids), self.tokens)
                         if want_logprobs else None)
             yield chunk(index, {"content": out.text} if out.text else {}, logprobs,
-                        oai.finish_reason(out.finish_reason))
+                        render.finish_reason(out.finish_reason))
 
     async def completions(self, body: oai.CompletionRequest, request: Request) -> Response:
         generate_requests = oai.completion_requests(body, self.served())

@@ -15,6 +15,7 @@ import pytest
 
 from tests.support.grpc_fakes import FakeChannel
 from vmesh.services.frontend import openai_protocol as oai
+from vmesh.services.frontend import openai_responses as render
 from vmesh.services.frontend.fanout import Fanout, until_disconnect
 from vmesh.services.frontend.http_middleware import body_limit
 from vmesh.services.frontend.http_server import build_app
@@ -365,13 +366,13 @@ def test_a_lone_surrogate_is_a_400_naming_the_field():
 
 def test_logprob_tokens_are_decoded_once_each_and_logprobs_are_capped():
     tokenizer = CharTokenizer()
-    tokens = oai.TokenTable(tokenizer)
+    tokens = render.TokenTable(tokenizer)
     entry = frontend_pb2.GeneratedTokenLogprobs(logprob=-0.5, top=[frontend_pb2.TokenLogprob(token_id=t, logprob=-1)
                                                                    for t in b"abcde"])
-    choice = oai.Choice(text="ab" * 500, token_ids=[97, 98] * 500, logprobs=[entry] * 1000)
-    body = oai.completion_body("id", 0, "m", [choice] * 8, 8, True, tokens)
+    choice = render.Choice(text="ab" * 500, token_ids=[97, 98] * 500, logprobs=[entry] * 1000)
+    body = render.completion_body("id", 0, "m", [choice] * 8, 8, True, tokens)
     assert body["choices"][0]["logprobs"]["tokens"][:2] == ["a", "b"]
-    chat = oai.chat_body("id", 0, "m", [choice] * 8, 8, True, tokens)
+    chat = render.chat_body("id", 0, "m", [choice] * 8, 8, True, tokens)
     assert chat["choices"][7]["logprobs"]["content"][1]["bytes"] == [98]
     assert tokenizer.decodes == 5  # a..e, once each, for 8 × 1000 × 6 × 2 mentions
 
@@ -390,7 +391,7 @@ def test_chat_logprob_bytes_are_the_tokens_own_bytes(embedded_tokenizer):
     EF BF BD of the replacement character its text decodes to."""
     text = " 日本 héllo"
     ids = embedded_tokenizer.encode(text)
-    tokens = oai.TokenTable(embedded_tokenizer)
+    tokens = render.TokenTable(embedded_tokenizer)
     assert any(tokens.text(i) == "\ufffd" for i in ids)  # the case that matters is present
     assert b"".join(tokens.raw(i) for i in ids) == text.encode()
     end = embedded_tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -1,0 +1,175 @@
+"""OpenAI's response bodies, built from the GenerateResponses of the gRPC API (whose per-token
+logprobs message they render), and the token texts they name. Pure functions: no I/O."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from vmesh.services.frontend.requests import Code, RequestError
+from vmesh.v1 import common_pb2, frontend_pb2
+
+# JSON has no -inf: a logprob that underflowed is sent as this, as vLLM does.
+MIN_LOGPROB = -9999.0
+# Only OpenAI's values: "abort" (which vLLM passes through) breaks clients that switch on the
+# enum, and an aborted request did not complete, so it is reported as an error instead.
+FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
+
+
+@dataclass
+class Choice:
+    """What one choice has received so far."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[frontend_pb2.GeneratedTokenLogprobs] = field(default_factory=list)
+    finish_reason: int = 0
+    usage: frontend_pb2.Usage | None = None
+
+    def add(self, out: frontend_pb2.GenerateResponse) -> None:
+        self.text += out.text
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs
+        self.finish_reason = out.finish_reason or self.finish_reason
+        if out.HasField("usage"):
+            self.usage = out.usage
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def _lp(value: float) -> float:
+    return max(float(value), MIN_LOGPROB)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: the character each byte is written as in a
+    byte-level BPE vocabulary -> that byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+BYTE_DECODER = _byte_decoder()
+
+
+class TokenTexts(Protocol):
+    def text(self, token_id: int) -> str: ...
+
+    def raw(self, token_id: int) -> bytes: ...
+
+
+class TokenTable:
+    """Each token id's text and raw bytes, computed at most once per id: rendering logprobs
+    names every sampled and every top token, and decoding them one by one on the event loop
+    stalls every other request (n × max_tokens × (1 + top) decodes per response). Bounded by
+    the vocabulary; filled lazily, as decoding a whole vocabulary up front is itself a stall."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._text: dict[int, str] = {}
+        self._raw: dict[int, bytes] = {}
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._byte_level = "ByteLevel" in type(getattr(backend, "decoder", None)).__name__
+        self._added = {i for i in (getattr(tokenizer, "added_tokens_decoder", None) or {})}
+
+    def text(self, token_id: int) -> str:
+        text = self._text.get(token_id)
+        if text is None:
+            text = self._text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def raw(self, token_id: int) -> bytes:
+        """The token's own bytes: a token holding part of a UTF-8 character decodes to U+FFFD,
+        whose UTF-8 (EF BF BD) is not what the model produced; OpenAI's `bytes` are the real ones."""
+        raw = self._raw.get(token_id)
+        if raw is None:
+            raw = self._raw[token_id] = self._token_bytes(token_id)
+        return raw
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        convert = getattr(self.tokenizer, "convert_ids_to_tokens", None)
+        piece = convert(token_id) if convert is not None and token_id not in self._added else None
+        if isinstance(piece, str) and piece:  # "": an id the vocabulary lacks
+            if self._byte_level and all(c in BYTE_DECODER for c in piece):
+                return bytes(BYTE_DECODER[c] for c in piece)
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    pass
+        return self.text(token_id).encode(errors="surrogatepass")
+
+
+def completion_logprobs(entries: list[frontend_pb2.GeneratedTokenLogprobs], token_ids: list[int],
+                        tokens: TokenTexts, offset: int = 0) -> dict[str, Any]:
+    """OpenAI's legacy completions logprobs; `offset`: where this piece starts in the choice's text."""
+    texts = [tokens.text(t) for t in token_ids]
+    offsets = []
+    for t in texts:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": texts, "token_logprobs": [_lp(e.logprob) for e in entries],
+            "top_logprobs": [{tokens.text(t.token_id): _lp(t.logprob) for t in e.top} for e in entries],
+            "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[frontend_pb2.GeneratedTokenLogprobs], token_ids: list[int],
+                  tokens: TokenTexts) -> dict[str, Any]:
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token": tokens.text(token_id), "logprob": _lp(logprob), "bytes": list(tokens.raw(token_id))}
+
+    return {"content": [{**item(t, e.logprob), "top_logprobs": [item(x.token_id, x.logprob) for x in e.top]}
+                        for t, e in zip(token_ids, entries)]}
+
+
+def check_not_aborted(out: frontend_pb2.GenerateResponse) -> None:
+    """An output the server aborted (a failure or a deadline on its side) ends the request with
+    an error: OpenAI has no finish reason for it, and its text is not a complete answer."""
+    if out.finish_reason == common_pb2.FINISH_REASON_ABORT:
+        raise RequestError(Code.UNAVAILABLE, "the server aborted the request before it finished; try again")
+
+
+def usage(choices: list[Choice], n: int) -> dict[str, Any]:
+    """Prompt tokens count once per prompt (its n copies share it), completion tokens per choice."""
+    prompt = sum(c.usage.prompt_tokens for c in choices[::n] if c.usage)
+    cached = sum(c.usage.cached_prompt_tokens for c in choices[::n] if c.usage)
+    completion = sum(c.usage.completion_tokens for c in choices if c.usage)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def finish_reason(code: int) -> str | None:
+    return FINISH_REASONS.get(code)
+
+
+def completion_body(request_id: str, created: int, model: str, choices: list[Choice], n: int, want_logprobs: bool,
+                    tokens: TokenTexts) -> dict[str, Any]:
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": i, "text": c.text, "finish_reason": finish_reason(c.finish_reason),
+                         "logprobs": completion_logprobs(c.logprobs, c.token_ids, tokens) if want_logprobs
+                         else None} for i, c in enumerate(choices)],
+            "usage": usage(choices, n)}
+
+
+def chat_body(request_id: str, created: int, model: str, choices: list[Choice], n: int, want_logprobs: bool,
+              tokens: TokenTexts) -> dict[str, Any]:
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                         "finish_reason": finish_reason(c.finish_reason),
+                         "logprobs": chat_logprobs(c.logprobs, c.token_ids, tokens) if want_logprobs else None}
+                        for i, c in enumerate(choices)],
+            "usage": usage(choices, n)}
