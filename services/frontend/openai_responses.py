@@ -15,7 +15,7 @@ from vmesh.v1 import common_pb2, frontend_pb2
 MIN_LOGPROB = -9999.0
 # Only OpenAI's values: "abort" (which vLLM passes through) breaks clients that switch on the
 # enum, and an aborted request did not complete, so it is reported as an error instead.
-FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
+FINISH_REASONS: dict[int, str] = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
 
 
 @dataclass

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from vmesh.kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
+from vmesh.services.common.logprobs import TokenLogprobs
 from vmesh.services.common.model_loading import (
     ModelLoadError,
     cache_dir_path,
@@ -18,7 +19,6 @@ from vmesh.services.common.model_loading import (
     load_state_dict,
     resolve_model_dir,
 )
-from vmesh.services.common.logprobs import TokenLogprobs
 from vmesh.services.common.model_spec import ModelSpec
 from vmesh.services.common.step_types import StepPlan, StepResult
 from vmesh.services.worker.attention import AttentionBackend, make_attention_backend
