@@ -36,24 +36,28 @@ class Child:
 
 def _flags(args: argparse.Namespace, group: str) -> list[str]:
     """The command-line form of every flag `vmesh serve` took in one of its argument groups
-    (model, worker, scheduler, frontend): a service gets its whole group, so a flag added to
-    a group can never be left behind."""
-    argv = []
-    for option, dest in group_flags(group):
-        value = getattr(args, dest)
-        if value is None or value is False or dest in NOT_FORWARDED:
-            continue
-        argv += [option] if value is True else [option, str(value)]
-    return argv
+    (model, worker, scheduler, frontend): a service gets its whole group, so a setting added to
+    its dataclass can never be left behind."""
+    from vmesh.services.common.config_flags import forwarded_argv
+
+    return forwarded_argv(_settings_class(group), group, args, skip=NOT_FORWARDED)
 
 
 def group_flags(group: str) -> list[tuple[str, str]]:
     """(--flag, dest) of each option in `vmesh serve`'s argument group titled `group`."""
-    from vmesh.services.cli import build_parser
+    from vmesh.services.common.config_flags import section_flags
 
-    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
-    titled = next(g for g in serve._action_groups if g.title == group)
-    return [(a.option_strings[0], a.dest) for a in titled._group_actions if a.option_strings]
+    return section_flags(_settings_class(group), group)
+
+
+def _settings_class(group: str) -> type:
+    """The dataclass whose fields define a forwarded argument group's flags."""
+    from vmesh.services.frontend.settings import FrontendSettings
+    from vmesh.services.scheduler.settings import SchedulerSettings
+    from vmesh.services.worker.config import WorkerConfig
+
+    return {"model": WorkerConfig, "worker": WorkerConfig, "scheduler": SchedulerSettings,
+            "frontend": FrontendSettings}[group]
 
 
 # The API key reaches the frontend by environment (ps shows argv); --http-port and --no-http are

@@ -59,7 +59,7 @@ MODES = {"offline": offline, "serving": serving, "claims": claims, "detokenizer"
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vmesh.services.worker.kv_cache import parse_memory_size
+    from vmesh.services.worker.config import parse_memory_size
 
     args = build_parser().parse_args(argv)
     args.kv_cache_memory_bytes = parse_memory_size(args.kv_cache_memory)

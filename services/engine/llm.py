@@ -22,17 +22,21 @@ from vmesh.services.engine.core import EngineCore
 from vmesh.services.scheduler.block_pool import BlockPool
 from vmesh.services.scheduler.request import Request
 from vmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig
+from vmesh.services.scheduler.settings import SchedulerSettings
 from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
 
 
 @dataclass
-class EngineConfig:
+class EngineConfig(SchedulerSettings):
+    """The scheduler's settings and the worker's, for one process."""
+    # Unbounded unless set: a library caller may add a whole offline batch before stepping.
+    max_waiting: int | None = None
     worker: WorkerConfig = field(default_factory=WorkerConfig)
-    max_num_batched_tokens: int = 2048
-    policy: str = "fcfs"
-    pipeline_depth: int = 2
-    enable_prefix_caching: bool = True
-    max_waiting: int | None = None  # waiting-queue size; None: unbounded
+
+    def __post_init__(self) -> None:
+        if self.stateless_worker:
+            raise ValueError("stateless_worker is a mode of the mesh's worker protocol; the in-process engine "
+                             "has no protocol to resend")
 
 
 @dataclass

@@ -21,6 +21,8 @@ from vmesh.services.common.logprobs import TokenLogprobs
 from vmesh.services.common.step_types import NewRequest, StepPlan, StepResult
 from vmesh.services.scheduler.block_pool import BlockPool
 from vmesh.services.scheduler.request import Request, RequestStatus
+from vmesh.services.scheduler.settings import SCHEDULING_POLICIES, SchedulerSettings
+from vmesh.services.worker.config import WorkerConfig
 
 
 class QueueFullError(RuntimeError):
@@ -29,15 +31,17 @@ class QueueFullError(RuntimeError):
 
 @dataclass
 class SchedulerConfig:
+    """What one scheduler runs under: its service's settings (SchedulerSettings, WorkerConfig)
+    resolved against the worker it drives. Defaults are those settings' own."""
     max_model_len: int
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    policy: str = "fcfs"  # or "priority": (priority, arrival) order, lowest value first
+    max_num_seqs: int = WorkerConfig.max_num_seqs
+    max_num_batched_tokens: int = SchedulerSettings.max_num_batched_tokens
+    policy: str = SchedulerSettings.policy  # or "priority": (priority, arrival) order, lowest value first
     max_waiting: int | None = None  # None: unbounded waiting queue
 
     def __post_init__(self) -> None:
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"unknown scheduling policy {self.policy!r} (fcfs or priority)")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"unknown scheduling policy {self.policy!r} ({' or '.join(SCHEDULING_POLICIES)})")
 
 
 @dataclass

@@ -30,6 +30,7 @@ from vmesh.services.scheduler.detokenizer_router import DetokenizerRouter, OpenS
 from vmesh.services.scheduler.pipeline import StepPipeline
 from vmesh.services.scheduler.request import Request
 from vmesh.services.scheduler.scheduler import QueueFullError, RequestUpdate, Scheduler, SchedulerConfig
+from vmesh.services.scheduler.settings import SchedulerSettings
 from vmesh.v1 import detokenizer_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -38,17 +39,12 @@ PROMPT_TAIL_TOKENS = 4  # decoding context given to the detokenizer
 TRACER = telemetry.tracer("vmesh.scheduler")
 
 
-@dataclass
-class MeshSchedulerConfig:
+@dataclass(kw_only=True)
+class MeshSchedulerConfig(SchedulerSettings):
+    """The scheduler's settings plus where its worker ranks and detokenizers are."""
     worker_addresses: list[str]
     detokenizer_addresses: list[str]  # host:port or dns:///name:port specs, re-resolved periodically
-    max_num_batched_tokens: int = 2048
     max_num_seqs: int | None = None  # None: the worker's
-    policy: str = "fcfs"
-    pipeline_depth: int = 2
-    stateless_worker: bool = False
-    enable_prefix_caching: bool = True
-    max_waiting: int = 4096
     replica_refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S
 
 

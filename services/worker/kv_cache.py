@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 
 import torch
@@ -12,21 +11,7 @@ from vmesh.services.common.model_spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
-DEFAULT_CUDA_MEMORY_FRACTION = 0.9
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
-          "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
-
-
-def parse_memory_size(text: str | int) -> int:
-    """'2GiB', '512M', '1.5gb' or a plain byte count -> bytes."""
-    if isinstance(text, int):
-        return text
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot parse memory size {text!r} (examples: 2GiB, 512MiB, 1000000)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:

@@ -6,7 +6,6 @@ import ctypes
 import ctypes.util
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -22,12 +21,8 @@ from vmesh.services.common.model_loading import (
 from vmesh.services.common.model_spec import ModelSpec
 from vmesh.services.common.step_types import StepPlan, StepResult
 from vmesh.services.worker.attention import AttentionBackend, make_attention_backend
-from vmesh.services.worker.kv_cache import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_CUDA_MEMORY_FRACTION,
-    KVCache,
-    kv_cache_budget,
-)
+from vmesh.services.worker.config import WorkerConfig
+from vmesh.services.worker.kv_cache import KVCache, kv_cache_budget
 from vmesh.services.worker.model import DecoderModel, MissingWeightError
 from vmesh.services.worker.persistent_batch import PersistentBatch, PlanError, StepInputs
 from vmesh.services.worker.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -35,23 +30,6 @@ from vmesh.services.worker.sampler import Sampler, SamplerOutput, SamplingBatch
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class WorkerConfig:
-    model: str | None = None  # None: the embedded default model
-    cache_dir: str | None = None
-    device: str = "auto"
-    dtype: str = "float32"
-    block_size: int = DEFAULT_BLOCK_SIZE
-    kv_cache_memory: int | None = None  # bytes; None: default budget for the device
-    kv_cache_memory_fraction: float = DEFAULT_CUDA_MEMORY_FRACTION
-    max_num_seqs: int = 256
-    max_model_len: int | None = None  # None: the model's own context length
-    attention_backend: str = "auto"
-    # CPU, float32: 1-4 row linears through kernels/cpu (faster single streams). They read
-    # oneDNN's packed copy where its layout is the known one (AVX-512), else keep a plain copy.
-    small_batch_linear: bool = True
 
 
 def resolve_device(name: str) -> torch.device:

@@ -1,5 +1,6 @@
 """Every `vmesh serve` flag reaches the service that owns it: the launcher forwards whole
-argument groups, and each service's own parser accepts what it is given."""
+argument groups, each service's own parser accepts what it is given, and the settings the
+service builds from it hold the value given to `vmesh serve`."""
 
 from __future__ import annotations
 
@@ -8,15 +9,38 @@ import argparse
 import pytest
 
 from vmesh.services.cli import build_parser
-from vmesh.services.launcher import NOT_FORWARDED, _flags, group_flags
+from vmesh.services.cli_commands import engine_config, worker_config
+from vmesh.services.common.config_flags import settings_of, values_from_args
+from vmesh.services.frontend.settings import FrontendSettings
+from vmesh.services.launcher import NOT_FORWARDED, _flags, _settings_class, group_flags
+from vmesh.services.scheduler.settings import SchedulerSettings
+from vmesh.services.worker.config import WorkerConfig
 
 OWNERS = {"model": ["worker", "detokenizer", "frontend"], "worker": ["worker"], "scheduler": ["scheduler"],
           "frontend": ["frontend"]}
 
 
+def _settings_built_by(service: str, group: str, args: argparse.Namespace) -> dict[str, object]:
+    """Flag dest -> the field's value in the settings `service` builds from its parsed flags."""
+    if service == "worker":
+        built = worker_config(args)
+    elif service == "scheduler":
+        built = SchedulerSettings(**values_from_args(SchedulerSettings, args))
+    elif service == "frontend" and group == "frontend":
+        built = FrontendSettings(**values_from_args(FrontendSettings, args))
+    else:  # the model section, which the detokenizers and the frontend read for the tokenizer
+        built = WorkerConfig(**values_from_args(WorkerConfig, args, "model"))
+    return {spec.dest: getattr(built, f.name) for f, spec in settings_of(_settings_class(group), group)}
+
+
+SAMPLE_TEXT = {"kv_cache_memory": "2GiB"}  # flags whose text the service parses further
+
+
 def _sample_value(action: argparse.Action) -> list[str]:
     if action.nargs == 0:  # store_true
         return []
+    if action.dest in SAMPLE_TEXT:
+        return [SAMPLE_TEXT[action.dest]]
     if action.choices:
         return [str(list(action.choices)[-1])]
     if action.type is int:
@@ -46,6 +70,8 @@ def test_each_serve_flag_is_forwarded_to_a_service_that_accepts_it(group):
         for service in OWNERS[group]:
             parsed = build_parser().parse_args([service, *forwarded])
             assert getattr(parsed, dest) == getattr(args, dest), (service, option)
+            built = _settings_built_by(service, group, parsed)[dest]
+            assert built == _settings_built_by(service, group, args)[dest], (service, option)
 
 
 def test_the_flags_that_once_went_missing_are_forwarded():
@@ -56,8 +82,6 @@ def test_the_flags_that_once_went_missing_are_forwarded():
 
 
 def test_generate_local_honours_or_refuses_every_scheduler_flag():
-    from vmesh.services.cli import engine_config
-
     config = engine_config(build_parser().parse_args(["generate", "hi", "--local", "--max-waiting", "5"]))
     assert config.max_waiting == 5
     with pytest.raises(ValueError, match="stateless-worker"):
@@ -71,3 +95,30 @@ def test_every_serve_argument_group_is_forwarded_or_the_launcher_s_own():
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     titles = {g.title for g in serve._action_groups}
     assert titles - launcher_own == set(OWNERS), titles
+
+
+@pytest.mark.parametrize("group", sorted(OWNERS))
+def test_each_forwarded_group_is_exactly_its_settings_dataclass(group):
+    """No flag is added to a forwarded group by hand: the launcher forwards what the dataclass
+    defines, so a hand-made flag would be parsed by `vmesh serve` and never reach its service."""
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    titled = next(g for g in serve._action_groups if g.title == group)
+    assert [(a.option_strings[0], a.dest) for a in titled._group_actions] == group_flags(group)
+
+
+@pytest.mark.parametrize(("command", "build", "expected"), [
+    (["worker"], worker_config, WorkerConfig()),
+    (["scheduler"], lambda a: SchedulerSettings(**values_from_args(SchedulerSettings, a)), SchedulerSettings()),
+    (["frontend"], lambda a: FrontendSettings(**values_from_args(FrontendSettings, a)), FrontendSettings()),
+])
+def test_an_unset_flag_leaves_the_dataclass_default(monkeypatch, command, build, expected):
+    for variable in [v for v in __import__("os").environ if v.startswith("VMESH_")]:
+        monkeypatch.delenv(variable)
+    assert build(build_parser().parse_args(command)) == expected
+
+
+def test_the_engine_takes_the_scheduler_settings_of_the_command_line():
+    config = engine_config(build_parser().parse_args(["generate", "hi", "--local"]))
+    assert {f.name: getattr(config, f.name) for f, _ in settings_of(SchedulerSettings)} == \
+        {f.name: getattr(SchedulerSettings(), f.name) for f, _ in settings_of(SchedulerSettings)}
+    assert config.worker == WorkerConfig()

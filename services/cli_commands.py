@@ -1,0 +1,247 @@
+"""What each `vmesh` subcommand does, given its parsed arguments (services/cli.py parses them).
+Each service's settings are rebuilt from the flags by the dataclasses that define them."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from vmesh.services.common.config_flags import values_from_args
+from vmesh.services.scheduler.settings import SchedulerSettings
+from vmesh.services.worker.config import WorkerConfig
+
+if TYPE_CHECKING:
+    from vmesh.services.engine.llm import EngineConfig
+
+
+def _address_specs(text: str) -> list[str]:
+    """Comma-separated host:port entries or `dns:///name:port` (every address of name)."""
+    return [a.strip() for a in text.split(",") if a.strip()]
+
+
+def _addresses(text: str) -> list[str]:
+    """The specs resolved once: for a fixed group such as worker ranks."""
+    from vmesh.services.common.discovery import expand_addresses
+
+    return expand_addresses(_address_specs(text))
+
+
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    return WorkerConfig(**values_from_args(WorkerConfig, args))
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    from vmesh.services.engine.llm import EngineConfig
+
+    if args.stateless_worker:
+        raise ValueError("--stateless-worker is a mode of the mesh's worker protocol; the in-process engine "
+                         "has no protocol to resend (drop --local or the flag)")
+    return EngineConfig(worker=worker_config(args), **values_from_args(SchedulerSettings, args))
+
+
+def _tokenizer_loader(args: argparse.Namespace):
+    """The frontend's and detokenizers' tokenizer: without transformers, so without torch."""
+    from vmesh.services.common.model_loading import resolve_model_dir
+    from vmesh.services.common.tokenizer import load_chat_tokenizer
+
+    return lambda: load_chat_tokenizer(resolve_model_dir(args.model, args.cache_dir))
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    from vmesh.services.common.model_loading import EMBEDDED_MODEL_NAME
+
+    return os.path.basename(os.path.normpath(args.model)) if args.model else EMBEDDED_MODEL_NAME
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    configure_security(args, "worker")
+    from vmesh.services.worker.model_runner import ModelRunner
+    from vmesh.services.worker.server import serve
+
+    config = worker_config(args)
+    asyncio.run(serve(lambda: ModelRunner.load(config), _model_name(args), args.host, args.port, args.ready_file,
+                      args.metrics_port))
+    return 0
+
+
+def cmd_detokenizer(args: argparse.Namespace) -> int:
+    configure_security(args, "detokenizer")
+    from vmesh.services.detokenizer.server import serve
+
+    loader = _tokenizer_loader(args)
+    asyncio.run(serve(lambda: loader().backend_tokenizer, args.host, args.port, args.ready_file, args.metrics_port,
+                      _model_name(args)))
+    return 0
+
+
+def cmd_scheduler(args: argparse.Namespace) -> int:
+    configure_security(args, "scheduler")
+    from vmesh.services.scheduler.server import MeshSchedulerConfig, serve
+
+    config = MeshSchedulerConfig(
+        worker_addresses=_addresses(args.workers), detokenizer_addresses=_address_specs(args.detokenizer_addresses),
+        replica_refresh_interval_s=args.replica_refresh_interval, **values_from_args(SchedulerSettings, args))
+    asyncio.run(serve(config, args.host, args.port, args.ready_file, args.metrics_port))
+    return 0
+
+
+def cmd_frontend(args: argparse.Namespace) -> int:
+    configure_security(args, "frontend")
+    from vmesh.services.frontend.server import serve
+    from vmesh.services.frontend.settings import FrontendSettings
+
+    settings = FrontendSettings(**values_from_args(FrontendSettings, args))
+    asyncio.run(serve(_tokenizer_loader(args), _address_specs(args.scheduler),
+                      _address_specs(args.detokenizer_addresses), args.host, args.port, args.ready_file,
+                      args.metrics_port, args.replica_refresh_interval, http_port=settings.http_api_port,
+                      api_key=settings.api_key or None, max_prompt_bytes=settings.max_prompt_bytes,
+                      model_name=_model_name(args)))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from vmesh.services.launcher import serve_mesh
+
+    return serve_mesh(args)
+
+
+def configure_security(args: argparse.Namespace, role: str | None) -> None:
+    """This process's mTLS identity and listening options, from its flags. `role`: the role its
+    certificate must carry (None: any, as for `vmesh health`)."""
+    from vmesh.services.common import grpc_server, tls
+
+    files = [getattr(args, name, None) for name in ("tls_cert", "tls_key", "tls_ca")]
+    if any(files):
+        if not all(files):
+            raise ValueError("--tls-cert, --tls-key and --tls-ca go together")
+        identity = tls.Identity.from_files(*files)
+        if role is not None and identity.role != role:
+            raise ValueError(f"--tls-cert is a {identity.role} certificate; this is the {role}")
+        tls.configure(identity)
+    public = [getattr(args, "public_tls_cert", None), getattr(args, "public_tls_key", None)]
+    if any(public) and not all(public):
+        raise ValueError("--public-tls-cert and --public-tls-key go together")
+    max_prompt_bytes = getattr(args, "max_prompt_bytes", None) or 0
+    grpc_server.OPTIONS = grpc_server.ShellOptions(reflection=getattr(args, "reflection", False),
+                                                   health_port=getattr(args, "health_port", None),
+                                                   public_tls_cert=public[0], public_tls_key=public[1],
+                                                   public_max_message_bytes=max(8 << 20, 2 * max_prompt_bytes))
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """Exit 0 when the service at the address reports SERVING (for container health checks)."""
+    from vmesh.services.common.grpc_server import wait_until_serving
+
+    try:
+        configure_security(args, None)
+        if args.tls_cert and args.role is None:
+            raise ValueError("--role names the role of the service checked over mutual TLS")
+        asyncio.run(wait_until_serving(args.address, args.timeout, args.role, secure=bool(args.tls_cert)))
+    except TimeoutError as exc:
+        print(f"vmesh: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    """A private CA and a certificate per role for one mesh (compose and Kubernetes mount them)."""
+    from vmesh.services.common.certs import write_mesh_certificates
+
+    if args.if_missing and (Path(args.out) / "ca.crt").exists():
+        print(f"vmesh: certificates already in {args.out}; kept")
+        return 0
+    directory = write_mesh_certificates(Path(args.out), public_hosts=_address_specs(args.public_hosts),
+                                        key_mode=int(args.key_mode, 8))
+    print(f"vmesh: CA and certificates for every role in {directory}")
+    return 0
+
+
+def cmd_warm_cache(args: argparse.Namespace) -> int:
+    from vmesh.services.common.model_loading import load_tokenizer, resolve_model_dir
+
+    model_dir = resolve_model_dir(args.model, args.cache_dir)
+    load_tokenizer(model_dir)
+    print(f"model ready at {model_dir}")
+    from vmesh.kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
+    from vmesh.services.common.model_loading import cache_dir_path
+
+    try:
+        load_cpu_kernels(cache_dir_path(args.cache_dir))
+        print("CPU kernels built (kernels/cpu)")
+    except CpuKernelBuildError as exc:
+        print(f"CPU kernels not built ({exc}); the worker will use torch on CPU", file=sys.stderr)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if args.local:
+        return _generate_in_process(args)
+    from vmesh.services.client import VmeshClient
+
+    async def run() -> None:
+        async with VmeshClient(args.address, api_key=args.api_key, tls_ca=args.public_tls_ca) as client:
+            chat = None if args.raw else [{"role": "user", "content": args.prompt}]
+            async for out in client.generate(text=args.prompt if args.raw else None, chat=chat,
+                                             max_tokens=args.max_tokens, temperature=args.temperature,
+                                             top_p=args.top_p, top_k=args.top_k, seed=args.seed):
+                sys.stdout.write(out.text)
+                sys.stdout.flush()
+        sys.stdout.write("\n")
+
+    asyncio.run(run())
+    return 0
+
+
+def _generate_in_process(args: argparse.Namespace) -> int:
+    from vmesh.services.common.sampling_params import SamplingParams
+    from vmesh.services.engine.llm import LLMEngine
+
+    engine = LLMEngine.from_config(engine_config(args))
+    prompt = args.prompt if args.raw else engine.encode_chat([{"role": "user", "content": args.prompt}])
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed)
+
+    async def run() -> None:
+        async for out in engine.stream(prompt, params):
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from vmesh.services.client import VmeshClient
+
+    async def run() -> None:
+        history: list[dict[str, str]] = []
+        async with VmeshClient(args.address, api_key=args.api_key, tls_ca=args.public_tls_ca) as client:
+            while True:
+                try:
+                    line = await asyncio.get_running_loop().run_in_executor(None, input, "you> ")
+                except EOFError:
+                    return
+                if not line.strip():
+                    continue
+                history.append({"role": "user", "content": line})
+                sys.stdout.write("assistant> ")
+                reply = ""
+                async for out in client.generate(chat=history, max_tokens=args.max_tokens,
+                                                 temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                                 seed=args.seed):
+                    reply += out.text
+                    sys.stdout.write(out.text)
+                    sys.stdout.flush()
+                sys.stdout.write("\n")
+                history.append({"role": "assistant", "content": reply})
+
+    asyncio.run(run())
+    return 0

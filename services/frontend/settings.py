@@ -1,0 +1,35 @@
+"""The frontend's settings: each default, flag, VMESH_* variable and help text written once here
+(services/common/config_flags.py derives the command line from them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vmesh.services.common.config_flags import setting
+from vmesh.services.frontend.requests import DEFAULT_MAX_PROMPT_BYTES
+
+HTTP_PORT_HELP = "serve the OpenAI-compatible HTTP API on --host at this port (0: any free port)"
+
+
+@dataclass
+class FrontendSettings:
+    http_port: int | None = setting(  # None: no HTTP API (`vmesh serve` turns it on by default)
+        None, section="frontend", parse_flag=int, help=HTTP_PORT_HELP + "; default: off")
+    serve_http: bool = setting(True, section="frontend", flag="--no-http", negated=True,
+                               help="do not serve the HTTP API")
+    api_key: str | None = setting(
+        None, section="frontend",
+        help="require 'Authorization: Bearer KEY' on HTTP /v1/* and 'authorization: Bearer KEY' gRPC metadata "
+             "on Generate/Tokenize/GetModelInfo (health checks stay open)")
+    max_prompt_bytes: int = setting(
+        DEFAULT_MAX_PROMPT_BYTES, section="frontend",
+        help="prompts with more bytes of text are refused (INVALID_ARGUMENT / HTTP 400) before tokenizing")
+    public_tls_cert: str | None = setting(
+        None, section="frontend",
+        help="serve the public gRPC port and the HTTP API over TLS with this certificate (and --public-tls-key)")
+    public_tls_key: str | None = setting(None, section="frontend")
+
+    @property
+    def http_api_port(self) -> int | None:
+        """Where the HTTP API listens; None: nowhere."""
+        return self.http_port if self.serve_http else None

@@ -1,0 +1,25 @@
+"""The scheduler's settings, shared by the mesh's scheduler (MeshSchedulerConfig) and the
+in-process engine (EngineConfig): each default, flag, VMESH_* variable and help text written once
+here (services/common/config_flags.py derives the command line from them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vmesh.services.common.config_flags import setting
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+@dataclass
+class SchedulerSettings:
+    max_num_batched_tokens: int = setting(2048, section="scheduler")
+    pipeline_depth: int = setting(2, section="scheduler", choices=[1, 2],
+                                  help="1: synchronous steps (V0); 2: plan step N+1 while step N computes")
+    policy: str = setting(  # "priority": (priority, arrival) order, lowest value first
+        "fcfs", section="scheduler", flag="--scheduling-policy", choices=SCHEDULING_POLICIES)
+    enable_prefix_caching: bool = setting(True, section="scheduler", flag="--no-prefix-caching", negated=True)
+    stateless_worker: bool = setting(
+        False, section="scheduler", help="resend every scheduled request in full each step (V0), for measurement")
+    max_waiting: int | None = setting(  # None: unbounded
+        4096, section="scheduler", help="waiting-queue size; beyond it: RESOURCE_EXHAUSTED")

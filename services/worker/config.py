@@ -1,0 +1,55 @@
+"""The worker's settings: each default, flag, VMESH_* variable and help text written once here
+(services/common/config_flags.py derives the command line from them). Free of torch, so that
+services without a model can still build the command line."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from vmesh.services.common.config_flags import setting
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_memory_size(text: str | int) -> int:
+    """'2GiB', '512M', '1.5gb' or a plain byte count -> bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot parse memory size {text!r} (examples: 2GiB, 512MiB, 1000000)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _memory_size_or_none(text: str) -> int | None:
+    return parse_memory_size(text) if text else None
+
+
+@dataclass
+class WorkerConfig:
+    # The model section: also given to the detokenizers and the frontend, for the tokenizer.
+    model: str | None = setting(  # None: the embedded default model
+        None, section="model",
+        help="Hugging Face directory or GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    cache_dir: str | None = setting(  # its variable, VMESH_CACHE_DIR, is model_loading's CACHE_DIR_ENV
+        None, section="model", help="where converted GGUF models are cached (default ~/.cache/vmesh)")
+
+    device: str = setting("auto", section="worker", help="cpu, cuda, cuda:N or auto")
+    dtype: str = setting("float32", section="worker", choices=["float32", "float16", "bfloat16"])
+    block_size: int = setting(16, section="worker")
+    kv_cache_memory: int | None = setting(  # bytes; None: default budget for the device
+        None, section="worker", parse_flag=str, to_field=_memory_size_or_none,
+        help="KV cache budget, e.g. 2GiB (default: 1GiB on CPU, a fraction of free memory on CUDA)")
+    kv_cache_memory_fraction: float = setting(
+        0.9, section="worker", help="on CUDA without --kv-cache-memory: fraction of free memory for the KV cache")
+    max_num_seqs: int = setting(256, section="worker")
+    max_model_len: int | None = setting(  # None: the model's own context length
+        None, section="worker", parse_flag=int)
+    attention_backend: str = setting("auto", section="worker", choices=["auto", "cpu", "torch", "triton"])
+    # CPU, float32: 1-4 row linears through kernels/cpu (faster single streams). They read
+    # oneDNN's packed copy where its layout is the known one (AVX-512), else keep a plain copy.
+    small_batch_linear: bool = setting(
+        True, section="worker", flag="--no-small-batch-linear", negated=True,
+        help="CPU: skip the 1-4 row linear kernel and the second copy of the weights it keeps")
