@@ -19,7 +19,7 @@ FINISH_REASONS_PB = {
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
 }
-FINISH_REASONS = {v: k for k, v in FINISH_REASONS_PB.items()}
+FINISH_REASONS: dict[int, FinishReason | None] = {v: k for k, v in FINISH_REASONS_PB.items()}
 
 
 def finish_name(code: int) -> str:

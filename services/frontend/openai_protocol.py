@@ -4,7 +4,7 @@ bodies for requests refused. The response bodies are openai_responses.py. Pure f
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -164,7 +164,7 @@ def completion_requests(body: CompletionRequest, served: str) -> list[frontend_p
     check_common(body, served)
     prompt = body.prompt
     prompts: list[str | list[int]] = [prompt] if isinstance(prompt, str) or (
-        prompt and isinstance(prompt[0], int)) else list(prompt)
+        prompt and isinstance(prompt[0], int)) else cast("list[str | list[int]]", list(prompt))
     if not prompts:
         raise invalid("prompt", "empty")
     if len(prompts) * body.n > MAX_CHOICES:
@@ -286,5 +286,6 @@ def request_error_body(exc: RequestError, aliases: dict[str, str] | None = None)
     status, error_type = HTTP_STATUS.get(exc.code, (500, "internal_error"))
     code = {Code.UNAUTHENTICATED: "invalid_api_key", Code.NOT_FOUND: "model_not_found"}.get(exc.code)
     param = param_of(exc.message) if status in (400, 404) else None
-    param = (aliases or {}).get(param, param)
+    if param is not None:
+        param = (aliases or {}).get(param, param)
     return status, error_body(exc.message, error_type, param, code)

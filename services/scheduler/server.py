@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -69,6 +70,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     def __init__(self, config: MeshSchedulerConfig, open_detokenizer_stream: OpenStream = open_stream):
         self.config = config
         self.scheduler: Scheduler | None = None
+        self.on_failure: Callable[[], None] = lambda: None  # serve() marks the service NOT_SERVING
         self.incarnation = uuid.uuid4().hex  # this process, as opposed to a restart on the same address
         self.limits: ModelLimits | None = None  # the workers' model, known once connected
         self.worker_calls: list[grpc.aio.StreamStreamCall] = []
@@ -226,7 +228,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             self.failure = "the worker serving this request became unavailable"
             logger.error("worker unavailable: %s; failing %d request(s)", detail, len(self.router.routes))
             for key in list(self.router.routes):
-                self.scheduler.abort(key)
+                self._core().abort(key)
                 self.router.add_end(self._release(key), error=self.failure)
             await self.router.flush()
             self.on_failure()
@@ -249,13 +251,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 len(self.router.routable())),
         }
 
-    def on_failure(self) -> None:
-        """Overridden by serve(): mark the service NOT_SERVING."""
+    def _core(self) -> Scheduler:
+        """The scheduler core, which exists once the workers have answered."""
+        if self.scheduler is None:
+            raise RuntimeError("the scheduler core is used before the workers answered")
+        return self.scheduler
 
     def _plan_message(self, plan: StepPlan) -> worker_pb2.ExecuteRequest:
         message = self._plan_to_proto(plan)
         for new in message.new_requests:  # requests entering the worker carry their trace context
-            life = self.lifetimes.get(self.scheduler.by_handle[new.handle].request_id)  # by worker handle
+            life = self.lifetimes.get(self._core().by_handle[new.handle].request_id)  # by worker handle
             if life is None:
                 continue
             if life.queue_span is not None:  # first admission
@@ -276,7 +281,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         full = StepPlan(step=plan.step, scheduled_handles=plan.scheduled_handles,
                         num_scheduled_tokens=plan.num_scheduled_tokens)
         for worker_handle, n in zip(plan.scheduled_handles, plan.num_scheduled_tokens):
-            r = self.scheduler.by_handle[worker_handle]
+            r = self._core().by_handle[worker_handle]
             full.new_requests.append(NewRequest(worker_handle, r.all_token_ids, len(r.prompt_token_ids), r.sampling,
                                                 list(r.block_ids), r.num_computed_tokens - n))
         return wire.plan_to_proto(full, full_state=True)
@@ -329,7 +334,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     def _released_by_router(self, key: str, reason: FinishReason) -> None:
         """A stop string, an orphan or a lost replica: the router has closed the route already."""
-        self.scheduler.abort(key, reason)
+        self._core().abort(key, reason)
         self._end_lifetime(key, reason.value)
 
     async def drain(self) -> None:

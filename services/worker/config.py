@@ -52,4 +52,4 @@ class WorkerConfig:
     # oneDNN's packed copy where its layout is the known one (AVX-512), else keep a plain copy.
     small_batch_linear: bool = setting(
         True, section="worker", flag="--no-small-batch-linear", negated=True,
-        help="CPU: skip the 1-4 row linear kernel and the second copy of the weights it keeps")
+        help="CPU: skip the 1-4 row linear kernel (oneDNN serves every batch size)")

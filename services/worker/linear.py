@@ -146,5 +146,6 @@ class Linear:
         elif self._packed is not None:
             out = torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         else:
+            assert self.weight is not None, "a layer without a packed copy keeps its plain weight"
             out = F.linear(x, self.weight, self.bias)
         return out.view(*lead, self.out_features)

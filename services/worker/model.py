@@ -93,9 +93,9 @@ class DecoderLayer:
         self.input_norm = take("input_layernorm.weight")
         self.post_attention_norm = take("post_attention_layernorm.weight")
         # q, k and v in one matmul; gate and up in another.
-        biases = [optional(f"self_attn.{p}_proj.bias") for p in "qkv"]
+        biases = [b for p in "qkv" if (b := optional(f"self_attn.{p}_proj.bias")) is not None]
         self.qkv_proj = linear(torch.cat([take(f"self_attn.{p}_proj.weight") for p in "qkv"]),
-                               torch.cat(biases) if all(b is not None for b in biases) else None)
+                               torch.cat(biases) if len(biases) == 3 else None)
         self.o_proj = linear(take("self_attn.o_proj.weight"), optional("self_attn.o_proj.bias"))
         self.gate_up_proj = linear(torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]))
         self.down_proj = linear(take("mlp.down_proj.weight"))
@@ -186,6 +186,7 @@ class DecoderModel:
         for i, layer in enumerate(self.layers):
             hidden, residual = layer.forward(hidden, residual, rope, kv_cache.key_caches[i],
                                              kv_cache.value_caches[i], meta, backend, ops)
+        assert residual is not None, "the model has at least one layer"
         last, _ = ops.rms_norm(hidden[logits_indices], self.final_norm, self.spec.rms_norm_eps,
                                residual[logits_indices])
         return self.lm_head(last).float()

@@ -130,7 +130,9 @@ class Sampler:
         race = torch.empty_like(probs).exponential_()
         for row, generator in enumerate(batch.generators):
             if generator is not None:
-                seed = (batch.seeds[row] * _SEED_MIX + batch.positions[row]) & 0x7FFFFFFFFFFFFFFF
+                row_seed = batch.seeds[row]
+                assert row_seed is not None, "a row has a generator only with a seed"
+                seed = (row_seed * _SEED_MIX + batch.positions[row]) & 0x7FFFFFFFFFFFFFFF
                 generator.manual_seed(seed)
                 race[row].exponential_(generator=generator)
         return (probs / race).argmax(dim=-1)

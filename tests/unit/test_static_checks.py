@@ -1,0 +1,22 @@
+"""The type checker and the linter pass over the code, as CI runs them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from vmesh.services.mesh_process import ROOT
+
+
+def run(*command: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *command], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_mypy_passes_over_services_and_kernels():
+    done = run("mypy")  # files and settings: pyproject.toml's [tool.mypy]
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_ruff_is_clean():
+    done = run("ruff", "check", ".")
+    assert done.returncode == 0, done.stdout + done.stderr
