@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.memory import PeakPss
 from vmesh.services.bench.common import load_workload, machine, mesh_generate, timed_request
+from vmesh.services.bench.memory import PeakPss
 from vmesh.services.client import VmeshClient
 from vmesh.services.common.model_loading import resolve_model_dir
 from vmesh.services.common.sampling_params import SamplingParams

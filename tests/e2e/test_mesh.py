@@ -325,7 +325,7 @@ def test_only_the_worker_loads_torch(default_mesh):
     with `tokenizers` alone. The scheduler has no use for torch either. (PSS is printed for the
     record; memory is measured in benchmarks, not asserted here.)"""
     loaded = {name: _maps_torch(pid) for name, (_address, pid) in default_mesh.services.items()}
-    from benchmarks.memory import pss_mib
+    from vmesh.services.bench.memory import pss_mib
 
     print({name: f"{pss_mib(pid):.0f} MiB" for name, (_address, pid) in default_mesh.services.items()})
     assert loaded.pop("worker") is True  # the check sees torch where it is

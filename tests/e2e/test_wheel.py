@@ -88,6 +88,9 @@ def test_installed_wheel_serves_a_request_from_outside_the_checkout(venv, tmp_pa
     help_text = subprocess.run([python, "-m", "vmesh", "--help"], cwd=tmp_path, capture_output=True, text=True,
                                check=True).stdout
     assert "serve" in help_text
+    bench_help = subprocess.run([venv / "bin" / "vmesh", "bench", "offline", "--help"], cwd=tmp_path,
+                                capture_output=True, text=True)
+    assert bench_help.returncode == 0 and "--baselines" in bench_help.stdout, bench_help.stderr
 
     mesh = start_mesh("--kv-cache-memory", "64MiB", vmesh=[str(venv / "bin" / "vmesh")], cwd=tmp_path,
                       env={"PYTHONPATH": ""})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from benchmarks.memory import PeakPss, pss_mib
+from vmesh.services.bench.memory import PeakPss, pss_mib
 
 
 def test_peak_pss_of_a_growing_process():
