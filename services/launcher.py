@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from vmesh.services.common.grpc_server import wait_until_serving
+from vmesh.services.common.grpc_server import wait_until_serving, write_atomically
+from vmesh.services.mesh_description import MeshDescription, ServiceEntry, description_path
 
 INTERNAL_HOST = "127.0.0.1"
 START_TIMEOUT_S = 900.0  # the first start converts the model
@@ -220,19 +221,36 @@ async def _run(mesh: Mesh) -> int:
                                                    *_flags(args, "frontend")],
                           host=args.host, port=args.port, env={"VMESH_API_KEY": args.api_key} if args.api_key else None)
     await mesh.wait_ready([frontend])
-    for child in mesh.children:
-        metrics = f", metrics http://{child.metrics_address}/metrics" if child.metrics_address else ""
-        print(f"vmesh: {child.name} at {child.address} (pid {child.process.pid}{metrics})", flush=True)
-    if frontend.http_address:
-        url = f"{'https' if args.public_tls_cert else 'http'}://{frontend.http_address}/v1"
+    description = _describe(mesh, frontend)
+    for name, entry in description.services.items():
+        metrics = f", metrics {entry.metrics_url}" if entry.metrics_url else ""
+        print(f"vmesh: {name} at {entry.address} (pid {entry.pid}{metrics})", flush=True)
+    if description.http_url:
+        url = description.http_url
         print(f"vmesh: OpenAI-compatible HTTP API on {url} — try: curl {url}/models", flush=True)
-    if mesh.certificates is not None:
-        print(f"vmesh: internal mutual TLS; CA and admin certificate in {mesh.certificates}", flush=True)
+    if description.certificates:
+        print(f"vmesh: internal mutual TLS; CA and admin certificate in {description.certificates}", flush=True)
     print(f"vmesh: serving on {frontend.address} — try: vmesh generate \"Hello\" --address {frontend.address}",
           flush=True)
+    if args.ready_file:
+        # The description first: whoever sees the ready file finds the description complete.
+        write_atomically(description_path(args.ready_file), description.to_json())
+        write_atomically(Path(args.ready_file), frontend.address)
     while True:  # until check_alive raises: a signal, or a dead child
         mesh.check_alive()
         await asyncio.sleep(0.2)
+
+
+def _describe(mesh: Mesh, frontend: Child) -> MeshDescription:
+    http_url = ""
+    if frontend.http_address:
+        http_url = f"{'https' if mesh.args.public_tls_cert else 'http'}://{frontend.http_address}/v1"
+    return MeshDescription(
+        address=frontend.address, http_url=http_url,
+        certificates=str(mesh.certificates) if mesh.certificates is not None else "",
+        services={c.name: ServiceEntry(c.address, c.process.pid,
+                                       f"http://{c.metrics_address}/metrics" if c.metrics_address else "")
+                  for c in mesh.children})
 
 
 def serve_mesh(args: argparse.Namespace) -> int:

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from vmesh.services.mesh_description import MeshDescription, description_path
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout, when this is one
 START_TIMEOUT_S = 240
@@ -75,38 +78,46 @@ def start_mesh(*flags: str, env: dict[str, str] | None = None, timeout: float = 
     `on_timeout(launcher_pid)` has added what it reports to the error. `prefix`: a command that
     execs the launcher's (e.g. one that switches to another user). `vmesh`: the command to run
     (another installation's `vmesh`, say); `cwd`: where (default: the checkout, if this is one)."""
-    command = [*prefix, *vmesh, "--log-level", "WARNING", "serve", "--port", "0",
-               "--http-port", "0", "--kv-cache-memory", "128MiB", *flags]
+    answers = Path(tempfile.mkdtemp(prefix="vmesh-mesh-"))
+    if prefix:  # the launcher may run as another user, who must be able to write its answer here
+        answers.chmod(0o777)
+    ready_file = answers / "ready"
+    command = [*prefix, *vmesh, "--log-level", "WARNING", "serve", "--port", "0", "--http-port", "0",
+               "--kv-cache-memory", "128MiB", "--ready-file", str(ready_file), *flags]
     if cwd is None and (ROOT / "pyproject.toml").is_file():
         cwd = ROOT
     # Its own process group, which its services join: one signal reaches all of them.
     process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, **(env or {})}, start_new_session=True)
-    return read_until_serving(process, timeout, on_timeout)
+    try:
+        return read_until_serving(process, timeout, on_timeout, ready_file)
+    finally:
+        shutil.rmtree(answers, ignore_errors=True)
 
 
-def read_until_serving(process: subprocess.Popen, timeout: float,
-                       on_timeout: Callable[[int], str] | None = None) -> RunningMesh:
-    """Follow a launcher's output until it prints its public address, within `timeout` seconds."""
+def read_until_serving(process: subprocess.Popen, timeout: float, on_timeout: Callable[[int], str] | None = None,
+                       ready_file: Path | None = None) -> RunningMesh:
+    """Follow a launcher until its ready file appears (its description beside it, written
+    first), within `timeout` seconds; its output is kept for errors and `wait_for_output`."""
     output: list[str] = []
-    lines: queue.Queue[str | None] = queue.Queue()
+    assert process.stdout is not None, "started with stdout=PIPE"
+    stdout = process.stdout
 
     def pump() -> None:
         # Reading in a thread from the start keeps the deadline below in force even while the
         # launcher prints nothing (a blocking readline would wait forever).
-        assert process.stdout is not None, "started with stdout=PIPE"
-        for line in process.stdout:
+        for line in stdout:
             output.append(line)
-            lines.put(line)
-        lines.put(None)
 
-    threading.Thread(target=pump, daemon=True).start()
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
     mesh = RunningMesh(process, "", {}, output=output)
     deadline = time.monotonic() + timeout
-    while not mesh.address:
-        try:
-            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
+    while ready_file is None or not ready_file.exists():
+        if process.poll() is not None:
+            reader.join(timeout=5)  # the rest of what it printed
+            raise RuntimeError("vmesh serve exited during start-up:\n" + "".join(output))
+        if time.monotonic() > deadline:
             report = ""
             try:
                 report = on_timeout(process.pid) if on_timeout else ""
@@ -116,17 +127,11 @@ def read_until_serving(process: subprocess.Popen, timeout: float,
                 mesh.kill()
             raise TimeoutError(f"vmesh serve did not start within {timeout:.0f} s:\n" + "".join(output)
                                + report) from None
-        if line is None:
-            process.wait()
-            raise RuntimeError("vmesh serve exited during start-up:\n" + "".join(output))
-        if m := re.match(r"vmesh: (\S+) at (\S+) \(pid (\d+)(?:, metrics (\S+))?\)", line):
-            mesh.services[m.group(1)] = (m.group(2), int(m.group(3)))
-            if m.group(4):
-                mesh.metrics[m.group(1)] = m.group(4)
-        if m := re.match(r"vmesh: OpenAI-compatible HTTP API on (\S+)", line):
-            mesh.http_url = m.group(1)
-        if m := re.match(r"vmesh: internal mutual TLS; CA and admin certificate in (\S+)", line):
-            mesh.certificates = m.group(1)
-        if m := re.match(r"vmesh: serving on (\S+)", line):
-            mesh.address = m.group(1)
+        time.sleep(0.05)
+    description = MeshDescription.from_json(description_path(ready_file).read_text())
+    mesh.address = description.address
+    mesh.http_url = description.http_url
+    mesh.certificates = description.certificates
+    mesh.services = {name: (entry.address, entry.pid) for name, entry in description.services.items()}
+    mesh.metrics = {name: entry.metrics_url for name, entry in description.services.items() if entry.metrics_url}
     return mesh

@@ -1,0 +1,37 @@
+"""What a running `vmesh serve` is made of, as the launcher writes it beside its ready file
+(`<ready-file>.mesh.json`) and as `start_mesh` reads it: one definition of the launcher's
+answer, so nothing parses its printed lines."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class ServiceEntry:
+    address: str
+    pid: int
+    metrics_url: str = ""  # http://host:port/metrics, when the service serves metrics
+
+
+@dataclass
+class MeshDescription:
+    address: str  # the frontend's public gRPC address
+    http_url: str = ""  # the OpenAI-compatible API's base URL (…/v1), "" when off
+    certificates: str = ""  # with --internal-tls: the directory of the run's CA and admin certificate
+    services: dict[str, ServiceEntry] = field(default_factory=dict)  # worker, scheduler, detokenizer-0, …
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> MeshDescription:
+        raw = json.loads(text)
+        services = {name: ServiceEntry(**entry) for name, entry in raw.pop("services").items()}
+        return cls(**raw, services=services)
+
+
+def description_path(ready_file: str | Path) -> Path:
+    return Path(f"{ready_file}.mesh.json")
