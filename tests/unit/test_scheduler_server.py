@@ -42,24 +42,6 @@ async def connected(servicer: Servicer) -> None:
     await servicer.router.connect(servicer.detokenizers.addresses)
 
 
-def test_concurrent_flushes_write_one_at_a_time_and_in_order():
-    async def main() -> None:
-        servicer = Servicer(["127.0.0.1:1"])
-        await connected(servicer)
-        replica = servicer.router.replicas.members["127.0.0.1:1"]
-        flushes = []
-        for handle in range(6):  # abort RPCs and the engine loop each flush whatever is pending, concurrently
-            replica.pending.handles.append(handle)
-            flushes.append(asyncio.create_task(servicer.router.flush()))
-            await asyncio.sleep(0)
-        await asyncio.gather(*flushes)
-        assert replica.alive
-        assert servicer.streams["127.0.0.1:1"][0].received == [[h] for h in range(6)]
-        await servicer.close()
-
-    asyncio.run(main())
-
-
 def test_requests_go_only_to_replicas_the_frontend_listens_to():
     async def main() -> None:
         servicer = Servicer(["127.0.0.1:1", "127.0.0.1:2"])
