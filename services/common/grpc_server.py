@@ -63,7 +63,8 @@ class ServiceShell:
         from vmesh.services.common import telemetry
 
         telemetry.setup_tracing(service)
-        telemetry.setup_metrics(service)
+        if service == "frontend":  # the only service that records GenAI metrics
+            telemetry.setup_metrics(service)
         self.host = host
         identity = tls.current()
         check_roles = identity is not None and not public

@@ -3,7 +3,6 @@ gRPC shell."""
 
 from __future__ import annotations
 
-from vmesh.services.common.finish_reason import FINISH_REASONS, FINISH_REASONS_PB
 from vmesh.services.common.logprobs import pack_logprobs, unpack_logprobs
 from vmesh.services.common.sampling_params import OutputMode, SamplingParams
 from vmesh.services.common.step_types import NewRequest, StepPlan, StepResult
@@ -20,7 +19,6 @@ _OUTPUT_MODES_PB = {
     OutputMode.CUMULATIVE: common_pb2.OUTPUT_MODE_CUMULATIVE,
     OutputMode.FINAL_ONLY: common_pb2.OUTPUT_MODE_FINAL_ONLY,
 }
-__all__ = ["FINISH_REASONS", "FINISH_REASONS_PB"]  # the wire codes, re-exported for the shells that translate
 
 
 # max_tokens when a request leaves it unset (common.proto); the frontend fills in the context's room instead.

@@ -26,7 +26,7 @@ from vmesh.services.scheduler.settings import SchedulerSettings
 from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
 
 
-@dataclass
+@dataclass(kw_only=True)  # fields by name: the inherited scheduler settings come first
 class EngineConfig(SchedulerSettings):
     """The scheduler's settings and the worker's, for one process."""
     # Unbounded unless set: a library caller may add a whole offline batch before stepping.

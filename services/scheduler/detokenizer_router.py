@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from vmesh.services.common import wire
-from vmesh.services.common.finish_reason import FinishReason
+from vmesh.services.common.finish_reason import FINISH_REASONS_PB, FinishReason
 from vmesh.services.common.grpc_server import channel
 from vmesh.services.common.logprobs import pack_logprobs
 from vmesh.services.common.replica_set import ReplicaSet
@@ -129,7 +128,7 @@ class DetokenizerRouter:
         batch.handles.append(route.stream_handle)
         batch.num_tokens.append(len(update.new_token_ids))
         batch.token_ids.extend(update.new_token_ids)
-        batch.finish_reasons.append(wire.FINISH_REASONS_PB[update.finish_reason])
+        batch.finish_reasons.append(FINISH_REASONS_PB[update.finish_reason])
         batch.num_cached_prompt_tokens.append(update.num_cached_prompt_tokens)
         batch.errors.append("")
         batch.logprobs_handles.extend([route.stream_handle] * len(update.logprobs))
@@ -141,7 +140,7 @@ class DetokenizerRouter:
         batch = route.replica.pending
         batch.handles.append(route.stream_handle)
         batch.num_tokens.append(0)
-        batch.finish_reasons.append(wire.FINISH_REASONS_PB[FinishReason.ABORT])
+        batch.finish_reasons.append(FINISH_REASONS_PB[FinishReason.ABORT])
         batch.num_cached_prompt_tokens.append(0)
         batch.errors.append(error)
 

@@ -160,7 +160,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         life.queue_span = TRACER.start_span("scheduler.queue", context=trace.set_span_in_context(life.span))
         self.router.open_route(key, replica, detokenizer_pb2.DetokenizerRequestInfo(
             frontend_id=request.frontend_id, frontend_key=request.frontend_key,
-            prompt_tail=request.prompt_token_ids[-PROMPT_TAIL_TOKENS:], sampling=request.sampling,
+            prompt_tail=request.prompt_token_ids[-PROMPT_TAIL_TOKENS:], sampling=wire.sampling_to_proto(sampling),
             num_prompt_tokens=len(request.prompt_token_ids),
             trace_context=telemetry.to_proto(life.span) if telemetry.tracing_enabled() else None))
         self.wake.set()
@@ -319,7 +319,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             m.prefill_time.observe(life.first_token_at - life.admitted_at)
             m.decode_time.observe(now - life.first_token_at)
 
-    def _release(self, key: str, finish_reason: str = "abort") -> Route | None:
+    def _release(self, key: str, finish_reason: str = FinishReason.ABORT.value) -> Route | None:
         """Close the request's route and end its trace; None if it has none (already released)."""
         route = self.router.close_route(key)
         self._end_lifetime(key, finish_reason)

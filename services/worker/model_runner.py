@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import time
 
@@ -41,13 +40,12 @@ def resolve_device(name: str) -> torch.device:
 def release_freed_heap() -> None:
     """Hand the heap pages freed while loading (each weight's float32 copy, once packed) back to
     the system: glibc keeps them otherwise, ~20 MiB of the worker's PSS. Elsewhere a no-op."""
-    libc_name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(libc_name) if libc_name else None
-        if libc is not None and hasattr(libc, "malloc_trim"):
-            libc.malloc_trim(0)
+        libc = ctypes.CDLL(None)  # the C library this process already has loaded
     except OSError:
-        pass
+        return
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 class ModelRunner:

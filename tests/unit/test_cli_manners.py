@@ -43,3 +43,8 @@ def test_good_environment_values_still_apply(monkeypatch):
     monkeypatch.setenv("VMESH_PIPELINE_DEPTH", "1")
     args = build_parser().parse_args(["scheduler"])
     assert args.no_prefix_caching is True and args.pipeline_depth == 1
+
+
+def test_bench_after_a_global_log_level_and_an_unknown_backend_is_one_clear_error():
+    with pytest.raises(SystemExit, match="unknown --backend gprc"):
+        main(["--log-level", "INFO", "bench", "serving", "--backend", "gprc"])

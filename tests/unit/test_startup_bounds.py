@@ -17,22 +17,22 @@ from vmesh.services.mesh_process import read_until_serving
 from vmesh.v1 import frontend_pb2
 
 
-def test_silent_launcher_times_out_and_is_killed():
+def test_silent_launcher_times_out_and_is_killed(tmp_path):
     process = subprocess.Popen([sys.executable, "-c", "import time; print('starting', flush=True); time.sleep(60)"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     started = time.monotonic()
     with pytest.raises(TimeoutError, match="did not start within 1 s") as error:
-        read_until_serving(process, timeout=1.0, on_timeout=lambda pid: f"\nstacks of {pid}")
+        read_until_serving(process, tmp_path / "ready", timeout=1.0, on_timeout=lambda pid: f"\nstacks of {pid}")
     assert time.monotonic() - started < 10
     assert process.poll() is not None, "the launcher is killed on a time-out"
     assert "starting" in str(error.value) and f"stacks of {process.pid}" in str(error.value)
 
 
-def test_launcher_that_exits_during_start_is_reported():
+def test_launcher_that_exits_during_start_is_reported(tmp_path):
     process = subprocess.Popen([sys.executable, "-c", "print('boom')"], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     with pytest.raises(RuntimeError, match="exited during start-up:\nboom"):
-        read_until_serving(process, timeout=30)
+        read_until_serving(process, tmp_path / "ready", timeout=30)
 
 
 def test_health_probe_of_a_peer_that_never_answers_times_out():
