@@ -3,6 +3,7 @@ test:
 	./run.sh test
 lint:
 	.venv/bin/ruff check .
+	.venv/bin/python -m tools.typecheck
 protos:
 	.venv/bin/python tools/gen_protos.py
 bench:

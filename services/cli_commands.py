@@ -118,7 +118,8 @@ def configure_security(args: argparse.Namespace, role: str | None) -> None:
     if any(files):
         if not all(files):
             raise ValueError("--tls-cert, --tls-key and --tls-ca go together")
-        identity = tls.Identity.from_files(*files)
+        cert, key, ca = (str(f) for f in files)
+        identity = tls.Identity.from_files(cert, key, ca)
         if role is not None and identity.role != role:
             raise ValueError(f"--tls-cert is a {identity.role} certificate; this is the {role}")
         tls.configure(identity)

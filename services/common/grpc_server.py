@@ -94,6 +94,8 @@ class ServiceShell:
     def _bind(server: grpc.aio.Server, address: str, public: bool, identity: tls.Identity | None) -> int:
         try:
             if public and OPTIONS.public_tls_cert:
+                if not OPTIONS.public_tls_key:
+                    raise ValueError("--public-tls-cert needs --public-tls-key")
                 port = server.add_secure_port(address, tls.public_server_credentials(OPTIONS.public_tls_cert,
                                                                                      OPTIONS.public_tls_key))
             elif not public and identity is not None:

@@ -59,7 +59,7 @@ class OpenAIRoutes:
 
     def served(self) -> str:
         requests.ready(self.frontend)
-        return self.frontend.limits.name
+        return requests.loaded_limits(self.frontend).name
 
     @property
     def tokens(self) -> render.TokenTable:
@@ -72,7 +72,7 @@ class OpenAIRoutes:
     async def _run(self, http_request: Request, generate_requests: list[frontend_pb2.GenerateRequest], n: int,
                    stream: bool, include_usage: bool, want_logprobs: bool, chat: bool,
                    aliases: dict[str, str]) -> Response:
-        model = self.frontend.limits.name
+        model = requests.loaded_limits(self.frontend).name
         request_id = render.new_id("chatcmpl" if chat else "cmpl")
         created = render.now()
         choices = [render.Choice() for _ in range(len(generate_requests) * n)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, cast
 
+import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
 from vmesh.services.frontend.requests import Code, RequestError
@@ -249,7 +250,7 @@ def fan_out(requests: list[frontend_pb2.GenerateRequest], n: int,
 
 ErrorType = Literal["invalid_request_error", "authentication_error", "not_found_error", "rate_limit_error",
                     "service_unavailable_error", "timeout_error", "internal_error"]
-HTTP_STATUS: dict[Code, tuple[int, ErrorType]] = {
+HTTP_STATUS: dict[grpc.StatusCode, tuple[int, ErrorType]] = {
     Code.INVALID_ARGUMENT: (400, "invalid_request_error"),
     Code.UNAUTHENTICATED: (401, "authentication_error"),
     Code.NOT_FOUND: (404, "not_found_error"),

@@ -11,8 +11,8 @@ import hashlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 from opentelemetry import trace
@@ -23,9 +23,10 @@ from vmesh.services.common.logprobs import to_public
 from vmesh.services.frontend.outbox import Outbox
 from vmesh.services.frontend.schedulers import SchedulerGroup
 from vmesh.services.frontend.validation import InvalidRequest, validate_generate
-from vmesh.v1 import frontend_pb2, scheduler_pb2
+from vmesh.v1 import common_pb2, frontend_pb2, scheduler_pb2
 
 if TYPE_CHECKING:
+    from vmesh.services.common.request_checks import ModelLimits
     from vmesh.services.frontend.server import FrontendServicer
 
 logger = logging.getLogger(__name__)
@@ -121,6 +122,13 @@ def ready(frontend: FrontendServicer) -> None:
         raise RequestError(Code.UNAVAILABLE, "the frontend is draining")
 
 
+def loaded_limits(frontend: FrontendServicer) -> ModelLimits:
+    """The served model's limits, once the schedulers have answered (`ready` refuses work before)."""
+    if frontend.limits is None:
+        raise RequestError(Code.UNAVAILABLE, "the frontend is starting; try again shortly")
+    return frontend.limits
+
+
 def spawn(frontend: FrontendServicer, work: Coroutine[Any, Any, None]) -> None:
     """A task that outlives the request that started it (an abort), referenced until done."""
     task = asyncio.get_running_loop().create_task(work)
@@ -131,7 +139,7 @@ def spawn(frontend: FrontendServicer, work: Coroutine[Any, Any, None]) -> None:
 async def generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRequest,
                    time_remaining: Callable[[], float | None] = lambda: None,
                    trace_headers: Mapping[str, str] | None = None, operation: str | None = None,
-                   ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
+                   ) -> AsyncGenerator[frontend_pb2.GenerateResponse, None]:
     """One request, start to end, as a stream of GenerateResponses. Closing the stream early
     (the client left) aborts the request wherever it still runs. `trace_headers`: the caller's
     W3C `traceparent`/`tracestate` (gRPC metadata or HTTP headers), which the request's trace
@@ -174,13 +182,14 @@ async def _generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRe
     ready(frontend)
     prompt = await encode(frontend, request)
     ready(frontend)  # a drain that began while this prompt was tokenizing counted no request in flight
+    limits = loaded_limits(frontend)
     try:
-        params = validate_generate(request, prompt, frontend.limits)
+        params = validate_generate(request, prompt, limits)
     except InvalidRequest as exc:
         raise RequestError(Code.INVALID_ARGUMENT, str(exc)) from exc
     span.set_attributes({"gen_ai.request.max_tokens": params.max_tokens,
                          "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
-                         "gen_ai.usage.input_tokens": len(prompt), "gen_ai.response.model": frontend.limits.name})
+                         "gen_ai.usage.input_tokens": len(prompt), "gen_ai.response.model": limits.name})
     if params.top_k > 0:
         span.set_attribute("gen_ai.request.top_k", params.top_k)
     if params.seed is not None:
@@ -235,7 +244,7 @@ async def _generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRe
                                      "gen_ai.response.finish_reasons": [finish_name(out.finish_reason)]})
             yield frontend_pb2.GenerateResponse(
                 request_id=request_id, text=out.text, token_ids=out.token_ids, logprobs=to_public(out.logprobs),
-                finish_reason=out.finish_reason, usage=out.usage)
+                finish_reason=cast("common_pb2.FinishReason", out.finish_reason), usage=out.usage)
             if finished:
                 return
     finally:

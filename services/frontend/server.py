@@ -70,11 +70,14 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
         await asyncio.gather(*(g.joined.wait() for g in groups))
         if not self.schedulers.candidates():
             raise RuntimeError("no scheduler answered")
-        if self.model_name is not None and self.schedulers.limits.name != self.model_name:
+        limits = self.schedulers.limits
+        if limits is None:
+            raise RuntimeError("no scheduler told its model")
+        if self.model_name is not None and limits.name != self.model_name:
             # Its tokenizer would turn text into ids of another vocabulary: wrong answers, not errors.
             raise RuntimeError(f"this frontend loaded the tokenizer of {self.model_name!r}, but the schedulers "
-                               f"serve {self.schedulers.limits.name!r}; give both the same --model")
-        self.limits = self.schedulers.limits
+                               f"serve {limits.name!r}; give both the same --model")
+        self.limits = limits
         await asyncio.gather(*(self.replicas.add(address).opened for address in self.detokenizers.addresses))
         self._tasks += [
             asyncio.create_task(watch(self.detokenizers, self.replica_refresh_interval_s, self.replicas.update)),

@@ -155,7 +155,7 @@ class DetokenizerRouter:
             if replica.has_pending:
                 batch, replica.pending = replica.pending, detokenizer_pb2.DetokenizeRequest()
                 async with replica.write_lock:
-                    if replica.alive:
+                    if replica.alive and replica.call is not None:
                         try:
                             await replica.call.write(batch)
                         except Exception as exc:

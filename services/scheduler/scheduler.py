@@ -196,6 +196,7 @@ class Scheduler:
         return True
 
     def _schedule(self, plan: StepPlan, request: Request, n: int, new_blocks: list[int]) -> None:
+        assert request.handle is not None, "a scheduled request has a worker handle"
         plan.scheduled_handles.append(request.handle)
         plan.num_scheduled_tokens.append(n)
         plan.num_new_blocks.append(len(new_blocks))
@@ -295,6 +296,7 @@ class Scheduler:
 
     def _leave_worker(self, request: Request) -> None:
         if request.on_worker:
+            assert request.handle is not None, "a request on the worker has a handle"
             self.pending_removals.append(request.handle)
             request.on_worker = False
 

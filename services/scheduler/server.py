@@ -229,7 +229,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             logger.error("worker unavailable: %s; failing %d request(s)", detail, len(self.router.routes))
             for key in list(self.router.routes):
                 self._core().abort(key)
-                self.router.add_end(self._release(key), error=self.failure)
+                if (route := self._release(key)) is not None:
+                    self.router.add_end(route, error=self.failure)
             await self.router.flush()
             self.on_failure()
 

@@ -138,10 +138,12 @@ class Linear:
         x = x.reshape(-1, self.in_features)
         if self._small_batch is not None and x.shape[0] <= SMALL_BATCH_ROWS and x.dtype == torch.float32:
             if self._packed_blocks is not None:
+                assert self._packed_in_features is not None, "set with the packed blocks"
                 out = self._small_batch.packed_small_batch_linear(x.contiguous(), self._packed_address,
                                                                   self.out_features, self._packed_in_features,
                                                                   self.bias)
             else:
+                assert self.weight is not None, "without a readable packed copy the plain weight stays"
                 out = self._small_batch.small_batch_linear(x.contiguous(), self.weight, self.bias)
         elif self._packed is not None:
             out = torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")

@@ -123,7 +123,9 @@ class ModelRunner:
         sampling = SamplingBatch(
             top_k=b.top_k[rows].to(device), num_logprobs=b.num_logprobs[rows].to(device),
             generators=[b.generators[r] for r in row_list], seeds=[b.seeds[r] for r in row_list],
-            positions=b.num_tokens[rows].tolist(), **columns,
+            positions=b.num_tokens[rows].tolist(), temperature=columns["temperature"], top_p=columns["top_p"],
+            min_p=columns["min_p"], repetition_penalty=columns["repetition_penalty"],
+            presence_penalty=columns["presence_penalty"], frequency_penalty=columns["frequency_penalty"],
         )
         if bool(((columns["repetition_penalty"] != 1.0) | (columns["presence_penalty"] != 0.0)
                  | (columns["frequency_penalty"] != 0.0)).any()):
@@ -137,6 +139,7 @@ class ModelRunner:
         banned_rows, banned_ids = [], []
         for i, (row, produced) in enumerate(zip(rows, num_output)):
             params = self.batch.sampling[row]
+            assert params is not None, "a row in the step holds a request"
             if produced < params.min_tokens:
                 ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.spec.eos_token_ids))
                 banned_rows += [i] * len(ids)
@@ -165,6 +168,8 @@ class ModelRunner:
             rows = rows[keep]
             # The sampler computes the batch's widest top-N; each request keeps the N it asked for.
             counts = self.batch.num_logprobs[inputs.rows[rows]].tolist()
+            assert sampled.top_token_ids is not None and sampled.top_logprobs is not None
+            assert sampled.sampled_logprobs is not None and sampled.sampled_ranks is not None
             top_ids = sampled.top_token_ids.cpu()[keep].tolist()
             top_lps = sampled.top_logprobs.cpu()[keep].tolist()
             result.logprobs_handles = handles[rows].tolist()

@@ -149,7 +149,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 async def serve(load_runner: Callable[[], ModelRunner], model_name: str, host: str, port: int,
                 ready_file: str | None, metrics_port: int | None = None) -> None:
     shell = ServiceShell("worker", worker_pb2.DESCRIPTOR.services_by_name["WorkerService"], host, port)
-    servicer = WorkerServicer(None, model_name)  # the runner is set once loaded
+    servicer = WorkerServicer(None, model_name)  # type: ignore[arg-type]  # the runner is set once loaded
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, shell.server)
     if registry := shell.metrics_registry(metrics_port, ready_file):
         servicer.metrics = WorkerMetrics(registry, model_name)
