@@ -1,11 +1,9 @@
 """Linear layers with the weight laid out once, at load time, for the device's fastest kernel.
 
-On CPU, torch's default `F.linear` goes through MKL, which on this project's AMD machines
-reaches ~106 GFLOP/s at the default model's batch-64 shapes and ~12 GB/s for single-row
-products. oneDNN with a weight reordered into its blocked layout reaches ~190 GFLOP/s and
-~22 GB/s on the same shapes, and the tied LM head runs 1.8x (64 rows) to 2.4x (1 row)
-faster (measured 2026-11-29; `benchmarks/README.md`). inductor uses the same two ops for
-frozen CPU linears. Elsewhere (CUDA) `F.linear` is already the fast path.
+On CPU, torch's default `F.linear` goes through MKL; oneDNN with the weight reordered once into
+its blocked layout is markedly faster at every batch size, the tied LM head included (figures
+in benchmarks/README.md). inductor uses the same two ops for frozen CPU linears. Elsewhere
+(CUDA) `F.linear` is already the fast path.
 
 For one to four rows (single streams, small batches) the layer is a pass over its weights,
 which `kernels/cpu/small_batch_linear.c` streams faster than oneDNN does. It reads oneDNN's
@@ -31,10 +29,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # oneDNN picks its blocked layout for an expected row count; one layout serves every row
-# count well (1 to 200 rows measured), and this hint was the best of 1, 64 and 256.
+# count well, and this hint was the best of 1, 64 and 256 (benchmarks/README.md).
 PACKING_ROWS_HINT = 64
-# Up to this many rows the small-batch kernel beats oneDNN (measured: 1.6x at 1 row, 1.2x at
-# 4, 0.8x at 8).
+# Up to this many rows the small-batch kernel beats oneDNN; at 8 it no longer does
+# (benchmarks/README.md).
 SMALL_BATCH_ROWS = 4
 # The packed layout the small-batch kernel reads: output features in blocks of this many.
 PACKED_OUT_BLOCK = 64
@@ -57,7 +55,7 @@ def packed_in_features(weight: torch.Tensor, packed: torch.Tensor) -> int | None
     """The padded input width if `packed` holds `weight` in the layout the small-batch kernel
     reads (blocks of 64 output features, each a row-major [padded_in, 64] array), else None.
     Compared value by value: oneDNN documents no layout, and a wrong guess would be wrong output."""
-    if weight.dtype != torch.float32 or not hasattr(torch.ops.mkldnn, "data_ptr"):
+    if weight.dtype != torch.float32 or not all(hasattr(torch.ops.mkldnn, op) for op in ("data_ptr", "_nbytes")):
         return None
     out_features, in_features = weight.shape
     blocks = -(-out_features // PACKED_OUT_BLOCK)

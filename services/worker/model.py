@@ -145,7 +145,7 @@ class DecoderModel:
         linear = functools.partial(Linear, small_batch_kernels=cpu_kernels)
         self.layers = [DecoderLayer(spec, source, f"model.layers.{i}.", linear) for i in range(spec.num_layers)]
         self.final_norm = source.take("model.norm.weight")
-        # A fifth of all FLOPs for small models: packed, it runs 1.8-2.4x faster on CPU. A tied
+        # A fifth of all FLOPs for small models, so it is packed like every linear. A tied
         # head also serves the embedding lookups when its rows can be read back, so that the
         # table is held once; otherwise the plain table stays for them.
         self.lm_head = linear(embed if spec.tie_word_embeddings else source.take("lm_head.weight"))
