@@ -108,13 +108,13 @@ def test_forged_internal_calls_cannot_touch_a_running_request(secure_mesh):
 
     async def attack() -> dict[str, grpc.StatusCode]:
         codes = {}
-        abort = scheduler_pb2.AbortRequestRequest(frontend_id="any", request_id="1")
+        abort = scheduler_pb2.AbortRequestRequest(frontend_id="any", frontend_key=1)
         for name, caller in [("plaintext", None), ("foreign-ca", forger), ("admin", admin)]:
             async with _channel(scheduler, caller, "scheduler") as ch:
                 stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
                 codes[f"abort/{name}"] = await _code(lambda s=stub: s.AbortRequest(abort, timeout=10))
                 codes[f"submit/{name}"] = await _code(lambda s=stub: s.SubmitRequest(
-                    scheduler_pb2.SubmitRequestRequest(request_id="x", frontend_id="any", prompt_token_ids=[1]),
+                    scheduler_pb2.SubmitRequestRequest(frontend_key=7, frontend_id="any", prompt_token_ids=[1]),
                     timeout=10))
             async with _channel(detokenizer, caller, "detokenizer") as ch:
                 stub = detokenizer_pb2_grpc.DetokenizerServiceStub(ch)
