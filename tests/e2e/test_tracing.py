@@ -17,6 +17,10 @@ from vmesh.services.client import VmeshClient, generate_request
 from vmesh.services.mesh_process import start_mesh
 
 
+def service_name(resource) -> str:
+    return next((a.value.string_value for a in resource.attributes if a.key == "service.name"), "")
+
+
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self) -> None:
         self.spans: list[tuple[str, object]] = []  # (service.name, span)
@@ -25,10 +29,8 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
     def Export(self, request, context):
         with self.lock:
             for resource_spans in request.resource_spans:
-                attrs = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
-                for scope_spans in resource_spans.scope_spans:
-                    for span in scope_spans.spans:
-                        self.spans.append((attrs.get("service.name", ""), span))
+                service = service_name(resource_spans.resource)
+                self.spans += [(service, span) for scope in resource_spans.scope_spans for span in scope.spans]
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
@@ -40,12 +42,11 @@ class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
     def Export(self, request, context):
         with self.lock:
             for resource_metrics in request.resource_metrics:
-                attrs = {a.key: a.value.string_value for a in resource_metrics.resource.attributes}
-                for scope_metrics in resource_metrics.scope_metrics:
-                    for metric in scope_metrics.metrics:
+                service = service_name(resource_metrics.resource)
+                for scope in resource_metrics.scope_metrics:
+                    for metric in scope.metrics:
                         if metric.WhichOneof("data") == "histogram":
-                            key = (attrs.get("service.name", ""), metric.name)
-                            self.histograms[key] = list(metric.histogram.data_points)
+                            self.histograms[(service, metric.name)] = list(metric.histogram.data_points)
         return metrics_service_pb2.ExportMetricsServiceResponse()
 
 
