@@ -73,6 +73,9 @@ class CpuKernels:
         p, i64, f32, threads = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
         self._attention = _bind(library.paged_attention_f32,
                              [p, i64, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, f32, p, threads], ctypes.c_int)
+        self._prefill_attention = _bind(library.prefill_attention_f32,
+                                        [p, i64, p, p, p, i64, p, p, p, p, i64, i64, i64, i64, i64, f32, p, threads],
+                                        ctypes.c_int)
         self._small_batch_linear = _bind(library.small_batch_linear_f32, [p, p, p, p, i64, i64, i64, threads])
         self._packed_small_batch_linear = _bind(library.packed_small_batch_linear_f32,
                                                 [p, p, p, p, i64, i64, i64, i64, threads], ctypes.c_int)
@@ -167,6 +170,11 @@ class CpuKernels:
                 and query.shape[1] <= MAX_HEADS and key_cache.shape[3] <= MAX_HEAD_DIM)
 
     @staticmethod
+    def supports_prefill(key_cache: torch.Tensor) -> bool:
+        """Whether prefill_attention takes this cache's head size (the per-token kernel takes any)."""
+        return key_cache.shape[3] % 16 == 0
+
+    @staticmethod
     def attention_items(block_tables: torch.Tensor, request_rows: torch.Tensor, token_rows: torch.Tensor,
                         context_lens: torch.Tensor) -> AttentionItems:
         """Checked once per step; every layer's call reuses it."""
@@ -176,6 +184,41 @@ class CpuKernels:
         if not request_rows.numel() == token_rows.numel() == context_lens.numel():
             raise ValueError("request_rows, token_rows and context_lens need one entry per query token")
         return AttentionItems(block_tables, request_rows, token_rows, context_lens)
+
+    @staticmethod
+    def prefill_chunks(block_tables: torch.Tensor, requests: torch.Tensor, starts: torch.Tensor,
+                       lengths: torch.Tensor, seq_lens: torch.Tensor) -> PrefillChunks:
+        """Checked once per step; every layer's call reuses it."""
+        _require_contiguous_cpu(("block_tables", block_tables, torch.int32), ("requests", requests, torch.int64),
+                                ("starts", starts, torch.int64), ("lengths", lengths, torch.int32),
+                                ("seq_lens", seq_lens, torch.int32))
+        if not requests.numel() == starts.numel() == lengths.numel() == seq_lens.numel():
+            raise ValueError("requests, starts, lengths and seq_lens need one entry per chunk")
+        if bool((lengths < 1).any()) or bool((seq_lens < lengths).any()):
+            raise ValueError("every chunk needs 1 <= length <= seq_len")
+        return PrefillChunks(block_tables, requests, starts, lengths, seq_lens)
+
+    def prefill_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                          chunks: PrefillChunks, scale: float, out: torch.Tensor) -> None:
+        """For each chunk, causal attention of its query rows over its request's cached context
+        (the chunk's own keys included), written to the same rows of out. Shapes and layouts:
+        see kernels/cpu/prefill_attention.c; head_dim must be a multiple of 16."""
+        if query.dtype != torch.float32 or query.stride(2) != 1 or query.stride(1) != query.shape[2]:
+            raise ValueError("query must be float32 with each token's heads contiguous")
+        _require_contiguous_cpu(("key_cache", key_cache, torch.float32), ("value_cache", value_cache, torch.float32),
+                                ("out", out, torch.float32))
+        _, block_size, kv_heads, head_dim = key_cache.shape
+        group = query.shape[1] // kv_heads
+        status = self._prefill_attention(query.data_ptr(), query.stride(0), key_cache.data_ptr(),
+                                         value_cache.data_ptr(), chunks.block_tables.data_ptr(),
+                                         chunks.block_tables.shape[1], chunks.requests.data_ptr(),
+                                         chunks.starts.data_ptr(), chunks.lengths.data_ptr(),
+                                         chunks.seq_lens.data_ptr(), chunks.requests.numel(), kv_heads, group,
+                                         head_dim, block_size, scale, out.data_ptr(), torch.get_num_threads())
+        if status == 1:
+            raise ValueError(f"unsupported prefill attention shape: group {group}, head_dim {head_dim}")
+        if status == 2:
+            raise MemoryError("prefill_attention_f32: out of memory for its tiles")
 
     def paged_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         items: AttentionItems, scale: float, out: torch.Tensor) -> None:
@@ -208,6 +251,19 @@ class AttentionItems:
     request_rows: torch.Tensor  # [num_items] int64
     token_rows: torch.Tensor  # [num_items] int64
     context_lens: torch.Tensor  # [num_items] int32
+
+
+@dataclass(frozen=True)
+class PrefillChunks:
+    """The prefill chunks the tiled kernel answers this step, one entry each: their row of
+    block_tables, their first query row, their length, and their request's context length
+    once the chunk is in the cache."""
+
+    block_tables: torch.Tensor  # [num_reqs, width] int32
+    requests: torch.Tensor  # [num_chunks] int64
+    starts: torch.Tensor  # [num_chunks] int64
+    lengths: torch.Tensor  # [num_chunks] int32
+    seq_lens: torch.Tensor  # [num_chunks] int32
 
 
 def _bind(fn: Any, argtypes: list[Any], restype: Any = None) -> Any:

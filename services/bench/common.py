@@ -19,17 +19,23 @@ from vmesh.services.common.grpc_server import channel
 from vmesh.services.mesh_process import RunningMesh
 from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-WORKLOAD = Path(__file__).resolve().parent / "standard-64x128.json"
+# The workloads that ship with vmesh; `--workload` takes these names or a file of the same form.
+WORKLOADS = {"standard": Path(__file__).resolve().parent / "standard-64x128.json",
+             "long": Path(__file__).resolve().parent / "long-16x2000.json"}
 _CHECKOUT_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 # In a checkout the figures land beside benchmarks/README.md; installed, in the working directory.
 RESULTS = _CHECKOUT_RESULTS if _CHECKOUT_RESULTS.parent.is_dir() else Path("vmesh-bench-results")
 
 
-def load_workload(path: Path, requests: int | None, max_tokens: int | None) -> dict[str, Any]:
-    workload = json.loads(Path(path).read_text())
-    n = requests or workload["n_requests"]
-    return {"prompts": workload["prompt_token_ids"][:n], "max_tokens": max_tokens or workload["max_new_tokens"],
-            "latency_prompt": workload["latency_prompt_token_ids"]}
+def load_workload(workload: str | Path, requests: int | None, max_tokens: int | None) -> dict[str, Any]:
+    """A named workload (WORKLOADS) or a workload file: its first `requests` prompts."""
+    path = WORKLOADS.get(str(workload), Path(workload))
+    if not path.is_file():
+        raise SystemExit(f"no workload {str(workload)!r}: name one of {sorted(WORKLOADS)} or a workload JSON file")
+    data = json.loads(path.read_text())
+    n = requests or data["n_requests"]
+    return {"name": str(workload) if str(workload) in WORKLOADS else path.name, "prompts": data["prompt_token_ids"][:n],
+            "max_tokens": max_tokens or data["max_new_tokens"], "latency_prompt": data["latency_prompt_token_ids"]}
 
 
 def machine() -> dict[str, Any]:

@@ -137,16 +137,17 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """The torch backend, with decodes and prefill chunks answered by a C kernel that reads
-    the paged pool in place (`kernels/cpu`): no padded copy of every context in every layer,
-    and each cached key and value read once per query token.
+    """The torch backend, with attention answered by C kernels that read the paged pool in
+    place (`kernels/cpu`): no padded copy of every context in every layer.
 
-    The kernel wins on decodes, short chunks and whole prompts, but loses to SDPA's blocked
-    matmuls on a long chunk after cached context (timings in benchmarks/README.md, "Prefill
-    chunks"): chunks longer than MAX_KERNEL_QUERY_LEN that follow cached tokens keep SDPA."""
+    Decodes go to the per-token kernel (each cached key and value read once per query
+    token); prefill chunks, whatever their length or cached context, to the tiled kernel,
+    which reads each key and value once per tile of query tokens and computes the scores and
+    the weighted values as register-blocked matrix products (timings in benchmarks/README.md,
+    "Prefill attention"). The plan is built once per step from the host copies, in work that
+    grows with the number of requests, not with their lengths."""
 
     name = "cpu"
-    MAX_KERNEL_QUERY_LEN = 64
 
     def __init__(self, cache_dir: Path | None = None) -> None:
         from vmesh.kernels.cpu_native import load_cpu_kernels
@@ -156,41 +157,37 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def attend(self, query, key_cache, value_cache, meta, scale):
         if not self.kernels.supports(query, key_cache):
             return super().attend(query, key_cache, value_cache, meta, scale)
-        if "cpu_items" not in meta.backend_cache:
-            meta.backend_cache["cpu_items"] = self._plan_items(meta)
-        items, long_chunks = meta.backend_cache["cpu_items"]
+        if "cpu_plan" not in meta.backend_cache:
+            meta.backend_cache["cpu_plan"] = self._plan(meta, tiled=self.kernels.supports_prefill(key_cache))
+        items, chunks = meta.backend_cache["cpu_plan"]
         out = torch.empty_like(query)
         if items is not None:
             self.kernels.paged_attention(query, key_cache, value_cache, items, scale, out)
-        for i, start in long_chunks:
-            n = meta.query_lens_cpu[i]
-            out[start:start + n] = self._attend_chunk(query[start:start + n], key_cache, value_cache,
-                                                      meta.block_tables[i], meta.seq_lens_cpu[i], scale)
+        if chunks is not None:
+            self.kernels.prefill_attention(query, key_cache, value_cache, chunks, scale, out)
         return out
 
-    def _plan_items(self, meta: AttentionMetadata):
-        """The kernel's items (one per query token of every request it takes) and the (request,
-        first token row) of every chunk left to SDPA; built from the host copies."""
+    def _plan(self, meta: AttentionMetadata, tiled: bool):
+        """(the per-token kernel's items, the tiled kernel's chunks); either may be None."""
         query_lens = torch.tensor(meta.query_lens_cpu)
         ends = torch.cumsum(query_lens, 0)
-        long_chunks = [(i, int(ends[i]) - n) for i, (n, seq_len) in enumerate(zip(meta.query_lens_cpu,
-                                                                                    meta.seq_lens_cpu))
-                       if self.MAX_KERNEL_QUERY_LEN < n < seq_len]
-        request_rows = torch.repeat_interleave(torch.arange(meta.num_reqs), query_lens)
-        token_rows = torch.arange(int(ends[-1]))
-        if long_chunks:
-            keep = torch.ones(meta.num_reqs, dtype=torch.bool)
-            keep[[i for i, _ in long_chunks]] = False
-            keep = keep[request_rows]
-            request_rows, token_rows = request_rows[keep], token_rows[keep]
-        if not len(token_rows):
-            return None, long_chunks
-        # Token t of a request whose last query token sits at row end - 1 sees the context up to
-        # its own position: seq_len - (end - 1 - t) cached tokens.
-        seq_lens = torch.tensor(meta.seq_lens_cpu, dtype=torch.int64)
-        context_lens = (seq_lens[request_rows] - (ends[request_rows] - 1 - token_rows)).to(torch.int32)
-        items = self.kernels.attention_items(meta.block_tables, request_rows, token_rows, context_lens)
-        return items, long_chunks
+        seq_lens = torch.tensor(meta.seq_lens_cpu, dtype=torch.int32)
+        chunk_rows = torch.nonzero(query_lens > 1).flatten() if tiled else torch.empty(0, dtype=torch.long)
+        chunks = None
+        if len(chunk_rows):
+            chunks = self.kernels.prefill_chunks(meta.block_tables, chunk_rows, ends[chunk_rows] - query_lens[chunk_rows],
+                                                 query_lens[chunk_rows].to(torch.int32), seq_lens[chunk_rows])
+        if len(chunk_rows) == meta.num_reqs:
+            return None, chunks
+        if tiled:  # decodes only: one item each
+            request_rows = torch.nonzero(query_lens == 1).flatten()
+            token_rows = ends[request_rows] - 1
+            context_lens = seq_lens[request_rows]
+        else:  # every query token is an item; token t sees the context up to its own position
+            request_rows = torch.repeat_interleave(torch.arange(meta.num_reqs), query_lens)
+            token_rows = torch.arange(int(ends[-1]))
+            context_lens = (seq_lens[request_rows] - (ends[request_rows] - 1 - token_rows)).to(torch.int32)
+        return self.kernels.attention_items(meta.block_tables, request_rows, token_rows, context_lens), chunks
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from vmesh.services.bench.claims import tiny_model_dir
+from vmesh.services.bench.common import load_workload
 from vmesh.services.mesh_process import ROOT
 
 
@@ -19,10 +20,11 @@ def tiny_model(tmp_path_factory):
 
 
 def bench(out, *args) -> dict:
-    done = subprocess.run([sys.executable, "-m", "vmesh", "bench", *args, "--out", str(out),
-                           "--kv-cache-memory", "64MiB"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    memory = [] if "--kv-cache-memory" in args else ["--kv-cache-memory", "64MiB"]
+    done = subprocess.run([sys.executable, "-m", "vmesh", "bench", *args, "--out", str(out), *memory], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    return json.loads((out / f"{args[0]}.json").read_text())
+    workload = args[args.index("--workload") + 1] if "--workload" in args else "standard"
+    return json.loads((out / (f"{args[0]}.json" if workload == "standard" else f"{args[0]}-{workload}.json")).read_text())
 
 
 def positive(value) -> bool:
@@ -41,6 +43,23 @@ def test_offline(tmp_path, tiny_model):
     assert set(r["mesh_peak_pss_mib"]) == {"worker", "detokenizer-0", "scheduler", "frontend"}
     assert all(positive(v) for v in r["mesh_peak_pss_mib"].values())
     assert r["command"].startswith("vmesh bench offline") and r["date"]
+    assert r["workload"] == "standard" and r["prompt_tokens"] == sum(len(p) for p in load_workload("standard", 3, 4)["prompts"])
+
+
+def test_offline_long_workload_reports_prompt_rate_and_uncached_ttft(tmp_path):
+    """Two of the long workload's 2,000-token prompts through the mesh, on the embedded model
+    whose tokenizer made them."""
+    r = bench(tmp_path, "offline", "--workload", "long", "--requests", "2", "--max-tokens", "3", "--baselines", "mesh",
+              "--kv-cache-memory", "256MiB")
+    assert r["workload"] == "long" and r["requests"] == 2 and r["prompt_tokens"] == 4000
+    assert r["prompt_tokens_per_s"]["mesh"] == pytest.approx(r["tokens_per_s"]["mesh"] * 4000 / 6)
+    assert positive(r["latency"]["ttft_ms"]) and positive(r["latency"]["cached_ttft_ms"])
+
+
+def test_unknown_workload_is_refused_by_name(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "vmesh", "bench", "offline", "--workload", "longest"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "no workload 'longest'" in done.stderr and "long" in done.stderr
 
 
 def test_serving(tmp_path, tiny_model):

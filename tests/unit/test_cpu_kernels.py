@@ -1,4 +1,4 @@
-"""The C paged-attention kernel against the torch reference, its build cache and its
+"""The C attention kernels (per token and tiled prefill) against the torch reference, its build cache and its
 fallbacks; oneDNN-packed linears against F.linear."""
 
 from __future__ import annotations
@@ -91,27 +91,89 @@ def test_attention_rejects_wrong_dtypes_and_layouts(kernels):
         kernels.paged_attention(q.half(), kc, vc, items, 0.1, out)
 
 
-@pytest.mark.parametrize(("longest_kernel_chunk", "sdpa_chunks"), [(64, [70]), (4, [6, 70])])
-def test_cpu_backend_matches_torch_backend_on_a_mixed_batch(kernels, tmp_path, monkeypatch, longest_kernel_chunk,
-                                                            sdpa_chunks):
-    """Decodes and chunks of every kind in one step; chunks longer than the kernel takes after
-    cached tokens go to SDPA (the 70-token one; in the second case also the 6-token one,
-    while the 6-token one from an empty context stays with the kernel)."""
+def _prefill_chunks(kernels, query_lens, starts, seq_lens, tables, rows=None):
+    rows = torch.arange(len(query_lens)) if rows is None else torch.as_tensor(rows)
+    lengths = torch.tensor(query_lens, dtype=torch.int32)[rows]
+    return kernels.prefill_chunks(tables, rows, starts[rows].long(), lengths, seq_lens[rows])
+
+
+@pytest.mark.parametrize(("head_dim", "heads", "kv_heads", "block_size"), CASES[:4])
+def test_tiled_prefill_attention_matches_reference(kernels, head_dim, heads, kv_heads, block_size):
+    """Several chunks per call, of one token to more than a tile, from an empty context and
+    after cached tokens, starting and ending on and off block edges."""
+    query_lens, context_lens = [5, 1, 33, 2, 17, 100], [0, 12, 17, 40, 15, 32]
+    q, kc, vc, starts, seq_lens, tables = ragged_batch(query_lens, context_lens, heads, kv_heads, head_dim,
+                                                       block_size, torch.float32, seed=11)
+    out = torch.empty_like(q)
+    scale = head_dim ** -0.5
+    kernels.prefill_attention(q, kc, vc, _prefill_chunks(kernels, query_lens, starts, seq_lens, tables), scale, out)
+    want = reference.paged_attention_ref(q, kc, vc, starts, seq_lens, tables, scale)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize(("query_lens", "context_lens", "heads", "kv_heads"), [
+    ([4096], [0], 2, 1),                     # a whole 4,096-token prompt
+    ([1000, 7], [3096, 0], 2, 1),            # a chunk after a context that ends mid-block, beside a short one
+    ([2000], [0], 9, 3),                     # the default model's heads
+    ([512, 512, 333], [1536, 0, 701], 9, 3), # several long chunks in one step, on and off block edges
+])
+def test_tiled_prefill_attention_on_long_contexts(kernels, query_lens, context_lens, heads, kv_heads):
+    q, kc, vc, starts, seq_lens, tables = ragged_batch(query_lens, context_lens, heads, kv_heads, 64, 16,
+                                                       torch.float32, seed=len(query_lens))
+    out = torch.empty_like(q)
+    kernels.prefill_attention(q, kc, vc, _prefill_chunks(kernels, query_lens, starts, seq_lens, tables), 0.125, out)
+    want = reference.paged_attention_ref(q, kc, vc, starts, seq_lens, tables, 0.125)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+
+
+def test_tiled_prefill_attention_writes_only_its_chunks_rows(kernels):
+    query_lens, context_lens = [4, 1, 40, 1], [5, 40, 0, 17]
+    q, kc, vc, starts, seq_lens, tables = ragged_batch(query_lens, context_lens, 6, 2, 64, 16, torch.float32, seed=3)
+    q_view = torch.cat([q, torch.randn(q.shape[0], 2, 64)], dim=1)[:, :6]  # a strided view, as from fused qkv
+    out = torch.full_like(q, 7.0)
+    kernels.prefill_attention(q_view, kc, vc, _prefill_chunks(kernels, query_lens, starts, seq_lens, tables, [0, 2]),
+                              0.125, out)
+    want = reference.paged_attention_ref(q, kc, vc, starts, seq_lens, tables, 0.125)
+    mine = torch.cat([torch.arange(0, 4), torch.arange(5, 45)])
+    torch.testing.assert_close(out[mine], want[mine], atol=2e-5, rtol=2e-5)
+    assert bool((out[[4, 45]] == 7.0).all())
+
+
+def test_tiled_prefill_attention_refuses_bad_chunks_and_head_sizes(kernels):
+    q, kc, vc, starts, seq_lens, tables = ragged_batch([3], [2], 4, 2, 40, 16, torch.float32)
+    with pytest.raises(ValueError, match="length <= seq_len"):
+        _prefill_chunks(kernels, [6], starts, seq_lens, tables)
+    chunks = _prefill_chunks(kernels, [3], starts, seq_lens, tables)
+    assert not kernels.supports_prefill(kc)
+    with pytest.raises(ValueError, match="head_dim 40"):
+        kernels.prefill_attention(q, kc, vc, chunks, 0.1, torch.empty_like(q))
+
+
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_cpu_backend_matches_torch_backend_on_a_mixed_batch(kernels, tmp_path, monkeypatch, head_dim):
+    """Decodes and chunks of every kind in one step: decodes go to the per-token kernel, chunks
+    to the tiled one; where the tiled kernel cannot take the head size, every query token of
+    every chunk is an item of the per-token kernel."""
     from vmesh.services.worker.attention import AttentionMetadata
 
-    monkeypatch.setattr(CpuAttentionBackend, "MAX_KERNEL_QUERY_LEN", longest_kernel_chunk)
     query_lens, context_lens = [1, 6, 1, 1, 3, 70, 6], [31, 0, 2, 64, 20, 9, 5]
-    q, kc, vc, starts, seq_lens, tables = ragged_batch(query_lens, context_lens, 9, 3, 64, 16, torch.float32, seed=5)
+    q, kc, vc, starts, seq_lens, tables = ragged_batch(query_lens, context_lens, 9, 3, head_dim, 16, torch.float32,
+                                                       seed=5)
+
     def meta():
         return AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), query_start_loc=starts,
                                  seq_lens=seq_lens, block_tables=tables, query_lens_cpu=query_lens,
                                  seq_lens_cpu=seq_lens.tolist())
+
     cpu = CpuAttentionBackend(tmp_path)
-    chunk_lens = []
-    sdpa = cpu._attend_chunk
-    monkeypatch.setattr(cpu, "_attend_chunk", lambda query, *rest: chunk_lens.append(len(query)) or sdpa(query, *rest))
+    calls: dict[str, list[int]] = {"items": [], "chunks": []}
+    per_token, tiled = cpu.kernels.paged_attention, cpu.kernels.prefill_attention
+    monkeypatch.setattr(cpu.kernels, "paged_attention", lambda query, kc, vc, items, *rest: calls["items"].append(
+        items.token_rows.numel()) or per_token(query, kc, vc, items, *rest))
+    monkeypatch.setattr(cpu.kernels, "prefill_attention", lambda query, kc, vc, chunks, *rest: calls["chunks"].append(
+        chunks.requests.numel()) or tiled(query, kc, vc, chunks, *rest))
     got = cpu.attend(q, kc, vc, meta(), 0.125)
-    assert sorted(chunk_lens) == sdpa_chunks
+    assert calls == ({"items": [3], "chunks": [4]} if head_dim == 64 else {"items": [sum(query_lens)], "chunks": []})
     want = TorchAttentionBackend().attend(q, kc, vc, meta(), 0.125)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 

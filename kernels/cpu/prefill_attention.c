@@ -1,0 +1,277 @@
+/* Causal attention for prefill chunks on CPU, read straight out of the paged KV pool.
+ *
+ * paged_attention.c answers each query token alone: a token reads every key and value of its
+ * context once, so a chunk of n tokens reads its context n times and does one multiply per
+ * load, far below what the cores can compute. Here a tile of query tokens (all the query
+ * heads of one KV head) meets a tile of keys at a time, flash-attention style: scores by an
+ * outer-product microkernel over a transposed key tile, an online softmax per row, and the
+ * weighted values accumulated in registers. Each key and value is loaded once per query tile
+ * rather than once per query token, and the work is register-blocked matrix products.
+ * kernels/reference.py's paged_attention_ref defines the result.
+ *
+ * Layouts (float32, contiguous unless said otherwise):
+ *   query        [num_tokens, kv_heads * group, head_dim], rows query_stride floats apart
+ *   key/value    [num_blocks, block_size, kv_heads, head_dim]
+ *   block_tables [num_reqs, table_width] int32
+ *   out          [num_tokens, kv_heads * group, head_dim]
+ * Chunk c is query rows chunk_starts[c] .. + chunk_lens[c] of the request in row
+ * chunk_requests[c] of block_tables, whose context is chunk_seq_lens[c] tokens once the chunk
+ * is written: its token i sits at position seq_len - len + i and sees positions 0 ..= that.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vec_math.h"
+
+#define MAX_HEADS 256
+#define MAX_HEAD_DIM 256
+#define LANES 16
+#define KEY_TILE 32 /* keys per tile: two vectors of scores per row */
+#define TILE_ROWS 96 /* query rows (token x head of a group) per work item, about */
+#define QK_ROWS 6    /* rows per score microkernel: 12 accumulators */
+#define PV_ROWS 4    /* rows per value microkernel: 16 accumulators at head_dim 64 */
+
+typedef float vec16 __attribute__((vector_size(64)));
+
+static inline vec16 load16(const float *p) {
+    vec16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store16(float *p, vec16 v) { memcpy(p, &v, sizeof v); }
+
+static inline vec16 splat16(float x) { return (vec16){0} + x; }
+
+typedef int32_t idx16 __attribute__((vector_size(64)));
+static const idx16 lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+/* Lane j: a[j] where mask[j] is all ones, else b[j] (masks come from vector comparisons). */
+static inline vec16 select16(idx16 mask, vec16 a, vec16 b) {
+    idx16 ia, ib;
+    memcpy(&ia, &a, sizeof ia);
+    memcpy(&ib, &b, sizeof ib);
+    const idx16 picked = (ia & mask) | (ib & ~mask);
+    vec16 out;
+    memcpy(&out, &picked, sizeof out);
+    return out;
+}
+
+static inline float max_lane(vec16 v) {
+    float m = v[0];
+    for (int j = 1; j < LANES; ++j) m = v[j] > m ? v[j] : m;
+    return m;
+}
+
+static inline float sum_lanes(vec16 v) {
+    float sum = 0.0f;
+    for (int j = 0; j < LANES; ++j) sum += v[j];
+    return sum;
+}
+
+/* vec_math.h's exp_f32, sixteen lanes at once. */
+static inline vec16 exp16(vec16 x) {
+    x = select16(x < -87.0f, splat16(-87.0f), select16(x > 88.0f, splat16(88.0f), x));
+    const vec16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    vec16 r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    vec16 p = splat16(1.0f / 720.0f);
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const idx16 exponent_bits = (__builtin_convertvector(n, idx16) + 127) << 23;
+    vec16 two_to_n;
+    memcpy(&two_to_n, &exponent_bits, sizeof two_to_n);
+    return p * two_to_n;
+}
+
+/* scores[r][0..KEY_TILE) = q[r] . keys[0..KEY_TILE), rows r0 .. r0 + QK_ROWS (or fewer). */
+static inline __attribute__((always_inline)) void score_rows(const float *q, const float *kt, int64_t rows,
+                                                             const int64_t head_dim, float *scores) {
+    vec16 acc[QK_ROWS][2];
+    for (int64_t r = 0; r < QK_ROWS; ++r) acc[r][0] = acc[r][1] = (vec16){0};
+    for (int64_t d = 0; d < head_dim; ++d) {
+        const vec16 k0 = load16(kt + d * KEY_TILE), k1 = load16(kt + d * KEY_TILE + LANES);
+        for (int64_t r = 0; r < QK_ROWS; ++r) {
+            if (r < rows) {
+                const vec16 qd = splat16(q[r * head_dim + d]);
+                acc[r][0] += qd * k0;
+                acc[r][1] += qd * k1;
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows && r < QK_ROWS; ++r) {
+        store16(scores + r * KEY_TILE, acc[r][0]);
+        store16(scores + r * KEY_TILE + LANES, acc[r][1]);
+    }
+}
+
+/* acc[r] += sum_j p[r][j] v[j] over n keys, for PV_ROWS rows (or fewer) and the 4 (or fewer)
+ * vectors of head_dim starting at vector c0. */
+static inline __attribute__((always_inline)) void accumulate_rows(const float *p, const float *const *v, int64_t n,
+                                                                  int64_t rows, int64_t c0, int64_t chunks,
+                                                                  const int64_t head_dim, float *acc) {
+    vec16 a[PV_ROWS][4];
+    const int64_t width = chunks - c0 < 4 ? chunks - c0 : 4;
+    for (int64_t r = 0; r < PV_ROWS; ++r)
+        for (int64_t c = 0; c < 4; ++c)
+            a[r][c] = r < rows && c < width ? load16(acc + r * head_dim + (c0 + c) * LANES) : (vec16){0};
+    for (int64_t j = 0; j < n; ++j) {
+        vec16 vj[4];
+        for (int64_t c = 0; c < 4; ++c) vj[c] = c < width ? load16(v[j] + (c0 + c) * LANES) : (vec16){0};
+        for (int64_t r = 0; r < PV_ROWS; ++r) {
+            if (r < rows) {
+                const vec16 pj = splat16(p[r * KEY_TILE + j]);
+                for (int64_t c = 0; c < 4; ++c) a[r][c] += pj * vj[c];
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows && r < PV_ROWS; ++r)
+        for (int64_t c = 0; c < width; ++c) store16(acc + r * head_dim + (c0 + c) * LANES, a[r][c]);
+}
+
+/* One work item: query tokens [i0, i1) of a chunk, the `group` query heads of KV head h. */
+static inline __attribute__((always_inline)) void attend_tile(
+    const float *query, int64_t query_stride, const float *key_cache, const float *value_cache,
+    const int32_t *table, int64_t first_row, int64_t first_position, int64_t i0, int64_t i1, int64_t h,
+    int64_t kv_heads, int64_t group, const int64_t head_dim, int64_t block_size, float scale, float *out,
+    float *scratch) {
+    const int64_t rows = (i1 - i0) * group, chunks = head_dim / LANES, heads = kv_heads * group;
+    const int64_t token_stride = kv_heads * head_dim, block_stride = block_size * token_stride;
+    float *q = scratch;                       /* [rows][head_dim], scaled */
+    float *acc = q + rows * head_dim;         /* [rows][head_dim] */
+    float *scores = acc + rows * head_dim;    /* [rows][KEY_TILE] */
+    float *kt = scores + rows * KEY_TILE;     /* [head_dim][KEY_TILE] */
+    float *row_max = kt + head_dim * KEY_TILE; /* [rows] */
+    float *row_sum = row_max + rows;          /* [rows] */
+    for (int64_t i = i0; i < i1; ++i)
+        for (int64_t g = 0; g < group; ++g) {
+            const float *src = query + (first_row + i) * query_stride + (h * group + g) * head_dim;
+            float *dst = q + ((i - i0) * group + g) * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) dst[d] = src[d] * scale;
+        }
+    memset(acc, 0, sizeof(float) * (size_t)(rows * head_dim));
+    for (int64_t r = 0; r < rows; ++r) row_max[r] = -INFINITY, row_sum[r] = 0.0f;
+
+    const int64_t key_end = first_position + i1; /* the last token sees up to here */
+    const float *v_slots[KEY_TILE];
+    for (int64_t t0 = 0; t0 < key_end; t0 += KEY_TILE) {
+        const int64_t n = key_end - t0 < KEY_TILE ? key_end - t0 : KEY_TILE;
+        for (int64_t j = 0; j < n; ++j) {
+            const int64_t t = t0 + j;
+            const int64_t offset = (int64_t)table[t / block_size] * block_stride + (t % block_size) * token_stride +
+                                   h * head_dim;
+            const float *k = key_cache + offset;
+            v_slots[j] = value_cache + offset;
+            for (int64_t d = 0; d < head_dim; ++d) kt[d * KEY_TILE + j] = k[d];
+        }
+        for (int64_t j = n; j < KEY_TILE; ++j)
+            for (int64_t d = 0; d < head_dim; ++d) kt[d * KEY_TILE + j] = 0.0f;
+        /* Whole blocks with a constant row count, so that the accumulators stay in registers. */
+        int64_t r = 0;
+        for (; r + QK_ROWS <= rows; r += QK_ROWS)
+            score_rows(q + r * head_dim, kt, QK_ROWS, head_dim, scores + r * KEY_TILE);
+        if (r < rows) score_rows(q + r * head_dim, kt, rows - r, head_dim, scores + r * KEY_TILE);
+        /* Online softmax: rescale what each row holds when its maximum grows. */
+        for (r = 0; r < rows; ++r) {
+            const int64_t position = first_position + i0 + r / group;
+            float *s = scores + r * KEY_TILE;
+            const int64_t visible = position - t0 + 1 < n ? position - t0 + 1 : n; /* keys this row sees */
+            if (visible <= 0) {
+                memset(s, 0, sizeof(float) * KEY_TILE);
+                continue;
+            }
+            const idx16 lo = lane_index < (int32_t)visible, hi = lane_index + LANES < (int32_t)visible;
+            const vec16 s0 = select16(lo, load16(s), splat16(-INFINITY));
+            const vec16 s1 = select16(hi, load16(s + LANES), splat16(-INFINITY));
+            const float tile_max = max_lane(select16(s0 > s1, s0, s1));
+            const float new_max = tile_max > row_max[r] ? tile_max : row_max[r];
+            const vec16 e0 = select16(lo, exp16(s0 - new_max), splat16(0.0f));
+            const vec16 e1 = select16(hi, exp16(s1 - new_max), splat16(0.0f));
+            store16(s, e0);
+            store16(s + LANES, e1);
+            if (new_max > row_max[r]) {
+                const float alpha = row_max[r] == -INFINITY ? 0.0f : exp_f32(row_max[r] - new_max);
+                row_sum[r] *= alpha;
+                float *a = acc + r * head_dim;
+                for (int64_t c = 0; c < chunks; ++c) store16(a + c * LANES, load16(a + c * LANES) * alpha);
+                row_max[r] = new_max;
+            }
+            row_sum[r] += sum_lanes(e0 + e1);
+        }
+        for (r = 0; r + PV_ROWS <= rows; r += PV_ROWS)
+            for (int64_t c0 = 0; c0 < chunks; c0 += 4)
+                accumulate_rows(scores + r * KEY_TILE, v_slots, n, PV_ROWS, c0, chunks, head_dim,
+                                acc + r * head_dim);
+        for (int64_t c0 = 0; r < rows && c0 < chunks; c0 += 4)
+            accumulate_rows(scores + r * KEY_TILE, v_slots, n, rows - r, c0, chunks, head_dim, acc + r * head_dim);
+    }
+    for (int64_t i = i0; i < i1; ++i)
+        for (int64_t g = 0; g < group; ++g) {
+            const int64_t r = (i - i0) * group + g;
+            const float inv = 1.0f / row_sum[r];
+            float *dst = out + ((first_row + i) * heads + h * group + g) * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) dst[d] = acc[r * head_dim + d] * inv;
+        }
+}
+
+/* Returns 0 on success, 1 if a size is out of the supported range (head_dim must be a
+ * multiple of 16), 2 if memory ran out. */
+int prefill_attention_f32(const float *query, int64_t query_stride, const float *key_cache, const float *value_cache,
+                          const int32_t *block_tables, int64_t table_width, const int64_t *chunk_requests,
+                          const int64_t *chunk_starts, const int32_t *chunk_lens, const int32_t *chunk_seq_lens,
+                          int64_t num_chunks, int64_t kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
+                          float scale, float *out, int num_threads) {
+    if (group < 1 || kv_heads * group > MAX_HEADS || head_dim < LANES || head_dim > MAX_HEAD_DIM ||
+        head_dim % LANES)
+        return 1;
+    const int64_t tile_tokens = group >= TILE_ROWS ? 1 : TILE_ROWS / group;
+    /* Work items: (chunk, query tile, KV head); first_item[c] is chunk c's first. */
+    int64_t *first_item = malloc(sizeof(int64_t) * (size_t)(num_chunks + 1));
+    if (first_item == NULL) return 2;
+    first_item[0] = 0;
+    for (int64_t c = 0; c < num_chunks; ++c)
+        first_item[c + 1] = first_item[c] + (chunk_lens[c] + tile_tokens - 1) / tile_tokens * kv_heads;
+    const int64_t num_items = first_item[num_chunks];
+    const int64_t rows = tile_tokens * group;
+    const size_t floats = (size_t)(2 * rows * head_dim + rows * KEY_TILE + head_dim * KEY_TILE + 2 * rows);
+    int failed = 0;
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scratch = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 2;
+        }
+        /* The last tiles of a chunk see the most keys: hand them out first. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t work = num_items - 1; work >= 0; --work) {
+            if (scratch == NULL) continue;
+            int64_t c = 0;
+            while (first_item[c + 1] <= work) ++c;
+            const int64_t local = work - first_item[c], tile = local / kv_heads, h = local % kv_heads;
+            const int64_t len = chunk_lens[c], i0 = tile * tile_tokens;
+            const int64_t i1 = i0 + tile_tokens < len ? i0 + tile_tokens : len;
+            const int32_t *table = block_tables + chunk_requests[c] * table_width;
+            const int64_t first_position = chunk_seq_lens[c] - len;
+#define ATTEND_TILE(dim)                                                                                          \
+    attend_tile(query, query_stride, key_cache, value_cache, table, chunk_starts[c], first_position, i0, i1, h,   \
+                kv_heads, group, dim, block_size, scale, out, scratch)
+            switch (head_dim) {
+            case 64: ATTEND_TILE(64); break;
+            case 128: ATTEND_TILE(128); break;
+            default: ATTEND_TILE(head_dim);
+            }
+#undef ATTEND_TILE
+        }
+        free(scratch);
+    }
+    free(first_item);
+    return failed;
+}
