@@ -3,8 +3,8 @@ prompts of exactly 2,000 tokens of the embedded model's tokenizer, no two sharin
 KV block, 64 greedy output tokens each with EOS ignored.
 
 The prompts are made of this repository's own prose (README.md and docs/architecture.md):
-prompt i opens with a paragraph of its own, then the others in an order shuffled with seed i,
-cut to length and followed by an instruction. The result is committed, so the workload stays fixed when the docs change; run
+prompt i opens with a paragraph of its own, then the others in an order shuffled with
+seed i, cut to length and followed by an instruction. The result is committed, so the workload stays fixed when the docs change; run
 this again only to make a new workload (and give it a new name).
 
     .venv/bin/python -m benchmarks.make_long_workload
@@ -76,7 +76,8 @@ def main() -> None:
     lines = [json.dumps({k: v for k, v in workload.items() if not k.endswith("token_ids")}, indent=1)[:-2] + ","]
     lines.append('"prompt_token_ids": [')
     lines.append(",\n".join(json.dumps(p, separators=(",", ":")) for p in workload["prompt_token_ids"]) + "],")
-    lines.append(f'"latency_prompt_token_ids": {json.dumps(workload["latency_prompt_token_ids"], separators=(",", ":"))}')
+    latency = json.dumps(workload["latency_prompt_token_ids"], separators=(",", ":"))
+    lines.append(f'"latency_prompt_token_ids": {latency}')
     lines.append("}")
     out.write_text("\n".join(lines) + "\n")
     json.loads(out.read_text())

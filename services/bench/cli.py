@@ -21,8 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="mode", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--workload", default="standard",
-                        help=f"{' or '.join(WORKLOADS)} (64 x 128 tokens after short prompts; 16 x 64 after 2,000-token "
-                             "prompts), or a workload JSON file of the same form")
+                        help=f"{' or '.join(WORKLOADS)} (64 x 128 tokens after short prompts; 16 x 64 after "
+                             "2,000-token prompts), or a workload JSON file of the same form")
     common.add_argument("--model", default=None, help="default: the embedded model")
     common.add_argument("--max-tokens", type=int, default=None, help="default: the workload's")
     common.add_argument("--kv-cache-memory", default="1GiB")

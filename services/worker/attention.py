@@ -175,8 +175,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         chunk_rows = torch.nonzero(query_lens > 1).flatten() if tiled else torch.empty(0, dtype=torch.long)
         chunks = None
         if len(chunk_rows):
-            chunks = self.kernels.prefill_chunks(meta.block_tables, chunk_rows, ends[chunk_rows] - query_lens[chunk_rows],
-                                                 query_lens[chunk_rows].to(torch.int32), seq_lens[chunk_rows])
+            lengths = query_lens[chunk_rows]
+            chunks = self.kernels.prefill_chunks(meta.block_tables, chunk_rows, ends[chunk_rows] - lengths,
+                                                 lengths.to(torch.int32), seq_lens[chunk_rows])
         if len(chunk_rows) == meta.num_reqs:
             return None, chunks
         if tiled:  # decodes only: one item each

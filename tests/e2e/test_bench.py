@@ -24,7 +24,8 @@ def bench(out, *args) -> dict:
     done = subprocess.run([sys.executable, "-m", "vmesh", "bench", *args, "--out", str(out), *memory], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     workload = args[args.index("--workload") + 1] if "--workload" in args else "standard"
-    return json.loads((out / (f"{args[0]}.json" if workload == "standard" else f"{args[0]}-{workload}.json")).read_text())
+    name = args[0] if workload == "standard" else f"{args[0]}-{workload}"
+    return json.loads((out / f"{name}.json").read_text())
 
 
 def positive(value) -> bool:
@@ -43,14 +44,15 @@ def test_offline(tmp_path, tiny_model):
     assert set(r["mesh_peak_pss_mib"]) == {"worker", "detokenizer-0", "scheduler", "frontend"}
     assert all(positive(v) for v in r["mesh_peak_pss_mib"].values())
     assert r["command"].startswith("vmesh bench offline") and r["date"]
-    assert r["workload"] == "standard" and r["prompt_tokens"] == sum(len(p) for p in load_workload("standard", 3, 4)["prompts"])
+    assert r["workload"] == "standard"
+    assert r["prompt_tokens"] == sum(len(p) for p in load_workload("standard", 3, 4)["prompts"])
 
 
 def test_offline_long_workload_reports_prompt_rate_and_uncached_ttft(tmp_path):
     """Two of the long workload's 2,000-token prompts through the mesh, on the embedded model
     whose tokenizer made them."""
-    r = bench(tmp_path, "offline", "--workload", "long", "--requests", "2", "--max-tokens", "3", "--baselines", "mesh",
-              "--kv-cache-memory", "256MiB")
+    r = bench(tmp_path, "offline", "--workload", "long", "--requests", "2", "--max-tokens", "3",
+              "--baselines", "mesh", "--kv-cache-memory", "256MiB")
     assert r["workload"] == "long" and r["requests"] == 2 and r["prompt_tokens"] == 4000
     assert r["prompt_tokens_per_s"]["mesh"] == pytest.approx(r["tokens_per_s"]["mesh"] * 4000 / 6)
     assert positive(r["latency"]["ttft_ms"]) and positive(r["latency"]["cached_ttft_ms"])

@@ -34,7 +34,8 @@ def runner(embedded_model_dir):
 
 
 @pytest.mark.parametrize(("budget", "depth"), [(4096, 2), (512, 1), (768, 2)])
-def test_long_prompts_match_transformers(monkeypatch, runner, embedded_tokenizer, long_prompts, long_references, budget, depth):
+def test_long_prompts_match_transformers(monkeypatch, runner, embedded_tokenizer, long_prompts, long_references,
+                                         budget, depth):
     """budget 4096: both prompts whole in one step; 512: four chunks each, on block edges;
     768: chunks that start and end mid-block, a step holding the end of one prompt and the
     start of the other."""
