@@ -4,8 +4,8 @@ KV block, 64 greedy output tokens each with EOS ignored.
 
 The prompts are made of this repository's own prose (README.md and docs/architecture.md):
 prompt i opens with a paragraph of its own, then the others in an order shuffled with
-seed i, cut to length and followed by an instruction. The result is committed, so the workload stays fixed when the docs change; run
-this again only to make a new workload (and give it a new name).
+seed i, cut to length and followed by an instruction. The result is committed, so the
+workload stays fixed when the docs change; run this again only to make a new workload (and give it a new name).
 
     .venv/bin/python -m benchmarks.make_long_workload
 """

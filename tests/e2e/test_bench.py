@@ -21,7 +21,8 @@ def tiny_model(tmp_path_factory):
 
 def bench(out, *args) -> dict:
     memory = [] if "--kv-cache-memory" in args else ["--kv-cache-memory", "64MiB"]
-    done = subprocess.run([sys.executable, "-m", "vmesh", "bench", *args, "--out", str(out), *memory], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "vmesh", "bench", *args, "--out", str(out), *memory],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     workload = args[args.index("--workload") + 1] if "--workload" in args else "standard"
     name = args[0] if workload == "standard" else f"{args[0]}-{workload}"
