@@ -28,9 +28,10 @@
 #define MAX_HEADS 256
 #define MAX_HEAD_DIM 256
 #define LANES 16
-#define KEY_TILE 32 /* keys per tile: two vectors of scores per row */
-#define TILE_ROWS 96 /* query rows (token x head of a group) per work item, about */
-#define QK_ROWS 6    /* rows per score microkernel: 12 accumulators */
+#define KEY_VECS 4 /* vectors of scores per row and key tile */
+#define KEY_TILE (KEY_VECS * LANES)
+#define TILE_ROWS 192 /* query rows (token x head of a group) per work item, about */
+#define QK_ROWS 6    /* rows per score microkernel: QK_ROWS * KEY_VECS accumulators */
 #define PV_ROWS 4    /* rows per value microkernel: 16 accumulators at head_dim 64 */
 
 typedef float vec16 __attribute__((vector_size(64)));
@@ -43,7 +44,8 @@ static inline vec16 load16(const float *p) {
 
 static inline void store16(float *p, vec16 v) { memcpy(p, &v, sizeof v); }
 
-static inline vec16 splat16(float x) { return (vec16){0} + x; }
+/* Not (vec16){0} + x: under strict floating point that is an addition (0 + -0 is +0). */
+static inline vec16 splat16(float x) { return (vec16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
 typedef int32_t idx16 __attribute__((vector_size(64)));
 static const idx16 lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -59,16 +61,27 @@ static inline vec16 select16(idx16 mask, vec16 a, vec16 b) {
     return out;
 }
 
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUFFLE(a, ...) __builtin_shufflevector(a, a, __VA_ARGS__)
+#else
+#define SHUFFLE(a, ...) __builtin_shuffle(a, (idx16){__VA_ARGS__})
+#endif
+
+/* Horizontal max and sum in four halving steps: a chain of 15 scalar operations per row
+ * would cost more than the row's share of the matrix products. */
 static inline float max_lane(vec16 v) {
-    float m = v[0];
-    for (int j = 1; j < LANES; ++j) m = v[j] > m ? v[j] : m;
-    return m;
+    v = select16(v > SHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7), v,
+                 SHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    v = select16(v > SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11), v,
+                 SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    const float a = v[0] > v[1] ? v[0] : v[1], b = v[2] > v[3] ? v[2] : v[3];
+    return a > b ? a : b;
 }
 
 static inline float sum_lanes(vec16 v) {
-    float sum = 0.0f;
-    for (int j = 0; j < LANES; ++j) sum += v[j];
-    return sum;
+    v += SHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    return (v[0] + v[1]) + (v[2] + v[3]);
 }
 
 /* vec_math.h's exp_f32, sixteen lanes at once. */
@@ -93,22 +106,21 @@ static inline vec16 exp16(vec16 x) {
 /* scores[r][0..KEY_TILE) = q[r] . keys[0..KEY_TILE), rows r0 .. r0 + QK_ROWS (or fewer). */
 static inline __attribute__((always_inline)) void score_rows(const float *q, const float *kt, int64_t rows,
                                                              const int64_t head_dim, float *scores) {
-    vec16 acc[QK_ROWS][2];
-    for (int64_t r = 0; r < QK_ROWS; ++r) acc[r][0] = acc[r][1] = (vec16){0};
+    vec16 acc[QK_ROWS][KEY_VECS];
+    for (int64_t r = 0; r < QK_ROWS; ++r)
+        for (int64_t c = 0; c < KEY_VECS; ++c) acc[r][c] = (vec16){0};
     for (int64_t d = 0; d < head_dim; ++d) {
-        const vec16 k0 = load16(kt + d * KEY_TILE), k1 = load16(kt + d * KEY_TILE + LANES);
+        vec16 k[KEY_VECS];
+        for (int64_t c = 0; c < KEY_VECS; ++c) k[c] = load16(kt + d * KEY_TILE + c * LANES);
         for (int64_t r = 0; r < QK_ROWS; ++r) {
             if (r < rows) {
                 const vec16 qd = splat16(q[r * head_dim + d]);
-                acc[r][0] += qd * k0;
-                acc[r][1] += qd * k1;
+                for (int64_t c = 0; c < KEY_VECS; ++c) acc[r][c] += qd * k[c];
             }
         }
     }
-    for (int64_t r = 0; r < rows && r < QK_ROWS; ++r) {
-        store16(scores + r * KEY_TILE, acc[r][0]);
-        store16(scores + r * KEY_TILE + LANES, acc[r][1]);
-    }
+    for (int64_t r = 0; r < rows && r < QK_ROWS; ++r)
+        for (int64_t c = 0; c < KEY_VECS; ++c) store16(scores + r * KEY_TILE + c * LANES, acc[r][c]);
 }
 
 /* acc[r] += sum_j p[r][j] v[j] over n keys, for PV_ROWS rows (or fewer) and the 4 (or fewer)
@@ -186,15 +198,21 @@ static inline __attribute__((always_inline)) void attend_tile(
                 memset(s, 0, sizeof(float) * KEY_TILE);
                 continue;
             }
-            const idx16 lo = lane_index < (int32_t)visible, hi = lane_index + LANES < (int32_t)visible;
-            const vec16 s0 = select16(lo, load16(s), splat16(-INFINITY));
-            const vec16 s1 = select16(hi, load16(s + LANES), splat16(-INFINITY));
-            const float tile_max = max_lane(select16(s0 > s1, s0, s1));
+            idx16 seen[KEY_VECS];
+            vec16 v[KEY_VECS], most = splat16(-INFINITY);
+            for (int64_t c = 0; c < KEY_VECS; ++c) {
+                seen[c] = lane_index + (int32_t)(c * LANES) < (int32_t)visible;
+                v[c] = select16(seen[c], load16(s + c * LANES), splat16(-INFINITY));
+                most = select16(v[c] > most, v[c], most);
+            }
+            const float tile_max = max_lane(most);
             const float new_max = tile_max > row_max[r] ? tile_max : row_max[r];
-            const vec16 e0 = select16(lo, exp16(s0 - new_max), splat16(0.0f));
-            const vec16 e1 = select16(hi, exp16(s1 - new_max), splat16(0.0f));
-            store16(s, e0);
-            store16(s + LANES, e1);
+            vec16 total = (vec16){0};
+            for (int64_t c = 0; c < KEY_VECS; ++c) {
+                const vec16 e = select16(seen[c], exp16(v[c] - new_max), (vec16){0});
+                store16(s + c * LANES, e);
+                total += e;
+            }
             if (new_max > row_max[r]) {
                 const float alpha = row_max[r] == -INFINITY ? 0.0f : exp_f32(row_max[r] - new_max);
                 row_sum[r] *= alpha;
@@ -202,7 +220,7 @@ static inline __attribute__((always_inline)) void attend_tile(
                 for (int64_t c = 0; c < chunks; ++c) store16(a + c * LANES, load16(a + c * LANES) * alpha);
                 row_max[r] = new_max;
             }
-            row_sum[r] += sum_lanes(e0 + e1);
+            row_sum[r] += sum_lanes(total);
         }
         for (r = 0; r + PV_ROWS <= rows; r += PV_ROWS)
             for (int64_t c0 = 0; c0 < chunks; c0 += 4)
