@@ -29,7 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
     off = sub.add_parser("offline", parents=[common])
     off.add_argument("--requests", type=int, default=None)
-    off.add_argument("--baselines", default="transformers,engine,mesh")
+    off.add_argument("--baselines", default="transformers,engine,mesh",
+                     help="any of transformers, engine, mesh (always run), and the peers vllm (float32), "
+                          "vllm-bf16 and llama.cpp (the GGUF), which need benchmarks/peers/setup.sh's environments")
+    off.add_argument("--peers-dir", default=None,
+                     help="where benchmarks/peers/setup.sh built the peers' environments "
+                          "(default: $VMESH_PEERS_DIR, else ~/.cache/vmesh-peers)")
     off.add_argument("--repeats", type=int, default=1, help="rounds of every run, in turn; medians are reported")
     srv = sub.add_parser("serving", parents=[common])
     srv.add_argument("--address", default=None, help="a running mesh's gRPC address (default: start a mesh)")

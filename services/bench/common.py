@@ -34,7 +34,8 @@ def load_workload(workload: str | Path, requests: int | None, max_tokens: int | 
         raise SystemExit(f"no workload {str(workload)!r}: name one of {sorted(WORKLOADS)} or a workload JSON file")
     data = json.loads(path.read_text())
     n = requests or data["n_requests"]
-    return {"name": str(workload) if str(workload) in WORKLOADS else path.name, "prompts": data["prompt_token_ids"][:n],
+    return {"name": str(workload) if str(workload) in WORKLOADS else path.name, "path": path,
+            "prompts": data["prompt_token_ids"][:n],
             "max_tokens": max_tokens or data["max_new_tokens"], "latency_prompt": data["latency_prompt_token_ids"]}
 
 

@@ -13,14 +13,26 @@ SAMPLE_INTERVAL_S = 0.25
 
 
 def pss_mib(pid: int) -> float | None:
-    """The process's PSS now, in MiB; None once it is gone (or on a system without smaps)."""
+    """The PSS of the process and every process it started, now, in MiB (engines such as
+    vLLM's run their model in child processes); None once it is gone (or without smaps)."""
     try:
+        total = 0.0
         for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
             if line.startswith("Pss:"):
-                return int(line.split()[1]) / 1024
+                total = int(line.split()[1]) / 1024
     except OSError:
         return None
-    return None
+    return total + sum(pss_mib(child) or 0.0 for child in _children(pid))
+
+
+def _children(pid: int) -> list[int]:
+    children: list[int] = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            children += [int(c) for c in (task / "children").read_text().split()]
+    except OSError:
+        pass
+    return children
 
 
 class PeakPss:

@@ -16,8 +16,9 @@ import torch
 
 from vmesh.services.bench.common import load_workload, machine, mesh_generate, timed_request
 from vmesh.services.bench.memory import PeakPss
+from vmesh.services.bench.peers import PEER_BASELINES, PeerError, PeerProcess, default_peers_dir
 from vmesh.services.client import VmeshClient
-from vmesh.services.common.model_loading import resolve_model_dir
+from vmesh.services.common.model_loading import embedded_model_file, resolve_model_dir
 from vmesh.services.common.sampling_params import SamplingParams
 from vmesh.services.mesh_process import RunningMesh, start_mesh
 
@@ -69,6 +70,27 @@ def engine_generate(model_dir: Path, prompts: list[list[int]], max_tokens: int, 
         engine.shutdown()
 
 
+def start_peer(name: str, args: argparse.Namespace, work: dict[str, Any], model_dir: Path) -> PeerProcess:
+    """A peer engine loaded on the same weights: vLLM on vmesh's checkpoint of the model,
+    llama.cpp on its GGUF file."""
+    if args.model is None:
+        gguf = embedded_model_file()
+    elif str(args.model).endswith(".gguf"):
+        gguf = Path(args.model)
+    elif name == "llama.cpp":
+        raise SystemExit("the llama.cpp baseline needs a GGUF model (--model FILE.gguf, or the embedded one)")
+    else:
+        gguf = Path()
+    longest = max(len(p) for p in [*work["prompts"], work["latency_prompt"]])
+    try:
+        return PeerProcess(name, Path(args.peers_dir) if args.peers_dir else default_peers_dir(), model_dir=model_dir,
+                           gguf=gguf, workload=work["path"], requests=len(work["prompts"]),
+                           max_tokens=work["max_tokens"], max_model_len=longest + work["max_tokens"] + 16,
+                           threads=torch.get_num_threads(), kv_cache_bytes=args.kv_cache_memory_bytes)
+    except PeerError as exc:
+        raise SystemExit(str(exc)) from exc
+
+
 async def mesh_latency(mesh: RunningMesh, prompt: list[int], max_tokens: int,
                        warm_up_prompt: list[int]) -> dict[str, float]:
     """One request alone, twice: the first finds nothing of its prompt in the prefix cache
@@ -88,6 +110,10 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
     work = load_workload(args.workload, args.requests, args.max_tokens)
     model_dir = resolve_model_dir(args.model)
     baselines = set(args.baselines.split(","))
+    unknown = baselines - {"transformers", "engine", "mesh"} - set(PEER_BASELINES)
+    if unknown:
+        raise SystemExit(f"unknown baselines {sorted(unknown)}: choose from transformers, engine, mesh, "
+                         f"{', '.join(PEER_BASELINES)}")
     prompt_tokens = sum(len(p) for p in work["prompts"])
     result: dict[str, Any] = {"mode": "offline", "workload": work["name"], "requests": len(work["prompts"]),
                               "prompt_tokens": prompt_tokens, "max_tokens": work["max_tokens"],
@@ -99,6 +125,9 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
         if "engine" in baselines:
             runs["engine"] = stack.enter_context(engine_generate(model_dir, work["prompts"], work["max_tokens"],
                                                                  kv_cache_memory=args.kv_cache_memory_bytes))
+        peers = {name: stack.enter_context(contextlib.closing(start_peer(name, args, work, model_dir)))
+                 for name in PEER_BASELINES if name in baselines}
+        runs.update({name: peer.run for name, peer in peers.items()})
         mesh = start_mesh("--model", str(model_dir), "--kv-cache-memory", args.kv_cache_memory)
         stack.callback(mesh.stop)
         mesh_runs: list[dict[str, float]] = []
@@ -110,11 +139,14 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
         runs["mesh"] = run_mesh
         for name in runs:
             result["runs_tokens_per_s"][name] = []
-        with PeakPss({name: pid for name, (_address, pid) in mesh.services.items()}) as peaks:
+        watched = {name: pid for name, (_address, pid) in mesh.services.items()}
+        with PeakPss(watched | {name: peer.pid for name, peer in peers.items()}) as peaks:
             for _ in range(args.repeats):
                 for name, run in runs.items():
                     result["runs_tokens_per_s"][name].append(run())
-        result["mesh_peak_pss_mib"] = peaks.mib
+        result["mesh_peak_pss_mib"] = {name: mib for name, mib in peaks.mib.items() if name in watched}
+        result["peer_peak_pss_mib"] = {name: mib for name, mib in peaks.mib.items() if name in peers}
+        result["peer_latency"] = {name: peer.latency() for name, peer in peers.items()}
         result["mesh_duty_cycle"] = statistics.median(r["duty_cycle"] for r in mesh_runs)
         result["latency"] = asyncio.run(mesh_latency(mesh, work["latency_prompt"], work["max_tokens"],
                                                      work["prompts"][0]))
@@ -134,7 +166,12 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
     lat = result["latency"]
     print(f"single request through the mesh: TTFT {lat['ttft_ms']:.0f} ms (its prompt not cached; "
           f"{lat['cached_ttft_ms']:.0f} ms repeated, from the prefix cache), mean ITL {lat['mean_itl_ms']:.1f} ms")
+    for name, lat in result["peer_latency"].items():
+        print(f"single request, {name}: TTFT {lat['ttft_ms']:.0f} ms ({lat['cached_ttft_ms']:.0f} ms repeated), "
+              f"mean ITL {lat['mean_itl_ms']:.1f} ms (one-token and full-length calls, no streaming)")
     memory = result["mesh_peak_pss_mib"]
     print("mesh peak PSS: " + ", ".join(f"{name} {mib:.0f} MiB" for name, mib in memory.items())
           + f"; all {sum(memory.values()):.0f} MiB")
+    for name, mib in result["peer_peak_pss_mib"].items():
+        print(f"{name} peak PSS (its processes together): {mib:.0f} MiB")
     return result
