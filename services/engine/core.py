@@ -15,15 +15,25 @@ from vmesh.services.scheduler.scheduler import RequestUpdate, Scheduler
 from vmesh.services.worker.model_runner import ModelRunner
 
 
+def model_thread() -> ThreadPoolExecutor:
+    """The one thread that should load a model and run all of its steps. OpenMP keeps a pool of
+    helper threads per thread that starts parallel work: a model loaded on one thread and run
+    on another leaves two pools on the cores, and the steps ran ~25 % slower for it (attention
+    of 16 decodes over 2,000 tokens: 2.4 against 1.9 ms per layer, benchmarks/README.md)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="vmesh-worker")
+
+
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, pipeline_depth: int = 2):
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, pipeline_depth: int = 2,
+                 model_thread: ThreadPoolExecutor | None = None):
         self.pipeline = StepPipeline(scheduler, pipeline_depth)
         self.scheduler = scheduler
         self.runner = runner
         self.pipeline_depth = pipeline_depth
         self.in_flight: deque[Future[StepResult]] = deque()
-        # One thread: plans execute in the order they were sent.
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vmesh-worker")
+        # One thread: plans execute in the order they were sent. Best the thread that loaded
+        # the model (see model_thread()).
+        self._worker = model_thread or ThreadPoolExecutor(max_workers=1, thread_name_prefix="vmesh-worker")
         self.busy_seconds = 0.0
 
     def has_work(self) -> bool:

@@ -10,6 +10,7 @@ import asyncio
 import itertools
 import threading
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,7 @@ from vmesh.services.common.logprobs import TokenLogprobs
 from vmesh.services.common.model_loading import load_tokenizer, resolve_model_dir
 from vmesh.services.common.sampling_params import OutputMode, SamplingParams
 from vmesh.services.detokenizer.incremental import IncrementalDetokenizer
-from vmesh.services.engine.core import EngineCore
+from vmesh.services.engine.core import EngineCore, model_thread
 from vmesh.services.scheduler.block_pool import BlockPool
 from vmesh.services.scheduler.request import Request
 from vmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -71,7 +72,8 @@ class _Tracked:
 
 
 class LLMEngine:
-    def __init__(self, runner: ModelRunner, tokenizer: Any, config: EngineConfig):
+    def __init__(self, runner: ModelRunner, tokenizer: Any, config: EngineConfig,
+                 model_thread: ThreadPoolExecutor | None = None):
         self.runner = runner
         self.tokenizer = tokenizer
         self.backend_tokenizer = tokenizer.backend_tokenizer
@@ -83,7 +85,7 @@ class LLMEngine:
                                               max_num_batched_tokens=config.max_num_batched_tokens,
                                               policy=config.policy, max_waiting=config.max_waiting),
                               pool, runner.spec.eos_token_ids)
-        self.core = EngineCore(scheduler, runner, config.pipeline_depth)
+        self.core = EngineCore(scheduler, runner, config.pipeline_depth, model_thread)
         self.tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -94,7 +96,13 @@ class LLMEngine:
         config = config or EngineConfig()
         model_dir = resolve_model_dir(config.worker.model, config.worker.cache_dir)
         config.worker.model = str(model_dir)
-        return cls(ModelRunner.load(config.worker), load_tokenizer(model_dir), config)
+        thread = model_thread()
+        try:
+            runner = thread.submit(ModelRunner.load, config.worker).result()
+        except BaseException:
+            thread.shutdown(wait=False)
+            raise
+        return cls(runner, load_tokenizer(model_dir), config, thread)
 
     @property
     def scheduler(self) -> Scheduler:
