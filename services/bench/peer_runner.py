@@ -55,7 +55,7 @@ class LlamaCppPeer:
         self.llm.reset()
 
 
-PEERS = {"vllm": VllmPeer, "llama.cpp": LlamaCppPeer}
+PEERS: dict[str, type[VllmPeer | LlamaCppPeer]] = {"vllm": VllmPeer, "llama.cpp": LlamaCppPeer}
 
 
 def timed(fn: Any, *args: Any) -> float:
