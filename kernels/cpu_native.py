@@ -203,12 +203,7 @@ class CpuKernels:
         """For each chunk, causal attention of its query rows over its request's cached context
         (the chunk's own keys included), written to the same rows of out. Shapes and layouts:
         see kernels/cpu/prefill_attention.c; head_dim must be a multiple of 16."""
-        if query.dtype != torch.float32 or query.stride(2) != 1 or query.stride(1) != query.shape[2]:
-            raise ValueError("query must be float32 with each token's heads contiguous")
-        _require_contiguous_cpu(("key_cache", key_cache, torch.float32), ("value_cache", value_cache, torch.float32),
-                                ("out", out, torch.float32))
-        _, block_size, kv_heads, head_dim = key_cache.shape
-        group = query.shape[1] // kv_heads
+        block_size, kv_heads, head_dim, group = _attention_shape(query, key_cache, value_cache, out)
         status = self._prefill_attention(query.data_ptr(), query.stride(0), key_cache.data_ptr(),
                                          value_cache.data_ptr(), chunks.block_tables.data_ptr(),
                                          chunks.block_tables.shape[1], chunks.requests.data_ptr(),
@@ -225,12 +220,7 @@ class CpuKernels:
         """For each item i, writes out[token_rows[i]] = attention of query[token_rows[i]] over the
         first context_lens[i] cached tokens of block_tables[request_rows[i]]. Shapes and
         layouts: see kernels/cpu/paged_attention.c."""
-        if query.dtype != torch.float32 or query.stride(2) != 1 or query.stride(1) != query.shape[2]:
-            raise ValueError("query must be float32 with each token's heads contiguous")
-        _require_contiguous_cpu(("key_cache", key_cache, torch.float32), ("value_cache", value_cache, torch.float32),
-                                ("out", out, torch.float32))
-        _, block_size, kv_heads, head_dim = key_cache.shape
-        group = query.shape[1] // kv_heads
+        block_size, kv_heads, head_dim, group = _attention_shape(query, key_cache, value_cache, out)
         status = self._attention(query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
                                  items.block_tables.data_ptr(), items.block_tables.shape[1],
                                  items.request_rows.data_ptr(), items.token_rows.data_ptr(),
@@ -264,6 +254,18 @@ class PrefillChunks:
     starts: torch.Tensor  # [num_chunks] int64
     lengths: torch.Tensor  # [num_chunks] int32
     seq_lens: torch.Tensor  # [num_chunks] int32
+
+
+def _attention_shape(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     out: torch.Tensor) -> tuple[int, int, int, int]:
+    """What both attention kernels check before they read raw pointers; returns
+    (block_size, kv_heads, head_dim, query heads per KV head)."""
+    if query.dtype != torch.float32 or query.stride(2) != 1 or query.stride(1) != query.shape[2]:
+        raise ValueError("query must be float32 with each token's heads contiguous")
+    _require_contiguous_cpu(("key_cache", key_cache, torch.float32), ("value_cache", value_cache, torch.float32),
+                            ("out", out, torch.float32))
+    _, block_size, kv_heads, head_dim = key_cache.shape
+    return block_size, kv_heads, head_dim, query.shape[1] // kv_heads
 
 
 def _bind(fn: Any, argtypes: list[Any], restype: Any = None) -> Any:
