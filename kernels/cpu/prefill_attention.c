@@ -267,7 +267,8 @@ int prefill_attention_f32(const float *query, int64_t query_stride, const float 
 #pragma omp atomic write
             failed = 2;
         }
-        /* The last tiles of a chunk see the most keys: hand them out first. */
+        /* Backwards: the last chunk's tiles first, and within every chunk its last tiles (those
+         * that see the most keys) before its first, so the long items do not come last. */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t work = num_items - 1; work >= 0; --work) {
             if (scratch == NULL) continue;

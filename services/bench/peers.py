@@ -6,9 +6,11 @@ same weights: vLLM reads the checkpoint vmesh converted from the GGUF, llama.cpp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -23,6 +25,7 @@ PEER_BASELINES = {
 PEERS_DIR_ENV = "VMESH_PEERS_DIR"
 RUNNER = Path(__file__).resolve().parent / "peer_runner.py"
 READY_TIMEOUT_S = 900.0  # vLLM compiles its model with inductor on first start
+ROUND_TIMEOUT_S = 3600.0  # llama.cpp serves one sequence at a time
 # vLLM's CPU guide preloads these; the Debian package libtcmalloc-minimal4 provides the first.
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 
@@ -73,10 +76,15 @@ class PeerProcess:
         # Kept open while the peer runs (its stderr), closed by close(); kept on disk for reading.
         self.log: IO[str] = tempfile.NamedTemporaryFile(  # noqa: SIM115
             "w+", prefix=f"vmesh-bench-{baseline}-", suffix=".log", delete=False)
+        # A session of its own: vLLM runs its model in child processes, which close() ends too.
         self.process = subprocess.Popen([str(python), str(RUNNER), json.dumps(config)], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                        stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True,
                                         env=peer_environment(baseline, python, threads, kv_cache_bytes))
-        self._read(timeout_s=READY_TIMEOUT_S)
+        try:
+            self._read(timeout_s=READY_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def pid(self) -> int:
@@ -89,12 +97,16 @@ class PeerProcess:
         ready, _, _ = select.select([self.process.stdout], [], [], timeout_s)
         line = self.process.stdout.readline() if ready else ""
         if not line:
+            self.log.flush()
+            tail = "".join(Path(self.log.name).read_text(errors="replace").splitlines(keepends=True)[-15:])
             self.close()
-            self.log.seek(0)
-            tail = "".join(self.log.readlines()[-15:])
             raise PeerError(f"{self.baseline} did not answer within {timeout_s:.0f} s or stopped "
                             f"(log {self.log.name}):\n{tail}")
-        reply = json.loads(line)
+        try:
+            reply = json.loads(line)
+        except json.JSONDecodeError as exc:
+            self.close()
+            raise PeerError(f"{self.baseline} answered {line[:200]!r}, not JSON (log {self.log.name})") from exc
         if "error" in reply:
             raise PeerError(f"{self.baseline}: {reply['error']}")
         return reply
@@ -103,7 +115,7 @@ class PeerProcess:
         assert self.process.stdin is not None
         self.process.stdin.write(command + "\n")
         self.process.stdin.flush()
-        return self._read(timeout_s=READY_TIMEOUT_S)
+        return self._read(timeout_s=ROUND_TIMEOUT_S)
 
     def run(self) -> float:
         return float(self._ask("generate")["tokens_per_s"])
@@ -119,6 +131,9 @@ class PeerProcess:
                 self.process.stdin.flush()
                 self.process.wait(timeout=60)
             except (OSError, subprocess.TimeoutExpired):
-                self.process.kill()
-                self.process.wait()
-        self.log.close()
+                pass
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # what is left of its session
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        if not self.log.closed:
+            self.log.close()

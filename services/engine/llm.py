@@ -96,13 +96,13 @@ class LLMEngine:
         config = config or EngineConfig()
         model_dir = resolve_model_dir(config.worker.model, config.worker.cache_dir)
         config.worker.model = str(model_dir)
+        tokenizer = load_tokenizer(model_dir)
         thread = model_thread()
         try:
-            runner = thread.submit(ModelRunner.load, config.worker).result()
+            return cls(thread.submit(ModelRunner.load, config.worker).result(), tokenizer, config, thread)
         except BaseException:
-            thread.shutdown(wait=False)
+            thread.shutdown(wait=False, cancel_futures=True)
             raise
-        return cls(runner, load_tokenizer(model_dir), config, thread)
 
     @property
     def scheduler(self) -> Scheduler:

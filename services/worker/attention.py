@@ -182,6 +182,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return None, chunks
         if tiled:  # decodes only: one item each
             request_rows = torch.nonzero(query_lens == 1).flatten()
+            if not len(request_rows):
+                return None, chunks
             token_rows = ends[request_rows] - 1
             context_lens = seq_lens[request_rows]
         else:  # every query token is an item; token t sees the context up to its own position

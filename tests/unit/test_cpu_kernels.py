@@ -139,6 +139,36 @@ def test_tiled_prefill_attention_writes_only_its_chunks_rows(kernels):
     assert bool((out[[4, 45]] == 7.0).all())
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "key_scale"), [(9, 3, 30.0), (192, 1, 1.0)])
+def test_tiled_prefill_attention_on_peaked_scores_and_wide_groups(kernels, heads, kv_heads, key_scale):
+    """Keys scaled up make scores of hundreds: the running maximum jumps between key tiles and
+    most exponentials underflow. 192 query heads on one KV head make a tile of one token."""
+    query_lens, context_lens = [130, 3], [70, 0]
+    q, kc, vc, starts, seq_lens, tables = ragged_batch(query_lens, context_lens, heads, kv_heads, 64, 16,
+                                                       torch.float32, seed=7)
+    kc *= key_scale
+    out = torch.empty_like(q)
+    kernels.prefill_attention(q, kc, vc, _prefill_chunks(kernels, query_lens, starts, seq_lens, tables), 0.125, out)
+    want = reference.paged_attention_ref(q, kc, vc, starts, seq_lens, tables, 0.125)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+
+
+def test_attention_kernels_refuse_work_beyond_their_tensors(kernels):
+    q, kc, vc, starts, seq_lens, tables = ragged_batch([3, 2], [2, 0], 4, 2, 64, 16, torch.float32)
+    with pytest.raises(ValueError, match="must index block_tables"):
+        kernels.prefill_chunks(tables, torch.tensor([0, 2]), starts[:-1].long(),
+                               torch.tensor([3, 2], dtype=torch.int32), seq_lens)
+    chunks = _prefill_chunks(kernels, [3, 2], starts, seq_lens, tables)
+    with pytest.raises(ValueError, match="reaches query row 4"):
+        kernels.prefill_attention(q[:4], kc, vc, chunks, 0.1, torch.empty_like(q[:4]))
+    with pytest.raises(ValueError, match="do not fit query"):
+        kernels.prefill_attention(q, kc, vc[:, :, :1].contiguous(), chunks, 0.1, torch.empty_like(q))
+    rows = torch.arange(2)
+    items = kernels.attention_items(tables, rows, rows, torch.tensor([5, 400], dtype=torch.int32))
+    with pytest.raises(ValueError, match="context 400"):
+        kernels.paged_attention(q, kc, vc, items, 0.1, torch.empty_like(q))
+
+
 def test_tiled_prefill_attention_refuses_bad_chunks_and_head_sizes(kernels):
     q, kc, vc, starts, seq_lens, tables = ragged_batch([3], [2], 4, 2, 40, 16, torch.float32)
     with pytest.raises(ValueError, match="length <= seq_len"):
