@@ -178,8 +178,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
             lengths = query_lens[chunk_rows]
             chunks = self.kernels.prefill_chunks(meta.block_tables, chunk_rows, ends[chunk_rows] - lengths,
                                                  lengths.to(torch.int32), seq_lens[chunk_rows])
-        if len(chunk_rows) == meta.num_reqs:
-            return None, chunks
         if tiled:  # decodes only: one item each
             request_rows = torch.nonzero(query_lens == 1).flatten()
             if not len(request_rows):
