@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(serve, "--data-parallel-size", type=int, default=1,
          help="worker groups, each a worker and its scheduler; the frontend spreads requests over them")
     add_option(serve, "--metrics", action="store_true", help="every service serves Prometheus metrics on a free port")
+    add_option(serve, "--fail-fast", action="store_true",
+               help="stop the whole mesh when any service dies (default: restart it in place, with backoff; its "
+                    "requests fail over)")
     add_option(serve, "--internal-tls", action="store_true",
          help="mutual TLS between the services, from a private CA made for this run (its admin certificate "
               "is printed, for operator tools)")

@@ -1,6 +1,8 @@
 """`vmesh serve`: every service as its own OS process on loopback, started in dependency
-order, each waited on until healthy; one public address printed; everything stopped
-together on Ctrl-C / SIGTERM or when any process dies (naming it)."""
+order, each waited on until healthy; one public address printed; everything stopped together
+on Ctrl-C / SIGTERM. A service that dies once the mesh serves is restarted in place (same
+address, backoff between attempts) and its peers fail its requests over; with --fail-fast, or
+during start-up, a death stops the whole mesh instead, naming the culprit."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +25,10 @@ INTERNAL_HOST = "127.0.0.1"
 START_TIMEOUT_S = 900.0  # the first start converts the model
 STOP_TIMEOUT_S = 30.0
 PARENT_PID_ENV = "VMESH_LAUNCHER_PID"
+RESTART_BACKOFF_S = 0.5  # before the first restart; doubled for each death soon after a restart
+RESTART_BACKOFF_MAX_S = 10.0
+STABLE_AFTER_S = 30.0  # a service that lived this long starts again from the first backoff
+SUPERVISE_INTERVAL_S = 0.2
 
 
 @dataclass
@@ -30,9 +37,28 @@ class Child:
     service: str  # its role: worker, scheduler, detokenizer or frontend
     process: subprocess.Popen
     ready_file: Path
+    argv: list[str]  # its service's own flags (what a restart gives it again)
+    host: str
+    env: dict[str, str]
     address: str = ""
     metrics_address: str = ""
     http_address: str = ""  # the frontend's OpenAI-compatible API, when on
+    restarts: int = 0
+    quick_deaths: int = 0  # deaths in a row, each soon after its start: the backoff's exponent
+    started_at: float = 0.0  # monotonic
+    restarting: bool = False  # a restart task owns it
+
+    def restart_argv(self) -> list[str]:
+        """Its flags again, with the ports it was given at first (0: any) replaced by those it
+        bound: its peers know it by its address."""
+        argv = list(self.argv)
+        if self.http_address and "--http-port" in argv:
+            argv[argv.index("--http-port") + 1] = self.http_address.rpartition(":")[2]
+        return argv
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rpartition(":")[2]) if self.address else 0
 
 
 def _flags(args: argparse.Namespace, group: str) -> list[str]:
@@ -77,7 +103,19 @@ class Mesh:
 
     def start(self, name: str, service: str, argv: list[str], host: str = INTERNAL_HOST, port: int = 0,
               env: dict[str, str] | None = None) -> Child:
+        # The launcher's own VMESH_* settings reach a child as the flags of its group, never by
+        # inheritance: a VMESH_HEALTH_PORT or VMESH_TLS_CERT meant for one service must not
+        # land on all of them.
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("VMESH_")}
+        env = {**inherited, **(env or {}), PARENT_PID_ENV: str(os.getpid())}
         ready = self.workdir / f"{name}.addr"
+        child = Child(name, service, self._spawn(service, argv, host, port, ready, env), ready, argv, host, env,
+                      started_at=time.monotonic())
+        self.children.append(child)
+        return child
+
+    def _spawn(self, service: str, argv: list[str], host: str, port: int, ready: Path,
+               env: dict[str, str]) -> subprocess.Popen:
         command = [sys.executable, "-m", "vmesh", "--log-level", self.args.log_level, service,
                    "--host", host, "--port", str(port), "--ready-file", str(ready), *argv]
         if self.args.metrics:
@@ -90,39 +128,14 @@ class Mesh:
                         "--tls-ca", str(self.certificates / "ca.crt")]
         # No preexec_fn: forking with one runs Python in the child and gRPC's fork handlers in
         # this (multi-threaded, gRPC-using) process. The child asks for its death signal itself.
-        # The launcher's own VMESH_* settings reach a child as the flags of its group, never by
-        # inheritance: a VMESH_HEALTH_PORT or VMESH_TLS_CERT meant for one service must not
-        # land on all of them.
-        inherited = {k: v for k, v in os.environ.items() if not k.startswith("VMESH_")}
-        env = {**inherited, **(env or {}), PARENT_PID_ENV: str(os.getpid())}
-        child = Child(name, service, subprocess.Popen(command, env=env), ready)
-        self.children.append(child)
-        return child
+        return subprocess.Popen(command, env=env)
 
     async def wait_ready(self, children: list[Child]) -> None:
         """Every child serving before the mesh's start deadline (START_TIMEOUT_S for the whole
         start, not per wait), or ChildDied/StartTimeout; a dead child or a stop request ends the
         wait at once."""
         deadline = self.start_deadline
-
-        async def one(child: Child) -> None:
-            while not child.ready_file.exists():
-                await asyncio.sleep(0.1)
-            child.address = child.ready_file.read_text()
-            health = Path(str(child.ready_file) + ".health")
-            remaining = max(1.0, deadline - time.monotonic())
-            if health.exists():
-                await wait_until_serving(health.read_text(), remaining, secure=False)
-            else:
-                await wait_until_serving(child.address, remaining, child.service)
-            metrics = Path(str(child.ready_file) + ".metrics")
-            if metrics.exists():
-                child.metrics_address = metrics.read_text()
-            http = Path(str(child.ready_file) + ".http")
-            if http.exists():
-                child.http_address = http.read_text()
-
-        waiting = asyncio.gather(*(one(c) for c in children))
+        waiting = asyncio.gather(*(self._serving(c, deadline) for c in children))
         try:
             while not waiting.done():
                 self.check_alive()
@@ -135,6 +148,72 @@ class Mesh:
             raise StartTimeout(str(exc)) from exc
         finally:
             waiting.cancel()
+
+    async def _serving(self, child: Child, deadline: float) -> None:
+        """Wait for `child` to write its ready file and answer health checks; then read the
+        addresses it bound. ChildDied if it exits meanwhile."""
+        while not child.ready_file.exists():
+            if (code := child.process.poll()) is not None:
+                raise ChildDied(f"{child.name} (pid {child.process.pid}) exited with code {code}")
+            await asyncio.sleep(0.1)
+        child.address = child.ready_file.read_text()
+        health = Path(str(child.ready_file) + ".health")
+        remaining = max(1.0, deadline - time.monotonic())
+        if health.exists():
+            await wait_until_serving(health.read_text(), remaining, secure=False)
+        else:
+            await wait_until_serving(child.address, remaining, child.service)
+        metrics = Path(str(child.ready_file) + ".metrics")
+        if metrics.exists():
+            child.metrics_address = metrics.read_text()
+        http = Path(str(child.ready_file) + ".http")
+        if http.exists():
+            child.http_address = http.read_text()
+
+    async def supervise(self, on_change: Callable[[], None]) -> None:
+        """Until a stop request: restart each child that dies (or, with --fail-fast, raise
+        ChildDied). `on_change`: a restarted child serves again (its pid, its count changed)."""
+        restarts: set[asyncio.Task] = set()
+        while True:
+            if self.stop_requested:
+                raise StopRequested
+            for child in self.children:
+                if child.restarting or (code := child.process.poll()) is None:
+                    continue
+                if self.args.fail_fast:
+                    raise ChildDied(f"{child.name} (pid {child.process.pid}) exited with code {code}")
+                child.restarting = True
+                task = asyncio.create_task(self._restart(child, code, on_change))
+                restarts.add(task)
+                task.add_done_callback(restarts.discard)
+            await asyncio.sleep(SUPERVISE_INTERVAL_S)
+
+    async def _restart(self, child: Child, code: int, on_change: Callable[[], None]) -> None:
+        """Start a dead child again on its address, after a backoff that grows while it keeps
+        dying soon after starting."""
+        lived = time.monotonic() - child.started_at
+        child.quick_deaths = 0 if lived > STABLE_AFTER_S else child.quick_deaths + 1
+        delay = min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** max(0, child.quick_deaths - 1))
+        print(f"vmesh: {child.name} (pid {child.process.pid}) exited with code {code} after {lived:.1f} s; "
+              f"restarting it in {delay:.1f} s (restart {child.restarts + 1})", file=sys.stderr, flush=True)
+        try:
+            await asyncio.sleep(delay)
+            for answer in child.ready_file.parent.glob(child.ready_file.name + "*"):
+                answer.unlink(missing_ok=True)
+            child.process = self._spawn(child.service, child.restart_argv(), child.host, child.port,
+                                        child.ready_file, child.env)
+            child.restarts += 1
+            child.started_at = time.monotonic()
+            await self._serving(child, time.monotonic() + START_TIMEOUT_S)
+            print(f"vmesh: {child.name} restarted (pid {child.process.pid}, restart {child.restarts})",
+                  file=sys.stderr, flush=True)
+            on_change()
+        except (ChildDied, TimeoutError) as exc:  # the supervisor sees it dead and tries again
+            print(f"vmesh: {child.name} did not come back: {exc}", file=sys.stderr, flush=True)
+            if child.process.poll() is None:
+                child.process.kill()
+        finally:
+            child.restarting = False
 
     def check_alive(self) -> None:
         if self.stop_requested:
@@ -232,13 +311,16 @@ async def _run(mesh: Mesh) -> int:
         print(f"vmesh: internal mutual TLS; CA and admin certificate in {description.certificates}", flush=True)
     print(f"vmesh: serving on {frontend.address} — try: vmesh generate \"Hello\" --address {frontend.address}",
           flush=True)
+    def describe() -> None:
+        if args.ready_file:
+            write_atomically(description_path(args.ready_file), _describe(mesh, frontend).to_json())
+
+    # The description first: whoever sees the ready file finds the description complete.
+    describe()
     if args.ready_file:
-        # The description first: whoever sees the ready file finds the description complete.
-        write_atomically(description_path(args.ready_file), description.to_json())
         write_atomically(Path(args.ready_file), frontend.address)
-    while True:  # until check_alive raises: a signal, or a dead child
-        mesh.check_alive()
-        await asyncio.sleep(0.2)
+    await mesh.supervise(on_change=describe)  # until a signal (or, with --fail-fast, a dead child)
+    return 0
 
 
 def _describe(mesh: Mesh, frontend: Child) -> MeshDescription:
@@ -249,7 +331,8 @@ def _describe(mesh: Mesh, frontend: Child) -> MeshDescription:
         address=frontend.address, http_url=http_url,
         certificates=str(mesh.certificates) if mesh.certificates is not None else "",
         services={c.name: ServiceEntry(c.address, c.process.pid,
-                                       f"http://{c.metrics_address}/metrics" if c.metrics_address else "")
+                                       f"http://{c.metrics_address}/metrics" if c.metrics_address else "",
+                                       c.restarts)
                   for c in mesh.children})
 
 

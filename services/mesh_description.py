@@ -14,6 +14,7 @@ class ServiceEntry:
     address: str
     pid: int
     metrics_url: str = ""  # http://host:port/metrics, when the service serves metrics
+    restarts: int = 0  # times the launcher restarted it after it died
 
 
 @dataclass

@@ -32,6 +32,22 @@ class RunningMesh:
     http_url: str = ""  # the OpenAI-compatible API's base URL (http://host:port/v1); "" with --no-http
     output: list[str] = field(default_factory=list)
     certificates: str = ""  # with --internal-tls: the run's CA and admin certificate
+    description_file: Path | None = None  # the launcher's description, rewritten when it restarts a service
+    restarts: dict[str, int] = field(default_factory=dict)  # name -> times the launcher restarted it
+
+    def refresh(self) -> None:
+        """Read the launcher's description again (pids and restart counts change on a restart)."""
+        if self.description_file is not None and self.description_file.exists():
+            self._read(MeshDescription.from_json(self.description_file.read_text()))
+
+    def _read(self, description: MeshDescription) -> None:
+        self.address = description.address
+        self.http_url = description.http_url
+        self.certificates = description.certificates
+        self.services = {name: (entry.address, entry.pid) for name, entry in description.services.items()}
+        self.metrics = {name: entry.metrics_url for name, entry in description.services.items()
+                        if entry.metrics_url}
+        self.restarts = {name: entry.restarts for name, entry in description.services.items()}
 
     def stop(self) -> int:
         if self.process.poll() is None:
@@ -40,7 +56,12 @@ class RunningMesh:
                 self.process.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 self.kill()
+        self._forget_answers()
         return self.process.returncode
+
+    def _forget_answers(self) -> None:
+        if self.description_file is not None:
+            shutil.rmtree(self.description_file.parent, ignore_errors=True)
 
     def kill(self) -> None:
         """The launcher and every service it started, at once: they share the launcher's process
@@ -50,9 +71,14 @@ class RunningMesh:
         for pid in [self.process.pid, *(pid for _, pid in self.services.values())]:
             _kill_quietly(pid)
         self.process.wait()
+        self._forget_answers()
 
-    def kill_service(self, name: str) -> None:
-        os.kill(self.services[name][1], signal.SIGKILL)
+    def kill_service(self, name: str) -> int:
+        """SIGKILL the service's current process (a restarted one has a new pid); returns the pid."""
+        self.refresh()
+        pid = self.services[name][1]
+        os.kill(pid, signal.SIGKILL)
+        return pid
 
     def wait_for_output(self, pattern: str, timeout: float = 30) -> str:
         deadline = time.monotonic() + timeout
@@ -91,8 +117,9 @@ def start_mesh(*flags: str, env: dict[str, str] | None = None, timeout: float = 
                                env={**os.environ, **(env or {})}, start_new_session=True)
     try:
         return read_until_serving(process, ready_file, timeout, on_timeout)
-    finally:
+    except BaseException:
         shutil.rmtree(answers, ignore_errors=True)
+        raise
 
 
 def read_until_serving(process: subprocess.Popen, ready_file: Path, timeout: float,
@@ -128,10 +155,6 @@ def read_until_serving(process: subprocess.Popen, ready_file: Path, timeout: flo
             raise TimeoutError(f"vmesh serve did not start within {timeout:.0f} s:\n" + "".join(output)
                                + report) from None
         time.sleep(0.05)
-    description = MeshDescription.from_json(description_path(ready_file).read_text())
-    mesh.address = description.address
-    mesh.http_url = description.http_url
-    mesh.certificates = description.certificates
-    mesh.services = {name: (entry.address, entry.pid) for name, entry in description.services.items()}
-    mesh.metrics = {name: entry.metrics_url for name, entry in description.services.items() if entry.metrics_url}
+    mesh.description_file = description_path(ready_file)
+    mesh.refresh()
     return mesh

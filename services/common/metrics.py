@@ -123,8 +123,14 @@ class FrontendMetrics:
         self._requests = Counter("vmesh:request_success", "Finished requests by reason.",
                                  [*MODEL, "finished_reason"], registry=registry)
 
+        self._failovers = Counter("vmesh:request_failovers", "Requests resubmitted after losing their scheduler "
+                                  "or detokenizer replica, by the service lost.", [*MODEL, "kind"], registry=registry)
+
     def request_finished(self, reason: str) -> None:
         self._requests.labels(self.model_name, reason).inc()
+
+    def failover(self, kind: str) -> None:
+        self._failovers.labels(self.model_name, kind).inc()
 
 
 class SchedulerMetrics:

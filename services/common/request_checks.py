@@ -44,6 +44,16 @@ def check_prompt(prompt_token_ids: Sequence[int], limits: ModelLimits) -> None:
         raise InvalidRequest(f"token_ids: {bad} is outside the vocabulary [0, {limits.vocab_size})")
 
 
+def check_resumed(resumed_output_token_ids: Sequence[int], params: SamplingParams, limits: ModelLimits) -> None:
+    """The outputs a failing-over request already has: tokens of the vocabulary, fewer than its budget."""
+    n = len(resumed_output_token_ids)
+    if n >= params.max_tokens:
+        raise InvalidRequest(f"resumed_output_token_ids: {n} tokens leave nothing of max_tokens={params.max_tokens}")
+    bad = next((t for t in resumed_output_token_ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"resumed_output_token_ids: {bad} is outside the vocabulary [0, {limits.vocab_size})")
+
+
 def check_sampling(params: SamplingParams, num_prompt_tokens: int, limits: ModelLimits) -> None:
     """Raise InvalidRequest naming the field as `sampling.<field>`."""
     room = limits.max_model_len - num_prompt_tokens

@@ -36,6 +36,17 @@ class IncrementalDetokenizer:
         self.finished = False
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
 
+    def resume(self, token_ids: list[int], text_length: int) -> None:
+        """Continue a request another replica was serving: decode the tokens it had produced,
+        of whose text the client already has the first `text_length` characters (the rest was
+        held back, for a stop string or an unfinished character, and goes out with the next
+        output). Decoding is deterministic, so the text is the one the client saw."""
+        for token in token_ids:
+            self.num_tokens += 1
+            self.text += self.stream.step(self.tokenizer, token) or ""
+        self.checked = len(self.text)  # no stop string ended in it: that replica would have seen it
+        self.emitted = min(text_length, len(self.text))
+
     def update(self, token_ids: list[int], finished: bool = False) -> DetokenizerOutput:
         stop_hit = False
         for token in token_ids:

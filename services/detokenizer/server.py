@@ -46,9 +46,10 @@ class _FrontendBatch:
         self.pb = detokenizer_pb2.SubscribeResponse()
 
     def add(self, frontend_key: int, text: str, token_ids: list[int], reason: int, tracked: _Tracked, cached: int,
-            logprobs: list[TokenLogprobs], error: str) -> None:
+            logprobs: list[TokenLogprobs], error: str, resumable: bool = False) -> None:
         pb = self.pb
         pb.errors.append(error)
+        pb.resumable.append(resumable)
         pb.frontend_keys.append(frontend_key)
         pb.texts.append(text)
         pb.num_tokens.append(len(token_ids))
@@ -117,32 +118,46 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
             consumer.cancel()
             self.streams.remove(stream)
             if stream.requests:  # the scheduler went away mid-request: nothing more will come for these
-                self.fail(stream.requests, "the scheduler's stream to this detokenizer closed")
+                self.fail(stream.requests, "the scheduler's stream to this detokenizer closed", resumable=True)
 
     async def _consume(self, request_iterator, stream: _SchedulerStream) -> None:
         try:
             async for batch in request_iterator:
-                if stopped := self.process(batch, stream.requests):
-                    stream.replies.put_nowait(detokenizer_pb2.DetokenizeResponse(stopped_handles=stopped))
+                reply = self.process(batch, stream.requests)
+                if reply.stopped_handles or reply.orphaned_handles:
+                    stream.replies.put_nowait(reply)
         finally:
             stream.replies.put_nowait(None)
 
-    def fail(self, requests: dict[int, _Tracked], error: str) -> None:
+    def fail(self, requests: dict[int, _Tracked], error: str, resumable: bool = False) -> None:
+        """End `requests` with `error`; `resumable`: their frontends may submit them again."""
         logger.error("%s; failing %d request(s)", error, len(requests))
         out: dict[str, _FrontendBatch] = {}
         for tracked in requests.values():
             tracked.span.end()
             out.setdefault(tracked.frontend_id, _FrontendBatch()).add(
-                tracked.frontend_key, "", [], common_pb2.FINISH_REASON_ABORT, tracked, 0, [], error)
+                tracked.frontend_key, "", [], common_pb2.FINISH_REASON_ABORT, tracked, 0, [], error, resumable)
         requests.clear()
         self._publish(out)
 
-    def process(self, batch: detokenizer_pb2.DetokenizeRequest, requests: dict[int, _Tracked]) -> list[int]:
+    def process(self, batch: detokenizer_pb2.DetokenizeRequest,
+                requests: dict[int, _Tracked]) -> detokenizer_pb2.DetokenizeResponse:
+        """Decode one step's tokens and publish the outputs; the reply names the requests to stop:
+        a stop string matched, or their frontend is gone."""
+        orphaned = []
         for info in batch.new_requests:
+            if info.frontend_id not in self.subscribers:
+                # Frontends subscribe before they submit: this one has gone (its subscription
+                # ended while the request was still queued, so `_orphan` could not name it).
+                orphaned.append(info.handle)
+                continue
             params = wire.sampling_from_proto(info.sampling)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, params, list(info.prompt_tail))
+            if info.resumed_output_token_ids:
+                detokenizer.resume(list(info.resumed_output_token_ids), info.resumed_text_length)
             requests[info.handle] = _Tracked(
-                IncrementalDetokenizer(self.tokenizer, params, list(info.prompt_tail)), info.frontend_id,
-                info.frontend_key, info.num_prompt_tokens,
+                detokenizer, info.frontend_id, info.frontend_key, info.num_prompt_tokens,
+                num_output_tokens=len(info.resumed_output_token_ids),
                 span=TRACER.start_span("detokenizer.request", context=telemetry.from_proto(info.trace_context))
                 if telemetry.tracing_enabled() else trace.INVALID_SPAN)
         logprobs = _logprobs_by_handle(batch)
@@ -177,7 +192,9 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
         if self.metrics:
             self.metrics.tokens.inc(sum(batch.num_tokens))
         self._publish(out)
-        return stopped
+        if orphaned:
+            logger.warning("%d new request(s) of frontends that went away; stopping them", len(orphaned))
+        return detokenizer_pb2.DetokenizeResponse(stopped_handles=stopped, orphaned_handles=orphaned)
 
     def _publish(self, out: dict[str, _FrontendBatch]) -> None:
         for frontend_id, frontend_batch in out.items():

@@ -18,6 +18,9 @@ class PendingOutput:
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     usage: frontend_pb2.Usage | None = None
     error: str = ""
+    # With an error, the service the request lost ("scheduler" or "detokenizer"; "" for any other
+    # error): it may be submitted again with what it has received (a failover).
+    lost: str = ""
 
     @property
     def finished(self) -> bool:
@@ -32,11 +35,19 @@ class Outbox:
         self.detokenizer: str | None = None
         self.group: object | None = None  # the scheduler group that took the request
         self.closed = False  # its last output (a finish or an error) is in: later news is moot
+        # What reached this outbox, hence the client: a failover resubmits the tokens and tells
+        # the next replica how much of their text not to send again.
+        self.received_token_ids: list[int] = []
+        self.received_text_length = 0  # characters; in cumulative mode the latest text's length
 
     def put(self, out: PendingOutput) -> None:
         if self.closed:  # e.g. a scheduler lost after this request already finished
             return
         self.closed = out.finished
+        if not out.error:
+            self.received_token_ids += out.token_ids
+            self.received_text_length = (self.received_text_length + len(out.text) if self.delta_text
+                                         else len(out.text))
         if self.pending is None:
             self.pending = out
         else:
@@ -47,7 +58,12 @@ class Outbox:
             merged.finish_reason = out.finish_reason or merged.finish_reason
             merged.usage = out.usage or merged.usage
             merged.error = out.error or merged.error
+            merged.lost = out.lost or merged.lost
         self.ready.set()
+
+    def reopen(self) -> None:
+        """The request failed over (resubmitted after a resumable error): outputs flow again."""
+        self.closed = False
 
     async def get(self) -> PendingOutput:
         await self.ready.wait()

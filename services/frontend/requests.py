@@ -20,7 +20,7 @@ from opentelemetry import trace
 from vmesh.services.common import telemetry, wire
 from vmesh.services.common.finish_reason import finish_name
 from vmesh.services.common.logprobs import to_public
-from vmesh.services.frontend.outbox import Outbox
+from vmesh.services.frontend.outbox import Outbox, PendingOutput
 from vmesh.services.frontend.schedulers import SchedulerGroup
 from vmesh.services.frontend.validation import InvalidRequest, validate_generate
 from vmesh.v1 import common_pb2, frontend_pb2, scheduler_pb2
@@ -35,6 +35,11 @@ SUBMIT_TIMEOUT_S = 30.0
 # Prompts are refused above this many bytes of text before they are tokenized: tokenizing is
 # the one step whose cost a client controls, and it runs on a shared thread pool.
 DEFAULT_MAX_PROMPT_BYTES = 1 << 20
+# How long a request may wait for a scheduler group and a detokenizer replica to take it (a lost
+# one restarting, say) before it fails with UNAVAILABLE.
+DEFAULT_FAILOVER_TIMEOUT_S = 60.0
+MAX_FAILOVERS = 8  # per request: a request that keeps losing its services is given up
+TARGET_POLL_S = 0.1
 TRACER = telemetry.tracer("vmesh.frontend")
 GENAI_METRICS = telemetry.GenAIServerMetrics()
 _PASSED_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -206,26 +211,18 @@ async def _generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRe
     first_token = True
     metrics = frontend.metrics
     group: SchedulerGroup | None = None
+    failovers = 0
+    submission = scheduler_pb2.SubmitRequestRequest(
+        frontend_id=frontend.frontend_id, frontend_key=frontend_key, prompt_token_ids=prompt,
+        sampling=wire.sampling_to_proto(params), priority=request.priority, trace_context=telemetry.to_proto(span))
     try:
-        listening = frontend.listening()
-        if not listening:
-            finished = True  # nothing to abort
-            raise RequestError(Code.UNAVAILABLE, "no detokenizer replica is reachable")
-        submission = scheduler_pb2.SubmitRequestRequest(
-            frontend_id=frontend.frontend_id, frontend_key=frontend_key, prompt_token_ids=prompt,
-            sampling=wire.sampling_to_proto(params), priority=request.priority, trace_context=telemetry.to_proto(span),
-            detokenizers=listening)
-        group, reply = await submit(frontend, submission, time_remaining)
-        outbox.group = group
-        outbox.detokenizer = reply.detokenizer
-        if reply.detokenizer not in frontend.subscribed:
-            logger.warning("detokenizer %s chosen for %s is not subscribed", reply.detokenizer, request_id)
-            raise RequestError(Code.UNAVAILABLE, "the detokenizer serving this request is unavailable")
+        group = await _submit_when_possible(frontend, submission, outbox, time_remaining)
         while True:
             out = await outbox.get()
-            if out.error:  # not marked finished: the abort below stops it wherever it still runs
+            if out.error and (not out.lost or failovers == MAX_FAILOVERS):
+                # Not marked finished: the abort below stops it wherever it still runs.
                 raise RequestError(Code.UNAVAILABLE, out.error)
-            finished = out.finished
+            finished = out.finished and not out.error
             if metrics and out.token_ids:
                 now = time.monotonic()
                 if first_token:
@@ -242,21 +239,80 @@ async def _generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRe
                 span.set_attributes({"gen_ai.usage.output_tokens": out.usage.completion_tokens,
                                      "gen_ai.usage.cache_read.input_tokens": out.usage.cached_prompt_tokens,
                                      "gen_ai.response.finish_reasons": [finish_name(out.finish_reason)]})
-            yield frontend_pb2.GenerateResponse(
-                request_id=request_id, text=out.text, token_ids=out.token_ids, logprobs=to_public(out.logprobs),
-                finish_reason=cast("common_pb2.FinishReason", out.finish_reason), usage=out.usage)
+            if not out.error or out.text or out.token_ids:
+                yield frontend_pb2.GenerateResponse(
+                    request_id=request_id, text=out.text, token_ids=out.token_ids, logprobs=to_public(out.logprobs),
+                    finish_reason=cast("common_pb2.FinishReason", out.finish_reason), usage=out.usage)
             if finished:
                 return
+            if out.error:  # its scheduler or detokenizer replica was lost: continue elsewhere
+                failovers += 1
+                logger.warning("request %s: %s; failing over with %d output token(s)", request_id, out.error,
+                               len(outbox.received_token_ids))
+                span.add_event("vmesh.failover", {"vmesh.failover.kind": out.lost,
+                                                  "vmesh.resumed_output_tokens": len(outbox.received_token_ids)})
+                if metrics:
+                    metrics.failover(out.lost)
+                if out.lost == "scheduler":  # nothing there to abort: a live one's router lets it go itself
+                    frontend.schedulers.release(group)
+                    group = None
+                _let_go(frontend, outbox, submission.frontend_key, group)
+                group = None
+                submission.frontend_key = next(frontend.frontend_keys)
+                submission.resumed_output_token_ids[:] = outbox.received_token_ids
+                submission.resumed_text_length = outbox.received_text_length
+                frontend.outboxes[submission.frontend_key] = outbox
+                outbox.reopen()
+                group = await _submit_when_possible(frontend, submission, outbox, time_remaining)
     finally:
         frontend.in_flight -= 1
-        del frontend.outboxes[frontend_key]
-        if outbox.detokenizer:
-            frontend.release_if_idle(outbox.detokenizer)
-        if group is not None:
-            if not finished:  # the client went away or its deadline passed: abort everywhere
-                spawn(frontend, abort(frontend, group, frontend_key))
+        if group is not None and finished:  # nothing left to abort
+            frontend.schedulers.release(group)
+            group = None
+        # Unfinished (the client went away, its deadline passed, or it failed): abort it everywhere.
+        _let_go(frontend, outbox, submission.frontend_key, group)
+
+
+def _let_go(frontend: FrontendServicer, outbox: Outbox, frontend_key: int, group: SchedulerGroup | None) -> None:
+    """Stop serving `frontend_key` through `outbox`: its group aborts it (wherever it still runs;
+    a lost group's abort just fails) and a leaving replica may go once it serves nothing else."""
+    frontend.outboxes.pop(frontend_key, None)
+    if outbox.detokenizer:
+        frontend.release_if_idle(outbox.detokenizer)
+    if group is not None:
+        spawn(frontend, abort(frontend, group, frontend_key))
+    outbox.group = outbox.detokenizer = None
+
+
+async def _submit_when_possible(frontend: FrontendServicer, submission: scheduler_pb2.SubmitRequestRequest,
+                                outbox: Outbox, time_remaining: Callable[[], float | None]) -> SchedulerGroup:
+    """Submit once a scheduler group and a detokenizer replica are there to take the request,
+    waiting up to the failover timeout for them (a lost one restarting): a group that refuses
+    with UNAVAILABLE is tried again until then. Returns the group that took it."""
+    deadline = time.monotonic() + frontend.failover_timeout_s
+    while True:
+        remaining = time_remaining()
+        if remaining is not None and remaining <= 0:
+            raise RequestError(Code.DEADLINE_EXCEEDED, "the request's deadline passed before it was submitted")
+        listening = frontend.listening()
+        if listening and frontend.schedulers.candidates():
+            submission.detokenizers[:] = listening
+            try:
+                group, reply = await submit(frontend, submission, time_remaining)
+            except RequestError as exc:
+                if exc.code != Code.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
             else:
-                frontend.schedulers.release(group)
+                outbox.group = group
+                outbox.detokenizer = reply.detokenizer
+                if reply.detokenizer not in frontend.subscribed:  # lost while the scheduler chose it
+                    outbox.put(PendingOutput(error="the detokenizer serving this request became unavailable",
+                                             lost="detokenizer"))
+                return group
+        elif time.monotonic() > deadline:
+            what = "detokenizer replica is reachable" if not listening else "scheduler is available"
+            raise RequestError(Code.UNAVAILABLE, f"no {what}")
+        await asyncio.sleep(TARGET_POLL_S)
 
 
 async def submit(frontend: FrontendServicer, submission: scheduler_pb2.SubmitRequestRequest,

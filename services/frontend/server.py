@@ -40,7 +40,8 @@ class Subscription:
 class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
     def __init__(self, tokenizer, scheduler_specs: list[str], detokenizer_specs: list[str],
                  replica_refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S, api_key: str | None = None,
-                 max_prompt_bytes: int = requests.DEFAULT_MAX_PROMPT_BYTES, model_name: str | None = None):
+                 max_prompt_bytes: int = requests.DEFAULT_MAX_PROMPT_BYTES, model_name: str | None = None,
+                 failover_timeout_s: float = requests.DEFAULT_FAILOVER_TIMEOUT_S):
         """Specs: host:port or dns:///name:port entries, re-resolved periodically. Several
         schedulers are several worker groups (data parallelism). `api_key`: required of
         Generate, Tokenize and GetModelInfo callers as `authorization: Bearer KEY` metadata."""
@@ -48,6 +49,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
         self.model_name = model_name  # the model whose tokenizer it loaded (None: not checked)
         self.api_key = api_key
         self.max_prompt_bytes = max_prompt_bytes
+        self.failover_timeout_s = failover_timeout_s
         self.draining = False
         self.background: set[asyncio.Task] = set()  # aborts that outlive their request
         self.frontend_id = f"frontend-{uuid.uuid4().hex[:12]}"
@@ -152,7 +154,8 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
             if outbox is None:
                 continue
             out = PendingOutput(text=batch.texts[i], token_ids=token_ids, logprobs=logprobs,
-                                finish_reason=batch.finish_reasons[i], error=batch.errors[i] if batch.errors else "")
+                                finish_reason=batch.finish_reasons[i], error=batch.errors[i] if batch.errors else "",
+                                lost="scheduler" if batch.resumable and batch.resumable[i] else "")
             if out.finished:
                 out.usage = frontend_pb2.Usage(prompt_tokens=batch.num_prompt_tokens[i],
                                                completion_tokens=batch.num_output_tokens[i],
@@ -160,17 +163,17 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
             outbox.put(out)
 
     def _scheduler_lost(self, group) -> None:
-        """Fail the requests the group held, queued ones included: their detokenizer never
-        heard of them, so nothing else would end them."""
+        """The group's requests, queued ones included, fail over (their detokenizer may never
+        have heard of them, so nothing else would move them)."""
         for outbox in self.outboxes.values():
             if outbox.group is group:
-                outbox.put(PendingOutput(error="the scheduler serving this request went away"))
+                outbox.put(PendingOutput(error="the scheduler serving this request went away", lost="scheduler"))
 
     def _fail_replica(self, address: str, message: str) -> None:
-        logger.error("%s", message)
+        """The replica's requests fail over to another one (or to it, restarted)."""
         for outbox in self.outboxes.values():
             if outbox.detokenizer == address:
-                outbox.put(PendingOutput(error=message))
+                outbox.put(PendingOutput(error=message, lost="detokenizer"))
 
     # --- RPCs: the gRPC shell over the shared request path (requests.py) --------------------
 
@@ -220,13 +223,13 @@ async def serve(load_tokenizer, scheduler_specs: list[str], detokenizer_specs: l
                 ready_file: str | None, metrics_port: int | None = None,
                 replica_refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S, http_port: int | None = None,
                 api_key: str | None = None, max_prompt_bytes: int = requests.DEFAULT_MAX_PROMPT_BYTES,
-                model_name: str | None = None) -> None:
+                model_name: str | None = None, failover_timeout_s: float = requests.DEFAULT_FAILOVER_TIMEOUT_S) -> None:
     """`http_port`: also serve the OpenAI-compatible HTTP API there (0: any free port; None: off),
     on this event loop, over the same request path; its address goes to `<ready_file>.http`."""
     shell = ServiceShell("frontend", frontend_pb2.DESCRIPTOR.services_by_name["FrontendService"], host, port,
                          public=True)
     servicer = FrontendServicer(None, scheduler_specs, detokenizer_specs, replica_refresh_interval_s, api_key,
-                                max_prompt_bytes, model_name)
+                                max_prompt_bytes, model_name, failover_timeout_s)
     frontend_pb2_grpc.add_FrontendServiceServicer_to_server(servicer, shell.server)
     registry = shell.metrics_registry(metrics_port, ready_file)
     if registry is None and http_port is not None:  # the HTTP API serves /metrics itself

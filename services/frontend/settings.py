@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vmesh.services.common.config_flags import setting
-from vmesh.services.frontend.requests import DEFAULT_MAX_PROMPT_BYTES
+from vmesh.services.frontend.requests import DEFAULT_FAILOVER_TIMEOUT_S, DEFAULT_MAX_PROMPT_BYTES
 
 HTTP_PORT_HELP = "serve the OpenAI-compatible HTTP API on --host at this port (0: any free port)"
 
@@ -28,6 +28,10 @@ class FrontendSettings:
         None, section="frontend",
         help="serve the public gRPC port and the HTTP API over TLS with this certificate (and --public-tls-key)")
     public_tls_key: str | None = setting(None, section="frontend")
+    failover_timeout_s: float = setting(
+        DEFAULT_FAILOVER_TIMEOUT_S, section="frontend", flag="--failover-timeout",
+        help="seconds a request whose scheduler or detokenizer replica was lost may wait for another (or the "
+             "restarted one) to take it, with the tokens it has; past it: UNAVAILABLE")
 
     @property
     def http_api_port(self) -> int | None:

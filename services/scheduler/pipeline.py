@@ -48,6 +48,10 @@ class StepPipeline:
         """The oldest plan will never have a result (its execution failed)."""
         self._steps.popleft()
 
+    def abandon_all(self) -> None:
+        """No plan in flight will have a result (the worker that had them is gone)."""
+        self._steps.clear()
+
     @property
     def idle(self) -> bool:
         return not self._steps

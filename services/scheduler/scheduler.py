@@ -108,6 +108,27 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def recompute_all(self) -> list[Request]:
+        """The worker's state is gone (it died and a replacement took over): every unfinished
+        request starts again from its tokens on the new worker, as a preempted one does, and the
+        results of the plans in flight never come. The prefix cache goes too: its blocks' contents
+        were on the lost worker. Returns the requests affected, in queue order."""
+        for request in self.running:
+            self.pool.free(request.block_ids)
+            request.status = RequestStatus.WAITING
+            self._enqueue(request)
+        self.running = []
+        for request in self.waiting:
+            request.block_ids, request.block_hashes = [], []
+            request.num_registered_blocks = 0
+            request.num_computed_tokens = 0
+            request.num_placeholders = 0
+            request.on_worker = False
+        self.pending_removals = []
+        self.next_step = 0  # a new Execute stream numbers its steps from 0
+        self.pool.reset_prefix_cache()
+        return list(self.waiting)
+
     def reset_prefix_cache(self) -> int:
         """Drop every cached prefix no request is using; returns the number of blocks dropped."""
         return self.pool.reset_prefix_cache()
@@ -183,8 +204,8 @@ class Scheduler:
         request.block_ids = cached + new_blocks
         request.num_registered_blocks = len(cached)
         request.num_computed_tokens = computed
-        if request.num_preemptions == 0:
-            request.num_cached_prompt_tokens = computed
+        if request.num_preemptions == 0:  # a resumed request's outputs may be cached too: they are not prompt
+            request.num_cached_prompt_tokens = min(computed, len(request.prompt_token_ids))
         if request.handle is None:
             request.handle = next(self._handles)
             self.by_handle[request.handle] = request

@@ -24,7 +24,7 @@ from vmesh.services.common.discovery import DEFAULT_REFRESH_INTERVAL_S, AddressB
 from vmesh.services.common.finish_reason import FinishReason
 from vmesh.services.common.grpc_server import ServiceShell, channel
 from vmesh.services.common.metrics import Gauges, SchedulerMetrics
-from vmesh.services.common.request_checks import ModelLimits, check_prompt, decode_sampling
+from vmesh.services.common.request_checks import ModelLimits, check_prompt, check_resumed, decode_sampling
 from vmesh.services.common.step_types import NewRequest, StepPlan
 from vmesh.services.scheduler.block_pool import BlockPool
 from vmesh.services.scheduler.detokenizer_router import DetokenizerRouter, OpenStream, Route, open_stream
@@ -37,6 +37,7 @@ from vmesh.v1 import detokenizer_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_
 logger = logging.getLogger(__name__)
 
 PROMPT_TAIL_TOKENS = 4  # decoding context given to the detokenizer
+WORKER_RETRY_S = 1.0  # between attempts to reach a lost worker again
 TRACER = telemetry.tracer("vmesh.scheduler")
 
 
@@ -70,7 +71,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     def __init__(self, config: MeshSchedulerConfig, open_detokenizer_stream: OpenStream = open_stream):
         self.config = config
         self.scheduler: Scheduler | None = None
-        self.on_failure: Callable[[], None] = lambda: None  # serve() marks the service NOT_SERVING
+        # serve() marks the service NOT_SERVING (False) while the worker is lost, SERVING once back.
+        self.on_serving: Callable[[bool], None] = lambda serving: None
         self.incarnation = uuid.uuid4().hex  # this process, as opposed to a restart on the same address
         self.limits: ModelLimits | None = None  # the workers' model, known once connected
         self.worker_calls: list[grpc.aio.StreamStreamCall] = []
@@ -78,7 +80,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.router = DetokenizerRouter(self._released_by_router, open_detokenizer_stream)
         self.lifetimes: dict[str, _Lifetime] = {}  # by request key; the requests the router has a route for
         self.wake = asyncio.Event()
-        self.failure: str | None = None  # set once a worker is lost: the scheduler stops serving
+        # Set while the worker is lost past its recovery timeout: submissions are refused.
+        self.failure: str | None = None
+        self.worker_failovers = 0  # times a lost worker's requests were recomputed on its replacement
         self.accepting = True
         self.steps = 0
         self.plan_bytes = 0
@@ -92,17 +96,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     # --- start-up ----------------------------------------------------------------------------
 
     async def connect(self) -> None:
-        infos = []
+        self._worker_stubs = []
         for address in self.config.worker_addresses:
             ch = channel(address, "worker")
             self._channels.append(ch)
-            stub = worker_pb2_grpc.WorkerServiceStub(ch)
-            infos.append(await stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), wait_for_ready=True, timeout=600))
-            self.worker_calls.append(stub.Execute())
-        info = infos[0]
-        if any(i.num_kv_blocks != info.num_kv_blocks or i.block_size != info.block_size for i in infos):
-            raise RuntimeError("worker ranks disagree on their KV cache")
-        self.info = info
+            self._worker_stubs.append(worker_pb2_grpc.WorkerServiceStub(ch))
+        info = self.info = await self._open_worker_streams(timeout=600)
         self.limits = ModelLimits(info.model_name, info.max_model_len, info.vocab_size)
         if self.metrics_registry is not None and self.metrics is None:
             # Only now is the model known: every series carries its name, as vLLM's do.
@@ -122,6 +121,28 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self._tasks.append(asyncio.create_task(self._engine_loop()))
         logger.info("connected to %d worker rank(s) (%d KV blocks of %d) and %d detokenizer(s)",
                     len(self.worker_calls), info.num_kv_blocks, info.block_size, len(self.router.replicas))
+
+    async def _open_worker_streams(self, timeout: float) -> worker_pb2.GetWorkerInfoResponse:
+        """Ask every rank for its model and KV cache, then open a new Execute stream to each (a
+        new session: the worker forgets any earlier one). Returns rank 0's answer. A rank still
+        loading its model answers UNAVAILABLE: it is asked again until `timeout`."""
+        deadline = time.monotonic() + timeout
+        infos = []
+        for stub in self._worker_stubs:
+            while True:
+                try:
+                    infos.append(await stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), wait_for_ready=True,
+                                                          timeout=max(0.1, deadline - time.monotonic())))
+                    break
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + WORKER_RETRY_S > deadline:
+                        raise
+                    await asyncio.sleep(WORKER_RETRY_S)
+        info = infos[0]
+        if any(i.num_kv_blocks != info.num_kv_blocks or i.block_size != info.block_size for i in infos):
+            raise RuntimeError("worker ranks disagree on their KV cache")
+        self.worker_calls = [stub.Execute() for stub in self._worker_stubs]
+        return info
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -146,8 +167,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             # the whole step, and with it every other request in the batch.
             check_prompt(request.prompt_token_ids, self.limits)
             sampling = decode_sampling(request.sampling, len(request.prompt_token_ids), self.limits)
+            check_resumed(request.resumed_output_token_ids, sampling, self.limits)
             self.scheduler.add_request(Request(key, list(request.prompt_token_ids), sampling,
-                                               priority=request.priority))
+                                               priority=request.priority,
+                                               output_token_ids=list(request.resumed_output_token_ids)))
         except QueueFullError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ValueError as exc:
@@ -156,13 +179,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         life = self.lifetimes[key] = _Lifetime(len(request.prompt_token_ids), submitted_at=time.monotonic())
         life.span = TRACER.start_span("scheduler.request", context=telemetry.from_proto(request.trace_context),
                                       attributes={"vmesh.prompt_tokens": len(request.prompt_token_ids),
-                                                  "vmesh.detokenizer": replica.address})
+                                                  "vmesh.detokenizer": replica.address,
+                                                  "vmesh.resumed_output_tokens":
+                                                      len(request.resumed_output_token_ids)})
         life.queue_span = TRACER.start_span("scheduler.queue", context=trace.set_span_in_context(life.span))
         self.router.open_route(key, replica, detokenizer_pb2.DetokenizerRequestInfo(
             frontend_id=request.frontend_id, frontend_key=request.frontend_key,
             prompt_tail=request.prompt_token_ids[-PROMPT_TAIL_TOKENS:], sampling=wire.sampling_to_proto(sampling),
             num_prompt_tokens=len(request.prompt_token_ids),
-            trace_context=telemetry.to_proto(life.span) if telemetry.tracing_enabled() else None))
+            trace_context=telemetry.to_proto(life.span) if telemetry.tracing_enabled() else None,
+            resumed_output_token_ids=request.resumed_output_token_ids,
+            resumed_text_length=request.resumed_text_length))
         self.wake.set()
         return scheduler_pb2.SubmitRequestResponse(detokenizer=replica.address)
 
@@ -196,43 +223,104 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     # --- the engine loop ---------------------------------------------------------------------
 
     async def _engine_loop(self) -> None:
+        while True:
+            try:
+                await self._run_steps()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+                refused = isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+                if refused:  # the worker refused a plan: a bug that recomputation would repeat
+                    logger.error("the worker refused a plan: %s", detail)
+                    await self._fail_all("the worker serving this request failed")
+                    return
+                logger.error("worker unavailable: %s; %d request(s) wait for it to come back", detail,
+                             len(self.router.routes))
+                if not await self._recover_worker():
+                    return
+
+    async def _run_steps(self) -> None:
         pipeline = self.pipeline
-        try:
-            while True:
-                for plan in pipeline.plans():
-                    message = self._plan_message(plan)
-                    if self.metrics and plan.scheduled_handles:
-                        self.metrics.iteration_tokens.observe(plan.total_scheduled_tokens)
-                    size = message.ByteSize()
-                    self.plan_bytes += size
-                    self.steps += 1
-                    if not plan.new_requests and all(n == 1 for n in plan.num_scheduled_tokens):
-                        self.decode_steps += 1
-                        self.decode_plan_bytes += size
-                    for call in self.worker_calls:
-                        await call.write(message)
-                if pipeline.idle:
-                    self.wake.clear()
-                    await self.wake.wait()
-                    continue
-                results = [await call.read() for call in self.worker_calls]
-                if any(r is grpc.aio.EOF for r in results):
-                    raise ConnectionError("a worker closed its stream")
-                self._route(pipeline.complete(wire.result_from_proto(results[0])))
-                await self.router.flush()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a lost worker: every request fails, the scheduler stops serving
-            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-            # What clients read: the gist, not gRPC's text (it names internal addresses).
-            self.failure = "the worker serving this request became unavailable"
-            logger.error("worker unavailable: %s; failing %d request(s)", detail, len(self.router.routes))
-            for key in list(self.router.routes):
-                self._core().abort(key)
-                if (route := self._release(key)) is not None:
-                    self.router.add_end(route, error=self.failure)
+        while True:
+            for plan in pipeline.plans():
+                message = self._plan_message(plan)
+                if self.metrics and plan.scheduled_handles:
+                    self.metrics.iteration_tokens.observe(plan.total_scheduled_tokens)
+                size = message.ByteSize()
+                self.plan_bytes += size
+                self.steps += 1
+                if not plan.new_requests and all(n == 1 for n in plan.num_scheduled_tokens):
+                    self.decode_steps += 1
+                    self.decode_plan_bytes += size
+                for call in self.worker_calls:
+                    await call.write(message)
+            if pipeline.idle:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            results = [await call.read() for call in self.worker_calls]
+            if any(r is grpc.aio.EOF for r in results):
+                raise ConnectionError("a worker closed its stream")
+            self._route(pipeline.complete(wire.result_from_proto(results[0])))
             await self.router.flush()
-            self.on_failure()
+
+    async def _recover_worker(self) -> bool:
+        """Wait for the lost worker to answer again (restarted in place, by `vmesh serve` or
+        Kubernetes) and recompute every request on it: clients see a pause. Past the recovery
+        timeout the requests fail with UNAVAILABLE and submissions are refused, but the worker is
+        still waited for; once it is back the scheduler serves again. False: it never can (the
+        replacement's KV cache differs)."""
+        for call in self.worker_calls:
+            call.cancel()
+        self.worker_calls = []
+        self.pipeline.abandon_all()
+        affected = self._core().recompute_all()
+        self.worker_failovers += 1
+        for request in affected:
+            if (life := self.lifetimes.get(request.request_id)) is not None:
+                life.span.add_event("vmesh.failover", {"vmesh.failover.kind": "worker"})
+        self.on_serving(False)
+        deadline = time.monotonic() + self.config.worker_recovery_timeout_s
+        lost_at = time.monotonic()
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 and self.failure is None:
+                logger.error("the worker did not come back within %.0f s; failing %d request(s)",
+                             self.config.worker_recovery_timeout_s, len(self.router.routes))
+                await self._fail_all("the worker serving this request became unavailable")
+            try:
+                info = await self._open_worker_streams(timeout=remaining if remaining > 0 else WORKER_RETRY_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+                logger.info("worker not reachable yet (%s)", detail)
+                await asyncio.sleep(WORKER_RETRY_S)  # an attempt that failed at once is not repeated at once
+                continue
+            if (info.num_kv_blocks, info.block_size, info.model_name) != (
+                    self.info.num_kv_blocks, self.info.block_size, self.info.model_name):
+                logger.error("the worker came back with another model or KV cache (%s, %d blocks of %d); "
+                             "this scheduler cannot use it", info.model_name, info.num_kv_blocks, info.block_size)
+                await self._fail_all("the worker serving this request became unavailable")
+                return False
+            logger.warning("worker back after %.1f s; recomputing %d request(s)", time.monotonic() - lost_at,
+                           len(self._core().requests))
+            self.failure = None
+            self.on_serving(True)
+            self.wake.set()
+            return True
+
+    async def _fail_all(self, message: str) -> None:
+        """End every request this scheduler holds with `message` (UNAVAILABLE to the client) and
+        refuse new ones."""
+        self.failure = message
+        for key in list(self.router.routes):
+            self._core().abort(key)
+            if (route := self._release(key)) is not None:
+                self.router.add_end(route, error=message)
+        await self.router.flush()
+        self.on_serving(False)
 
     def gauges(self) -> dict[str, tuple[str, str, float]]:
         if self.scheduler is None:
@@ -247,6 +335,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             "vmesh:num_preemptions": ("counter", "Requests preempted (recomputed later).", s.num_preemptions),
             "vmesh:scheduler_steps": ("counter", "Step plans sent to the workers.", self.steps),
             "vmesh:plan_bytes": ("counter", "Serialized plan bytes sent per worker rank.", self.plan_bytes),
+            "vmesh:worker_failovers": ("counter", "Times the worker was lost and its requests recomputed on its "
+                                                  "replacement.", self.worker_failovers),
             "vmesh:detokenizer_replicas_routable": (
                 "gauge", "Detokenizer replicas connected and taking new requests.",
                 len(self.router.routable())),
@@ -351,9 +441,9 @@ async def serve(config: MeshSchedulerConfig, host: str, port: int, ready_file: s
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, shell.server)
     servicer.metrics_registry = shell.metrics_registry(metrics_port, ready_file)
 
-    def on_failure() -> None:
-        asyncio.get_running_loop().create_task(shell.set_serving(False))
+    def on_serving(serving: bool) -> None:
+        asyncio.get_running_loop().create_task(shell.set_serving(serving))
 
-    servicer.on_failure = on_failure
+    servicer.on_serving = on_serving
     await shell.run(servicer.connect, servicer.drain, ready_file)
     await servicer.close()

@@ -23,3 +23,7 @@ class SchedulerSettings:
         False, section="scheduler", help="resend every scheduled request in full each step (V0), for measurement")
     max_waiting: int | None = setting(  # None: unbounded
         4096, section="scheduler", help="waiting-queue size; beyond it: RESOURCE_EXHAUSTED")
+    worker_recovery_timeout_s: float = setting(
+        60.0, section="scheduler", flag="--worker-recovery-timeout",
+        help="seconds a lost worker has to come back (restarted in place) before its requests fail with "
+             "UNAVAILABLE; until then they wait and are recomputed on its replacement (mesh only)")

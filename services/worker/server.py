@@ -40,8 +40,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.metrics: WorkerMetrics | None = None
         self.session = 0  # Execute streams opened so far; the newest one drives the worker
 
+    async def _loaded(self, context) -> ModelRunner:
+        """The model runner; UNAVAILABLE while the model loads (the port is open before it is)."""
+        if self.runner is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model")
+        return self.runner
+
     async def GetWorkerInfo(self, request, context):
-        spec = self.runner.spec
+        runner = await self._loaded(context)
+        spec = runner.spec
         return worker_pb2.GetWorkerInfoResponse(
             model_name=self.model_name, num_kv_blocks=self.runner.kv_cache.num_blocks,
             block_size=self.runner.kv_cache.block_size, max_model_len=self.runner.max_model_len,
@@ -60,15 +67,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         }
 
     async def GetWorkerStats(self, request, context):
+        runner = await self._loaded(context)
         wall = time.perf_counter() - self.first_plan_at if self.first_plan_at else 0.0
         return worker_pb2.GetWorkerStatsResponse(
             steps=self.steps, busy_seconds=self.busy_seconds, wall_seconds=wall,
             duty_cycle=self.busy_seconds / wall if wall else 0.0, bytes_received=self.bytes_received,
-            num_rows=len(self.runner.batch))
+            num_rows=len(runner.batch))
 
     async def Execute(self, request_iterator, context):
         """One stream is one scheduler's session. A new stream (a restarted scheduler) takes
         over: the worker forgets the old session's requests and step numbering."""
+        await self._loaded(context)
         loop = asyncio.get_running_loop()
         self.session += 1
         session = self.session

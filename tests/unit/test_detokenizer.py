@@ -118,6 +118,7 @@ def test_a_closed_scheduler_stream_fails_its_requests_toward_their_frontends(tok
     assert list(first.frontend_keys) == [3] and list(first.errors) == [""]
     assert list(last.frontend_keys) == [3] and "closed" in last.errors[0]
     assert list(last.finish_reasons) == [common_pb2.FINISH_REASON_ABORT]
+    assert list(last.resumable) == [True], "a lost scheduler's requests may fail over"
 
 
 def test_draining_tells_open_and_new_scheduler_streams():
@@ -193,3 +194,68 @@ def test_a_frontend_whose_subscription_ends_has_its_requests_stopped(tok):
 
     response = asyncio.run(main())
     assert sorted(response.orphaned_handles) == [1, 3]
+
+
+@pytest.mark.parametrize("mode", list(OutputMode))
+@pytest.mark.parametrize("text", ["Hello 😀🎉 world, and so on", "Say STOP-ish things, then STOP now."])
+def test_a_resumed_request_continues_the_text_without_gap_or_duplicate(tok, mode, text):
+    """A replica takes over at every point of a stream (the client had what the old one sent,
+    with text held back for a stop string or an unfinished character): the new replica's
+    outputs continue it exactly."""
+    ids = tok.encode(text, add_special_tokens=False).ids
+    params = SamplingParams(stop=["STOP now"], output_mode=mode)
+    undisturbed = stream(tok, ids, params)
+    ids = ids[:len(undisturbed)]  # the tokens up to the stop string's end
+    for cut in range(1, len(ids)):
+        old = IncrementalDetokenizer(tok, params, prompt_token_ids=[1, 9690, 198])
+        seen = [old.update(ids[i:i + 1]).text for i in range(cut)]
+        # What the client has: every delta, or the latest whole text (nothing in final-only mode).
+        delivered = "".join(seen) if mode is OutputMode.DELTA else seen[-1]
+        new = IncrementalDetokenizer(tok, params, prompt_token_ids=[1, 9690, 198])
+        new.resume(ids[:cut], len(delivered))
+        rest = [new.update(ids[i:i + 1], finished=i == len(ids) - 1) for i in range(cut, len(ids))]
+        if mode is OutputMode.DELTA:
+            assert delivered + "".join(o.text for o in rest) == "".join(o.text for o in undisturbed)
+        else:
+            assert rest[-1].text == undisturbed[-1].text
+        assert [o.stop_hit for o in rest] == [o.stop_hit for o in undisturbed[cut:]]
+
+
+def test_a_replica_introduced_to_a_resumed_request_counts_its_earlier_tokens(tok):
+    import asyncio
+
+    from vmesh.services.detokenizer.server import DetokenizerServicer
+    from vmesh.v1 import common_pb2, detokenizer_pb2
+
+    earlier = tok.encode("Hello there", add_special_tokens=False).ids
+    servicer = DetokenizerServicer(tok)
+    servicer.subscribers["f"] = queue = asyncio.Queue()
+    servicer.process(detokenizer_pb2.DetokenizeRequest(
+        new_requests=[detokenizer_pb2.DetokenizerRequestInfo(
+            handle=1, frontend_id="f", frontend_key=4, num_prompt_tokens=2, prompt_tail=[1, 9690, 198],
+            resumed_output_token_ids=earlier, resumed_text_length=len("Hello"))],
+        handles=[1], num_tokens=[1], token_ids=tok.encode(" friend", add_special_tokens=False).ids[:1],
+        finish_reasons=[common_pb2.FINISH_REASON_LENGTH], num_cached_prompt_tokens=[0], errors=[""]), {})
+    out = queue.get_nowait()
+    assert out.texts[0] == " there friend"  # only what the client lacks
+    assert out.num_output_tokens[0] == len(earlier) + 1 and out.num_prompt_tokens[0] == 2
+
+
+def test_a_request_introduced_after_its_frontend_left_is_reported_orphaned(tok):
+    """Queued when its frontend died, it reaches the replica only once admitted: the replica,
+    which the frontend subscribed to before submitting, knows the frontend is gone."""
+    import asyncio
+
+    from vmesh.services.detokenizer.server import DetokenizerServicer
+    from vmesh.v1 import detokenizer_pb2
+
+    servicer = DetokenizerServicer(tok)
+    servicer.subscribers["alive"] = asyncio.Queue()
+    requests: dict = {}
+    reply = servicer.process(detokenizer_pb2.DetokenizeRequest(
+        new_requests=[detokenizer_pb2.DetokenizerRequestInfo(handle=1, frontend_id="gone", frontend_key=1),
+                      detokenizer_pb2.DetokenizerRequestInfo(handle=2, frontend_id="alive", frontend_key=2)],
+        handles=[1, 2], num_tokens=[1, 1], token_ids=[9690, 9690], finish_reasons=[0, 0],
+        num_cached_prompt_tokens=[0, 0], errors=["", ""]), requests)
+    assert list(reply.orphaned_handles) == [1] and list(requests) == [2]
+    assert servicer.subscribers["alive"].qsize() == 1

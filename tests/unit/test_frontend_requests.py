@@ -16,7 +16,7 @@ from vmesh.services.frontend.requests import RequestError
 from vmesh.services.frontend.schedulers import SchedulerPool
 from vmesh.services.frontend.server import FrontendServicer
 from vmesh.services.frontend.validation import ModelLimits
-from vmesh.v1 import frontend_pb2, scheduler_pb2
+from vmesh.v1 import common_pb2, frontend_pb2, scheduler_pb2
 
 
 class RefusingTokenizer:
@@ -186,3 +186,116 @@ def test_unknown_model_is_404_and_errors_map_to_http_statuses():
         assert oai.request_error_body(RequestError(code, "x"))[0] == status
     assert oai.param_of("sampling.top_p must be in (0, 1], got 2") == "top_p"
     assert oai.param_of("prompt: empty") == "prompt"
+
+
+class FailoverScheduler:
+    """A scheduler group's stub that records submissions and aborts; `refuse` makes it answer
+    UNAVAILABLE (a group that cannot take requests now)."""
+
+    def __init__(self) -> None:
+        self.submissions: list[scheduler_pb2.SubmitRequestRequest] = []
+        self.aborted: list[int] = []
+        self.refuse = False
+
+    async def GetSchedulerStats(self, request, **kwargs):
+        return scheduler_pb2.GetSchedulerStatsResponse(model_name="m", max_model_len=100, vocab_size=50)
+
+    async def SubmitRequest(self, request, **kwargs):
+        if self.refuse:
+            from tests.support.grpc_fakes import rpc_error
+
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE)
+        copy = scheduler_pb2.SubmitRequestRequest()
+        copy.CopyFrom(request)
+        self.submissions.append(copy)
+        return scheduler_pb2.SubmitRequestResponse(detokenizer=f"d:{len(self.submissions)}")
+
+    async def AbortRequest(self, request, **kwargs):
+        self.aborted.append(request.frontend_key)
+        return scheduler_pb2.AbortRequestResponse()
+
+
+async def failover_frontend(scheduler: FailoverScheduler, **kwargs) -> FrontendServicer:
+    from tests.support.grpc_fakes import healthy_forever
+
+    f = frontend(object(), ModelLimits("m", 100, 50), **kwargs)
+    f.schedulers = SchedulerPool(lambda address: (scheduler, FakeChannel()), health_stream=healthy_forever)
+    await f.schedulers.add("s:1").joined.wait()
+    f.subscribed = {"d:1", "d:2", "d:3"}
+    return f
+
+
+def output(key: int, text: str, token_ids: list[int], finish: int = 0):
+    from vmesh.v1 import detokenizer_pb2
+
+    return detokenizer_pb2.SubscribeResponse(
+        frontend_keys=[key], texts=[text], num_tokens=[len(token_ids)], token_ids=token_ids, finish_reasons=[finish],
+        num_prompt_tokens=[3], num_output_tokens=[3], num_cached_prompt_tokens=[0], num_logprobs_rows=[0],
+        errors=[""], resumable=[False])
+
+
+async def until(condition) -> None:
+    for _ in range(500):
+        if condition():
+            return
+        await asyncio.sleep(0.002)
+    raise AssertionError("the condition never held")
+
+
+def test_a_request_fails_over_with_what_the_client_has_and_ignores_its_old_key():
+    """Its replica is lost, then its scheduler: each time it is submitted again under a new key
+    with the tokens (and the length of text) that reached the client; outputs under an old key
+    are ignored; the client sees one uninterrupted stream."""
+
+    async def main():
+        scheduler = FailoverScheduler()
+        f = await failover_frontend(scheduler)
+        request = frontend_pb2.GenerateRequest(token_ids=frontend_pb2.TokenIds(ids=[1, 2, 3]),
+                                               sampling=common_pb2.SamplingParams(max_tokens=5))
+        client = asyncio.create_task(drain(requests.generate(f, request)))
+        await until(lambda: scheduler.submissions)
+        first = scheduler.submissions[0].frontend_key
+        f._dispatch(output(first, "Hel", [5, 6]))
+        f._fail_replica("d:1", "the detokenizer serving this request became unavailable")
+        await until(lambda: len(scheduler.submissions) == 2)
+        second = scheduler.submissions[1]
+        assert second.frontend_key != first and list(second.prompt_token_ids) == [1, 2, 3]
+        assert list(second.resumed_output_token_ids) == [5, 6] and second.resumed_text_length == 3
+        await until(lambda: scheduler.aborted == [first])  # the old group stops computing it
+        f._dispatch(output(first, "STALE", [9]))  # a late output under the old key: ignored
+        f._dispatch(output(second.frontend_key, "lo", [7]))
+        group = f.schedulers.groups["s:1"]
+        f._scheduler_lost(group)  # now its scheduler goes
+        await until(lambda: len(scheduler.submissions) == 3)
+        third = scheduler.submissions[2]
+        assert list(third.resumed_output_token_ids) == [5, 6, 7] and third.resumed_text_length == 5
+        f._dispatch(output(third.frontend_key, " you", [8, 9], common_pb2.FINISH_REASON_LENGTH))
+        responses = await client
+        assert "".join(r.text for r in responses) == "Hello you"
+        assert [t for r in responses for t in r.token_ids] == [5, 6, 7, 8, 9]
+        assert responses[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        await until(lambda: not f.background)
+        assert not f.outboxes and group.in_flight == 0
+        await f.schedulers.close()
+
+    asyncio.run(main())
+
+
+def test_a_failover_that_finds_no_taker_fails_unavailable_after_the_bounded_wait():
+    async def main():
+        scheduler = FailoverScheduler()
+        f = await failover_frontend(scheduler, failover_timeout_s=0.2)
+        request = frontend_pb2.GenerateRequest(token_ids=frontend_pb2.TokenIds(ids=[1, 2, 3]),
+                                               sampling=common_pb2.SamplingParams(max_tokens=5))
+        client = asyncio.create_task(drain(requests.generate(f, request)))
+        await until(lambda: scheduler.submissions)
+        scheduler.refuse = True
+        f._fail_replica("d:1", "the detokenizer serving this request became unavailable")
+        with pytest.raises(RequestError) as err:
+            await client
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        await until(lambda: not f.background)
+        assert not f.outboxes and f.schedulers.groups["s:1"].in_flight == 0
+        await f.schedulers.close()
+
+    asyncio.run(main())

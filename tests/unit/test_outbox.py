@@ -47,3 +47,15 @@ def test_nothing_follows_an_error():
 
     out = asyncio.run(main())
     assert out.error == "replica lost" and out.token_ids == []
+
+
+def test_what_reached_the_client_is_counted_for_a_failover():
+    delta, cumulative = Outbox(delta_text=True), Outbox(delta_text=False)
+    for box, texts in ((delta, ["He", "llo", ""]), (cumulative, ["He", "Hello", "Hello"])):
+        for i, text in enumerate(texts):
+            box.put(PendingOutput(text=text, token_ids=[i]))
+        box.put(PendingOutput(error="lost", lost="detokenizer"))  # counts nothing, closes
+        assert box.closed and box.received_token_ids == [0, 1, 2] and box.received_text_length == 5
+        box.reopen()
+        box.put(PendingOutput(text="!" if box is delta else "Hello!", token_ids=[3]))
+        assert box.received_token_ids == [0, 1, 2, 3] and box.received_text_length == 6

@@ -215,3 +215,49 @@ def test_full_waiting_queue_and_oversized_prompt_are_refused():
     scheduler2, _ = make(num_blocks=2)
     with pytest.raises(ValueError, match="leaves no room in the context of 8"):
         scheduler2.add_request(req(0, prompt_len=12))
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_replaced_worker_recomputes_every_request_to_the_same_tokens(depth):
+    """The worker dies twice mid-run (plans in flight, requests mid-prefill, decoding, queued
+    and preempted): a fresh worker gets every request again and outputs are unchanged."""
+    scheduler, worker = make(num_blocks=14, budget=12)
+    requests = [req(i, prompt_len=6 + 5 * i, max_tokens=12) for i in range(5)]
+    for r in requests:
+        scheduler.add_request(r)
+    outputs: dict[str, list[int]] = {}
+    in_flight: deque = deque()
+    lost_at = {4, 11}
+    for step in range(10_000):
+        if step in lost_at:
+            in_flight.clear()  # their results never come
+            affected = scheduler.recompute_all()
+            assert {r.request_id for r in affected} == set(scheduler.requests)
+            assert scheduler.pool.num_free == scheduler.pool.num_blocks, "every block back, none cached"
+            assert all(h is None for h in scheduler.pool.block_hash)
+            worker = StubWorker(14, BLOCK)  # steps from 0 again, no rows
+        while len(in_flight) < depth and (plan := scheduler.schedule()) is not None:
+            in_flight.append(worker.execute(plan))
+        if not in_flight:
+            break
+        for update in scheduler.update(in_flight.popleft()):
+            outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
+    assert not scheduler.has_unfinished()
+    for r in requests:
+        assert outputs[r.request_id] == reference_tokens(r.prompt_token_ids, 12)
+    assert_all_free(scheduler)
+
+
+def test_a_request_resumed_with_its_earlier_outputs_continues_them():
+    """A request submitted again with the tokens it had already produced (a scheduler's
+    failover) computes only the rest, and its budget counts the earlier ones."""
+    scheduler, worker = make()
+    prompt = req(3, prompt_len=9).prompt_token_ids
+    expected = reference_tokens(prompt, 10)
+    resumed = Request("r3", list(prompt), SamplingParams(temperature=0, max_tokens=10),
+                      output_token_ids=expected[:4])
+    scheduler.add_request(resumed)
+    outputs, finish = run(scheduler, worker)
+    assert outputs["r3"] == expected[4:]
+    assert finish["r3"] is FinishReason.LENGTH
+    assert_all_free(scheduler)

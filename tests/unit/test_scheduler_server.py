@@ -7,13 +7,16 @@ import asyncio
 import grpc
 import pytest
 
-from tests.support.grpc_fakes import Aborted, FakeChannel, FakeContext, FakeStream
+from tests.support.grpc_fakes import Aborted, FakeChannel, FakeContext, FakeStream, rpc_error
+from vmesh.services.common import wire
 from vmesh.services.common.request_checks import MAX_STOP_TOKEN_IDS, ModelLimits
+from vmesh.services.common.step_types import StepResult
 from vmesh.services.scheduler import detokenizer_router
 from vmesh.services.scheduler.block_pool import BlockPool
+from vmesh.services.scheduler.pipeline import StepPipeline
 from vmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig
 from vmesh.services.scheduler.server import MeshSchedulerConfig, SchedulerServicer
-from vmesh.v1 import common_pb2, detokenizer_pb2, scheduler_pb2
+from vmesh.v1 import common_pb2, detokenizer_pb2, scheduler_pb2, worker_pb2
 
 
 class Servicer(SchedulerServicer):
@@ -172,6 +175,168 @@ def test_a_submission_the_worker_cannot_serve_is_refused_alone(fields, name):
         assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and name in str(refused.value)
         assert not servicer.scheduler.has_unfinished() and not servicer.router.routes
         assert await servicer.submit(2)  # the next one is served
+        await servicer.close()
+
+    asyncio.run(main())
+
+
+def test_a_resumed_submission_is_checked_and_introduced_with_its_outputs():
+    async def main() -> None:
+        servicer = Servicer(["127.0.0.1:1"])
+        await connected(servicer)
+        for resumed, max_tokens in (([5, 100], 8), ([5] * 8, 8)):  # out of the vocabulary; no budget left
+            with pytest.raises(Aborted) as refused:
+                await servicer.SubmitRequest(scheduler_pb2.SubmitRequestRequest(
+                    frontend_id="f", frontend_key=1, prompt_token_ids=[1, 2, 3],
+                    sampling=common_pb2.SamplingParams(max_tokens=max_tokens), resumed_output_token_ids=resumed),
+                    FakeContext())
+            assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "resumed_output_token_ids" in str(refused.value)
+        await servicer.SubmitRequest(scheduler_pb2.SubmitRequestRequest(
+            frontend_id="f", frontend_key=2, prompt_token_ids=[1, 2, 3], sampling=common_pb2.SamplingParams(
+                max_tokens=8), resumed_output_token_ids=[7, 8], resumed_text_length=3), FakeContext())
+        request = servicer.scheduler.requests["f/2"]
+        assert request.output_token_ids == [7, 8] and request.all_token_ids == [1, 2, 3, 7, 8]
+        introduction = servicer.router.routes["f/2"].introduction
+        assert list(introduction.resumed_output_token_ids) == [7, 8] and introduction.resumed_text_length == 3
+        assert introduction.num_prompt_tokens == 3
+        await servicer.close()
+
+    asyncio.run(main())
+
+
+class FakeExecute:
+    """A worker's Execute stream: plans written are kept; results are fed to `responses`."""
+
+    def __init__(self) -> None:
+        self.plans: list[worker_pb2.ExecuteRequest] = []
+        self.responses: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+
+    async def write(self, message) -> None:
+        self.plans.append(message)
+
+    async def read(self):
+        response = await self.responses.get()
+        if isinstance(response, Exception):
+            raise response
+        return response
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeWorker:
+    """A worker rank's stub: UNAVAILABLE while `down` (dead, or loading its model)."""
+
+    def __init__(self) -> None:
+        self.down = False
+        self.streams: list[FakeExecute] = []
+
+    async def GetWorkerInfo(self, request, **kwargs):
+        if self.down:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE)
+        return worker_pb2.GetWorkerInfoResponse(model_name="tiny", num_kv_blocks=16, block_size=4,
+                                                max_model_len=64, vocab_size=100, max_num_seqs=8)
+
+    def Execute(self):
+        self.streams.append(FakeExecute())
+        return self.streams[-1]
+
+
+async def settle(condition, limit: int = 2000) -> None:
+    for _ in range(limit):
+        if condition():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError("the condition never held")
+
+
+async def with_worker(servicer: Servicer, worker: FakeWorker) -> asyncio.Task:
+    """Wire the servicer to `worker` as connect() would, and start its engine loop."""
+    servicer._worker_stubs = [worker]
+    servicer.info = await servicer._open_worker_streams(timeout=1)
+    servicer.pipeline = StepPipeline(servicer.scheduler, 2)
+    await connected(servicer)
+    return asyncio.create_task(servicer._engine_loop())
+
+
+def test_a_lost_worker_that_comes_back_gets_every_request_again(monkeypatch):
+    monkeypatch.setattr("vmesh.services.scheduler.server.WORKER_RETRY_S", 0.01)
+
+    async def main() -> None:
+        servicer = Servicer(["127.0.0.1:1"])
+        serving: list[bool] = []
+        servicer.on_serving = serving.append
+        worker = FakeWorker()
+        loop = await with_worker(servicer, worker)
+        await servicer.submit(0)
+        first = worker.streams[0]
+        await settle(lambda: first.plans)
+        assert first.plans[0].step == 0
+        handle = first.plans[0].new_requests[0].handle
+        first.responses.put_nowait(wire.result_to_proto(StepResult(0, [handle], [42])))
+        await settle(lambda: servicer.scheduler.requests["f/0"].output_token_ids == [42])
+        worker.down = True  # it dies with step 1 in flight...
+        first.responses.put_nowait(rpc_error(grpc.StatusCode.UNAVAILABLE, "Socket closed"))
+        await settle(lambda: serving == [False])
+        await asyncio.sleep(0.05)
+        assert len(worker.streams) == 1 and first.cancelled
+        assert await servicer.submit(1)  # meanwhile requests queue: a pause, not an error
+        worker.down = False  # ...and comes back
+        await settle(lambda: len(worker.streams) == 2 and worker.streams[1].plans)
+        assert serving == [False, True] and servicer.worker_failovers == 1
+        replay = worker.streams[1].plans[0]
+        assert replay.step == 0 and not replay.removed_handles  # a new session, from step 0
+        assert {tuple(r.token_ids) for r in replay.new_requests} == {(1, 2, 3, 42), (1, 2, 3)}
+        assert all(r.num_computed_tokens == 0 for r in replay.new_requests)
+        stream = servicer.streams["127.0.0.1:1"][0]
+        assert not any(m.errors and any(m.errors) for m in stream.messages), "nobody was told of the loss"
+        loop.cancel()
+        await servicer.close()
+
+    asyncio.run(main())
+
+
+def test_a_worker_gone_past_the_recovery_timeout_fails_its_requests_until_it_returns(monkeypatch):
+    monkeypatch.setattr("vmesh.services.scheduler.server.WORKER_RETRY_S", 0.01)
+
+    async def main() -> None:
+        servicer = Servicer(["127.0.0.1:1"])
+        servicer.config.worker_recovery_timeout_s = 0.1
+        worker = FakeWorker()
+        loop = await with_worker(servicer, worker)
+        await servicer.submit(0)
+        await settle(lambda: worker.streams[0].plans)
+        worker.down = True
+        worker.streams[0].responses.put_nowait(rpc_error(grpc.StatusCode.UNAVAILABLE))
+        stream = servicer.streams["127.0.0.1:1"][0]
+        await settle(lambda: any(any(m.errors) for m in stream.messages))
+        ended = next(m for m in stream.messages if any(m.errors))
+        assert "unavailable" in ended.errors[0] and ended.finish_reasons[0] == common_pb2.FINISH_REASON_ABORT
+        assert not servicer.scheduler.has_unfinished() and not servicer.router.routes
+        with pytest.raises(Aborted) as refused:
+            await servicer.submit(1)
+        assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+        worker.down = False
+        await settle(lambda: servicer.failure is None)
+        assert await servicer.submit(2)  # serving again
+        loop.cancel()
+        await servicer.close()
+
+    asyncio.run(main())
+
+
+def test_a_worker_that_refuses_a_plan_is_not_retried():
+    async def main() -> None:
+        servicer = Servicer(["127.0.0.1:1"])
+        worker = FakeWorker()
+        loop = await with_worker(servicer, worker)
+        await servicer.submit(0)
+        await settle(lambda: worker.streams[0].plans)
+        worker.streams[0].responses.put_nowait(rpc_error(grpc.StatusCode.FAILED_PRECONDITION, "unknown handle"))
+        await settle(loop.done)
+        assert servicer.failure and len(worker.streams) == 1 and not servicer.router.routes
         await servicer.close()
 
     asyncio.run(main())

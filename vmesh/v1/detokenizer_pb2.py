@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from vmesh.v1 import common_pb2 as vmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1avmesh/v1/detokenizer.proto\x12\x08vmesh.v1\x1a\x15vmesh/v1/common.proto\"\xde\x01\n\x16\x44\x65tokenizerRequestInfo\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x13\n\x0b\x66rontend_id\x18\x02 \x01(\t\x12\x14\n\x0c\x66rontend_key\x18\x03 \x01(\x04\x12\x13\n\x0bprompt_tail\x18\x04 \x03(\r\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.vmesh.v1.SamplingParams\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12-\n\rtrace_context\x18\x07 \x01(\x0b\x32\x16.vmesh.v1.TraceContext\"\xf8\x02\n\x11\x44\x65tokenizeRequest\x12\x36\n\x0cnew_requests\x18\x01 \x03(\x0b\x32 .vmesh.v1.DetokenizerRequestInfo\x12\x0f\n\x07handles\x18\x02 \x03(\x04\x12\x12\n\nnum_tokens\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12.\n\x0e\x66inish_reasons\x18\x05 \x03(\x0e\x32\x16.vmesh.v1.FinishReason\x12 \n\x18num_cached_prompt_tokens\x18\x06 \x03(\r\x12\x18\n\x10logprobs_handles\x18\x07 \x03(\x04\x12*\n\x08logprobs\x18\x0e \x01(\x0b\x32\x18.vmesh.v1.LogprobColumns\x12\x0e\n\x06\x65rrors\x18\r \x03(\tJ\x04\x08\x08\x10\rR\x10sampled_logprobsR\rsampled_ranksR\rtop_token_idsR\x0ctop_logprobsR\x07num_top\"Y\n\x12\x44\x65tokenizeResponse\x12\x17\n\x0fstopped_handles\x18\x01 \x03(\x04\x12\x10\n\x08\x64raining\x18\x02 \x01(\x08\x12\x18\n\x10orphaned_handles\x18\x03 \x03(\x04\"\'\n\x10SubscribeRequest\x12\x13\n\x0b\x66rontend_id\x18\x01 \x01(\t\"\x8c\x03\n\x11SubscribeResponse\x12\x15\n\rfrontend_keys\x18\x01 \x03(\x04\x12\r\n\x05texts\x18\x02 \x03(\t\x12\x12\n\nnum_tokens\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12.\n\x0e\x66inish_reasons\x18\x05 \x03(\x0e\x32\x16.vmesh.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x06 \x03(\r\x12\x19\n\x11num_output_tokens\x18\x07 \x03(\r\x12 \n\x18num_cached_prompt_tokens\x18\x08 \x03(\r\x12\x19\n\x11num_logprobs_rows\x18\t \x03(\r\x12*\n\x08logprobs\x18\x10 \x01(\x0b\x32\x18.vmesh.v1.LogprobColumns\x12\x0e\n\x06\x65rrors\x18\x0f \x03(\tJ\x04\x08\n\x10\x0fR\x10sampled_logprobsR\rsampled_ranksR\x07num_topR\rtop_token_idsR\x0ctop_logprobs2\xa9\x01\n\x12\x44\x65tokenizerService\x12K\n\nDetokenize\x12\x1b.vmesh.v1.DetokenizeRequest\x1a\x1c.vmesh.v1.DetokenizeResponse(\x01\x30\x01\x12\x46\n\tSubscribe\x12\x1a.vmesh.v1.SubscribeRequest\x1a\x1b.vmesh.v1.SubscribeResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1avmesh/v1/detokenizer.proto\x12\x08vmesh.v1\x1a\x15vmesh/v1/common.proto\"\x9d\x02\n\x16\x44\x65tokenizerRequestInfo\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x13\n\x0b\x66rontend_id\x18\x02 \x01(\t\x12\x14\n\x0c\x66rontend_key\x18\x03 \x01(\x04\x12\x13\n\x0bprompt_tail\x18\x04 \x03(\r\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.vmesh.v1.SamplingParams\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12-\n\rtrace_context\x18\x07 \x01(\x0b\x32\x16.vmesh.v1.TraceContext\x12 \n\x18resumed_output_token_ids\x18\x08 \x03(\r\x12\x1b\n\x13resumed_text_length\x18\t \x01(\r\"\xf8\x02\n\x11\x44\x65tokenizeRequest\x12\x36\n\x0cnew_requests\x18\x01 \x03(\x0b\x32 .vmesh.v1.DetokenizerRequestInfo\x12\x0f\n\x07handles\x18\x02 \x03(\x04\x12\x12\n\nnum_tokens\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12.\n\x0e\x66inish_reasons\x18\x05 \x03(\x0e\x32\x16.vmesh.v1.FinishReason\x12 \n\x18num_cached_prompt_tokens\x18\x06 \x03(\r\x12\x18\n\x10logprobs_handles\x18\x07 \x03(\x04\x12*\n\x08logprobs\x18\x0e \x01(\x0b\x32\x18.vmesh.v1.LogprobColumns\x12\x0e\n\x06\x65rrors\x18\r \x03(\tJ\x04\x08\x08\x10\rR\x10sampled_logprobsR\rsampled_ranksR\rtop_token_idsR\x0ctop_logprobsR\x07num_top\"Y\n\x12\x44\x65tokenizeResponse\x12\x17\n\x0fstopped_handles\x18\x01 \x03(\x04\x12\x10\n\x08\x64raining\x18\x02 \x01(\x08\x12\x18\n\x10orphaned_handles\x18\x03 \x03(\x04\"\'\n\x10SubscribeRequest\x12\x13\n\x0b\x66rontend_id\x18\x01 \x01(\t\"\x9f\x03\n\x11SubscribeResponse\x12\x15\n\rfrontend_keys\x18\x01 \x03(\x04\x12\r\n\x05texts\x18\x02 \x03(\t\x12\x12\n\nnum_tokens\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12.\n\x0e\x66inish_reasons\x18\x05 \x03(\x0e\x32\x16.vmesh.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x06 \x03(\r\x12\x19\n\x11num_output_tokens\x18\x07 \x03(\r\x12 \n\x18num_cached_prompt_tokens\x18\x08 \x03(\r\x12\x19\n\x11num_logprobs_rows\x18\t \x03(\r\x12*\n\x08logprobs\x18\x10 \x01(\x0b\x32\x18.vmesh.v1.LogprobColumns\x12\x0e\n\x06\x65rrors\x18\x0f \x03(\t\x12\x11\n\tresumable\x18\x11 \x03(\x08J\x04\x08\n\x10\x0fR\x10sampled_logprobsR\rsampled_ranksR\x07num_topR\rtop_token_idsR\x0ctop_logprobs2\xa9\x01\n\x12\x44\x65tokenizerService\x12K\n\nDetokenize\x12\x1b.vmesh.v1.DetokenizeRequest\x1a\x1c.vmesh.v1.DetokenizeResponse(\x01\x30\x01\x12\x46\n\tSubscribe\x12\x1a.vmesh.v1.SubscribeRequest\x1a\x1b.vmesh.v1.SubscribeResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,15 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'vmesh.v1.detokenizer_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DETOKENIZERREQUESTINFO']._serialized_start=64
-  _globals['_DETOKENIZERREQUESTINFO']._serialized_end=286
-  _globals['_DETOKENIZEREQUEST']._serialized_start=289
-  _globals['_DETOKENIZEREQUEST']._serialized_end=665
-  _globals['_DETOKENIZERESPONSE']._serialized_start=667
-  _globals['_DETOKENIZERESPONSE']._serialized_end=756
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=758
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=797
-  _globals['_SUBSCRIBERESPONSE']._serialized_start=800
-  _globals['_SUBSCRIBERESPONSE']._serialized_end=1196
-  _globals['_DETOKENIZERSERVICE']._serialized_start=1199
-  _globals['_DETOKENIZERSERVICE']._serialized_end=1368
+  _globals['_DETOKENIZERREQUESTINFO']._serialized_end=349
+  _globals['_DETOKENIZEREQUEST']._serialized_start=352
+  _globals['_DETOKENIZEREQUEST']._serialized_end=728
+  _globals['_DETOKENIZERESPONSE']._serialized_start=730
+  _globals['_DETOKENIZERESPONSE']._serialized_end=819
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=821
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=860
+  _globals['_SUBSCRIBERESPONSE']._serialized_start=863
+  _globals['_SUBSCRIBERESPONSE']._serialized_end=1278
+  _globals['_DETOKENIZERSERVICE']._serialized_start=1281
+  _globals['_DETOKENIZERSERVICE']._serialized_end=1450
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DetokenizerRequestInfo(_message.Message):
-    __slots__ = ("handle", "frontend_id", "frontend_key", "prompt_tail", "sampling", "num_prompt_tokens", "trace_context")
+    __slots__ = ("handle", "frontend_id", "frontend_key", "prompt_tail", "sampling", "num_prompt_tokens", "trace_context", "resumed_output_token_ids", "resumed_text_length")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,8 @@ class DetokenizerRequestInfo(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     handle: int
     frontend_id: str
     frontend_key: int
@@ -23,7 +25,9 @@ class DetokenizerRequestInfo(_message.Message):
     sampling: _common_pb2.SamplingParams
     num_prompt_tokens: int
     trace_context: _common_pb2.TraceContext
-    def __init__(self, handle: _Optional[int] = ..., frontend_id: _Optional[str] = ..., frontend_key: _Optional[int] = ..., prompt_tail: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
+    resumed_output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    resumed_text_length: int
+    def __init__(self, handle: _Optional[int] = ..., frontend_id: _Optional[str] = ..., frontend_key: _Optional[int] = ..., prompt_tail: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., resumed_output_token_ids: _Optional[_Iterable[int]] = ..., resumed_text_length: _Optional[int] = ...) -> None: ...
 
 class DetokenizeRequest(_message.Message):
     __slots__ = ("new_requests", "handles", "num_tokens", "token_ids", "finish_reasons", "num_cached_prompt_tokens", "logprobs_handles", "logprobs", "errors")
@@ -64,7 +68,7 @@ class SubscribeRequest(_message.Message):
     def __init__(self, frontend_id: _Optional[str] = ...) -> None: ...
 
 class SubscribeResponse(_message.Message):
-    __slots__ = ("frontend_keys", "texts", "num_tokens", "token_ids", "finish_reasons", "num_prompt_tokens", "num_output_tokens", "num_cached_prompt_tokens", "num_logprobs_rows", "logprobs", "errors")
+    __slots__ = ("frontend_keys", "texts", "num_tokens", "token_ids", "finish_reasons", "num_prompt_tokens", "num_output_tokens", "num_cached_prompt_tokens", "num_logprobs_rows", "logprobs", "errors", "resumable")
     FRONTEND_KEYS_FIELD_NUMBER: _ClassVar[int]
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +80,7 @@ class SubscribeResponse(_message.Message):
     NUM_LOGPROBS_ROWS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
+    RESUMABLE_FIELD_NUMBER: _ClassVar[int]
     frontend_keys: _containers.RepeatedScalarFieldContainer[int]
     texts: _containers.RepeatedScalarFieldContainer[str]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -87,4 +92,5 @@ class SubscribeResponse(_message.Message):
     num_logprobs_rows: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _common_pb2.LogprobColumns
     errors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, frontend_keys: _Optional[_Iterable[int]] = ..., texts: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reasons: _Optional[_Iterable[_Union[_common_pb2.FinishReason, str]]] = ..., num_prompt_tokens: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[_Iterable[int]] = ..., num_cached_prompt_tokens: _Optional[_Iterable[int]] = ..., num_logprobs_rows: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ..., errors: _Optional[_Iterable[str]] = ...) -> None: ...
+    resumable: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, frontend_keys: _Optional[_Iterable[int]] = ..., texts: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reasons: _Optional[_Iterable[_Union[_common_pb2.FinishReason, str]]] = ..., num_prompt_tokens: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[_Iterable[int]] = ..., num_cached_prompt_tokens: _Optional[_Iterable[int]] = ..., num_logprobs_rows: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ..., errors: _Optional[_Iterable[str]] = ..., resumable: _Optional[_Iterable[bool]] = ...) -> None: ...

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequestRequest(_message.Message):
-    __slots__ = ("frontend_id", "frontend_key", "prompt_token_ids", "sampling", "priority", "trace_context", "detokenizers")
+    __slots__ = ("frontend_id", "frontend_key", "prompt_token_ids", "sampling", "priority", "trace_context", "detokenizers", "resumed_output_token_ids", "resumed_text_length")
     FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_KEY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,8 @@ class SubmitRequestRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     DETOKENIZERS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     frontend_id: str
     frontend_key: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -23,7 +25,9 @@ class SubmitRequestRequest(_message.Message):
     priority: int
     trace_context: _common_pb2.TraceContext
     detokenizers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, frontend_id: _Optional[str] = ..., frontend_key: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., detokenizers: _Optional[_Iterable[str]] = ...) -> None: ...
+    resumed_output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    resumed_text_length: int
+    def __init__(self, frontend_id: _Optional[str] = ..., frontend_key: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., detokenizers: _Optional[_Iterable[str]] = ..., resumed_output_token_ids: _Optional[_Iterable[int]] = ..., resumed_text_length: _Optional[int] = ...) -> None: ...
 
 class SubmitRequestResponse(_message.Message):
     __slots__ = ("detokenizer",)

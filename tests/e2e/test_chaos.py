@@ -1,0 +1,149 @@
+"""Lossless failover: under a steady load of greedy and seeded requests, kill -9 the worker, a
+detokenizer replica, the scheduler and the frontend in turn. `vmesh serve` restarts each in
+place; every request of the first three ends with exactly the text and tokens of an undisturbed
+run; the frontend's clients lose their connection, and their requests stop computing; no KV
+block is leaked."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from tests.e2e.conftest import wait_idle
+from tests.e2e.test_metrics import scrape
+from vmesh.services.client import VmeshClient
+from vmesh.services.mesh_process import RunningMesh, start_mesh
+
+NUM_REQUESTS = 6  # with --max-num-seqs 4: some are queued when the kill comes
+MAX_TOKENS = 40
+CLIENT_TIMEOUT_S = 150.0  # far beyond any failover here; a hang fails the test instead of CI
+
+
+@dataclass
+class Outcome:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: int = 0
+    completion_tokens: int = 0
+    error: grpc.StatusCode | None = None
+    longest_gap_s: float = 0.0  # the longest wait between two outputs: the pause a client saw
+
+    @property
+    def result(self) -> tuple[str, list[int], int, int]:
+        return self.text, self.token_ids, self.finish_reason, self.completion_tokens
+
+
+def sampling(i: int) -> dict:
+    """Half greedy, half seeded sampling: both must come out of a failover unchanged."""
+    return {"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.9, "top_p": 0.95, "seed": 100 + i}
+
+
+async def one(client: VmeshClient, i: int, progress: list[int], max_tokens: int = MAX_TOKENS) -> Outcome:
+    outcome = Outcome()
+    last = time.monotonic()
+    try:
+        async for out in client.generate(text=f"Write a short story about a robot, number {i}.",
+                                         max_tokens=max_tokens, ignore_eos=True, timeout=CLIENT_TIMEOUT_S,
+                                         **sampling(i)):
+            now = time.monotonic()
+            if outcome.token_ids:
+                outcome.longest_gap_s = max(outcome.longest_gap_s, now - last)
+            last = now
+            outcome.text += out.text
+            outcome.token_ids += out.token_ids
+            progress[i] = len(outcome.token_ids)
+            if out.finish_reason:
+                outcome.finish_reason = out.finish_reason
+                outcome.completion_tokens = out.usage.completion_tokens
+    except grpc.aio.AioRpcError as exc:
+        outcome.error = exc.code()
+    return outcome
+
+
+async def load(address: str, kill: Callable[[], object] | None = None, max_tokens: int = MAX_TOKENS) -> list[Outcome]:
+    """NUM_REQUESTS concurrent streams; `kill` runs once a third of the tokens have streamed."""
+    progress = [0] * NUM_REQUESTS
+    async with VmeshClient(address) as client:
+        tasks = [asyncio.create_task(one(client, i, progress, max_tokens)) for i in range(NUM_REQUESTS)]
+        if kill is not None:
+            while sum(progress) < NUM_REQUESTS * max_tokens // 3 and not all(t.done() for t in tasks):
+                await asyncio.sleep(0.01)
+            assert not all(t.done() for t in tasks), "the load ended before the kill"
+            kill()
+        return await asyncio.gather(*tasks)
+
+
+def wait_restarted(mesh: RunningMesh, name: str, restarts: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        mesh.refresh()
+        if mesh.restarts.get(name) == restarts:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{name} was not restarted; launcher output:\n" + "".join(mesh.output[-30:]))
+
+
+def test_every_kind_of_process_dies_and_no_request_is_lost():
+    mesh = start_mesh("--detokenizers", "2", "--max-num-seqs", "4", "--metrics")
+    report: dict[str, str] = {}
+    try:
+        reference = asyncio.run(load(mesh.address))
+        assert all(o.error is None and len(o.token_ids) == MAX_TOKENS for o in reference)
+        assert [o.result for o in asyncio.run(load(mesh.address))] == [o.result for o in reference], \
+            "the load must be reproducible undisturbed"
+
+        for victim in ("worker", "detokenizer-0", "scheduler"):
+            pid, address = 0, mesh.services[victim][0]
+
+            def kill(victim: str = victim) -> None:
+                nonlocal pid
+                pid = mesh.kill_service(victim)
+
+            outcomes = asyncio.run(load(mesh.address, kill))
+            for i, (got, want) in enumerate(zip(outcomes, reference)):
+                assert got.error is None, f"{victim} killed: request {i} failed with {got.error}"
+                assert got.result == want.result, f"{victim} killed: request {i} differs from the undisturbed run"
+            wait_restarted(mesh, victim, 1)
+            assert mesh.services[victim][1] != pid and mesh.services[victim][0] == address  # same address
+            report[victim] = f"{NUM_REQUESTS} recovered, 0 failed, longest pause " \
+                             f"{max(o.longest_gap_s for o in outcomes):.1f} s"
+            if victim == "worker":
+                assert scrape(mesh.metrics["scheduler"])["vmesh:worker_failovers_total"] == 1
+            if victim == "scheduler":  # the frontend (not restarted so far) counted every failover
+                counted = scrape(mesh.metrics["frontend"])
+                assert counted['vmesh:request_failovers_total{kind="detokenizer"}'] >= 1
+                assert counted['vmesh:request_failovers_total{kind="scheduler"}'] >= 1
+
+        # The frontend: its clients' connections break (UNAVAILABLE); the requests stop computing
+        # long before they could have finished; the restarted frontend serves the same outputs.
+        outcomes = asyncio.run(load(mesh.address, lambda: mesh.kill_service("frontend"), max_tokens=2000))
+        assert {o.error for o in outcomes} == {grpc.StatusCode.UNAVAILABLE}
+        stats = wait_idle(mesh, timeout=30)
+        assert stats.num_running == 0 and stats.num_waiting == 0, "a dead frontend's requests kept computing"
+        wait_restarted(mesh, "frontend", 1)
+        assert [o.result for o in asyncio.run(load(mesh.address))] == [o.result for o in reference]
+        report["frontend"] = f"{NUM_REQUESTS} failed with UNAVAILABLE (their connection), computing stopped"
+
+        stats = wait_idle(mesh)
+        assert stats.num_used_blocks == 0, "KV blocks leaked"
+    finally:
+        if os.environ.get("VMESH_CHAOS_REPORT"):
+            print("\nchaos:", report)
+        assert mesh.stop() == 0
+
+
+def test_fail_fast_stops_the_mesh_naming_the_dead_service():
+    mesh = start_mesh("--fail-fast")
+    try:
+        pid = mesh.kill_service("detokenizer-0")
+        mesh.process.wait(60)
+        assert mesh.process.returncode == 1
+        mesh.wait_for_output(rf"vmesh: detokenizer-0 \(pid {pid}\) exited with code -9; stopping the mesh")
+    finally:
+        mesh.stop()
+
