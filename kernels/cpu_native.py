@@ -83,6 +83,10 @@ class CpuKernels:
         self._silu_and_mul = _bind(library.silu_and_mul_f32, [p, p, i64, i64, threads])
         self._rotary_write_kv = _bind(library.rotary_write_kv_f32,
                                       [p, i64, i64, i64, i64, i64, p, p, p, p, p, threads])
+        self._quantized_linear = _bind(library.quantized_linear_f32, [p, p, ctypes.c_int, p, p, i64, i64, i64, threads],
+                                       ctypes.c_int)
+        self._quantized_rows = _bind(library.quantized_rows_f32, [p, ctypes.c_int, p, i64, i64, i64, p, threads],
+                                     ctypes.c_int)
 
     # The elementwise ops below run 3-4 times per layer: they check only dtype and layout,
     # which is what a wrong pointer would corrupt memory through.
@@ -162,6 +166,41 @@ class CpuKernels:
         if status:
             raise ValueError(f"packed_small_batch_linear_f32: {x.shape[0]} rows of {x.shape[1]} features do not fit "
                              f"a packed weight of {padded_in_features} input features")
+        return out
+
+    def quantized_linear(self, x: torch.Tensor, blocks: torch.Tensor, block_format: int, in_features: int,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+        """x [rows, in] @ W.T + bias with W [out, in] held as GGUF blocks: `blocks` is uint8
+        [out, in / 32 * block bytes] in `block_format` (a GGML type id: 2 Q4_0, 3 Q4_1, 8 Q8_0; see
+        kernels/cpu/quantized_linear.c). Checked here: the call reads raw pointers."""
+        _require_quantized(blocks, block_format, in_features)
+        _require_contiguous_cpu(("x", x, torch.float32))
+        if x.dim() != 2 or x.shape[1] != in_features:
+            raise ValueError(f"x must be [rows, {in_features}], got {tuple(x.shape)}")
+        out_features = blocks.shape[0]
+        if bias is not None:
+            _require_contiguous_cpu(("bias", bias, torch.float32))
+            if bias.shape != (out_features,):
+                raise ValueError(f"bias must be [{out_features}], got {tuple(bias.shape)}")
+        out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+        status = self._quantized_linear(x.data_ptr(), blocks.data_ptr(), block_format,
+                                        0 if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0],
+                                        out_features, in_features, torch.get_num_threads())
+        if status == 2:
+            raise MemoryError("quantized_linear_f32: out of memory for its weight tiles")
+        if status:
+            raise ValueError(f"quantized_linear_f32 refused {x.shape[0]} rows of {in_features} features")
+        return out
+
+    def quantized_rows(self, blocks: torch.Tensor, block_format: int, in_features: int,
+                       ids: torch.Tensor) -> torch.Tensor:
+        """The float32 rows `ids` (1-D int64) of a weight held as GGUF blocks (see quantized_linear)."""
+        _require_quantized(blocks, block_format, in_features)
+        _require_contiguous_cpu(("ids", ids, torch.int64))
+        out = torch.empty(ids.numel(), in_features, dtype=torch.float32)
+        if self._quantized_rows(blocks.data_ptr(), block_format, ids.data_ptr(), ids.numel(), blocks.shape[0],
+                                in_features, out.data_ptr(), torch.get_num_threads()):
+            raise ValueError(f"ids must lie in [0, {blocks.shape[0]})")
         return out
 
     @staticmethod
@@ -302,6 +341,22 @@ def _require_contiguous_cpu(*tensors: tuple[str, torch.Tensor, torch.dtype]) -> 
         if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor, got {t.dtype} "
                              f"(contiguous={t.is_contiguous()}, device={t.device})")
+
+
+# GGUF's quantized block formats quantized_linear.c reads, by GGML type id: bytes per 32 weights.
+QUANTIZED_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0
+QUANTIZED_BLOCK = 32
+
+
+def _require_quantized(blocks: torch.Tensor, block_format: int, in_features: int) -> None:
+    _require_contiguous_cpu(("blocks", blocks, torch.uint8))
+    if block_format not in QUANTIZED_BLOCK_BYTES:
+        raise ValueError(f"unsupported block format {block_format} (supported: {sorted(QUANTIZED_BLOCK_BYTES)})")
+    if in_features <= 0 or in_features % QUANTIZED_BLOCK:
+        raise ValueError(f"in_features must be a positive multiple of {QUANTIZED_BLOCK}, got {in_features}")
+    row_bytes = in_features // QUANTIZED_BLOCK * QUANTIZED_BLOCK_BYTES[block_format]
+    if blocks.dim() != 2 or blocks.shape[1] != row_bytes:
+        raise ValueError(f"blocks must be [out, {row_bytes}] for {in_features} features, got {tuple(blocks.shape)}")
 
 
 _loaded: dict[Path, CpuKernels] = {}

@@ -83,6 +83,15 @@ def resolve_model_dir(model: str | None = None, cache_dir: str | Path | None = N
     return path
 
 
+def gguf_model_file(model: str | None = None) -> Path | None:
+    """The GGUF file behind `model` (None: the embedded default), or None for a Hugging Face directory.
+    resolve_model_dir says what is wrong with a path that is neither."""
+    if not model or model == "default":
+        return embedded_model_file()
+    path = Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def convert_gguf(gguf_path: Path, cache_dir: Path, name: str | None = None) -> Path:
     target = cache_dir / f"{name or gguf_path.stem}-{_file_digest(gguf_path)}"
     if (target / _COMPLETE_MARKER).is_file():

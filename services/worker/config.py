@@ -38,6 +38,11 @@ class WorkerConfig:
 
     device: str = setting("auto", section="worker", help="cpu, cuda, cuda:N or auto")
     dtype: str = setting("float32", section="worker", choices=["float32", "float16", "bfloat16"])
+    # native: linears keep a GGUF file's Q4_0/Q4_1/Q8_0 blocks (services/worker/quantized_linear.py).
+    weights: str = setting(
+        "dequantized", section="worker", choices=["dequantized", "native"],
+        help="GGUF models: dequantized (float32 weights) or native (CPU, float32 activations: linears "
+             "multiply the file's Q4_0/Q4_1/Q8_0 blocks directly; other formats are dequantized)")
     block_size: int = setting(16, section="worker")
     kv_cache_memory: int | None = setting(  # bytes; None: default budget for the device
         None, section="worker", parse_flag=str, to_field=_memory_size_or_none,

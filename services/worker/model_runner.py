@@ -24,6 +24,7 @@ from vmesh.services.worker.config import WorkerConfig
 from vmesh.services.worker.kv_cache import KVCache, kv_cache_budget
 from vmesh.services.worker.model import DecoderModel, MissingWeightError
 from vmesh.services.worker.persistent_batch import PersistentBatch, PlanError, StepInputs
+from vmesh.services.worker.quantized_linear import load_native_weights
 from vmesh.services.worker.sampler import Sampler, SamplerOutput, SamplingBatch
 
 logger = logging.getLogger(__name__)
@@ -77,10 +78,16 @@ class ModelRunner:
                 cpu_kernels = load_cpu_kernels(cache_dir_path(config.cache_dir))
             except CpuKernelBuildError as exc:
                 logger.warning("small-batch linear kernel unavailable (%s)", exc)
+        if config.weights == "native":
+            weights, quantized_kernels = load_native_weights(config.model, spec, device, dtype,
+                                                             cache_dir_path(config.cache_dir))
+        else:
+            weights, quantized_kernels = dict(load_state_dict(model_dir)), None
         try:
-            model = DecoderModel(spec, load_state_dict(model_dir), device, dtype, max_model_len, cpu_kernels)
+            model = DecoderModel(spec, weights, device, dtype, max_model_len, cpu_kernels, quantized_kernels)
         except MissingWeightError as exc:
             raise ModelLoadError(f"checkpoint in {model_dir} lacks tensor {exc.args[0]}") from exc
+        del weights  # the model holds its own copies: the checkpoint's go before the KV cache is allocated
         budget = kv_cache_budget(device, config.kv_cache_memory, config.kv_cache_memory_fraction)
         kv_cache = KVCache.from_budget(spec, budget, config.block_size, device, dtype)
         backend = make_attention_backend(config.attention_backend, device, cache_dir_path(config.cache_dir))

@@ -1,0 +1,308 @@
+/* y = x @ dequant(w)^T (+ bias) with w kept in a GGUF file's quantized blocks, on CPU.
+ *
+ * A GGUF weight [out, in] is stored row by row, each row in blocks of 32 consecutive input
+ * features; a block is a float16 scale d (and for Q4_1 a float16 offset m) followed by 32 codes:
+ *   Q4_0 (18 bytes): d, 16 bytes of nibbles;   value = (code - 8) * d
+ *   Q4_1 (20 bytes): d, m, 16 bytes of nibbles; value = code * d + m
+ *   Q8_0 (34 bytes): d, 32 signed bytes;        value = code * d
+ * For the nibble formats byte j holds feature j in its low nibble and feature j + 16 in its high
+ * one. Every product above is exact in float32 (at most 15 significant bits), so a dequantized
+ * value here equals the one a float32 conversion of the file holds, bit for bit.
+ *
+ * Formats are named by their GGML type ids (2, 3, 8), the ones GGUF files and the gguf package use.
+ * Activations, accumulation and output are float32. Built with -fopenmp (see paged_attention.c).
+ *
+ * Two paths:
+ * - up to SMALL_ROWS rows (single streams, small decode batches) the layer is one pass over its
+ *   quantized bytes: each thread takes a contiguous run of output features, expands each block
+ *   into two vectors of 16 floats in registers and multiplies it with every row of x at once.
+ *   Decoding is bound by the bytes of weight read, and this reads about a sixth of float32's.
+ * - with more rows, each thread expands a tile of TILE_OUT output features into a small float32
+ *   scratch (row-major, so the expansion is plain vector stores), then runs a register-blocked
+ *   product of 4 rows x 4 features over it: 16 accumulators, 8 loads per 16 FMAs. Rows go in
+ *   chunks that stay in L2 while every tile passes over them; a tile is expanded once per chunk.
+ * No float32 copy of a whole weight exists at any time.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+enum { FORMAT_Q4_0 = 2, FORMAT_Q4_1 = 3, FORMAT_Q8_0 = 8 };
+#define QBLOCK 32
+#define SMALL_ROWS 4
+#define TILE_OUT 16
+#define MICRO 4          /* rows and features of the register-blocked product */
+#define ROW_CHUNK 256    /* rows of x kept hot while every tile passes over them */
+
+static int block_bytes(int format) {
+    switch (format) {
+    case FORMAT_Q4_0: return 18;
+    case FORMAT_Q4_1: return 20;
+    case FORMAT_Q8_0: return 34;
+    default: return 0;
+    }
+}
+
+static inline float half_to_float(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    /* IEEE binary16 -> binary32, subnormals included (exact: every half is a float). */
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+    uint32_t bits;
+    if (exponent == 0x1fu) {
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    } else if (exponent) {
+        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    } else if (mantissa) {
+        int shift = 0;
+        uint32_t m = mantissa;
+        while (!(m & 0x400u)) { m <<= 1; ++shift; }
+        bits = sign | ((uint32_t)(113 - shift) << 23) | ((m & 0x3ffu) << 13);
+    } else {
+        bits = sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+/* One block's 32 values, portable; the vector paths below compute the same values. */
+static inline void dequantize_block(const uint8_t *block, const int format, float *out) {
+    const float d = half_to_float(block);
+    if (format == FORMAT_Q8_0) {
+        for (int j = 0; j < QBLOCK; ++j) out[j] = (float)(int8_t)block[2 + j] * d;
+        return;
+    }
+    const float m = format == FORMAT_Q4_1 ? half_to_float(block + 2) : -8.0f * d;
+    const uint8_t *codes = block + (format == FORMAT_Q4_1 ? 4 : 2);
+    for (int j = 0; j < QBLOCK / 2; ++j) {
+        out[j] = __builtin_fmaf((float)(codes[j] & 0x0f), d, m);
+        out[j + QBLOCK / 2] = __builtin_fmaf((float)(codes[j] >> 4), d, m);
+    }
+}
+
+#if defined(__AVX512F__)
+/* A block as two vectors: features 0-15 and 16-31. FORMAT is a constant at every call. */
+static inline __attribute__((always_inline)) void block_vectors(const uint8_t *block, const int format, __m512 *lo,
+                                                                __m512 *hi) {
+    const float d_scalar = half_to_float(block);
+    const __m512 d = _mm512_set1_ps(d_scalar);
+    if (format == FORMAT_Q8_0) {
+        const __m128i first = _mm_loadu_si128((const __m128i *)(block + 2));
+        const __m128i second = _mm_loadu_si128((const __m128i *)(block + 18));
+        *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(first)), d);
+        *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(second)), d);
+        return;
+    }
+    const __m512 m = _mm512_set1_ps(format == FORMAT_Q4_1 ? half_to_float(block + 2) : -8.0f * d_scalar);
+    const __m128i codes = _mm_loadu_si128((const __m128i *)(block + (format == FORMAT_Q4_1 ? 4 : 2)));
+    const __m128i nibble = _mm_set1_epi8(0x0f);
+    const __m128i low = _mm_and_si128(codes, nibble), high = _mm_and_si128(_mm_srli_epi16(codes, 4), nibble);
+    *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)), d, m);
+    *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high)), d, m);
+}
+#endif
+
+/* ---- 1 to SMALL_ROWS rows: one streaming pass over the quantized bytes ---- */
+
+static inline __attribute__((always_inline)) void stream_features(const float *x, const uint8_t *w, const float *bias,
+                                                                  float *y, int64_t first, int64_t last,
+                                                                  int64_t out_features, int64_t in_features,
+                                                                  const int format, const int ROWS) {
+    const int64_t blocks = in_features / QBLOCK, row_bytes = blocks * block_bytes(format);
+    const int bytes = block_bytes(format);
+    for (int64_t o = first; o < last; ++o) {
+        const uint8_t *row = w + o * row_bytes;
+        float sums[SMALL_ROWS];
+#if defined(__AVX512F__)
+        __m512 acc[SMALL_ROWS][2];
+        for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < blocks; ++b) {
+            __m512 lo, hi;
+            block_vectors(row + b * bytes, format, &lo, &hi);
+            for (int r = 0; r < ROWS; ++r) {
+                const float *xb = x + r * in_features + b * QBLOCK;
+                acc[r][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), acc[r][1]);
+            }
+        }
+        for (int r = 0; r < ROWS; ++r) sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+#else
+        for (int r = 0; r < ROWS; ++r) sums[r] = 0.0f;
+        for (int64_t b = 0; b < blocks; ++b) {
+            float values[QBLOCK];
+            dequantize_block(row + b * bytes, format, values);
+            for (int r = 0; r < ROWS; ++r) {
+                const float *xb = x + r * in_features + b * QBLOCK;
+                float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                for (int j = 0; j < QBLOCK; ++j) acc += values[j] * xb[j];
+                sums[r] += acc;
+            }
+        }
+#endif
+        for (int r = 0; r < ROWS; ++r) y[r * out_features + o] = sums[r] + (bias ? bias[o] : 0.0f);
+    }
+}
+
+#define STREAM_FORMAT(ROWS)                                                                                       \
+    switch (format) {                                                                                             \
+    case FORMAT_Q4_0: stream_features(x, w, bias, y, first, last, out_features, in_features, FORMAT_Q4_0, ROWS); break; \
+    case FORMAT_Q4_1: stream_features(x, w, bias, y, first, last, out_features, in_features, FORMAT_Q4_1, ROWS); break; \
+    default: stream_features(x, w, bias, y, first, last, out_features, in_features, FORMAT_Q8_0, ROWS); break;    \
+    }
+
+static void stream_range(const float *x, const uint8_t *w, const float *bias, float *y, int64_t rows, int64_t first,
+                         int64_t last, int64_t out_features, int64_t in_features, int format) {
+    switch (rows) {
+    case 1: STREAM_FORMAT(1) break;
+    case 2: STREAM_FORMAT(2) break;
+    case 3: STREAM_FORMAT(3) break;
+    default: STREAM_FORMAT(4) break;
+    }
+}
+
+/* ---- more rows: expand a tile of features, then a register-blocked product ---- */
+
+/* Features first .. first + count - 1 as float32 rows of in_features. */
+static void expand_rows(const uint8_t *w, int format, int64_t first, int64_t count, int64_t in_features,
+                        float *tile) {
+    const int bytes = block_bytes(format);
+    const int64_t blocks = in_features / QBLOCK, row_bytes = blocks * bytes;
+    for (int64_t j = 0; j < count; ++j) {
+        const uint8_t *row = w + (first + j) * row_bytes;
+        float *out = tile + j * in_features;
+        for (int64_t b = 0; b < blocks; ++b) {
+#if defined(__AVX512F__)
+            __m512 lo, hi;
+            switch (format) {
+            case FORMAT_Q4_0: block_vectors(row + b * bytes, FORMAT_Q4_0, &lo, &hi); break;
+            case FORMAT_Q4_1: block_vectors(row + b * bytes, FORMAT_Q4_1, &lo, &hi); break;
+            default: block_vectors(row + b * bytes, FORMAT_Q8_0, &lo, &hi); break;
+            }
+            _mm512_storeu_ps(out + b * QBLOCK, lo);
+            _mm512_storeu_ps(out + b * QBLOCK + 16, hi);
+#else
+            dequantize_block(row + b * bytes, format, out + b * QBLOCK);
+#endif
+        }
+    }
+}
+
+static void expand_tile(const uint8_t *w, int format, int64_t first, int64_t count, int64_t in_features,
+                        float *tile) {
+    expand_rows(w, format, first, count, in_features, tile);
+    /* The last tile of a layer may be partial: zero features keep the product's shape fixed. */
+    memset(tile + count * in_features, 0, (size_t)(TILE_OUT - count) * in_features * sizeof(float));
+}
+
+/* dots[r][f] = x row r . tile feature f, for ROWS rows and MICRO features (in_features % 32 == 0). */
+static inline __attribute__((always_inline)) void micro_product(const float *x, const float *tile,
+                                                                int64_t in_features, float dots[MICRO][MICRO],
+                                                                const int ROWS) {
+#if defined(__AVX512F__)
+    __m512 acc[MICRO][MICRO];
+    for (int r = 0; r < ROWS; ++r)
+        for (int f = 0; f < MICRO; ++f) acc[r][f] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < in_features; k += 16) {
+        __m512 wv[MICRO];
+        for (int f = 0; f < MICRO; ++f) wv[f] = _mm512_loadu_ps(tile + f * in_features + k);
+        for (int r = 0; r < ROWS; ++r) {
+            const __m512 xv = _mm512_loadu_ps(x + r * in_features + k);
+            for (int f = 0; f < MICRO; ++f) acc[r][f] = _mm512_fmadd_ps(xv, wv[f], acc[r][f]);
+        }
+    }
+    for (int r = 0; r < ROWS; ++r)
+        for (int f = 0; f < MICRO; ++f) dots[r][f] = _mm512_reduce_add_ps(acc[r][f]);
+#else
+    for (int r = 0; r < ROWS; ++r)
+        for (int f = 0; f < MICRO; ++f) {
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t k = 0; k < in_features; ++k) acc += x[r * in_features + k] * tile[f * in_features + k];
+            dots[r][f] = acc;
+        }
+#endif
+}
+
+static void tile_product(const float *x, int64_t rows, const float *tile, int64_t first, int64_t count,
+                         const float *bias, float *y, int64_t out_features, int64_t in_features) {
+    for (int64_t r0 = 0; r0 < rows; r0 += MICRO) {
+        const int64_t row_count = rows - r0 < MICRO ? rows - r0 : MICRO;
+        const float *xr = x + r0 * in_features;
+        for (int64_t f0 = 0; f0 < count; f0 += MICRO) {
+            float dots[MICRO][MICRO];
+            const float *tf = tile + f0 * in_features;
+            switch (row_count) {
+            case 1: micro_product(xr, tf, in_features, dots, 1); break;
+            case 2: micro_product(xr, tf, in_features, dots, 2); break;
+            case 3: micro_product(xr, tf, in_features, dots, 3); break;
+            default: micro_product(xr, tf, in_features, dots, 4); break;
+            }
+            const int64_t features = count - f0 < MICRO ? count - f0 : MICRO;
+            for (int64_t r = 0; r < row_count; ++r)
+                for (int64_t f = 0; f < features; ++f) {
+                    const int64_t o = first + f0 + f;
+                    y[(r0 + r) * out_features + o] = dots[r][f] + (bias ? bias[o] : 0.0f);
+                }
+        }
+    }
+}
+
+/* x [rows, in] float32, w [out, in / 32 blocks] in `format`, bias [out] or NULL, y [rows, out].
+ * Returns 0, 1 for a shape or format it cannot take, 2 when its scratch cannot be allocated. */
+int quantized_linear_f32(const float *x, const uint8_t *w, int format, const float *bias, float *y, int64_t rows,
+                         int64_t out_features, int64_t in_features, int num_threads) {
+    if (!block_bytes(format) || rows < 0 || out_features < 0 || in_features <= 0 || in_features % QBLOCK) return 1;
+    if (rows == 0 || out_features == 0) return 0;
+    if (rows <= SMALL_ROWS) {
+#pragma omp parallel num_threads(num_threads)
+        {
+            const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+            stream_range(x, w, bias, y, rows, out_features * t / threads, out_features * (t + 1) / threads,
+                         out_features, in_features, format);
+        }
+        return 0;
+    }
+    const int64_t tiles = (out_features + TILE_OUT - 1) / TILE_OUT;
+    const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+    float *scratch = aligned_alloc(64, (size_t)threads * TILE_OUT * in_features * sizeof(float));
+    if (!scratch) return 2;
+#pragma omp parallel num_threads(threads)
+    {
+        float *tile = scratch + (size_t)omp_get_thread_num() * TILE_OUT * in_features;
+        for (int64_t r0 = 0; r0 < rows; r0 += ROW_CHUNK) {
+            const int64_t chunk = rows - r0 < ROW_CHUNK ? rows - r0 : ROW_CHUNK;
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < tiles; ++t) {
+                const int64_t first = t * TILE_OUT;
+                const int64_t count = out_features - first < TILE_OUT ? out_features - first : TILE_OUT;
+                expand_tile(w, format, first, count, in_features, tile);
+                tile_product(x + r0 * in_features, chunk, tile, first, count, bias, y + r0 * out_features,
+                             out_features, in_features);
+            }
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
+/* out[i] = dequant(w)[ids[i]]: the rows an embedding lookup needs, from a table held quantized.
+ * Returns 1 for a bad format or shape, or an id outside [0, out_features). */
+int quantized_rows_f32(const uint8_t *w, int format, const int64_t *ids, int64_t count, int64_t out_features,
+                       int64_t in_features, float *out, int num_threads) {
+    if (!block_bytes(format) || in_features <= 0 || in_features % QBLOCK || count < 0) return 1;
+    for (int64_t i = 0; i < count; ++i)
+        if (ids[i] < 0 || ids[i] >= out_features) return 1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (count > 16)
+    for (int64_t i = 0; i < count; ++i) expand_rows(w, format, ids[i], 1, in_features, out + i * in_features);
+    return 0;
+}

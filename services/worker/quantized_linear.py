@@ -1,0 +1,259 @@
+"""Linear layers over a GGUF file's quantized blocks (`--weights native`).
+
+A Q4_1 weight is 20 bytes per 32 values where float32 takes 128, and a single stream's decode
+step is a pass over every weight: keeping the file's blocks and multiplying them directly
+(`kernels/cpu/quantized_linear.c`) reads about a sixth of the bytes, and the worker holds a
+sixth of the memory. No float32 copy of a whole weight is made at any point.
+
+The file's tensors are read with the gguf package's GGUFReader and renamed to the Hugging Face
+names the model expects. Linears whose blocks the kernel reads (Q4_0, Q4_1, Q8_0) stay
+quantized; every other tensor (float norms, other block formats) is dequantized as in
+`--weights dequantized`. For the Llama architecture GGUF stores q_proj/k_proj rows permuted
+(llama.cpp's converter interleaves each head's rotary halves); transformers undoes that on load,
+and so does this reader, on whole rows of blocks: blocks run along the input dimension, so a
+row permutation of the quantized bytes is exact.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from vmesh.kernels.cpu_native import QUANTIZED_BLOCK_BYTES, CpuKernelBuildError, load_cpu_kernels
+from vmesh.services.common.model_loading import ModelLoadError, gguf_model_file
+from vmesh.services.common.model_spec import ModelSpec
+
+if TYPE_CHECKING:
+    from vmesh.kernels.cpu_native import CpuKernels
+    from vmesh.services.worker.linear import Linear
+
+logger = logging.getLogger(__name__)
+
+# GGML type id -> name, for the formats the kernel reads (others are named by the gguf package).
+KERNEL_FORMATS = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+assert set(KERNEL_FORMATS) == set(QUANTIZED_BLOCK_BYTES), "kernels/cpu_native.py lists the same formats"
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_MODEL_NAMES = {"token_embd": "model.embed_tokens", "output": "lm_head", "output_norm": "model.norm"}
+
+
+def format_name(block_format: int) -> str:
+    if block_format in KERNEL_FORMATS:
+        return KERNEL_FORMATS[block_format]
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType(block_format).name
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A weight [out, in] as a GGUF file stores it: uint8 [out, bytes per row], each row its
+    input features in blocks of `block_format` (a GGML type id)."""
+
+    blocks: torch.Tensor
+    block_format: int
+    in_features: int
+
+    def __post_init__(self) -> None:
+        block_size, block_bytes = _block_geometry(self.block_format)
+        if self.in_features <= 0 or self.in_features % block_size:
+            raise ValueError(f"{format_name(self.block_format)} needs in_features a multiple of {block_size}, "
+                             f"got {self.in_features}")
+        row_bytes = self.in_features // block_size * block_bytes
+        if self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2 or self.blocks.shape[1] != row_bytes:
+            raise ValueError(f"blocks must be uint8 [out, {row_bytes}], got {self.blocks.dtype} "
+                             f"{tuple(self.blocks.shape)}")
+
+    @property
+    def out_features(self) -> int:
+        return self.blocks.shape[0]
+
+    @property
+    def kernel_readable(self) -> bool:
+        return self.block_format in KERNEL_FORMATS
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out, in], through the gguf package: the load-time fallback for a weight that
+        does not stay quantized (no kernel for its format, or a float consumer)."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        values = dequantize(self.blocks.numpy(), GGMLQuantizationType(self.block_format))
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+    def permute_rows(self, order: torch.Tensor) -> QuantizedWeight:
+        return QuantizedWeight(self.blocks[order].contiguous(), self.block_format, self.in_features)
+
+    @staticmethod
+    def join(parts: Sequence[torch.Tensor | QuantizedWeight]) -> QuantizedWeight | str:
+        """The parts stacked by rows (q, k and v; gate and up) as one weight for the kernel, or why not."""
+        formats = sorted({format_name(p.block_format) if isinstance(p, QuantizedWeight) else str(p.dtype)
+                          for p in parts})
+        quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
+        if len(quantized) < len(parts) or len(formats) > 1:
+            return f"stored as {' + '.join(formats)}"
+        if not quantized[0].kernel_readable:
+            return f"stored as {formats[0]} (no kernel for it)"
+        if len({p.in_features for p in quantized}) > 1:
+            return "input widths differ"
+        if len(quantized) == 1:
+            return quantized[0]
+        return QuantizedWeight(torch.cat([p.blocks for p in quantized]), quantized[0].block_format,
+                               quantized[0].in_features)
+
+
+def _block_geometry(block_format: int) -> tuple[int, int]:
+    """(weights per block, bytes per block)."""
+    if block_format in QUANTIZED_BLOCK_BYTES:
+        return 32, QUANTIZED_BLOCK_BYTES[block_format]
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType(block_format)]
+
+
+class QuantizedLinear:
+    """y = x @ dequant(weight).T + bias, for x of any leading shape: Linear's interface over a
+    QuantizedWeight in a format the C kernel reads. Float32 activations on the CPU."""
+
+    packed = False  # as Linear's: no oneDNN copy
+    weight = None  # no float weight is held; weight_rows reads the blocks
+    rows_readable = True
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, kernels: CpuKernels):
+        if not weight.kernel_readable:
+            raise ValueError(f"no kernel reads {format_name(weight.block_format)} blocks")
+        self.quantized = QuantizedWeight(weight.blocks.contiguous(), weight.block_format, weight.in_features)
+        self.out_features, self.in_features = weight.out_features, weight.in_features
+        self.bias = bias.to(torch.float32).contiguous() if bias is not None else None
+        self.kernels = kernels
+
+    @property
+    def format(self) -> str:
+        return KERNEL_FORMATS[self.quantized.block_format]
+
+    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """dequant(weight)[ids] for 1-D ids: the lookup of an embedding table tied to this layer,
+        which expands only the rows looked up."""
+        q = self.quantized
+        return self.kernels.quantized_rows(q.blocks, q.block_format, q.in_features, ids.to(torch.int64).contiguous())
+
+    def dequantized(self) -> torch.Tensor:
+        """The whole weight in float32 (tests and checks only; the layer never holds it)."""
+        return self.weight_rows(torch.arange(self.out_features))
+
+    def held_bytes(self) -> dict[str, int]:
+        return {"quantized": self.quantized.blocks.nbytes}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        q = self.quantized
+        out = self.kernels.quantized_linear(x.reshape(-1, self.in_features).contiguous(), q.blocks, q.block_format,
+                                            q.in_features, self.bias)
+        return out.view(*lead, self.out_features)
+
+
+def read_gguf_weights(path: Path, spec: ModelSpec) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """The file's tensors under Hugging Face names, owned (copied out of the file's mapping):
+    float tensors as float tensors, quantized ones as QuantizedWeight, whatever their format
+    (the model decides which stay quantized). Llama's q/k rows are un-permuted as transformers does."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
+    field = reader.fields.get("general.architecture")
+    architecture = str(field.contents()) if field is not None else ""
+    tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
+    skipped = []
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            skipped.append(tensor.name)
+            continue
+        kind = GGMLQuantizationType(tensor.tensor_type)
+        if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+            if kind == GGMLQuantizationType.BF16:  # numpy has no bfloat16: the gguf package widens it
+                from gguf.quants import dequantize
+
+                value: torch.Tensor | QuantizedWeight = torch.from_numpy(dequantize(tensor.data, kind).copy())
+            else:
+                value = torch.from_numpy(np.array(tensor.data))
+        else:
+            # GGUF lists dimensions innermost first: shape[0] is the input width.
+            value = QuantizedWeight(torch.from_numpy(np.array(tensor.data)), int(kind), int(tensor.shape[0]))
+        if architecture == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+            heads = spec.num_heads if ".q_proj." in name else spec.num_kv_heads
+            order = gguf_rows_in_hf_order(_rows(value), heads)
+            value = value.permute_rows(order) if isinstance(value, QuantizedWeight) else value[order].contiguous()
+        tensors[name] = value
+    if skipped:
+        logger.info("GGUF tensors not used by the model: %s", ", ".join(skipped))
+    return tensors
+
+
+def _rows(value: torch.Tensor | QuantizedWeight) -> int:
+    return value.out_features if isinstance(value, QuantizedWeight) else value.shape[0]
+
+
+def gguf_rows_in_hf_order(rows: int, heads: int) -> torch.Tensor:
+    """Indices into a GGUF q/k weight's rows giving the Hugging Face order. llama.cpp's converter
+    stores each head's rows [first half | second half] interleaved (row 2i from the first half,
+    2i + 1 from the second); transformers' LlamaTensorProcessor reshapes [heads, dim/2, 2] and
+    swaps the last two axes back, which is this gather."""
+    half = rows // heads // 2
+    return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(rows)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; None for a tensor the model
+    does not take (e.g. rope_freqs: the spec's rope settings come from the config)."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        return None
+    if base in _MODEL_NAMES:
+        return f"{_MODEL_NAMES[base]}.{suffix}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    return None
+
+
+def load_native_weights(model: str | None, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
+                        cache_dir: Path) -> tuple[dict[str, torch.Tensor | QuantizedWeight], CpuKernels]:
+    """`--weights native`: the GGUF file's tensors and the kernels that read them, or a
+    ModelLoadError that says why this model or device cannot."""
+    path = gguf_model_file(model)
+    if path is None:
+        raise ModelLoadError(f"--weights native reads a GGUF file's quantized blocks, and {model} is a Hugging Face "
+                             "directory; use --weights dequantized (the default) for it")
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ModelLoadError(f"--weights native runs on the CPU in float32 (got {device.type}, {dtype}); "
+                             "use --weights dequantized")
+    try:
+        kernels = load_cpu_kernels(cache_dir)
+    except CpuKernelBuildError as exc:
+        raise ModelLoadError(f"--weights native needs the C kernels of kernels/cpu: {exc}") from exc
+    return read_gguf_weights(path, spec), kernels
+
+
+def log_placement(linears: Sequence[Linear | QuantizedLinear], dequantized: dict[str, str]) -> None:
+    """Once per load: how many linears read quantized blocks (and in which formats), and which
+    were dequantized and why."""
+    formats = Counter(layer.format for layer in linears if isinstance(layer, QuantizedLinear))
+    native = sum(formats.values())
+    logger.info("native GGUF weights: %d of %d linears read quantized blocks (%s)%s", native, len(linears),
+                ", ".join(f"{name} x{count}" for name, count in sorted(formats.items())) or "none",
+                "" if not dequantized else "; dequantized to float32: " + "; ".join(
+                    f"{names} ({why})" for names, why in dequantized.items()))

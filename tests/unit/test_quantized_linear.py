@@ -1,0 +1,125 @@
+"""kernels/cpu/quantized_linear.c against a float32 reference written here from GGUF's block
+definitions (independently of the kernel and of the gguf package, which is only a cross-check)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vmesh.kernels.cpu_native import QUANTIZED_BLOCK_BYTES
+from vmesh.services.worker.quantized_linear import QuantizedLinear, QuantizedWeight
+
+Q4_0, Q4_1, Q8_0 = 2, 3, 8
+FORMATS = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
+
+
+def random_blocks(block_format: int, out_features: int, in_features: int, seed: int = 0) -> np.ndarray:
+    """uint8 [out, in / 32 * block bytes]: random codes with scales (and offsets) of a real model's size."""
+    rng = np.random.default_rng(seed)
+    blocks = out_features * in_features // 32
+    raw = rng.integers(0, 256, size=(blocks, QUANTIZED_BLOCK_BYTES[block_format]), dtype=np.uint8)
+    raw[:, 0:2] = rng.uniform(0.001, 0.05, blocks).astype(np.float16)[:, None].view(np.uint8)
+    if block_format == Q4_1:
+        raw[:, 2:4] = rng.uniform(-0.2, 0.2, blocks).astype(np.float16)[:, None].view(np.uint8)
+    return raw.reshape(out_features, -1)
+
+
+def dequantize_reference(raw: np.ndarray, block_format: int, in_features: int) -> np.ndarray:
+    """From the format definitions: a float16 scale d (Q4_1: then a float16 offset m), then 32 codes;
+    nibble formats hold feature j in byte j's low nibble and feature j + 16 in its high nibble."""
+    blocks = raw.reshape(-1, QUANTIZED_BLOCK_BYTES[block_format])
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    if block_format == Q8_0:
+        values = blocks[:, 2:].view(np.int8).astype(np.float32) * d
+    else:
+        codes = blocks[:, 4:] if block_format == Q4_1 else blocks[:, 2:]
+        nibbles = np.concatenate([codes & 0x0F, codes >> 4], axis=1).astype(np.float32)
+        if block_format == Q4_1:
+            values = nibbles * d + blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        else:
+            values = (nibbles - 8) * d
+    return values.reshape(raw.shape[0], in_features)
+
+
+def layer(block_format: int, out_features: int, in_features: int, kernels, bias: bool, seed: int = 0):
+    raw = random_blocks(block_format, out_features, in_features, seed)
+    weight = QuantizedWeight(torch.from_numpy(raw), block_format, in_features)
+    b = torch.randn(out_features) if bias else None
+    reference = torch.from_numpy(dequantize_reference(raw, block_format, in_features))
+    return QuantizedLinear(weight, b, kernels), reference, b
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_reference_agrees_with_the_gguf_package(name):
+    gguf_quants = pytest.importorskip("gguf.quants")
+    from gguf import GGMLQuantizationType
+
+    raw = random_blocks(FORMATS[name], 7, 96)
+    theirs = gguf_quants.dequantize(raw, GGMLQuantizationType(FORMATS[name]))
+    np.testing.assert_array_equal(dequantize_reference(raw, FORMATS[name], 96), theirs)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize(("out_features", "in_features"), [(1, 32), (37, 96), (203, 576), (70, 1536)])
+def test_rows_are_the_reference_exactly(kernels, name, out_features, in_features):
+    """Every dequantized value is exact in float32, so the embedding lookup path must be too."""
+    linear, weight, _ = layer(FORMATS[name], out_features, in_features, kernels, bias=False)
+    ids = torch.tensor([out_features - 1, 0, out_features // 2, 0], dtype=torch.int64)
+    assert torch.equal(linear.weight_rows(ids), weight[ids])
+    assert torch.equal(linear.dequantized(), weight)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 64, 130])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_float32_reference(kernels, name, rows, bias):
+    # out features off every multiple of 4, 16 and 64; in features a multiple of 32 only.
+    out_features, in_features = 203, 608
+    linear, weight, b = layer(FORMATS[name], out_features, in_features, kernels, bias, seed=rows)
+    x = torch.randn(rows, in_features)
+    expected = x.double() @ weight.double().T + (b.double() if b is not None else 0)
+    got = linear(x)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    # float32 accumulation over 608 terms in another order than float64's.
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4 * float(expected.abs().max()))
+
+
+def test_leading_dimensions_and_threads(kernels):
+    linear, weight, b = layer(Q4_1, 65, 64, kernels, bias=True)
+    x = torch.randn(2, 3, 64)
+    expected = (x.reshape(-1, 64).double() @ weight.double().T + b.double()).reshape(2, 3, 65)
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            torch.testing.assert_close(linear(x).double(), expected, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_refuses_bad_shapes(kernels):
+    raw = torch.from_numpy(random_blocks(Q4_1, 8, 64))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        QuantizedWeight(raw, Q4_1, 48)
+    with pytest.raises(ValueError, match="blocks must be"):
+        kernels.quantized_linear(torch.randn(2, 64), raw[:, :-1].contiguous(), Q4_1, 64, None)
+    with pytest.raises(ValueError, match="unsupported block format"):
+        kernels.quantized_linear(torch.randn(2, 64), raw, 12, 64, None)
+    with pytest.raises(ValueError, match="in_features must be"):
+        kernels.quantized_linear(torch.randn(2, 48), raw, Q4_1, 48, None)
+    linear = QuantizedLinear(QuantizedWeight(raw, Q4_1, 64), None, kernels)
+    with pytest.raises(ValueError, match=r"\[rows, 64\]"):
+        kernels.quantized_linear(torch.randn(2, 32), raw, Q4_1, 64, None)
+    with pytest.raises(ValueError, match="bias must be"):
+        kernels.quantized_linear(torch.randn(2, 64), raw, Q4_1, 64, torch.zeros(7))
+    with pytest.raises(ValueError, match="ids must lie"):
+        linear.weight_rows(torch.tensor([8]))
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.quantized_linear(torch.randn(64, 2).T, raw, Q4_1, 64, None)
+
+
+def test_holds_only_the_quantized_bytes(kernels):
+    linear, _, _ = layer(Q4_1, 64, 576, kernels, bias=False)
+    assert linear.held_bytes() == {"quantized": 64 * 576 // 32 * 20}
+    assert linear.weight is None and linear.rows_readable
