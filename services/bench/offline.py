@@ -103,6 +103,10 @@ async def mesh_latency(mesh: RunningMesh, prompt: list[int], max_tokens: int,
             "mean_itl_ms": statistics.fmean(first["itl"]) * 1e3 if first["itl"] else 0.0}
 
 
+# The mesh in its precision modes: `mesh` (float32) always runs; the others on request.
+MESH_VARIANTS = {"mesh": (), "mesh-native": ("--weights", "native"), "mesh-bf16": ("--dtype", "bfloat16")}
+
+
 def offline(args: argparse.Namespace) -> dict[str, Any]:
     """Each baseline loads once; then `--repeats` rounds run transformers, engine and mesh in
     turn, so that the machine's drift (runs here vary by ~10 %) reaches all three alike. The
@@ -110,10 +114,10 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
     work = load_workload(args.workload, args.requests, args.max_tokens)
     model_dir = resolve_model_dir(args.model)
     baselines = set(args.baselines.split(","))
-    unknown = baselines - {"transformers", "engine", "mesh"} - set(PEER_BASELINES)
+    unknown = baselines - {"transformers", "engine"} - set(MESH_VARIANTS) - set(PEER_BASELINES)
     if unknown:
-        raise SystemExit(f"unknown baselines {sorted(unknown)}: choose from transformers, engine, mesh, "
-                         f"{', '.join(PEER_BASELINES)}")
+        raise SystemExit(f"unknown baselines {sorted(unknown)}: choose from transformers, engine, "
+                         f"{', '.join(MESH_VARIANTS)}, {', '.join(PEER_BASELINES)}")
     prompt_tokens = sum(len(p) for p in work["prompts"])
     result: dict[str, Any] = {"mode": "offline", "workload": work["name"], "requests": len(work["prompts"]),
                               "prompt_tokens": prompt_tokens, "max_tokens": work["max_tokens"],
@@ -128,18 +132,31 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
         peers = {name: stack.enter_context(contextlib.closing(start_peer(name, args, work, model_dir)))
                  for name in PEER_BASELINES if name in baselines}
         runs.update({name: peer.run for name, peer in peers.items()})
-        mesh = start_mesh("--model", str(model_dir), "--kv-cache-memory", args.kv_cache_memory)
-        stack.callback(mesh.stop)
-        mesh_runs: list[dict[str, float]] = []
+        meshes: dict[str, RunningMesh] = {}
+        mesh_runs: dict[str, list[dict[str, float]]] = {}
+        for variant, flags in MESH_VARIANTS.items():
+            if variant != "mesh" and variant not in baselines:
+                continue
+            model = str(model_dir)
+            if variant == "mesh-native":  # the GGUF file itself: its blocks are what this mode reads
+                if args.model is not None and not str(args.model).endswith(".gguf"):
+                    raise SystemExit("the mesh-native baseline needs a GGUF model (--model FILE.gguf, or the "
+                                     "embedded one)")
+                model = str(args.model or embedded_model_file())
+            mesh = meshes[variant] = start_mesh("--model", model, "--kv-cache-memory", args.kv_cache_memory, *flags)
+            stack.callback(mesh.stop)
+            mesh_runs[variant] = []
 
-        def run_mesh() -> float:
-            mesh_runs.append(asyncio.run(mesh_generate(mesh, work["prompts"], work["max_tokens"])))
-            return mesh_runs[-1]["tokens_per_s"]
+            def run_mesh(mesh: RunningMesh = mesh, variant: str = variant) -> float:
+                mesh_runs[variant].append(asyncio.run(mesh_generate(mesh, work["prompts"], work["max_tokens"])))
+                return mesh_runs[variant][-1]["tokens_per_s"]
 
-        runs["mesh"] = run_mesh
+            runs[variant] = run_mesh
         for name in runs:
             result["runs_tokens_per_s"][name] = []
-        watched = {name: pid for name, (_address, pid) in mesh.services.items()}
+        # Services by "<service>" for the float32 mesh, "<variant>/<service>" for the others.
+        watched = {(service if variant == "mesh" else f"{variant}/{service}"): pid
+                   for variant, mesh in meshes.items() for service, (_address, pid) in mesh.services.items()}
         with PeakPss(watched | {name: peer.pid for name, peer in peers.items()}) as peaks:
             for _ in range(args.repeats):
                 for name, run in runs.items():
@@ -147,9 +164,11 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
         result["mesh_peak_pss_mib"] = {name: mib for name, mib in peaks.mib.items() if name in watched}
         result["peer_peak_pss_mib"] = {name: mib for name, mib in peaks.mib.items() if name in peers}
         result["peer_latency"] = {name: peer.latency() for name, peer in peers.items()}
-        result["mesh_duty_cycle"] = statistics.median(r["duty_cycle"] for r in mesh_runs)
-        result["latency"] = asyncio.run(mesh_latency(mesh, work["latency_prompt"], work["max_tokens"],
-                                                     work["prompts"][0]))
+        result["mesh_duty_cycle"] = statistics.median(r["duty_cycle"] for r in mesh_runs["mesh"])
+        latencies = {variant: asyncio.run(mesh_latency(mesh, work["latency_prompt"], work["max_tokens"],
+                                                       work["prompts"][0])) for variant, mesh in meshes.items()}
+        result["latency"] = latencies.pop("mesh")
+        result["variant_latency"] = latencies
     result["tokens_per_s"] = {name: statistics.median(v) for name, v in result["runs_tokens_per_s"].items()}
     # Every run computes the same prompts and outputs, so its prompt rate follows from its output rate.
     per_output_token = prompt_tokens / (len(work["prompts"]) * work["max_tokens"])
@@ -166,12 +185,18 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
     lat = result["latency"]
     print(f"single request through the mesh: TTFT {lat['ttft_ms']:.0f} ms (its prompt not cached; "
           f"{lat['cached_ttft_ms']:.0f} ms repeated, from the prefix cache), mean ITL {lat['mean_itl_ms']:.1f} ms")
+    for name, lat in result["variant_latency"].items():
+        print(f"single request through {name}: TTFT {lat['ttft_ms']:.0f} ms ({lat['cached_ttft_ms']:.0f} ms "
+              f"repeated), mean ITL {lat['mean_itl_ms']:.1f} ms")
     for name, lat in result["peer_latency"].items():
         print(f"single request, {name}: TTFT {lat['ttft_ms']:.0f} ms ({lat['cached_ttft_ms']:.0f} ms repeated), "
               f"mean ITL {lat['mean_itl_ms']:.1f} ms (one-token and full-length calls, no streaming)")
-    memory = result["mesh_peak_pss_mib"]
-    print("mesh peak PSS: " + ", ".join(f"{name} {mib:.0f} MiB" for name, mib in memory.items())
-          + f"; all {sum(memory.values()):.0f} MiB")
+    for variant in ("mesh", *result["variant_latency"]):
+        prefix = "" if variant == "mesh" else f"{variant}/"
+        memory = {name.removeprefix(prefix): mib for name, mib in result["mesh_peak_pss_mib"].items()
+                  if (name.startswith(prefix) if prefix else "/" not in name)}
+        print(f"{variant} peak PSS: " + ", ".join(f"{name} {mib:.0f} MiB" for name, mib in memory.items())
+              + f"; all {sum(memory.values()):.0f} MiB")
     for name, mib in result["peer_peak_pss_mib"].items():
         print(f"{name} peak PSS (its processes together): {mib:.0f} MiB")
     return result

@@ -50,13 +50,16 @@ def test_offline(tmp_path, tiny_model):
 
 
 def test_offline_long_workload_reports_prompt_rate_and_uncached_ttft(tmp_path):
-    """Two of the long workload's 2,000-token prompts through the mesh, on the embedded model
-    whose tokenizer made them."""
+    """Two of the long workload's 2,000-token prompts through the mesh, float32 and with the GGUF's
+    own blocks, on the embedded model whose tokenizer made them."""
     r = bench(tmp_path, "offline", "--workload", "long", "--requests", "2", "--max-tokens", "3",
-              "--baselines", "mesh", "--kv-cache-memory", "256MiB")
+              "--baselines", "mesh,mesh-native", "--kv-cache-memory", "256MiB")
     assert r["workload"] == "long" and r["requests"] == 2 and r["prompt_tokens"] == 4000
     assert r["prompt_tokens_per_s"]["mesh"] == pytest.approx(r["tokens_per_s"]["mesh"] * 4000 / 6)
     assert positive(r["latency"]["ttft_ms"]) and positive(r["latency"]["cached_ttft_ms"])
+    assert set(r["tokens_per_s"]) == {"mesh", "mesh-native"} and positive(r["tokens_per_s"]["mesh-native"])
+    assert positive(r["variant_latency"]["mesh-native"]["mean_itl_ms"])
+    assert r["mesh_peak_pss_mib"]["mesh-native/worker"] < r["mesh_peak_pss_mib"]["worker"]
 
 
 def test_unknown_workload_is_refused_by_name(tmp_path):
