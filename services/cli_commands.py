@@ -99,7 +99,8 @@ def cmd_frontend(args: argparse.Namespace) -> int:
                       _address_specs(args.detokenizer_addresses), args.host, args.port, args.ready_file,
                       args.metrics_port, args.replica_refresh_interval, http_port=settings.http_api_port,
                       api_key=settings.api_key or None, max_prompt_bytes=settings.max_prompt_bytes,
-                      model_name=_model_name(args), failover_timeout_s=settings.failover_timeout_s))
+                      model_name=_model_name(args), failover_timeout_s=settings.failover_timeout_s,
+                      routing=settings.routing))
     return 0
 
 

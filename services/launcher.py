@@ -43,22 +43,28 @@ class Child:
     address: str = ""
     metrics_address: str = ""
     http_address: str = ""  # the frontend's OpenAI-compatible API, when on
+    health_address: str = ""  # its plaintext health-only port, when it has one (the frontend)
     restarts: int = 0
-    quick_deaths: int = 0  # deaths in a row, each soon after its start: the backoff's exponent
-    started_at: float = 0.0  # monotonic
+    quick_deaths: int = 0  # deaths in a row, each soon after it served: the backoff's exponent
+    serving_since: float | None = None  # monotonic; None until it serves
     restarting: bool = False  # a restart task owns it
 
-    def restart_argv(self) -> list[str]:
-        """Its flags again, with the ports it was given at first (0: any) replaced by those it
-        bound: its peers know it by its address."""
-        argv = list(self.argv)
-        if self.http_address and "--http-port" in argv:
-            argv[argv.index("--http-port") + 1] = self.http_address.rpartition(":")[2]
-        return argv
+    def restart_delay(self) -> float:
+        """It died: the wait before starting it again, which doubles while it keeps dying before
+        it has served STABLE_AFTER_S (model loading does not count)."""
+        lived = 0.0 if self.serving_since is None else time.monotonic() - self.serving_since
+        self.quick_deaths = 0 if lived > STABLE_AFTER_S else self.quick_deaths + 1
+        return min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** max(0, self.quick_deaths - 1))
 
-    @property
-    def port(self) -> int:
-        return int(self.address.rpartition(":")[2]) if self.address else 0
+    def restart_argv(self) -> list[str]:
+        """Its flags again, with every port it was given at first (0: any) replaced by the one it
+        bound: peers, probes and scrapers know it by them."""
+        argv = list(self.argv)
+        for flag, address in (("--port", self.address), ("--http-port", self.http_address),
+                              ("--metrics-port", self.metrics_address), ("--health-port", self.health_address)):
+            if address and flag in argv:
+                argv[argv.index(flag) + 1] = address.rpartition(":")[2]
+        return argv
 
 
 def _flags(args: argparse.Namespace, group: str) -> list[str]:
@@ -109,23 +115,22 @@ class Mesh:
         inherited = {k: v for k, v in os.environ.items() if not k.startswith("VMESH_")}
         env = {**inherited, **(env or {}), PARENT_PID_ENV: str(os.getpid())}
         ready = self.workdir / f"{name}.addr"
-        child = Child(name, service, self._spawn(service, argv, host, port, ready, env), ready, argv, host, env,
-                      started_at=time.monotonic())
+        argv = ["--host", host, "--port", str(port), *argv]
+        if self.args.metrics:
+            argv += ["--metrics-port", "0"]
+        if service == "frontend":  # its port is the public one: probed on a plaintext health port
+            argv += ["--health-port", "0"]
+        if self.certificates is not None:
+            argv += ["--tls-cert", str(self.certificates / f"{service}.crt"),
+                     "--tls-key", str(self.certificates / f"{service}.key"),
+                     "--tls-ca", str(self.certificates / "ca.crt")]
+        child = Child(name, service, self._spawn(service, argv, ready, env), ready, argv, host, env)
         self.children.append(child)
         return child
 
-    def _spawn(self, service: str, argv: list[str], host: str, port: int, ready: Path,
-               env: dict[str, str]) -> subprocess.Popen:
+    def _spawn(self, service: str, argv: list[str], ready: Path, env: dict[str, str]) -> subprocess.Popen:
         command = [sys.executable, "-m", "vmesh", "--log-level", self.args.log_level, service,
-                   "--host", host, "--port", str(port), "--ready-file", str(ready), *argv]
-        if self.args.metrics:
-            command += ["--metrics-port", "0"]
-        if service == "frontend":  # its port is the public one: probed on a plaintext health port
-            command += ["--health-port", "0"]
-        if self.certificates is not None:
-            command += ["--tls-cert", str(self.certificates / f"{service}.crt"),
-                        "--tls-key", str(self.certificates / f"{service}.key"),
-                        "--tls-ca", str(self.certificates / "ca.crt")]
+                   "--ready-file", str(ready), *argv]
         # No preexec_fn: forking with one runs Python in the child and gRPC's fork handlers in
         # this (multi-threaded, gRPC-using) process. The child asks for its death signal itself.
         return subprocess.Popen(command, env=env)
@@ -150,19 +155,32 @@ class Mesh:
             waiting.cancel()
 
     async def _serving(self, child: Child, deadline: float) -> None:
-        """Wait for `child` to write its ready file and answer health checks; then read the
-        addresses it bound. ChildDied if it exits meanwhile."""
-        while not child.ready_file.exists():
+        """Wait for `child` to write its ready file and answer health checks (it writes the file
+        before it loads anything); then read the addresses it bound. ChildDied as soon as it
+        exits meanwhile."""
+        def check_alive() -> None:
             if (code := child.process.poll()) is not None:
                 raise ChildDied(f"{child.name} (pid {child.process.pid}) exited with code {code}")
+
+        while not child.ready_file.exists():
+            check_alive()
             await asyncio.sleep(0.1)
         child.address = child.ready_file.read_text()
         health = Path(str(child.ready_file) + ".health")
         remaining = max(1.0, deadline - time.monotonic())
         if health.exists():
-            await wait_until_serving(health.read_text(), remaining, secure=False)
+            child.health_address = health.read_text()
+            healthy = asyncio.ensure_future(wait_until_serving(child.health_address, remaining, secure=False))
         else:
-            await wait_until_serving(child.address, remaining, child.service)
+            healthy = asyncio.ensure_future(wait_until_serving(child.address, remaining, child.service))
+        try:
+            while not healthy.done():
+                check_alive()
+                await asyncio.wait({healthy}, timeout=0.1)
+            healthy.result()
+        finally:
+            healthy.cancel()
+        child.serving_since = time.monotonic()
         metrics = Path(str(child.ready_file) + ".metrics")
         if metrics.exists():
             child.metrics_address = metrics.read_text()
@@ -191,19 +209,18 @@ class Mesh:
     async def _restart(self, child: Child, code: int, on_change: Callable[[], None]) -> None:
         """Start a dead child again on its address, after a backoff that grows while it keeps
         dying soon after starting."""
-        lived = time.monotonic() - child.started_at
-        child.quick_deaths = 0 if lived > STABLE_AFTER_S else child.quick_deaths + 1
-        delay = min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** max(0, child.quick_deaths - 1))
-        print(f"vmesh: {child.name} (pid {child.process.pid}) exited with code {code} after {lived:.1f} s; "
+        delay = child.restart_delay()
+        served = "" if child.serving_since is None else \
+            f" after serving {time.monotonic() - child.serving_since:.1f} s"
+        print(f"vmesh: {child.name} (pid {child.process.pid}) exited with code {code}{served}; "
               f"restarting it in {delay:.1f} s (restart {child.restarts + 1})", file=sys.stderr, flush=True)
         try:
             await asyncio.sleep(delay)
             for answer in child.ready_file.parent.glob(child.ready_file.name + "*"):
                 answer.unlink(missing_ok=True)
-            child.process = self._spawn(child.service, child.restart_argv(), child.host, child.port,
-                                        child.ready_file, child.env)
+            child.serving_since = None
+            child.process = self._spawn(child.service, child.restart_argv(), child.ready_file, child.env)
             child.restarts += 1
-            child.started_at = time.monotonic()
             await self._serving(child, time.monotonic() + START_TIMEOUT_S)
             print(f"vmesh: {child.name} restarted (pid {child.process.pid}, restart {child.restarts})",
                   file=sys.stderr, flush=True)

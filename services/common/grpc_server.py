@@ -22,6 +22,10 @@ from vmesh.services.common.guards import ServerGuard
 logger = logging.getLogger(__name__)
 
 OVERALL = ""  # the health service's name for the whole server
+# SERVING once warmed up, for as long as the process runs: a liveness probe's name. The overall
+# status also says NOT_SERVING while the service cannot take work (a scheduler waiting for its
+# lost worker, a drain), which must take it out of rotation, not get it killed.
+LIVENESS = "liveness"
 MAX_MESSAGE_BYTES = 64 << 20
 _MESSAGE_LIMITS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
@@ -149,6 +153,7 @@ class ServiceShell:
             os._exit(0)
         stopped.cancel()
         warming.result()
+        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         await self.set_serving(True)
         logger.info("serving %s on %s", ", ".join(self.service_names), self.address)
         await self.stopping.wait()

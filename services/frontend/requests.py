@@ -21,6 +21,7 @@ from vmesh.services.common import telemetry, wire
 from vmesh.services.common.finish_reason import finish_name
 from vmesh.services.common.logprobs import to_public
 from vmesh.services.frontend.outbox import Outbox, PendingOutput
+from vmesh.services.frontend.prefix_routing import prefix_hashes
 from vmesh.services.frontend.schedulers import SchedulerGroup
 from vmesh.services.frontend.validation import InvalidRequest, validate_generate
 from vmesh.v1 import common_pb2, frontend_pb2, scheduler_pb2
@@ -253,9 +254,7 @@ async def _generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRe
                                                   "vmesh.resumed_output_tokens": len(outbox.received_token_ids)})
                 if metrics:
                     metrics.failover(out.lost)
-                if out.lost == "scheduler":  # nothing there to abort: a live one's router lets it go itself
-                    frontend.schedulers.release(group)
-                    group = None
+                # Aborted there even when its scheduler looks gone: it may be alive behind a broken link.
                 _let_go(frontend, outbox, submission.frontend_key, group)
                 group = None
                 submission.frontend_key = next(frontend.frontend_keys)
@@ -318,10 +317,14 @@ async def _submit_when_possible(frontend: FrontendServicer, submission: schedule
 async def submit(frontend: FrontendServicer, submission: scheduler_pb2.SubmitRequestRequest,
                  time_remaining: Callable[[], float | None] = lambda: None,
                  ) -> tuple[SchedulerGroup, scheduler_pb2.SubmitRequestResponse]:
-    """Submit to the least busy group; a group that is down or failed did not take the request,
-    so the next one is tried. Raises RequestError when no group takes it."""
+    """Submit to the group routing prefers (prefix_routing.py; or the least busy); a group that
+    is down or failed did not take the request, so the next one is tried. Raises RequestError when
+    no group takes it."""
     error: grpc.aio.AioRpcError | None = None
-    for group in frontend.schedulers.candidates():
+    hashes: list[int] = []
+    if frontend.schedulers.prefix_router is not None:  # what the group will cache: prompt and resumed outputs
+        hashes = prefix_hashes([*submission.prompt_token_ids, *submission.resumed_output_token_ids])
+    for group in frontend.schedulers.candidates(hashes):
         remaining = time_remaining()
         if remaining is not None and remaining <= 0:
             raise RequestError(Code.DEADLINE_EXCEEDED, "the request's deadline passed before it was submitted")
@@ -329,7 +332,9 @@ async def submit(frontend: FrontendServicer, submission: scheduler_pb2.SubmitReq
         frontend.schedulers.acquire(group)
         call = asyncio.ensure_future(group.stub.SubmitRequest(submission, timeout=timeout))
         try:
-            return group, await asyncio.shield(call)
+            reply = await asyncio.shield(call)
+            frontend.schedulers.routed(group, hashes)
+            return group, reply
         except asyncio.CancelledError:
             # The client left while the scheduler was taking the request: the scheduler may
             # still take it, so abort it there once the submission resolves.
@@ -363,8 +368,8 @@ async def abort(frontend: FrontendServicer, group: SchedulerGroup, frontend_key:
     try:
         await group.stub.AbortRequest(scheduler_pb2.AbortRequestRequest(
             frontend_id=frontend.frontend_id, frontend_key=frontend_key), timeout=5)
-    except grpc.aio.AioRpcError as exc:
-        logger.warning("abort of request %d failed: %s", frontend_key, exc.details())
+    except grpc.aio.AioRpcError as exc:  # its scheduler is gone, say: then so is the request
+        logger.info("abort of request %d failed: %s", frontend_key, exc.details())
     finally:
         frontend.schedulers.release(group)
 

@@ -1,12 +1,13 @@
 """The scheduler groups a frontend submits to. Data parallelism is one scheduler per worker
-group; a frontend spreads its requests over the groups, fewest of its own requests in flight
-first, and sends each abort to the group that holds the request."""
+group; a frontend sends each request to the group most likely to hold its prompt's prefix in
+cache (prefix_routing.py), or with `--routing least-busy` to the one with the fewest of its own
+requests in flight, and sends each abort to the group that holds the request."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from vmesh.services.common.grpc_server import channel
 from vmesh.services.common.replica_set import ReplicaSet
+from vmesh.services.frontend.prefix_routing import PrefixRouter
 from vmesh.services.frontend.validation import ModelLimits
 from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -24,6 +26,8 @@ JOIN_TIMEOUT_S = 600.0  # a group's worker may still be loading its model
 JOIN_RETRY_S = 5.0
 LOSS_GRACE_S = 3.0  # a broken connection to a live scheduler is normally back well within this
 WATCH_RETRY_S = 0.5
+ROUTING_POLICIES = ("prefix", "least-busy")
+SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 @dataclass
@@ -54,11 +58,15 @@ class SchedulerPool:
                                                       grpc.aio.Channel]] = connect,
                  on_lost: Callable[[SchedulerGroup], None] = lambda group: None,
                  health_stream: Callable[[SchedulerGroup], AsyncIterator[Any]] = health_stream,
-                 loss_grace_s: float = LOSS_GRACE_S):
+                 loss_grace_s: float = LOSS_GRACE_S, routing: str = "prefix"):
         """`on_lost(group)`: the group's scheduler went away (its process died or restarted); what
         it held is gone, including requests still queued there that no detokenizer knows of.
         `loss_grace_s`: how long a broken connection may take to reach the same process again
-        before its requests are given up."""
+        before its requests are given up. `routing`: "prefix" (prefix-aware, load as tie-breaker)
+        or "least-busy"."""
+        if routing not in ROUTING_POLICIES:
+            raise ValueError(f"unknown routing {routing!r} ({' or '.join(ROUTING_POLICIES)})")
+        self.prefix_router = PrefixRouter() if routing == "prefix" else None
         self._connect = connect
         self._on_lost = on_lost
         self._health_stream = health_stream
@@ -66,7 +74,7 @@ class SchedulerPool:
         # A group that leaves keeps its connection until its last request ends (an abort may still be sent).
         self.members: ReplicaSet[SchedulerGroup] = ReplicaSet(
             "scheduler", self._start, is_idle=lambda group: group.in_flight == 0,
-            stop=lambda group: self._spawn(group.channel.close()),
+            stop=self._stop,
             on_retire=lambda group: group.joined.set())  # start-up stops waiting for it
         self.limits: ModelLimits | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -80,6 +88,11 @@ class SchedulerPool:
 
     def remove(self, address: str) -> None:
         self.members.remove(address)
+
+    def _stop(self, group: SchedulerGroup) -> None:
+        if self.prefix_router is not None:
+            self.prefix_router.forget(group.address)
+        self._spawn(group.channel.close())
 
     def _start(self, address: str) -> SchedulerGroup:
         group = SchedulerGroup(address, *self._connect(address))
@@ -116,8 +129,9 @@ class SchedulerPool:
         answers within the grace period, nothing was lost."""
         while not group.retired:
             try:
-                async for _ in self._health_stream(group):
-                    pass
+                async for reply in self._health_stream(group):
+                    # NOT_SERVING: recovering a lost worker, or draining; new requests go elsewhere.
+                    group.ready = getattr(reply, "status", SERVING) == SERVING
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.CANCELLED and group.retired:
                     return
@@ -131,7 +145,9 @@ class SchedulerPool:
                                reason)
                 group.ready = True
                 continue
-            logger.error("scheduler %s lost (%s); failing its requests", group.address, reason)
+            logger.error("scheduler %s lost (%s); its requests fail over", group.address, reason)
+            if self.prefix_router is not None:  # a restarted scheduler starts with an empty cache
+                self.prefix_router.forget(group.address)
             self._on_lost(group)
             while stats is None and not group.retired:  # until a new process answers
                 await asyncio.sleep(WATCH_RETRY_S)
@@ -152,9 +168,19 @@ class SchedulerPool:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def candidates(self) -> list[SchedulerGroup]:
-        """Groups that take new requests, the least busy first."""
-        return sorted((g for g in self.members.active() if g.ready), key=lambda g: g.in_flight)
+    def candidates(self, prefix_hashes: Sequence[int] = ()) -> list[SchedulerGroup]:
+        """Groups that take new requests, in the order to try them: the least busy first, or,
+        routing by prefix, the one most likely to hold the prompt's prefix (`prefix_hashes`,
+        from prefix_routing.prefix_hashes) first unless it is overloaded."""
+        by_load = sorted((g for g in self.members.active() if g.ready), key=lambda g: g.in_flight)
+        if self.prefix_router is None:
+            return by_load
+        return self.prefix_router.order(by_load, prefix_hashes)
+
+    def routed(self, group: SchedulerGroup, prefix_hashes: Sequence[int]) -> None:
+        """`group` took a prompt with these prefix hashes."""
+        if self.prefix_router is not None:
+            self.prefix_router.routed(group.address, prefix_hashes)
 
     def acquire(self, group: SchedulerGroup) -> None:
         group.in_flight += 1

@@ -41,7 +41,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
     def __init__(self, tokenizer, scheduler_specs: list[str], detokenizer_specs: list[str],
                  replica_refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S, api_key: str | None = None,
                  max_prompt_bytes: int = requests.DEFAULT_MAX_PROMPT_BYTES, model_name: str | None = None,
-                 failover_timeout_s: float = requests.DEFAULT_FAILOVER_TIMEOUT_S):
+                 failover_timeout_s: float = requests.DEFAULT_FAILOVER_TIMEOUT_S, routing: str = "prefix"):
         """Specs: host:port or dns:///name:port entries, re-resolved periodically. Several
         schedulers are several worker groups (data parallelism). `api_key`: required of
         Generate, Tokenize and GetModelInfo callers as `authorization: Bearer KEY` metadata."""
@@ -54,7 +54,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
         self.background: set[asyncio.Task] = set()  # aborts that outlive their request
         self.frontend_id = f"frontend-{uuid.uuid4().hex[:12]}"
         self.scheduler_addresses = AddressBook(scheduler_specs)
-        self.schedulers = SchedulerPool(on_lost=self._scheduler_lost)
+        self.schedulers = SchedulerPool(on_lost=self._scheduler_lost, routing=routing)
         self.detokenizers = AddressBook(detokenizer_specs)
         self.replica_refresh_interval_s = replica_refresh_interval_s
         self.outboxes: dict[int, Outbox] = {}  # by frontend key
@@ -153,9 +153,13 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
             outbox = self.outboxes.get(frontend_key)
             if outbox is None:
                 continue
+            error = batch.errors[i] if batch.errors else ""
+            if error:  # it ends the request (or its path, for a failover): no finish reason, no usage
+                outbox.put(PendingOutput(text=batch.texts[i], token_ids=token_ids, logprobs=logprobs, error=error,
+                                         lost="scheduler" if batch.resumable and batch.resumable[i] else ""))
+                continue
             out = PendingOutput(text=batch.texts[i], token_ids=token_ids, logprobs=logprobs,
-                                finish_reason=batch.finish_reasons[i], error=batch.errors[i] if batch.errors else "",
-                                lost="scheduler" if batch.resumable and batch.resumable[i] else "")
+                                finish_reason=batch.finish_reasons[i])
             if out.finished:
                 out.usage = frontend_pb2.Usage(prompt_tokens=batch.num_prompt_tokens[i],
                                                completion_tokens=batch.num_output_tokens[i],
@@ -223,13 +227,14 @@ async def serve(load_tokenizer, scheduler_specs: list[str], detokenizer_specs: l
                 ready_file: str | None, metrics_port: int | None = None,
                 replica_refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S, http_port: int | None = None,
                 api_key: str | None = None, max_prompt_bytes: int = requests.DEFAULT_MAX_PROMPT_BYTES,
-                model_name: str | None = None, failover_timeout_s: float = requests.DEFAULT_FAILOVER_TIMEOUT_S) -> None:
+                model_name: str | None = None, failover_timeout_s: float = requests.DEFAULT_FAILOVER_TIMEOUT_S,
+                routing: str = "prefix") -> None:
     """`http_port`: also serve the OpenAI-compatible HTTP API there (0: any free port; None: off),
     on this event loop, over the same request path; its address goes to `<ready_file>.http`."""
     shell = ServiceShell("frontend", frontend_pb2.DESCRIPTOR.services_by_name["FrontendService"], host, port,
                          public=True)
     servicer = FrontendServicer(None, scheduler_specs, detokenizer_specs, replica_refresh_interval_s, api_key,
-                                max_prompt_bytes, model_name, failover_timeout_s)
+                                max_prompt_bytes, model_name, failover_timeout_s, routing)
     frontend_pb2_grpc.add_FrontendServiceServicer_to_server(servicer, shell.server)
     registry = shell.metrics_registry(metrics_port, ready_file)
     if registry is None and http_port is not None:  # the HTTP API serves /metrics itself

@@ -28,6 +28,11 @@ class FrontendSettings:
         None, section="frontend",
         help="serve the public gRPC port and the HTTP API over TLS with this certificate (and --public-tls-key)")
     public_tls_key: str | None = setting(None, section="frontend")
+    routing: str = setting(
+        "prefix", section="frontend", choices=["prefix", "least-busy"],
+        help="how a request picks among scheduler groups (data parallelism): prefix = the group most likely to "
+             "hold its prompt's prefix in cache (load breaks ties; an overloaded group is passed over); "
+             "least-busy = the fewest of this frontend's requests in flight")
     failover_timeout_s: float = setting(
         DEFAULT_FAILOVER_TIMEOUT_S, section="frontend", flag="--failover-timeout",
         help="seconds a request whose scheduler or detokenizer replica was lost may wait for another (or the "

@@ -204,9 +204,9 @@ class Scheduler:
         request.block_ids = cached + new_blocks
         request.num_registered_blocks = len(cached)
         request.num_computed_tokens = computed
-        if request.num_preemptions == 0:  # a resumed request's outputs may be cached too: they are not prompt
+        if request.handle is None:  # first admission (not after a preemption or a lost worker)
+            # A resumed request's outputs may be cached too: they are not prompt.
             request.num_cached_prompt_tokens = min(computed, len(request.prompt_token_ids))
-        if request.handle is None:
             request.handle = next(self._handles)
             self.by_handle[request.handle] = request
         self.running.append(request)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -38,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 PROMPT_TAIL_TOKENS = 4  # decoding context given to the detokenizer
 WORKER_RETRY_S = 1.0  # between attempts to reach a lost worker again
+# A request the worker was computing each of these many times it was lost is failed instead of
+# computed again: it may be what kills the worker.
+MAX_WORKER_LOSSES = 3
 TRACER = telemetry.tracer("vmesh.scheduler")
 
 
@@ -65,6 +69,7 @@ class _Lifetime:
     num_generated: int = 0
     span: trace.Span = trace.INVALID_SPAN  # the request's life in the scheduler
     queue_span: trace.Span | None = None  # from submission to first admission
+    worker_losses: int = 0  # times the worker was lost while computing it
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
@@ -73,6 +78,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.scheduler: Scheduler | None = None
         # serve() marks the service NOT_SERVING (False) while the worker is lost, SERVING once back.
         self.on_serving: Callable[[bool], None] = lambda serving: None
+        # The worker came back unlike before (another model, KV cache or limits): serve() exits the
+        # process, so that its supervisor starts a scheduler that adopts the new worker.
+        self.on_fatal: Callable[[str], None] = lambda reason: None
+        self.recovering = False  # the worker is lost and waited for: submissions go elsewhere
         self.incarnation = uuid.uuid4().hex  # this process, as opposed to a restart on the same address
         self.limits: ModelLimits | None = None  # the workers' model, known once connected
         self.worker_calls: list[grpc.aio.StreamStreamCall] = []
@@ -156,7 +165,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def SubmitRequest(self, request, context):
         if self.failure:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.failure)
-        if not self.accepting or self.scheduler is None:
+        if not self.accepting or self.scheduler is None or self.recovering:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is not accepting requests")
         replicas = self.router.routable(request.detokenizers)
         if not replicas:
@@ -230,9 +239,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 raise
             except Exception as exc:
                 detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-                refused = isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.FAILED_PRECONDITION
-                if refused:  # the worker refused a plan: a bug that recomputation would repeat
-                    logger.error("the worker refused a plan: %s", detail)
+                if not _worker_went_away(exc):
+                    # The worker refused a plan (FAILED_PRECONDITION), another scheduler took it
+                    # over (ABORTED), or a bug here: recomputing would only repeat it.
+                    logger.error("the engine loop failed: %s", detail)
                     await self._fail_all("the worker serving this request failed")
                     return
                 logger.error("worker unavailable: %s; %d request(s) wait for it to come back", detail,
@@ -275,12 +285,25 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             call.cancel()
         self.worker_calls = []
         self.pipeline.abandon_all()
+        was_computing = {r.request_id for r in self._core().running}
         affected = self._core().recompute_all()
         self.worker_failovers += 1
-        for request in affected:
-            if (life := self.lifetimes.get(request.request_id)) is not None:
-                life.span.add_event("vmesh.failover", {"vmesh.failover.kind": "worker"})
+        self.recovering = True
         self.on_serving(False)
+        for request in affected:
+            life = self.lifetimes.get(request.request_id)
+            if life is None:
+                continue
+            life.span.add_event("vmesh.failover", {"vmesh.failover.kind": "worker"})
+            if request.request_id in was_computing:
+                life.worker_losses += 1
+                if life.worker_losses >= MAX_WORKER_LOSSES:
+                    logger.error("request %s was on the worker each of the %d times it was lost; failing it",
+                                 request.request_id, life.worker_losses)
+                    self._core().abort(request.request_id)
+                    if (route := self._release(request.request_id)) is not None:
+                        self.router.add_end(route, error="the worker failed each time it computed this request")
+        await self.router.flush()
         deadline = time.monotonic() + self.config.worker_recovery_timeout_s
         lost_at = time.monotonic()
         while True:
@@ -298,16 +321,21 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 logger.info("worker not reachable yet (%s)", detail)
                 await asyncio.sleep(WORKER_RETRY_S)  # an attempt that failed at once is not repeated at once
                 continue
-            if (info.num_kv_blocks, info.block_size, info.model_name) != (
-                    self.info.num_kv_blocks, self.info.block_size, self.info.model_name):
-                logger.error("the worker came back with another model or KV cache (%s, %d blocks of %d); "
-                             "this scheduler cannot use it", info.model_name, info.num_kv_blocks, info.block_size)
-                await self._fail_all("the worker serving this request became unavailable")
+            if info != self.info:
+                # Its model, KV cache or limits changed (e.g. a GPU's free memory sized the cache):
+                # a new scheduler process adopts it; the frontends fail this one's requests over.
+                reason = f"the worker came back unlike before ({_worker_geometry(info)}, was " \
+                         f"{_worker_geometry(self.info)}); restarting the scheduler"
+                logger.error("%s", reason)
+                self.on_fatal(reason)
                 return False
+            if time.monotonic() - lost_at < WORKER_RETRY_S:  # lost and back at once: no hot loop
+                await asyncio.sleep(WORKER_RETRY_S)
             logger.warning("worker back after %.1f s; recomputing %d request(s)", time.monotonic() - lost_at,
                            len(self._core().requests))
             self.failure = None
-            self.on_serving(True)
+            self.recovering = False
+            self.on_serving(self.accepting)  # a scheduler draining meanwhile stays NOT_SERVING
             self.wake.set()
             return True
 
@@ -434,6 +462,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             await asyncio.sleep(0.05)
 
 
+def _worker_went_away(exc: Exception) -> bool:
+    """Whether an Execute stream failed because its worker went (died, restarted, unreachable),
+    which a replacement can recover from, as opposed to a refusal or a bug."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code() == grpc.StatusCode.UNAVAILABLE
+    return isinstance(exc, ConnectionError)  # the worker closed its stream (it drained and exited)
+
+
+def _worker_geometry(info: worker_pb2.GetWorkerInfoResponse) -> str:
+    return (f"{info.model_name}, {info.num_kv_blocks} KV blocks of {info.block_size}, max_model_len "
+            f"{info.max_model_len}, max_num_seqs {info.max_num_seqs}")
+
+
 async def serve(config: MeshSchedulerConfig, host: str, port: int, ready_file: str | None,
                 metrics_port: int | None = None) -> None:
     shell = ServiceShell("scheduler", scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"], host, port)
@@ -444,6 +485,11 @@ async def serve(config: MeshSchedulerConfig, host: str, port: int, ready_file: s
     def on_serving(serving: bool) -> None:
         asyncio.get_running_loop().create_task(shell.set_serving(serving))
 
+    def on_fatal(reason: str) -> None:
+        logging.shutdown()
+        os._exit(3)
+
     servicer.on_serving = on_serving
+    servicer.on_fatal = on_fatal
     await shell.run(servicer.connect, servicer.drain, ready_file)
     await servicer.close()

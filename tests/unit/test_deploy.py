@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from vmesh.services.cli import build_parser
+from vmesh.services.common.grpc_server import LIVENESS
 
 ROOT = Path(__file__).resolve().parents[2]
 VMESH_SERVICES = ("worker", "detokenizer", "scheduler", "frontend")
@@ -151,6 +152,10 @@ def test_k8s_container_args_parse_and_probes_are_grpc():
             # gRPC probes present no certificate: they use the plaintext health-only port
             for probe in ("readinessProbe", "livenessProbe"):
                 assert container[probe]["grpc"]["port"] == int(config["VMESH_HEALTH_PORT"])
+            # Readiness follows the overall status (NOT_SERVING while recovering a worker or
+            # draining); liveness a name that stays SERVING, or the kubelet kills a recovery.
+            assert "service" not in container["readinessProbe"]["grpc"]
+            assert container["livenessProbe"]["grpc"]["service"] == LIVENESS
             if args.command == "worker":
                 assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
                 assert container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"] >= 600

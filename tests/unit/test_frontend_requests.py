@@ -299,3 +299,22 @@ def test_a_failover_that_finds_no_taker_fails_unavailable_after_the_bounded_wait
         await f.schedulers.close()
 
     asyncio.run(main())
+
+
+def test_a_resumable_error_merged_with_an_unread_output_carries_no_finish():
+    """The lost replica's error (finish ABORT on the wire) lands while the client has not read the
+    previous output: what the client then reads has that output's text, but no finish reason and
+    no usage, and the request goes on."""
+    from vmesh.services.frontend.outbox import Outbox
+    from vmesh.v1 import detokenizer_pb2
+
+    f = frontend(object(), ModelLimits("m", 100, 50))
+    box = f.outboxes[1] = Outbox(delta_text=True)
+    f._dispatch(output(1, "Hel", [5, 6]))
+    f._dispatch(detokenizer_pb2.SubscribeResponse(
+        frontend_keys=[1], texts=[""], num_tokens=[0], finish_reasons=[common_pb2.FINISH_REASON_ABORT],
+        num_prompt_tokens=[3], num_output_tokens=[2], num_cached_prompt_tokens=[0], num_logprobs_rows=[0],
+        errors=["the scheduler's stream to this detokenizer closed"], resumable=[True]))
+    merged = asyncio.run(box.get())
+    assert merged.text == "Hel" and merged.token_ids == [5, 6] and merged.lost == "scheduler"
+    assert merged.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED and merged.usage is None

@@ -282,14 +282,17 @@ def test_a_lost_worker_that_comes_back_gets_every_request_again(monkeypatch):
         await settle(lambda: serving == [False])
         await asyncio.sleep(0.05)
         assert len(worker.streams) == 1 and first.cancelled
-        assert await servicer.submit(1)  # meanwhile requests queue: a pause, not an error
+        with pytest.raises(Aborted) as refused:  # new requests go to another group (or wait at the frontend)
+            await servicer.submit(1)
+        assert refused.value.code == grpc.StatusCode.UNAVAILABLE
         worker.down = False  # ...and comes back
         await settle(lambda: len(worker.streams) == 2 and worker.streams[1].plans)
         assert serving == [False, True] and servicer.worker_failovers == 1
         replay = worker.streams[1].plans[0]
         assert replay.step == 0 and not replay.removed_handles  # a new session, from step 0
-        assert {tuple(r.token_ids) for r in replay.new_requests} == {(1, 2, 3, 42), (1, 2, 3)}
+        assert [tuple(r.token_ids) for r in replay.new_requests] == [(1, 2, 3, 42)]
         assert all(r.num_computed_tokens == 0 for r in replay.new_requests)
+        assert await servicer.submit(2)  # serving again
         stream = servicer.streams["127.0.0.1:1"][0]
         assert not any(m.errors and any(m.errors) for m in stream.messages), "nobody was told of the loss"
         loop.cancel()
@@ -327,16 +330,71 @@ def test_a_worker_gone_past_the_recovery_timeout_fails_its_requests_until_it_ret
     asyncio.run(main())
 
 
-def test_a_worker_that_refuses_a_plan_is_not_retried():
+@pytest.mark.parametrize("code", [grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED,
+                                  grpc.StatusCode.RESOURCE_EXHAUSTED])
+def test_a_worker_that_refuses_a_plan_or_is_taken_over_is_not_retried(code):
+    """Only a worker that went away is waited for: a refused plan (a bug), another scheduler taking
+    the worker over, or any other error would recur, and two schedulers would take one worker
+    from each other forever."""
     async def main() -> None:
         servicer = Servicer(["127.0.0.1:1"])
         worker = FakeWorker()
         loop = await with_worker(servicer, worker)
         await servicer.submit(0)
         await settle(lambda: worker.streams[0].plans)
-        worker.streams[0].responses.put_nowait(rpc_error(grpc.StatusCode.FAILED_PRECONDITION, "unknown handle"))
+        worker.streams[0].responses.put_nowait(rpc_error(code, "refused"))
         await settle(loop.done)
         assert servicer.failure and len(worker.streams) == 1 and not servicer.router.routes
+        await servicer.close()
+
+    asyncio.run(main())
+
+
+def test_a_request_the_worker_keeps_dying_on_is_failed_not_recomputed_forever(monkeypatch):
+    monkeypatch.setattr("vmesh.services.scheduler.server.WORKER_RETRY_S", 0.001)
+
+    async def main() -> None:
+        servicer = Servicer(["127.0.0.1:1"])
+        worker = FakeWorker()
+        loop = await with_worker(servicer, worker)
+        await servicer.submit(0)
+        for attempt in range(3):  # each new session gets the request, and the worker dies on it
+            await settle(lambda n=attempt: len(worker.streams) == n + 1 and worker.streams[n].plans)
+            worker.streams[attempt].responses.put_nowait(rpc_error(grpc.StatusCode.UNAVAILABLE))
+        stream = servicer.streams["127.0.0.1:1"][0]
+        await settle(lambda: any(any(m.errors) for m in stream.messages))
+        assert "each time" in next(m for m in stream.messages if any(m.errors)).errors[0]
+        assert servicer.worker_failovers == 3 and not servicer.scheduler.has_unfinished()
+        await settle(lambda: servicer.failure is None and not servicer.recovering)
+        assert await servicer.submit(1)  # the others are served
+        loop.cancel()
+        await servicer.close()
+
+    asyncio.run(main())
+
+
+def test_a_worker_that_comes_back_different_makes_the_scheduler_restart(monkeypatch):
+    monkeypatch.setattr("vmesh.services.scheduler.server.WORKER_RETRY_S", 0.001)
+
+    async def main() -> None:
+        servicer = Servicer(["127.0.0.1:1"])
+        fatal: list[str] = []
+        servicer.on_fatal = fatal.append
+        worker = FakeWorker()
+        loop = await with_worker(servicer, worker)
+        original = worker.GetWorkerInfo
+
+        async def smaller_cache(request, **kwargs):
+            info = await original(request)
+            info.num_kv_blocks = 8  # e.g. a GPU with less free memory this time
+            return info
+
+        worker.GetWorkerInfo = smaller_cache
+        await servicer.submit(0)
+        await settle(lambda: worker.streams[0].plans)
+        worker.streams[0].responses.put_nowait(rpc_error(grpc.StatusCode.UNAVAILABLE))
+        await settle(loop.done)
+        assert fatal and "8 KV blocks" in fatal[0] and "16 KV blocks" in fatal[0]
         await servicer.close()
 
     asyncio.run(main())
