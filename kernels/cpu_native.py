@@ -30,6 +30,8 @@ HEADERS = sorted(KERNEL_DIR.glob("*.h"))
 # -march=native: the object is built on the machine that runs it, and cached per machine.
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 MAX_HEADS, MAX_HEAD_DIM = 256, 256  # as in the C source
+# The attention kernels' cache element types (float32 arithmetic either way).
+KV_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class CpuKernelBuildError(RuntimeError):
@@ -83,6 +85,21 @@ class CpuKernels:
         self._silu_and_mul = _bind(library.silu_and_mul_f32, [p, p, i64, i64, threads])
         self._rotary_write_kv = _bind(library.rotary_write_kv_f32,
                                       [p, i64, i64, i64, i64, i64, p, p, p, p, p, threads])
+        # The bfloat16 model's variants (fused_ops.c): bfloat16 activations and KV cache around a
+        # float32 residual stream; the attention kernels over a bfloat16 cache, float32 otherwise.
+        self._attention_bf16 = _bind(library.paged_attention_bf16,
+                                     [p, i64, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, f32, p, threads],
+                                     ctypes.c_int)
+        self._prefill_attention_bf16 = _bind(library.prefill_attention_bf16,
+                                             [p, i64, p, p, p, i64, p, p, p, p, i64, i64, i64, i64, i64, f32, p,
+                                              threads], ctypes.c_int)
+        self._packed_small_batch_linear_bf16 = _bind(library.packed_small_batch_linear_bf16,
+                                                     [p, ctypes.c_int, p, p, p, i64, i64, i64, i64, threads],
+                                                     ctypes.c_int)
+        self._add_rms_norm_bf16 = _bind(library.add_rms_norm_bf16, [p, p, p, p, i64, i64, f32, threads])
+        self._silu_and_mul_bf16 = _bind(library.silu_and_mul_bf16, [p, p, i64, i64, threads])
+        self._rotary_write_kv_bf16 = _bind(library.rotary_write_kv_bf16,
+                                           [p, i64, i64, i64, i64, i64, p, p, p, p, p, p, threads])
         self._quantized_linear = _bind(library.quantized_linear_f32, [p, p, ctypes.c_int, p, p, i64, i64, i64, threads],
                                        ctypes.c_int)
         self._quantized_rows = _bind(library.quantized_rows_f32, [p, ctypes.c_int, p, i64, i64, i64, p, threads],
@@ -145,6 +162,62 @@ class CpuKernels:
                               torch.get_num_threads())
         return qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
 
+    def add_rms_norm_bf16(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                          residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """add_rms_norm for the bfloat16 model: the output is bfloat16, the residual stream and the
+        weight float32. Without `residual`, x is that float32 stream (left as it is); with it, x is
+        a linear's bfloat16 output, added to `residual` in place."""
+        if x.dim() != 2 or weight.shape != (x.shape[1],):
+            raise ValueError(f"x must be [rows, dim] with a weight of [dim], got {tuple(x.shape)} and "
+                             f"{tuple(weight.shape)}")
+        out = torch.empty(x.shape, dtype=torch.bfloat16)
+        if residual is None:
+            _require_contiguous_cpu(("x", x, torch.float32), ("weight", weight, torch.float32))
+            self._add_rms_norm_bf16(0, x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
+                                    torch.get_num_threads())
+            return out
+        _require_contiguous_cpu(("x", x, torch.bfloat16), ("residual", residual, torch.float32),
+                                ("weight", weight, torch.float32))
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+        self._add_rms_norm_bf16(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0],
+                                x.shape[1], eps, torch.get_num_threads())
+        return out, residual
+
+    def silu_and_mul_bf16(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu_and_mul in bfloat16, computed in float32 and rounded once."""
+        _require_contiguous_cpu(("gate_up", gate_up, torch.bfloat16))
+        if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+            raise ValueError(f"gate_up must be [rows, 2 * inter], got {tuple(gate_up.shape)}")
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, inter, dtype=torch.bfloat16)
+        self._silu_and_mul_bf16(gate_up.data_ptr(), out.data_ptr(), rows, inter, torch.get_num_threads())
+        return out
+
+    def rotary_write_kv_bf16(self, qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor,
+                             sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                             slot_mapping: torch.Tensor) -> torch.Tensor:
+        """rotary_write_kv for the bfloat16 model: qkv and the caches bfloat16, cos and sin float32.
+        qkv is left as it is; the rotated queries come back as a new float32 [tokens, heads, head_dim]
+        tensor (attention runs in float32), the rotated keys are rounded into the cache."""
+        head_dim = key_cache.shape[3]
+        if qkv.dtype != torch.bfloat16 or qkv.stride(1) != 1 or qkv.shape[1] != (heads + 2 * kv_heads) * head_dim:
+            raise ValueError(f"qkv must be bfloat16 [tokens, {(heads + 2 * kv_heads) * head_dim}] with contiguous "
+                             "rows")
+        if key_cache.shape[2] != kv_heads or value_cache.shape != key_cache.shape or head_dim % 2:
+            raise ValueError(f"caches of shape {tuple(key_cache.shape)} do not fit {kv_heads} KV heads")
+        _require_contiguous_cpu(("cos", cos, torch.float32), ("sin", sin, torch.float32),
+                                ("key_cache", key_cache, torch.bfloat16), ("value_cache", value_cache, torch.bfloat16),
+                                ("slot_mapping", slot_mapping, torch.int64))
+        tokens = qkv.shape[0]
+        if cos.numel() != tokens * head_dim or sin.numel() != tokens * head_dim or slot_mapping.numel() != tokens:
+            raise ValueError("cos, sin and slot_mapping need one row per token")
+        query = torch.empty(tokens, heads, head_dim, dtype=torch.float32)
+        self._rotary_write_kv_bf16(qkv.data_ptr(), tokens, qkv.stride(0), heads, kv_heads, head_dim, cos.data_ptr(),
+                                   sin.data_ptr(), slot_mapping.data_ptr(), key_cache.data_ptr(),
+                                   value_cache.data_ptr(), query.data_ptr(), torch.get_num_threads())
+        return query
+
     def small_batch_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, in] @ weight.T + bias for a few rows (memory bound: one pass over weight).
         Every tensor must be contiguous float32 on the CPU; the caller (Linear) guarantees it."""
@@ -166,6 +239,23 @@ class CpuKernels:
         if status:
             raise ValueError(f"packed_small_batch_linear_f32: {x.shape[0]} rows of {x.shape[1]} features do not fit "
                              f"a packed weight of {padded_in_features} input features")
+        return out
+
+    def packed_small_batch_linear_bf16(self, x: torch.Tensor, packed_weight_address: int, out_features: int,
+                                       padded_in_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """packed_small_batch_linear over oneDNN's packed bfloat16 weight (AB16b64a2b, checked at load
+        by services/worker/linear.py): x contiguous bfloat16 or float32 [1 to 4 rows, in], bias
+        bfloat16 or None; the result is bfloat16. The caller (Linear) guarantees the layouts."""
+        out = torch.empty(x.shape[0], out_features, dtype=torch.bfloat16)
+        status = self._packed_small_batch_linear_bf16(x.data_ptr(), int(x.dtype == torch.bfloat16),
+                                                      packed_weight_address, 0 if bias is None else bias.data_ptr(),
+                                                      out.data_ptr(), x.shape[0], out_features, x.shape[1],
+                                                      padded_in_features, torch.get_num_threads())
+        if status == 2:
+            raise MemoryError("packed_small_batch_linear_bf16: out of memory")
+        if status:
+            raise ValueError(f"packed_small_batch_linear_bf16: {x.shape[0]} rows of {x.shape[1]} features do not "
+                             f"fit a packed weight of {padded_in_features} input features")
         return out
 
     def quantized_linear(self, x: torch.Tensor, blocks: torch.Tensor, block_format: int, in_features: int,
@@ -205,7 +295,8 @@ class CpuKernels:
 
     @staticmethod
     def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-        return (query.device.type == "cpu" and query.dtype == key_cache.dtype == torch.float32
+        """float32 queries over a float32 or bfloat16 cache, in the kernels' size limits."""
+        return (query.device.type == "cpu" and query.dtype == torch.float32 and key_cache.dtype in KV_DTYPES
                 and query.shape[1] <= MAX_HEADS and key_cache.shape[3] <= MAX_HEAD_DIM)
 
     @staticmethod
@@ -243,9 +334,11 @@ class CpuKernels:
                           chunks: PrefillChunks, scale: float, out: torch.Tensor) -> None:
         """For each chunk, causal attention of its query rows over its request's cached context
         (the chunk's own keys included), written to the same rows of out. Shapes and layouts:
-        see kernels/cpu/prefill_attention.c; head_dim must be a multiple of 16."""
+        see kernels/cpu/prefill_attention.c; head_dim must be a multiple of 16. The caches may be
+        bfloat16 (the query and out stay float32)."""
         block_size, kv_heads, head_dim, group = _attention_shape(query, key_cache, value_cache, out, chunks)
-        status = self._prefill_attention(query.data_ptr(), query.stride(0), key_cache.data_ptr(),
+        kernel = self._prefill_attention if key_cache.dtype == torch.float32 else self._prefill_attention_bf16
+        status = kernel(query.data_ptr(), query.stride(0), key_cache.data_ptr(),
                                          value_cache.data_ptr(), chunks.block_tables.data_ptr(),
                                          chunks.block_tables.shape[1], chunks.requests.data_ptr(),
                                          chunks.starts.data_ptr(), chunks.lengths.data_ptr(),
@@ -254,15 +347,17 @@ class CpuKernels:
         if status == 1:
             raise ValueError(f"unsupported prefill attention shape: group {group}, head_dim {head_dim}")
         if status == 2:
-            raise MemoryError("prefill_attention_f32: out of memory for its tiles")
+            raise MemoryError("prefill_attention: out of memory for its tiles")
 
     def paged_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         items: AttentionItems, scale: float, out: torch.Tensor) -> None:
         """For each item i, writes out[token_rows[i]] = attention of query[token_rows[i]] over the
         first context_lens[i] cached tokens of block_tables[request_rows[i]]. Shapes and
-        layouts: see kernels/cpu/paged_attention.c."""
+        layouts: see kernels/cpu/paged_attention.c. The caches may be bfloat16 (the query and out
+        stay float32)."""
         block_size, kv_heads, head_dim, group = _attention_shape(query, key_cache, value_cache, out, items)
-        status = self._attention(query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+        kernel = self._attention if key_cache.dtype == torch.float32 else self._attention_bf16
+        status = kernel(query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
                                  items.block_tables.data_ptr(), items.block_tables.shape[1],
                                  items.request_rows.data_ptr(), items.token_rows.data_ptr(),
                                  items.context_lens.data_ptr(), items.token_rows.numel(), kv_heads, group, head_dim,
@@ -270,7 +365,7 @@ class CpuKernels:
         if status == 1:
             raise ValueError(f"unsupported attention shape: group {group}, head_dim {head_dim}")
         if status == 2:
-            raise MemoryError("paged_attention_f32: out of memory for the score buffer")
+            raise MemoryError("paged_attention: out of memory for the score buffer")
 
 
 @dataclass(frozen=True)
@@ -317,7 +412,9 @@ def _attention_shape(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     returns (block_size, kv_heads, head_dim, query heads per KV head)."""
     if query.dim() != 3 or query.dtype != torch.float32 or query.stride(2) != 1 or query.stride(1) != query.shape[2]:
         raise ValueError("query must be float32 [tokens, heads, head_dim] with each token's heads contiguous")
-    _require_contiguous_cpu(("key_cache", key_cache, torch.float32), ("value_cache", value_cache, torch.float32),
+    if key_cache.dtype not in KV_DTYPES:
+        raise ValueError(f"the KV cache must be float32 or bfloat16, got {key_cache.dtype}")
+    _require_contiguous_cpu(("key_cache", key_cache, key_cache.dtype), ("value_cache", value_cache, key_cache.dtype),
                             ("out", out, torch.float32))
     if key_cache.dim() != 4 or value_cache.shape != key_cache.shape or out.shape != query.shape:
         raise ValueError(f"caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)} and out {tuple(out.shape)} "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Collection
 
 from vmesh.services.cli_commands import (
     cmd_certs,
@@ -23,7 +24,7 @@ from vmesh.services.cli_commands import (
 )
 from vmesh.services.common.config_flags import BadEnvironmentValue, add_option, add_settings
 from vmesh.services.scheduler.settings import SchedulerSettings
-from vmesh.services.worker.config import WorkerConfig
+from vmesh.services.worker.config import PER_WORKER_PROCESS, WorkerConfig
 
 DEFAULT_PUBLIC_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
@@ -33,8 +34,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     add_settings(parser.add_argument_group("model"), WorkerConfig, "model")
 
 
-def add_worker_args(parser: argparse.ArgumentParser) -> None:
-    add_settings(parser.add_argument_group("worker"), WorkerConfig, "worker")
+def add_worker_args(parser: argparse.ArgumentParser, skip: Collection[str] = ()) -> None:
+    add_settings(parser.add_argument_group("worker"), WorkerConfig, "worker", skip=skip)
 
 
 def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
@@ -110,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
               "is printed, for operator tools)")
     add_frontend_args(serve, http_port=DEFAULT_HTTP_PORT)
     add_model_args(serve)
-    add_worker_args(serve)
+    add_worker_args(serve, skip=PER_WORKER_PROCESS)  # the launcher gives each rank its own
     add_scheduler_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -10,16 +10,18 @@ import argparse
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from vmesh.services.common.grpc_server import wait_until_serving, write_atomically
 from vmesh.services.mesh_description import MeshDescription, ServiceEntry, description_path
+from vmesh.services.worker.config import PER_WORKER_PROCESS
 
 INTERNAL_HOST = "127.0.0.1"
 START_TIMEOUT_S = 900.0  # the first start converts the model
@@ -48,6 +50,9 @@ class Child:
     quick_deaths: int = 0  # deaths in a row, each soon after it served: the backoff's exponent
     serving_since: float | None = None  # monotonic; None until it serves
     restarting: bool = False  # a restart task owns it
+    # The other ranks of its tensor-parallel group: a group cannot take one rank back, so when one
+    # dies they all start again together.
+    siblings: list[Child] = field(default_factory=list)
 
     def restart_delay(self) -> float:
         """It died: the wait before starting it again, which doubles while it keeps dying before
@@ -80,7 +85,8 @@ def group_flags(group: str) -> list[tuple[str, str]]:
     """(--flag, dest) of each option in `vmesh serve`'s argument group titled `group`."""
     from vmesh.services.common.config_flags import section_flags
 
-    return section_flags(_settings_class(group), group)
+    flags = section_flags(_settings_class(group), group)
+    return [(flag, dest) for flag, dest in flags if dest not in PER_WORKER_PROCESS]
 
 
 def _settings_class(group: str) -> type:
@@ -95,7 +101,7 @@ def _settings_class(group: str) -> type:
 
 # The API key reaches the frontend by environment (ps shows argv); --http-port and --no-http are
 # turned into the frontend's own --http-port by the launcher.
-NOT_FORWARDED = {"api_key", "http_port", "no_http"}
+NOT_FORWARDED = {"api_key", "http_port", "no_http", *PER_WORKER_PROCESS}
 
 
 class Mesh:
@@ -200,6 +206,9 @@ class Mesh:
                     continue
                 if self.args.fail_fast:
                     raise ChildDied(f"{child.name} (pid {child.process.pid}) exited with code {code}")
+                for sibling in child.siblings:
+                    if sibling.process.poll() is None and not sibling.restarting:
+                        sibling.process.kill()  # restarted below, or on the next tick
                 child.restarting = True
                 task = asyncio.create_task(self._restart(child, code, on_change))
                 restarts.add(task)
@@ -303,13 +312,14 @@ async def _run(mesh: Mesh) -> int:
     model = _flags(args, "model")
     groups = args.data_parallel_size
     suffixes = [""] if groups == 1 else [f"-{g}" for g in range(groups)]  # one worker group: plain names
-    workers = [mesh.start(f"worker{x}", "worker", model + _flags(args, "worker")) for x in suffixes]
+    workers = [_start_worker_group(mesh, f"worker{x}", model + _flags(args, "worker")) for x in suffixes]
     detokenizers = [mesh.start(f"detokenizer-{i}", "detokenizer", model) for i in range(args.detokenizers)]
-    await mesh.wait_ready([*workers, *detokenizers])
+    await mesh.wait_ready([*(rank for ranks in workers for rank in ranks), *detokenizers])
     detok_addresses = ",".join(d.address for d in detokenizers)
-    schedulers = [mesh.start(f"scheduler{x}", "scheduler", ["--workers", worker.address, "--detokenizer-addresses",
-                                                             detok_addresses, *_flags(args, "scheduler")])
-                  for x, worker in zip(suffixes, workers)]
+    schedulers = [mesh.start(f"scheduler{x}", "scheduler", ["--workers", ",".join(r.address for r in ranks),
+                                                             "--detokenizer-addresses", detok_addresses,
+                                                             *_flags(args, "scheduler")])
+                  for x, ranks in zip(suffixes, workers)]
     await mesh.wait_ready(schedulers)
     http = [] if args.no_http else ["--http-port", str(args.http_port)]
     frontend = mesh.start("frontend", "frontend", ["--scheduler", ",".join(s.address for s in schedulers),
@@ -338,6 +348,31 @@ async def _run(mesh: Mesh) -> int:
         write_atomically(Path(args.ready_file), frontend.address)
     await mesh.supervise(on_change=describe)  # until a signal (or, with --fail-fast, a dead child)
     return 0
+
+
+def _start_worker_group(mesh: Mesh, name: str, argv: list[str]) -> list[Child]:
+    """One worker, or with --tensor-parallel-size N the N ranks that share its model (named
+    `<name>-rank<R>`), meeting at a rendezvous address of their own."""
+    size = mesh.args.tensor_parallel_size
+    if size == 1:
+        return [mesh.start(name, "worker", argv)]
+    rendezvous = f"{INTERNAL_HOST}:{_free_port()}"
+    # The ranks share this machine's cores: each gets its share of threads (unless told otherwise), or
+    # their OpenMP teams would spin against each other at every collective.
+    share = str(max(1, (os.cpu_count() or 1) // size))
+    threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": share}
+    ranks = [mesh.start(f"{name}-rank{rank}", "worker", [*argv, "--tensor-parallel-rank", str(rank),
+                                                         "--tensor-parallel-init", rendezvous], env=threads)
+             for rank in range(size)]
+    for rank in ranks:
+        rank.siblings = [other for other in ranks if other is not rank]
+    return ranks
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind((INTERNAL_HOST, 0))
+        return probe.getsockname()[1]
 
 
 def _describe(mesh: Mesh, frontend: Child) -> MeshDescription:

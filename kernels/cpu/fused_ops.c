@@ -5,7 +5,8 @@
  * the KV write two) than in arithmetic. Results follow kernels/reference.py; only the order
  * of the RMSNorm sum and the last bits of exp differ from torch.
  *
- * Layouts (float32): rows are `stride` floats apart where a stride is given, else contiguous.
+ * Layouts (float32; the _bf16 variants below say what they hold in bfloat16): rows are `stride`
+ * elements apart where a stride is given, else contiguous.
  * Built with -fopenmp, sharing torch's OpenMP runtime (see paged_attention.c).
  */
 #include <math.h>
@@ -83,5 +84,87 @@ void rotary_write_kv_f32(float *qkv, int64_t rows, int64_t stride, int64_t heads
             memcpy(key_cache + slot * kv_floats, k, sizeof(float) * (size_t)kv_floats);
             memcpy(value_cache + slot * kv_floats, k + kv_floats, sizeof(float) * (size_t)kv_floats);
         }
+    }
+}
+
+/* ---- The bfloat16 model on CPU (services/worker/model.py): bfloat16 linears and KV cache, with the
+ * residual stream, norms, rotary and attention in float32. These read the linears' bfloat16 outputs,
+ * compute in float32 and round once, where they write bfloat16, to nearest even (vec_math.h). */
+
+/* As add_rms_norm_f32 with x (a linear's output, or NULL) and out in bfloat16; residual and
+ * weight stay float32. */
+void add_rms_norm_bf16(const uint16_t *x, float *residual, const float *weight, uint16_t *out, int64_t rows,
+                       int64_t dim, float eps, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * dim >= PARALLEL_MIN_FLOATS)
+    for (int64_t r = 0; r < rows; ++r) {
+        float *h = residual + r * dim;
+        uint16_t *o = out + r * dim;
+        float sum_squares = 0.0f;
+        if (x != NULL) {
+            const uint16_t *xr = x + r * dim;
+#pragma omp simd reduction(+ : sum_squares)
+            for (int64_t i = 0; i < dim; ++i) {
+                h[i] += bf16_to_f32(xr[i]);
+                sum_squares += h[i] * h[i];
+            }
+        } else {
+#pragma omp simd reduction(+ : sum_squares)
+            for (int64_t i = 0; i < dim; ++i) sum_squares += h[i] * h[i];
+        }
+        const float inv_rms = 1.0f / sqrtf(sum_squares / (float)dim + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) o[i] = f32_to_bf16(weight[i] * (h[i] * inv_rms));
+    }
+}
+
+/* As silu_and_mul_f32, bfloat16 in and out. */
+void silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * inter >= PARALLEL_MIN_FLOATS)
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t *g = gate_up + r * 2 * inter, *u = g + inter;
+        uint16_t *o = out + r * inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; ++i) {
+            const float gate = bf16_to_f32(g[i]);
+            o[i] = f32_to_bf16(gate / (1.0f + exp_f32(-gate)) * bf16_to_f32(u[i]));
+        }
+    }
+}
+
+/* As rotary_write_kv_f32 over a bfloat16 qkv (rows `stride` elements apart), which it leaves as
+ * it is: the rotated queries go to query [rows, heads * head_dim] in float32, the rotated keys,
+ * rounded, and the values, as they are, to the bfloat16 caches. */
+void rotary_write_kv_bf16(const uint16_t *qkv, int64_t rows, int64_t stride, int64_t heads, int64_t kv_heads,
+                          int64_t head_dim, const float *cos, const float *sin, const int64_t *slot_mapping,
+                          uint16_t *key_cache, uint16_t *value_cache, float *query, int num_threads) {
+    const int64_t half = head_dim / 2, kv_elements = kv_heads * head_dim;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * stride >= PARALLEL_MIN_FLOATS)
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t *row = qkv + r * stride;
+        const float *c = cos + r * head_dim, *s = sin + r * head_dim;
+        const int64_t slot = slot_mapping[r];
+        for (int64_t h = 0; h < heads + kv_heads; ++h) {
+            const uint16_t *x1 = row + h * head_dim, *x2 = x1 + half;
+            if (h < heads) {
+                float *q1 = query + (r * heads + h) * head_dim, *q2 = q1 + half;
+#pragma omp simd
+                for (int64_t i = 0; i < half; ++i) {
+                    const float a = bf16_to_f32(x1[i]), b = bf16_to_f32(x2[i]);
+                    q1[i] = a * c[i] - b * s[i];
+                    q2[i] = b * c[i + half] + a * s[i + half];
+                }
+            } else if (slot >= 0) {
+                uint16_t *k1 = key_cache + slot * kv_elements + (h - heads) * head_dim, *k2 = k1 + half;
+#pragma omp simd
+                for (int64_t i = 0; i < half; ++i) {
+                    const float a = bf16_to_f32(x1[i]), b = bf16_to_f32(x2[i]);
+                    k1[i] = f32_to_bf16(a * c[i] - b * s[i]);
+                    k2[i] = f32_to_bf16(b * c[i + half] + a * s[i + half]);
+                }
+            }
+        }
+        if (slot >= 0)
+            memcpy(value_cache + slot * kv_elements, row + (heads + kv_heads) * head_dim,
+                   sizeof(uint16_t) * (size_t)kv_elements);
     }
 }

@@ -14,6 +14,8 @@
  *   out          [num_tokens, kv_heads * group, head_dim]
  * Item i is query token token_rows[i] (a row of query/out), of the request in row
  * request_rows[i] of block_tables, attending to its first context_lens[i] cached tokens.
+ * paged_attention_bf16 is the same over a bfloat16 cache (uint16_t elements): queries, scores,
+ * softmax, sums and out stay float32, each key and value is widened as it is loaded.
  *
  * Built with -fopenmp; after `import torch` the soname libgomp.so.1 resolves to the copy
  * torch already loaded, so this shares torch's thread pool rather than adding a second one.
@@ -54,57 +56,6 @@ static inline void softmax_rows(float *scores, int64_t rows, int64_t seq_len) {
     }
 }
 
-/* One request: the query heads of `part_kv_heads` consecutive KV heads (groups of `group`)
- * attend to seq_len cached tokens; q, o and the caches point at the first of those heads.
- * Every slot of a block holds all KV heads side by side, and a block is contiguous, so
- * walking token by token over all heads streams whole blocks. Inlined into a switch on
- * head_dim so that the common sizes get fully unrolled inner loops. */
-static inline __attribute__((always_inline)) void attend_request(
-    const float *q, const float *key_cache, const float *value_cache, const int32_t *table, int64_t seq_len,
-    int64_t block_size, int64_t kv_heads, int64_t part_kv_heads, int64_t group, const int64_t head_dim,
-    float scale, float *scores /* [heads][seq_len] */, float *acc /* [heads][head_dim] */, float *o) {
-    const int64_t heads = part_kv_heads * group;
-    const int64_t token_stride = kv_heads * head_dim;
-    const int64_t block_stride = block_size * token_stride;
-    for (int64_t start = 0, b = 0; start < seq_len; start += block_size, ++b) {
-        const float *k = key_cache + (int64_t)table[b] * block_stride;
-        const float *next = start + block_size < seq_len ? key_cache + (int64_t)table[b + 1] * block_stride : k;
-        const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
-        for (int64_t t = 0; t < n; ++t, k += token_stride) {
-            prefetch_slot(next + t * token_stride, token_stride);
-            for (int64_t h = 0, hq = 0; h < part_kv_heads; ++h) {
-                const float *kh = k + h * head_dim;
-                for (int64_t g = 0; g < group; ++g, ++hq) {
-                    const float *qh = q + hq * head_dim;
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * kh[d];
-                    scores[hq * seq_len + start + t] = dot * scale;
-                }
-            }
-        }
-    }
-    softmax_rows(scores, heads, seq_len);
-    memset(acc, 0, sizeof(float) * (size_t)(heads * head_dim));
-    for (int64_t start = 0, b = 0; start < seq_len; start += block_size, ++b) {
-        const float *v = value_cache + (int64_t)table[b] * block_stride;
-        const float *next = start + block_size < seq_len ? value_cache + (int64_t)table[b + 1] * block_stride : v;
-        const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
-        for (int64_t t = 0; t < n; ++t, v += token_stride) {
-            prefetch_slot(next + t * token_stride, token_stride);
-            for (int64_t h = 0, hq = 0; h < part_kv_heads; ++h) {
-                const float *vh = v + h * head_dim;
-                for (int64_t g = 0; g < group; ++g, ++hq) {
-                    const float p = scores[hq * seq_len + start + t];
-                    float *a = acc + hq * head_dim;
-#pragma omp simd
-                    for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vh[d];
-                }
-            }
-        }
-    }
-    memcpy(o, acc, sizeof(float) * (size_t)(heads * head_dim));
-}
 
 /* ---- head_dim a multiple of 16: 16-float vectors, query tokens scored 16 context tokens at a time.
  * A dot product of one key with one query head ends in a horizontal sum, which is most of the
@@ -146,124 +97,44 @@ static inline vec16 fold16(const vec16 a[LANES]) {
            SHUFFLE(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-/* Pointers to the slots of the tile of up to 16 tokens starting at t0 (its length). */
-static inline int64_t tile_slots(const float *cache, const int32_t *table, int64_t t0, int64_t seq_len,
-                                 int64_t block_size, int64_t block_stride, int64_t token_stride,
-                                 const float *slots[LANES]) {
-    const int64_t n = seq_len - t0 < LANES ? (seq_len > t0 ? seq_len - t0 : 0) : LANES;
-    for (int64_t j = 0; j < n; ++j) {
-        const int64_t t = t0 + j;
-        slots[j] = cache + (int64_t)table[t / block_size] * block_stride + (t % block_size) * token_stride;
-    }
-    return n;
+
+/* A bfloat16 cache: 16 elements widened to float32 (the upper half of a float's bits). */
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+static inline vec16 load16_bf16(const uint16_t *p) {
+    u16x16 h;
+    memcpy(&h, p, sizeof h);
+    const u32x16 bits = __builtin_convertvector(h, u32x16) << 16;
+    vec16 v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
 }
 
-/* As attend_request, for head_dim = 16 * chunks. Tiles of 16 context tokens: each tile's slots
- * (all KV heads) are read once, while in L1, for every query head. Inlined per head_dim. */
-static inline __attribute__((always_inline)) void attend_request_vec(
-    const float *q, const float *key_cache, const float *value_cache, const int32_t *table, int64_t seq_len,
-    int64_t block_size, int64_t kv_heads, int64_t part_kv_heads, int64_t group, const int64_t head_dim,
-    float scale, float *scores /* [heads][seq_len] */, float *acc /* [heads][head_dim] */, vec16 *partial,
-    float *o) {
-    const int64_t heads = part_kv_heads * group, chunks = head_dim / LANES;
-    const int64_t token_stride = kv_heads * head_dim, block_stride = block_size * token_stride;
-    /* Blocks sit at random places in the pool, and the hardware prefetcher stops at each
-     * block's end: while a tile is computed, the next one is fetched, a slot at a time. */
-    const float *slots[LANES], *next[LANES];
-    int64_t n = tile_slots(key_cache, table, 0, seq_len, block_size, block_stride, token_stride, slots);
-    for (int64_t t0 = 0; t0 < seq_len; t0 += LANES) {
-        const int64_t n_next = tile_slots(key_cache, table, t0 + LANES, seq_len, block_size, block_stride,
-                                          token_stride, next);
-        /* Token by token, every head: memory is read in order, as the prefetchers like it. */
-        for (int64_t j = 0; j < n; ++j) {
-            if (j < n_next) prefetch_slot(next[j], token_stride);
-            for (int64_t hq = 0; hq < heads; ++hq) {
-                const float *qh = q + hq * head_dim, *k = slots[j] + (hq / group) * head_dim;
-                vec16 sum = load16(qh) * load16(k);
-                for (int64_t c = 1; c < chunks; ++c) sum += load16(qh + c * LANES) * load16(k + c * LANES);
-                partial[hq * LANES + j] = sum;
-            }
-        }
-        if (n < LANES)
-            for (int64_t hq = 0; hq < heads; ++hq)
-                for (int64_t j = n; j < LANES; ++j) partial[hq * LANES + j] = (vec16){0};
-        for (int64_t hq = 0; hq < heads; ++hq) {
-            const vec16 tile = fold16(partial + hq * LANES) * scale;
-            if (n == LANES) store16(scores + hq * seq_len + t0, tile);
-            else memcpy(scores + hq * seq_len + t0, &tile, sizeof(float) * (size_t)n);
-        }
-        memcpy(slots, next, sizeof slots);
-        n = n_next;
-    }
-    n = tile_slots(value_cache, table, 0, seq_len, block_size, block_stride, token_stride, slots);
-    for (int64_t j = 0; j < n; ++j) prefetch_slot(slots[j], token_stride);
-    softmax_rows(scores, heads, seq_len);
-    memset(acc, 0, sizeof(float) * (size_t)(heads * head_dim));
-    for (int64_t t0 = 0; t0 < seq_len; t0 += LANES) {
-        const int64_t n_next = tile_slots(value_cache, table, t0 + LANES, seq_len, block_size, block_stride,
-                                          token_stride, next);
-        for (int64_t j = 0; j < n; ++j) {
-            if (j < n_next) prefetch_slot(next[j], token_stride);
-            for (int64_t hq = 0; hq < heads; ++hq) {
-                const float p = scores[hq * seq_len + t0 + j];
-                const float *v = slots[j] + (hq / group) * head_dim;
-                float *a = acc + hq * head_dim;
-                for (int64_t c = 0; c < chunks; ++c) store16(a + c * LANES, load16(a + c * LANES) + p * load16(v + c * LANES));
-            }
-        }
-        memcpy(slots, next, sizeof slots);
-        n = n_next;
-    }
-    memcpy(o, acc, sizeof(float) * (size_t)(heads * head_dim));
+static inline void prefetch_bf16_slot(const uint16_t *slot, int64_t elements) {
+    for (int64_t i = 0; i < elements; i += 32) __builtin_prefetch(slot + i, 0, 2);
 }
 
-/* Returns 0 on success, 1 if a size is out of the supported range, 2 if memory ran out. */
-int paged_attention_f32(const float *query, int64_t query_stride, const float *key_cache, const float *value_cache,
-                        const int32_t *block_tables, int64_t table_width, const int64_t *request_rows,
-                        const int64_t *token_rows, const int32_t *context_lens, int64_t num_items, int64_t kv_heads,
-                        int64_t group, int64_t head_dim, int64_t block_size, float scale, float *out, int num_threads) {
-    if (group < 1 || kv_heads * group > MAX_HEADS || head_dim < 1 || head_dim > MAX_HEAD_DIM) return 1;
-    const int64_t heads = kv_heads * group;
-    int failed = 0;
+#define CONCAT_(a, b) a##_##b
+#define CONCAT(a, b) CONCAT_(a, b)
 
-    /* Many tokens: one work item per token, streaming whole blocks. Fewer tokens than
-     * threads would idle cores, so then each (token, KV head) pair is an item. */
-    const int64_t parts = num_items < 2 * num_threads ? kv_heads : 1;
-    const int64_t heads_per_part = kv_heads / parts;
+/* float32 cache: paged_attention_f32. */
+#define KV_T float
+#define KV_LOAD(p) (*(p))
+#define KV_LOAD16 load16
+#define KV_PREFETCH prefetch_slot
+#define KV_FN(name) CONCAT(name, f32)
+#include "paged_attention_kv.h"
+#undef KV_T
+#undef KV_LOAD
+#undef KV_LOAD16
+#undef KV_PREFETCH
+#undef KV_FN
 
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t work = 0; work < num_items * parts; ++work) {
-        const int64_t item = work / parts, h0 = (work % parts) * heads_per_part;
-        const int64_t seq_len = context_lens[item];
-        const int32_t *table = block_tables + request_rows[item] * table_width;
-        const float *q = query + token_rows[item] * query_stride + h0 * group * head_dim;
-        float *o = out + (token_rows[item] * heads + h0 * group) * head_dim;
-        const float *k = key_cache + h0 * head_dim, *v = value_cache + h0 * head_dim;
-        const int64_t part_heads = heads_per_part * group;
-        /* Per head: 16 vectors of partial dot products, then head_dim sums, then seq_len scores. */
-        const size_t floats = (size_t)part_heads * (size_t)(LANES * LANES + head_dim + seq_len);
-        float *scratch = aligned_alloc(sizeof(vec16), (floats * sizeof(float) + sizeof(vec16) - 1) /
-                                                          sizeof(vec16) * sizeof(vec16));
-        if (scratch == NULL) {
-#pragma omp atomic write
-            failed = 2;
-            continue;
-        }
-        vec16 *partial = (vec16 *)scratch;
-        float *acc = scratch + part_heads * LANES * LANES, *scores = acc + part_heads * head_dim;
-#define ATTEND_VEC(dim)                                                                                              \
-    attend_request_vec(q, k, v, table, seq_len, block_size, kv_heads, heads_per_part, group, dim, scale, scores, acc, \
-                       partial, o)
-        switch (head_dim) {
-        case 64: ATTEND_VEC(64); break;
-        case 128: ATTEND_VEC(128); break;
-        default:
-            if (head_dim % LANES == 0) ATTEND_VEC(head_dim);
-            else attend_request(q, k, v, table, seq_len, block_size, kv_heads, heads_per_part, group, head_dim, scale,
-                                scores, acc, o);
-        }
-#undef ATTEND_VEC
-        free(scratch);
-    }
-    return failed;
-}
+/* bfloat16 cache, float32 queries, arithmetic and output: paged_attention_bf16. */
+#define KV_T uint16_t
+#define KV_LOAD(p) bf16_to_f32(*(p))
+#define KV_LOAD16 load16_bf16
+#define KV_PREFETCH prefetch_bf16_slot
+#define KV_FN(name) CONCAT(name, bf16)
+#include "paged_attention_kv.h"

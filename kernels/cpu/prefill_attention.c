@@ -17,6 +17,8 @@
  * Chunk c is query rows chunk_starts[c] .. + chunk_lens[c] of the request in row
  * chunk_requests[c] of block_tables, whose context is chunk_seq_lens[c] tokens once the chunk
  * is written: its token i sits at position seq_len - len + i and sees positions 0 ..= that.
+ * prefill_attention_bf16 is the same over a bfloat16 cache (uint16_t elements), widened as loaded;
+ * everything else stays float32.
  */
 #include <math.h>
 #include <stdint.h>
@@ -123,174 +125,37 @@ static inline __attribute__((always_inline)) void score_rows(const float *q, con
         for (int64_t c = 0; c < KEY_VECS; ++c) store16(scores + r * KEY_TILE + c * LANES, acc[r][c]);
 }
 
-/* acc[r] += sum_j p[r][j] v[j] over n keys, for PV_ROWS rows (or fewer) and the 4 (or fewer)
- * vectors of head_dim starting at vector c0. */
-static inline __attribute__((always_inline)) void accumulate_rows(const float *p, const float *const *v, int64_t n,
-                                                                  int64_t rows, int64_t c0, int64_t chunks,
-                                                                  const int64_t head_dim, float *acc) {
-    vec16 a[PV_ROWS][4];
-    const int64_t width = chunks - c0 < 4 ? chunks - c0 : 4;
-    for (int64_t r = 0; r < PV_ROWS; ++r)
-        for (int64_t c = 0; c < 4; ++c)
-            a[r][c] = r < rows && c < width ? load16(acc + r * head_dim + (c0 + c) * LANES) : (vec16){0};
-    for (int64_t j = 0; j < n; ++j) {
-        vec16 vj[4];
-        for (int64_t c = 0; c < 4; ++c) vj[c] = c < width ? load16(v[j] + (c0 + c) * LANES) : (vec16){0};
-        for (int64_t r = 0; r < PV_ROWS; ++r) {
-            if (r < rows) {
-                const vec16 pj = splat16(p[r * KEY_TILE + j]);
-                for (int64_t c = 0; c < 4; ++c) a[r][c] += pj * vj[c];
-            }
-        }
-    }
-    for (int64_t r = 0; r < rows && r < PV_ROWS; ++r)
-        for (int64_t c = 0; c < width; ++c) store16(acc + r * head_dim + (c0 + c) * LANES, a[r][c]);
+
+/* A bfloat16 cache: 16 elements widened to float32 (the upper half of a float's bits). */
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+static inline vec16 load16_bf16(const uint16_t *p) {
+    u16x16 h;
+    memcpy(&h, p, sizeof h);
+    const u32x16 bits = __builtin_convertvector(h, u32x16) << 16;
+    vec16 v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
 }
 
-/* One work item: query tokens [i0, i1) of a chunk, the `group` query heads of KV head h. */
-static inline __attribute__((always_inline)) void attend_tile(
-    const float *query, int64_t query_stride, const float *key_cache, const float *value_cache,
-    const int32_t *table, int64_t first_row, int64_t first_position, int64_t i0, int64_t i1, int64_t h,
-    int64_t kv_heads, int64_t group, const int64_t head_dim, int64_t block_size, float scale, float *out,
-    float *scratch) {
-    const int64_t rows = (i1 - i0) * group, chunks = head_dim / LANES, heads = kv_heads * group;
-    const int64_t token_stride = kv_heads * head_dim, block_stride = block_size * token_stride;
-    float *q = scratch;                       /* [rows][head_dim], scaled */
-    float *acc = q + rows * head_dim;         /* [rows][head_dim] */
-    float *scores = acc + rows * head_dim;    /* [rows][KEY_TILE] */
-    float *kt = scores + rows * KEY_TILE;     /* [head_dim][KEY_TILE] */
-    float *row_max = kt + head_dim * KEY_TILE; /* [rows] */
-    float *row_sum = row_max + rows;          /* [rows] */
-    for (int64_t i = i0; i < i1; ++i)
-        for (int64_t g = 0; g < group; ++g) {
-            const float *src = query + (first_row + i) * query_stride + (h * group + g) * head_dim;
-            float *dst = q + ((i - i0) * group + g) * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) dst[d] = src[d] * scale;
-        }
-    memset(acc, 0, sizeof(float) * (size_t)(rows * head_dim));
-    for (int64_t r = 0; r < rows; ++r) row_max[r] = -INFINITY, row_sum[r] = 0.0f;
+#define CONCAT_(a, b) a##_##b
+#define CONCAT(a, b) CONCAT_(a, b)
 
-    const int64_t key_end = first_position + i1; /* the last token sees up to here */
-    const float *v_slots[KEY_TILE];
-    for (int64_t t0 = 0; t0 < key_end; t0 += KEY_TILE) {
-        const int64_t n = key_end - t0 < KEY_TILE ? key_end - t0 : KEY_TILE;
-        for (int64_t j = 0; j < n; ++j) {
-            const int64_t t = t0 + j;
-            const int64_t offset = (int64_t)table[t / block_size] * block_stride + (t % block_size) * token_stride +
-                                   h * head_dim;
-            const float *k = key_cache + offset;
-            v_slots[j] = value_cache + offset;
-            for (int64_t d = 0; d < head_dim; ++d) kt[d * KEY_TILE + j] = k[d];
-        }
-        for (int64_t j = n; j < KEY_TILE; ++j)
-            for (int64_t d = 0; d < head_dim; ++d) kt[d * KEY_TILE + j] = 0.0f;
-        /* Whole blocks with a constant row count, so that the accumulators stay in registers. */
-        int64_t r = 0;
-        for (; r + QK_ROWS <= rows; r += QK_ROWS)
-            score_rows(q + r * head_dim, kt, QK_ROWS, head_dim, scores + r * KEY_TILE);
-        if (r < rows) score_rows(q + r * head_dim, kt, rows - r, head_dim, scores + r * KEY_TILE);
-        /* Online softmax: rescale what each row holds when its maximum grows. */
-        for (r = 0; r < rows; ++r) {
-            const int64_t position = first_position + i0 + r / group;
-            float *s = scores + r * KEY_TILE;
-            const int64_t visible = position - t0 + 1 < n ? position - t0 + 1 : n; /* keys this row sees */
-            if (visible <= 0) {
-                memset(s, 0, sizeof(float) * KEY_TILE);
-                continue;
-            }
-            idx16 seen[KEY_VECS];
-            vec16 v[KEY_VECS], most = splat16(-INFINITY);
-            for (int64_t c = 0; c < KEY_VECS; ++c) {
-                seen[c] = lane_index + (int32_t)(c * LANES) < (int32_t)visible;
-                v[c] = select16(seen[c], load16(s + c * LANES), splat16(-INFINITY));
-                most = select16(v[c] > most, v[c], most);
-            }
-            const float tile_max = max_lane(most);
-            const float new_max = tile_max > row_max[r] ? tile_max : row_max[r];
-            vec16 total = (vec16){0};
-            for (int64_t c = 0; c < KEY_VECS; ++c) {
-                const vec16 e = select16(seen[c], exp16(v[c] - new_max), (vec16){0});
-                store16(s + c * LANES, e);
-                total += e;
-            }
-            if (new_max > row_max[r]) {
-                const float alpha = row_max[r] == -INFINITY ? 0.0f : exp_f32(row_max[r] - new_max);
-                row_sum[r] *= alpha;
-                float *a = acc + r * head_dim;
-                for (int64_t c = 0; c < chunks; ++c) store16(a + c * LANES, load16(a + c * LANES) * alpha);
-                row_max[r] = new_max;
-            }
-            row_sum[r] += sum_lanes(total);
-        }
-        for (r = 0; r + PV_ROWS <= rows; r += PV_ROWS)
-            for (int64_t c0 = 0; c0 < chunks; c0 += 4)
-                accumulate_rows(scores + r * KEY_TILE, v_slots, n, PV_ROWS, c0, chunks, head_dim,
-                                acc + r * head_dim);
-        for (int64_t c0 = 0; r < rows && c0 < chunks; c0 += 4)
-            accumulate_rows(scores + r * KEY_TILE, v_slots, n, rows - r, c0, chunks, head_dim, acc + r * head_dim);
-    }
-    for (int64_t i = i0; i < i1; ++i)
-        for (int64_t g = 0; g < group; ++g) {
-            const int64_t r = (i - i0) * group + g;
-            const float inv = 1.0f / row_sum[r];
-            float *dst = out + ((first_row + i) * heads + h * group + g) * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) dst[d] = acc[r * head_dim + d] * inv;
-        }
-}
+/* float32 cache: prefill_attention_f32. */
+#define KV_T float
+#define KV_LOAD(p) (*(p))
+#define KV_LOAD16 load16
+#define KV_FN(name) CONCAT(name, f32)
+#include "prefill_attention_kv.h"
+#undef KV_T
+#undef KV_LOAD
+#undef KV_LOAD16
+#undef KV_FN
 
-/* Returns 0 on success, 1 if a size is out of the supported range (head_dim must be a
- * multiple of 16), 2 if memory ran out. */
-int prefill_attention_f32(const float *query, int64_t query_stride, const float *key_cache, const float *value_cache,
-                          const int32_t *block_tables, int64_t table_width, const int64_t *chunk_requests,
-                          const int64_t *chunk_starts, const int32_t *chunk_lens, const int32_t *chunk_seq_lens,
-                          int64_t num_chunks, int64_t kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
-                          float scale, float *out, int num_threads) {
-    if (group < 1 || kv_heads * group > MAX_HEADS || head_dim < LANES || head_dim > MAX_HEAD_DIM ||
-        head_dim % LANES)
-        return 1;
-    const int64_t tile_tokens = group >= TILE_ROWS ? 1 : TILE_ROWS / group;
-    /* Work items: (chunk, query tile, KV head); first_item[c] is chunk c's first. */
-    int64_t *first_item = malloc(sizeof(int64_t) * (size_t)(num_chunks + 1));
-    if (first_item == NULL) return 2;
-    first_item[0] = 0;
-    for (int64_t c = 0; c < num_chunks; ++c)
-        first_item[c + 1] = first_item[c] + (chunk_lens[c] + tile_tokens - 1) / tile_tokens * kv_heads;
-    const int64_t num_items = first_item[num_chunks];
-    const int64_t rows = tile_tokens * group;
-    const size_t floats = (size_t)(2 * rows * head_dim + rows * KEY_TILE + head_dim * KEY_TILE + 2 * rows);
-    int failed = 0;
-
-#pragma omp parallel num_threads(num_threads)
-    {
-        float *scratch = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
-        if (scratch == NULL) {
-#pragma omp atomic write
-            failed = 2;
-        }
-        /* Backwards: the last chunk's tiles first, and within every chunk its last tiles (those
-         * that see the most keys) before its first, so the long items do not come last. */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t work = num_items - 1; work >= 0; --work) {
-            if (scratch == NULL) continue;
-            int64_t c = 0;
-            while (first_item[c + 1] <= work) ++c;
-            const int64_t local = work - first_item[c], tile = local / kv_heads, h = local % kv_heads;
-            const int64_t len = chunk_lens[c], i0 = tile * tile_tokens;
-            const int64_t i1 = i0 + tile_tokens < len ? i0 + tile_tokens : len;
-            const int32_t *table = block_tables + chunk_requests[c] * table_width;
-            const int64_t first_position = chunk_seq_lens[c] - len;
-#define ATTEND_TILE(dim)                                                                                          \
-    attend_tile(query, query_stride, key_cache, value_cache, table, chunk_starts[c], first_position, i0, i1, h,   \
-                kv_heads, group, dim, block_size, scale, out, scratch)
-            switch (head_dim) {
-            case 64: ATTEND_TILE(64); break;
-            case 128: ATTEND_TILE(128); break;
-            default: ATTEND_TILE(head_dim);
-            }
-#undef ATTEND_TILE
-        }
-        free(scratch);
-    }
-    free(first_item);
-    return failed;
-}
+/* bfloat16 cache, float32 queries, arithmetic and output: prefill_attention_bf16. */
+#define KV_T uint16_t
+#define KV_LOAD(p) bf16_to_f32(*(p))
+#define KV_LOAD16 load16_bf16
+#define KV_FN(name) CONCAT(name, bf16)
+#include "prefill_attention_kv.h"

@@ -110,3 +110,107 @@ int packed_small_batch_linear_f32(const float *x, const float *w, const float *b
     }
     return 0;
 }
+
+/* ---- bfloat16 weights (the bfloat16 model, services/worker/model.py). oneDNN packs a bfloat16 weight
+ * as AB16b64a2b on AVX-512: again blocks of 64 output features, block b a row-major
+ * [padded_in / 2][64][2] array at w + b * padded_in * 64 (elements): for each pair of input features,
+ * the 64 outputs' two weights side by side (the layout of AVX512-BF16's pairwise dot product).
+ * services/worker/linear.py checks it weight by weight, as for float32. Read 32 bits per output
+ * lane, the pair's first weight is the low half shifted up and its second the high half masked, both
+ * exact floats: the products and sums are float32 FMAs, as in the float32 kernel, at half the bytes.
+ * x is widened into float32 once per call (zero-padded to padded_in), y rounded to bfloat16. */
+#include <stdlib.h>
+
+#include "vec_math.h"
+
+typedef uint32_t lanes_u32 __attribute__((vector_size(LANES * sizeof(uint32_t))));
+
+static inline __attribute__((always_inline)) void packed_pass_bf16(const float *x, const uint16_t *w,
+                                                                   int64_t pairs, int64_t x_stride, uint16_t *y,
+                                                                   const uint16_t *bias, int64_t out_features,
+                                                                   int64_t first_out, const int ROWS,
+                                                                   const int GROUPS) {
+    lanes_f32 acc[4][GROUPS_PER_BLOCK];
+    for (int r = 0; r < ROWS; ++r)
+        for (int g = 0; g < GROUPS; ++g) acc[r][g] = (lanes_f32){0};
+    for (int64_t p = 0; p < pairs; ++p) {
+        lanes_f32 first[GROUPS_PER_BLOCK], second[GROUPS_PER_BLOCK];
+        for (int g = 0; g < GROUPS; ++g) {
+            lanes_u32 bits;
+            memcpy(&bits, w + p * 2 * PACKED_OUT_BLOCK + g * 2 * LANES, sizeof bits);
+            const lanes_u32 low = bits << 16, high = bits & 0xffff0000u;
+            memcpy(&first[g], &low, sizeof low);
+            memcpy(&second[g], &high, sizeof high);
+        }
+        for (int r = 0; r < ROWS; ++r) {
+            const float x0 = x[r * x_stride + 2 * p], x1 = x[r * x_stride + 2 * p + 1];
+            /* Two separate updates: two FMAs, where one expression would be a multiply, an FMA and an add. */
+            for (int g = 0; g < GROUPS; ++g) {
+                acc[r][g] += x0 * first[g];
+                acc[r][g] += x1 * second[g];
+            }
+        }
+    }
+    for (int r = 0; r < ROWS; ++r)
+        for (int g = 0; g < GROUPS; ++g)
+            for (int lane = 0; lane < LANES; ++lane) {
+                const int64_t o = first_out + g * LANES + lane;
+                if (o < out_features)
+                    y[r * out_features + o] = f32_to_bf16(acc[r][g][lane] + (bias ? bf16_to_f32(bias[o]) : 0.0f));
+            }
+}
+
+#define PACKED_PASS_BF16_ROWS(GROUPS)                                                                             \
+    switch (rows) {                                                                                               \
+    case 1: packed_pass_bf16(x, w, pairs, x_stride, y, bias, out_features, first_out, 1, GROUPS); break;          \
+    case 2: packed_pass_bf16(x, w, pairs, x_stride, y, bias, out_features, first_out, 2, GROUPS); break;          \
+    case 3: packed_pass_bf16(x, w, pairs, x_stride, y, bias, out_features, first_out, 3, GROUPS); break;          \
+    default: packed_pass_bf16(x, w, pairs, x_stride, y, bias, out_features, first_out, 4, GROUPS); break;         \
+    }
+
+static void packed_groups_bf16(const float *x, const uint16_t *w, int64_t pairs, int64_t x_stride, uint16_t *y,
+                               const uint16_t *bias, int64_t out_features, int64_t first_out, int64_t rows,
+                               int64_t groups) {
+    if (groups == GROUPS_PER_BLOCK) {
+        PACKED_PASS_BF16_ROWS(GROUPS_PER_BLOCK)
+        return;
+    }
+    for (int64_t g = 0; g < groups; ++g, w += 2 * LANES, first_out += LANES) PACKED_PASS_BF16_ROWS(1)
+}
+
+/* x [rows <= 4, in]: bfloat16 when x_bf16, else float32; w as above (bfloat16, padded_in even and
+ * >= in); bias [out] bfloat16 or NULL; y [rows, out] bfloat16. Returns 0, 1 for a bad size, 2 when
+ * out of memory. */
+int packed_small_batch_linear_bf16(const void *x, int x_bf16, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                                   int64_t rows, int64_t out_features, int64_t in_features, int64_t padded_in,
+                                   int num_threads) {
+    if (rows == 0) return 0;
+    if (rows < 0 || rows > 4 || padded_in < in_features || padded_in % 2) return 1;
+    float *xf = calloc((size_t)(rows * padded_in), sizeof(float));
+    if (xf == NULL) return 2;
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < in_features; ++i)
+            xf[r * padded_in + i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[r * in_features + i])
+                                           : ((const float *)x)[r * in_features + i];
+    const int64_t pairs = (in_features + 1) / 2, x_stride = padded_in;
+    const int64_t blocks = (out_features + PACKED_OUT_BLOCK - 1) / PACKED_OUT_BLOCK;
+    const int64_t units = blocks * GROUPS_PER_BLOCK;
+    const float *x_in = xf;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        int64_t unit = units * t / threads;
+        const int64_t end = units * (t + 1) / threads;
+        while (unit < end) {
+            const int64_t block = unit / GROUPS_PER_BLOCK, first_group = unit % GROUPS_PER_BLOCK;
+            const int64_t left_in_run = end - block * GROUPS_PER_BLOCK;
+            const int64_t stop = left_in_run < GROUPS_PER_BLOCK ? left_in_run : GROUPS_PER_BLOCK;
+            const uint16_t *block_w = w + block * padded_in * PACKED_OUT_BLOCK + first_group * 2 * LANES;
+            packed_groups_bf16(x_in, block_w, pairs, x_stride, y, bias, out_features,
+                               block * PACKED_OUT_BLOCK + first_group * LANES, rows, stop - first_group);
+            unit = block * GROUPS_PER_BLOCK + stop;
+        }
+    }
+    free(xf);
+    return 0;
+}

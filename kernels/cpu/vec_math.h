@@ -28,4 +28,21 @@ static inline float exp_f32(float x) {
     return p * two_to_n;
 }
 
+/* bfloat16 is the upper half of a float32's bits: widening is exact, and narrowing rounds to
+ * nearest even as torch's .to(torch.bfloat16) does (a NaN becomes torch's quiet NaN), so that a
+ * kernel's bfloat16 output equals torch's rounding of the same float. */
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    return f != f ? (uint16_t)0x7fc0u : (uint16_t)rounded;
+}
+
 #endif

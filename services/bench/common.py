@@ -87,7 +87,8 @@ async def mesh_stats(mesh: RunningMesh) -> tuple[Any, Any]:
     async with channel(mesh.services["scheduler"][0], "scheduler") as ch:
         s = await scheduler_pb2_grpc.SchedulerServiceStub(ch).GetSchedulerStats(
             scheduler_pb2.GetSchedulerStatsRequest())
-    async with channel(mesh.services["worker"][0], "worker") as ch:
+    worker = "worker" if "worker" in mesh.services else "worker-rank0"  # a tensor-parallel group's rank 0
+    async with channel(mesh.services[worker][0], "worker") as ch:
         w = await worker_pb2_grpc.WorkerServiceStub(ch).GetWorkerStats(worker_pb2.GetWorkerStatsRequest())
     return s, w
 

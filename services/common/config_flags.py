@@ -98,10 +98,14 @@ def add_option(group: argparse._ActionsContainer, flag: str, **kwargs: Any) -> N
 
 
 def add_settings(group: argparse._ActionsContainer, config_class: type, section: str,
-                 defaults: dict[str, Any] | None = None, helps: dict[str, str] | None = None) -> None:
-    """One flag per setting of `config_class` in `section`. `defaults` and `helps` (by field name)
-    are for a command whose default differs, e.g. `vmesh serve` turning the HTTP API on."""
+                 defaults: dict[str, Any] | None = None, helps: dict[str, str] | None = None,
+                 skip: Collection[str] = ()) -> None:
+    """One flag per setting of `config_class` in `section`, but the fields in `skip`. `defaults`
+    and `helps` (by field name) are for a command whose default differs, e.g. `vmesh serve`
+    turning the HTTP API on."""
     for f, spec in settings_of(config_class, section):
+        if f.name in skip:
+            continue
         help_text = (helps or {}).get(f.name, spec.help)
         if spec.is_switch:
             add_option(group, spec.flag, action="store_true", help=help_text)
@@ -118,6 +122,8 @@ def values_from_args(config_class: type, args: argparse.Namespace, section: str 
     """Field name -> value, from parsed flags: the keyword arguments that rebuild `config_class`."""
     values = {}
     for f, spec in settings_of(config_class, section):
+        if not hasattr(args, spec.dest):  # a command without this flag (add_settings' skip): the default
+            continue
         value = getattr(args, spec.dest)
         if spec.negated:
             value = not value
@@ -139,8 +145,10 @@ def forwarded_argv(config_class: type, section: str, args: argparse.Namespace,
     so the child's own default, the same definition, applies."""
     argv: list[str] = []
     for flag, dest in section_flags(config_class, section):
+        if dest in skip:
+            continue
         value = getattr(args, dest)
-        if value is None or value is False or dest in skip:
+        if value is None or value is False:
             continue
         argv += [flag] if value is True else [flag, str(value)]
     return argv

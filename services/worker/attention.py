@@ -60,7 +60,7 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def write_kv(self, key, value, key_cache, value_cache, slot_mapping):
-        write_kv_ref(key, value, key_cache, value_cache, slot_mapping)
+        write_kv_ref(key.to(key_cache.dtype), value.to(value_cache.dtype), key_cache, value_cache, slot_mapping)
 
     def attend(self, query, key_cache, value_cache, meta, scale):
         out = torch.empty_like(query)
@@ -88,9 +88,11 @@ class TorchAttentionBackend(AttentionBackend):
         return rows_t, meta.query_start_loc[rows_t].long()
 
     @staticmethod
-    def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int) -> torch.Tensor:
-        # [..., num_blocks] block ids -> [..., kv_heads, num_blocks * block_size, head_dim]
-        blocks = cache[block_table[..., :num_blocks].long()]
+    def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int,
+                        dtype: torch.dtype) -> torch.Tensor:
+        # [..., num_blocks] block ids -> [..., kv_heads, num_blocks * block_size, head_dim], in the
+        # query's dtype (float32 over the mixed bfloat16 model's cache)
+        blocks = cache[block_table[..., :num_blocks].long()].to(dtype)
         lead = blocks.shape[:-4]
         blocks = blocks.reshape(*lead, num_blocks * cache.shape[1], cache.shape[2], cache.shape[3])
         return blocks.transpose(-3, -2)
@@ -110,8 +112,8 @@ class TorchAttentionBackend(AttentionBackend):
             meta.backend_cache["padded"] = self._plan_padded(meta, rows, key_cache.shape[1])
         tables, num_blocks, mask = meta.backend_cache["padded"]
         head_dim = key_cache.shape[3]
-        keys = self._gather_context(key_cache, tables, num_blocks)  # [B, kvh, L, d]
-        values = self._gather_context(value_cache, tables, num_blocks)
+        keys = self._gather_context(key_cache, tables, num_blocks, query.dtype)  # [B, kvh, L, d]
+        values = self._gather_context(value_cache, tables, num_blocks, query.dtype)
         # The query heads sharing one KV head become that head's "query length" (GQA).
         q = query[token_index].view(len(rows), key_cache.shape[2], -1, head_dim)
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
@@ -120,8 +122,8 @@ class TorchAttentionBackend(AttentionBackend):
     def _attend_chunk(self, query, key_cache, value_cache, block_table, seq_len, scale):
         n, heads, _ = query.shape
         num_blocks = -(-seq_len // key_cache.shape[1])
-        keys = self._gather_context(key_cache, block_table, num_blocks)[:, :seq_len]
-        values = self._gather_context(value_cache, block_table, num_blocks)[:, :seq_len]
+        keys = self._gather_context(key_cache, block_table, num_blocks, query.dtype)[:, :seq_len]
+        values = self._gather_context(value_cache, block_table, num_blocks, query.dtype)[:, :seq_len]
         q = query.transpose(0, 1)  # [heads, n, d]
         kv_heads = keys.shape[0]
         if kv_heads != heads:
@@ -144,8 +146,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
     token); prefill chunks, whatever their length or cached context, to the tiled kernel,
     which reads each key and value once per tile of query tokens and computes the scores and
     the weighted values as register-blocked matrix products (timings in benchmarks/README.md,
-    "Prefill attention"). The plan is built once per step from the host copies, in work that
-    grows with the number of requests, not with their lengths."""
+    "Prefill attention"). Both take a float32 or a bfloat16 cache (float32 queries and sums).
+    The plan is built once per step from the host copies, in work that grows with the number
+    of requests, not with their lengths."""
 
     name = "cpu"
 

@@ -37,7 +37,11 @@ class WorkerConfig:
         None, section="model", help="where converted GGUF models are cached (default ~/.cache/vmesh)")
 
     device: str = setting("auto", section="worker", help="cpu, cuda, cuda:N or auto")
-    dtype: str = setting("float32", section="worker", choices=["float32", "float16", "bfloat16"])
+    # bfloat16 on CPU: bfloat16 weights, linears and KV cache, float32 residual stream, norms and
+    # attention sums (services/worker/model.py).
+    dtype: str = setting("float32", section="worker", choices=["float32", "float16", "bfloat16"],
+                         help="float32, float16 or bfloat16 (CPU: bfloat16 weights and KV cache, float32 residual "
+                              "stream and attention arithmetic)")
     # native: linears keep a GGUF file's Q4_0/Q4_1/Q8_0 blocks (services/worker/quantized_linear.py).
     weights: str = setting(
         "dequantized", section="worker", choices=["dequantized", "native"],
@@ -53,8 +57,22 @@ class WorkerConfig:
     max_model_len: int | None = setting(  # None: the model's own context length
         None, section="worker", parse_flag=int)
     attention_backend: str = setting("auto", section="worker", choices=["auto", "cpu", "torch", "triton"])
-    # CPU, float32: 1-4 row linears through kernels/cpu (faster single streams). They read
-    # oneDNN's packed copy where its layout is the known one (AVX-512), else keep a plain copy.
+    # CPU, float32 or bfloat16: 1-4 row linears through kernels/cpu (faster single streams). They
+    # read oneDNN's packed copy where its layout is the known one (AVX-512), else float32 keeps a
+    # plain copy and bfloat16 leaves those rows to oneDNN.
     small_batch_linear: bool = setting(
         True, section="worker", flag="--no-small-batch-linear", negated=True,
         help="CPU: skip the 1-4 row linear kernel (oneDNN serves every batch size)")
+    # Tensor parallelism (services/worker/tensor_parallel.py): this many worker processes, each started
+    # with its own rank and the same rendezvous address, hold one model between them.
+    tensor_parallel_size: int = setting(
+        1, section="worker", help="worker processes that share one model (tensor parallelism): start each with "
+                                  "its own --tensor-parallel-rank and the same --tensor-parallel-init")
+    tensor_parallel_rank: int = setting(0, section="worker", help="this process's rank in its tensor-parallel group")
+    tensor_parallel_init: str = setting(
+        "", section="worker", help="host:port where rank 0 listens for its group's rendezvous (tensor parallelism)")
+
+
+# Settings that differ between the worker processes of one tensor-parallel group: `vmesh serve`
+# sets them per rank instead of taking them as flags.
+PER_WORKER_PROCESS = ("tensor_parallel_rank", "tensor_parallel_init")

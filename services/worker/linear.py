@@ -12,6 +12,12 @@ output features as the transpose of their weight rows, already the layout a matr
 product wants. Each weight is therefore held once. Where oneDNN picks another layout (another
 instruction set), checked weight by weight at load, the layer keeps a plain copy for the
 small-batch kernel instead, and says so in `held_bytes`.
+
+bfloat16 weights (the bfloat16 model on CPU) are packed as AB16b64a2b: the same blocks of 64
+output features, each input pair's two weights side by side. The small-batch kernel reads that
+too (checked the same way); where it is not the layout, 1-4 rows go to oneDNN, and no plain copy
+is kept. oneDNN's bfloat16 products run at about 0.6x its float32 ones on AVX-512 without AMX
+(benchmarks/README.md): bfloat16 halves the bytes, which is what 1-4 rows are bound by.
 """
 
 from __future__ import annotations
@@ -43,34 +49,50 @@ def onednn_packing_usable(weight: torch.Tensor) -> bool:
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def packed_buffer(packed: torch.Tensor) -> torch.Tensor:
-    """The raw float32 buffer behind an opaque oneDNN tensor, as a flat tensor sharing its memory
+def packed_buffer(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The raw buffer behind an opaque oneDNN tensor, as a flat `dtype` tensor sharing its memory
     (valid while `packed` lives)."""
     nbytes = torch.ops.mkldnn._nbytes(packed)
-    raw = (ctypes.c_float * (nbytes // 4)).from_address(torch.ops.mkldnn.data_ptr(packed))
-    return torch.frombuffer(raw, dtype=torch.float32)
+    raw = (ctypes.c_uint8 * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed))
+    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
 
 
 def packed_in_features(weight: torch.Tensor, packed: torch.Tensor) -> int | None:
     """The padded input width if `packed` holds `weight` in the layout the small-batch kernel
-    reads (blocks of 64 output features, each a row-major [padded_in, 64] array), else None.
-    Compared value by value: oneDNN documents no layout, and a wrong guess would be wrong output."""
-    if weight.dtype != torch.float32 or not all(hasattr(torch.ops.mkldnn, op) for op in ("data_ptr", "_nbytes")):
+    reads, else None: blocks of 64 output features, each a row-major [padded_in, 64] array for
+    float32, [padded_in / 2, 64, 2] for bfloat16 (zero padding included). Compared value by
+    value: oneDNN documents no layout, and a wrong guess would be wrong output."""
+    if weight.dtype not in (torch.float32, torch.bfloat16) or not all(
+            hasattr(torch.ops.mkldnn, op) for op in ("data_ptr", "_nbytes")):
         return None
     out_features, in_features = weight.shape
     blocks = -(-out_features // PACKED_OUT_BLOCK)
-    floats = torch.ops.mkldnn._nbytes(packed) // 4
-    if floats % (blocks * PACKED_OUT_BLOCK):
+    elements = torch.ops.mkldnn._nbytes(packed) // weight.element_size()
+    if elements % (blocks * PACKED_OUT_BLOCK):
         return None
-    padded_in = floats // (blocks * PACKED_OUT_BLOCK)
-    if padded_in < in_features:
+    padded_in = elements // (blocks * PACKED_OUT_BLOCK)
+    if padded_in < in_features or (weight.dtype == torch.bfloat16 and padded_in % 2):
         return None
-    raw = packed_buffer(packed).view(blocks, padded_in, PACKED_OUT_BLOCK)
+    raw = packed_blocks(packed, weight.dtype, padded_in)
     for block in range(blocks):  # block by block: no transient copy of a whole weight
         rows = weight[block * PACKED_OUT_BLOCK:(block + 1) * PACKED_OUT_BLOCK]
-        if not torch.equal(raw[block, :in_features, :rows.shape[0]], rows.T):
+        if weight.dtype == torch.float32:
+            if not torch.equal(raw[block, :in_features, :rows.shape[0]], rows.T):
+                return None
+            continue
+        padded = torch.zeros(rows.shape[0], padded_in, dtype=rows.dtype)
+        padded[:, :in_features] = rows
+        if not torch.equal(raw[block, :, :rows.shape[0]], padded.view(rows.shape[0], -1, 2).transpose(0, 1)):
             return None
     return padded_in
+
+
+def packed_blocks(packed: torch.Tensor, dtype: torch.dtype, padded_in: int) -> torch.Tensor:
+    """The packed buffer as its blocks: [blocks, padded_in, 64] (float32) or [blocks, padded_in / 2,
+    64, 2] (bfloat16)."""
+    if dtype == torch.float32:
+        return packed_buffer(packed).view(-1, padded_in, PACKED_OUT_BLOCK)
+    return packed_buffer(packed, dtype).view(-1, padded_in // 2, PACKED_OUT_BLOCK, 2)
 
 
 class Linear:
@@ -79,11 +101,12 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
                  small_batch_kernels: CpuKernels | None = None):
         self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
         self.bias = bias.contiguous() if bias is not None else None
         # Kept only while no other representation serves every row count.
         self.weight: torch.Tensor | None = weight.contiguous()
-        self._small_batch = (small_batch_kernels if weight.dtype == torch.float32 and weight.device.type == "cpu"
-                             else None)
+        self._small_batch = (small_batch_kernels if weight.dtype in (torch.float32, torch.bfloat16)
+                             and weight.device.type == "cpu" else None)
         self._packed: torch.Tensor | None = None
         self._packed_address = 0
         self._packed_in_features: int | None = None
@@ -92,20 +115,31 @@ class Linear:
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACKING_ROWS_HINT)
             except RuntimeError as exc:  # an unusual torch build: fall back, loudly
                 logger.warning("oneDNN weight packing failed (%s); using F.linear", exc)
-        # [blocks, padded_in, 64] over the packed copy, where its layout is the one checked.
+        # packed_blocks' view of the packed copy, where its layout is the one checked.
         self._packed_blocks: torch.Tensor | None = None
-        if self._packed is not None and weight.dtype == torch.float32:
+        if self._packed is not None:
             self._packed_in_features = packed_in_features(self.weight, self._packed)
             if self._packed_in_features is not None:
                 self._packed_address = torch.ops.mkldnn.data_ptr(self._packed)
-                self._packed_blocks = packed_buffer(self._packed).view(-1, self._packed_in_features,
-                                                                       PACKED_OUT_BLOCK)
+                self._packed_blocks = packed_blocks(self._packed, weight.dtype, self._packed_in_features)
+        if self._packed_blocks is None and weight.dtype == torch.bfloat16:
+            self._small_batch = None  # oneDNN then serves 1-4 rows too: no plain bfloat16 copy is kept for them
         if self._packed is not None and (self._small_batch is None or self._packed_blocks is not None):
             self.weight = None  # the packed copy serves every row count
 
     @property
     def packed(self) -> bool:
         return self._packed is not None
+
+    @property
+    def kernel_description(self) -> str:
+        """What multiplies by this weight, for the load-time log."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        if self._packed is None:
+            return f"F.linear {dtype}"
+        if self._small_batch is not None:
+            return f"oneDNN {dtype} packed, 1-{SMALL_BATCH_ROWS} rows C"
+        return f"oneDNN {dtype} packed"
 
     @property
     def rows_readable(self) -> bool:
@@ -120,6 +154,9 @@ class Linear:
             return self.weight[ids]
         if self._packed_blocks is None:
             raise RuntimeError("this layer holds its weight in an unknown packed layout only")
+        if self.dtype == torch.bfloat16:
+            pairs = self._packed_blocks[ids // PACKED_OUT_BLOCK, :, ids % PACKED_OUT_BLOCK]  # [n, padded_in / 2, 2]
+            return pairs.reshape(len(ids), -1)[:, :self.in_features]
         return self._packed_blocks[ids // PACKED_OUT_BLOCK, :self.in_features, ids % PACKED_OUT_BLOCK]
 
     def held_bytes(self) -> dict[str, int]:
@@ -134,6 +171,16 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features)
+        if (self._small_batch is not None and x.shape[0] <= SMALL_BATCH_ROWS and self.dtype == torch.bfloat16
+                and x.dtype in (torch.bfloat16, torch.float32)):
+            # x may be float32 (attention's output in the mixed bfloat16 model): the kernel widens either.
+            assert self._packed_in_features is not None, "bfloat16 layers keep the kernel only over a checked layout"
+            out = self._small_batch.packed_small_batch_linear_bf16(x.contiguous(), self._packed_address,
+                                                                   self.out_features, self._packed_in_features,
+                                                                   self.bias)
+            return out.view(*lead, self.out_features)
+        # The mixed bfloat16 model hands some layers float32 (attention's output): one rounding here.
+        x = x.to(self.dtype)
         if self._small_batch is not None and x.shape[0] <= SMALL_BATCH_ROWS and x.dtype == torch.float32:
             if self._packed_blocks is not None:
                 assert self._packed_in_features is not None, "set with the packed blocks"

@@ -2,6 +2,12 @@
 
 Every scheduled token of every request is one row of the input: prefill chunks and decodes
 share a forward pass. Logits are computed only at each request's last scheduled token.
+
+bfloat16 on the CPU is mixed precision (`float32_residual`): the linears' weights, their inputs
+and outputs and the KV cache are bfloat16 (half the bytes a step streams), while the residual
+stream, the norms, rotary embedding and attention's softmax and sums stay float32. A model
+entirely in bfloat16 drifts from float32 within a few tokens; this one keeps greedy output close
+to float32's (benchmarks/README.md, "bfloat16 on CPU").
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from vmesh.services.worker.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
     from vmesh.kernels.cpu_native import CpuKernels
+    from vmesh.services.worker.tensor_parallel import TensorParallel
 
 
 logger = logging.getLogger(__name__)
@@ -33,12 +40,32 @@ class MissingWeightError(KeyError):
     pass
 
 
+def float32_residual(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the model runs bfloat16 mixed with float32 (the module's docstring): bfloat16 on
+    the CPU. CUDA runs whatever dtype it is given throughout, as before."""
+    return device.type == "cpu" and dtype == torch.bfloat16
+
+
+def rms_norm_mixed_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The mixed-precision model's norm in torch (CpuKernels.add_rms_norm_bf16's contract, except
+    that the residual is a new tensor): x + residual in float32, normalised, rounded to bfloat16."""
+    h = x.float() if residual is None else residual + x.float()
+    normed = (weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))).to(torch.bfloat16)
+    return normed if residual is None else (normed, h)
+
+
+def silu_and_mul_mixed_ref(x: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul computed in float32, rounded to bfloat16 once (as silu_and_mul_bf16)."""
+    return silu_and_mul_ref(x.float()).to(torch.bfloat16)
+
+
 @dataclass(frozen=True)
 class FusedOps:
     """RMSNorm (optionally fused with the residual add), SiLU-and-multiply and, where the
     backend has it, rotary embedding fused with the KV-cache write: the torch references by
     default, the Triton kernels alongside the Triton attention backend, the C kernels of
-    `kernels/cpu` alongside the CPU one (float32)."""
+    `kernels/cpu` alongside the CPU one, each in a float32 and a mixed bfloat16 variant."""
 
     rms_norm: Callable
     silu_and_mul: Callable
@@ -46,15 +73,28 @@ class FusedOps:
     # RotaryEmbedding.apply and the backend's write_kv as separate steps.
     rotary_write_kv: Callable | None = None
 
+    # What runs them, for the load-time log line.
+    description: str = "torch"
+
     @classmethod
-    def for_backend(cls, backend: AttentionBackend, dtype: torch.dtype) -> FusedOps:
+    def for_backend(cls, backend: AttentionBackend, dtype: torch.dtype, mixed: bool = False) -> FusedOps:
+        """mixed: the bfloat16 model of `float32_residual`."""
         if backend.name == "triton":
+            if mixed:
+                raise ValueError("bfloat16 on the CPU runs the cpu or torch attention backend, not triton")
             from vmesh.kernels.fused_ops import rms_norm, silu_and_mul
 
-            return cls(rms_norm, silu_and_mul)
+            return cls(rms_norm, silu_and_mul, description="triton")
+        if isinstance(backend, CpuAttentionBackend) and mixed:
+            kernels = backend.kernels
+            return cls(kernels.add_rms_norm_bf16, kernels.silu_and_mul_bf16, kernels.rotary_write_kv_bf16,
+                       description="C (add+RMSNorm, SiLU*mul and rotary+KV write, bfloat16 in and out)")
         if isinstance(backend, CpuAttentionBackend) and dtype == torch.float32:
             kernels = backend.kernels
-            return cls(kernels.add_rms_norm, kernels.silu_and_mul, kernels.rotary_write_kv)
+            return cls(kernels.add_rms_norm, kernels.silu_and_mul, kernels.rotary_write_kv,
+                       description="C (add+RMSNorm, SiLU*mul, rotary+KV write)")
+        if mixed:
+            return cls(rms_norm_mixed_ref, silu_and_mul_mixed_ref, description="torch (float32 compute)")
         return cls(rms_norm_ref, silu_and_mul_ref)
 
 
@@ -77,13 +117,14 @@ class WeightSource:
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 
-    def take(self, name: str) -> torch.Tensor:
+    def take(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """dtype: other than the model's (the mixed model's float32 norms)."""
         if name not in self.tensors:
             raise MissingWeightError(name)
         tensor = self.tensors[name]
         if isinstance(tensor, QuantizedWeight):
             tensor = tensor.dequantize()
-        return tensor.to(device=self.device, dtype=self.dtype, copy=True)
+        return tensor.to(device=self.device, dtype=dtype or self.dtype, copy=True)
 
     def take_linear(self, *names: str) -> torch.Tensor | QuantizedWeight:
         """A linear's weight: these tensors stacked by rows, quantized where kept so."""
@@ -104,9 +145,11 @@ class WeightSource:
 
 class DecoderLayer:
     def __init__(self, spec: ModelSpec, weights: WeightSource, prefix: str,
-                 linear: Callable[..., Linear | QuantizedLinear] = Linear):
-        def take(name: str) -> torch.Tensor:
-            return weights.take(prefix + name)
+                 linear: Callable[..., Linear | QuantizedLinear] = Linear, parallel: TensorParallel | None = None):
+        self.parallel = parallel  # tensor parallelism: spec and weights are this rank's share
+        def norm(name: str) -> torch.Tensor:  # float32 in the mixed bfloat16 model: the norms compute in it
+            return weights.take(prefix + name, torch.float32 if float32_residual(weights.device, weights.dtype)
+                                else None)
 
         def weight(*names: str) -> torch.Tensor | QuantizedWeight:
             return weights.take_linear(*(f"{prefix}{name}.weight" for name in names))
@@ -115,8 +158,8 @@ class DecoderLayer:
             return weights.optional(prefix + name)
 
         self.spec = spec
-        self.input_norm = take("input_layernorm.weight")
-        self.post_attention_norm = take("post_attention_layernorm.weight")
+        self.input_norm = norm("input_layernorm.weight")
+        self.post_attention_norm = norm("post_attention_layernorm.weight")
         # q, k and v in one matmul; gate and up in another.
         biases = [b for p in "qkv" if (b := optional(f"self_attn.{p}_proj.bias")) is not None]
         self.qkv_proj = linear(weight(*(f"self_attn.{p}_proj" for p in "qkv")),
@@ -152,22 +195,30 @@ class DecoderLayer:
             qk = RotaryEmbedding.apply(qk.reshape(-1, spec.num_heads + spec.num_kv_heads, spec.head_dim), *rope)
             q, k = qk.split([spec.num_heads, spec.num_kv_heads], dim=1)
             v = v.reshape(-1, spec.num_kv_heads, spec.head_dim)
-            backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+            # (In the mixed bfloat16 model float32 tables promote q and k to float32; the cache rounds.)
+            backend.write_kv(k.to(key_cache.dtype), v, key_cache, value_cache, meta.slot_mapping)
         attn = backend.attend(q, key_cache, value_cache, meta, self.scale)
         attn_out = self.o_proj(attn.reshape(-1, self.q_size))
+        if self.parallel is not None:  # row-parallel: each rank's product is a partial sum
+            attn_out = self.parallel.all_reduce(attn_out)
         x, residual = ops.rms_norm(attn_out, self.post_attention_norm, eps, residual)
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))), residual
+        mlp_out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        if self.parallel is not None:
+            mlp_out = self.parallel.all_reduce(mlp_out)
+        return mlp_out, residual
 
 
 class DecoderModel:
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor | QuantizedWeight], device: torch.device,
                  dtype: torch.dtype, max_positions: int, cpu_kernels: CpuKernels | None = None,
-                 quantized_kernels: CpuKernels | None = None):
+                 quantized_kernels: CpuKernels | None = None, parallel: TensorParallel | None = None):
         """quantized_kernels: `--weights native`, linears kept as GGUF blocks where the kernel reads them."""
         source = WeightSource(weights, device, dtype, keep_quantized=quantized_kernels is not None)
         self.spec = spec
         self.device = device
         self.dtype = dtype
+        self.mixed = float32_residual(device, dtype)
+        self.parallel = parallel
         embed_name = "model.embed_tokens.weight"
         embed = source.take_linear(embed_name) if spec.tie_word_embeddings else source.take(embed_name)
         plain_linear = functools.partial(Linear, small_batch_kernels=cpu_kernels)
@@ -179,8 +230,9 @@ class DecoderModel:
                 return QuantizedLinear(weight, bias, quantized_kernels)
             return plain_linear(weight, bias)
 
-        self.layers = [DecoderLayer(spec, source, f"model.layers.{i}.", linear) for i in range(spec.num_layers)]
-        self.final_norm = source.take("model.norm.weight")
+        self.layers = [DecoderLayer(spec, source, f"model.layers.{i}.", linear, parallel)
+                       for i in range(spec.num_layers)]
+        self.final_norm = source.take("model.norm.weight", torch.float32 if self.mixed else None)
         # A fifth of all FLOPs for small models, so it is packed like every linear. A tied
         # head also serves the embedding lookups when its rows can be read back, so that the
         # table is held once; otherwise the plain table stays for them.
@@ -190,7 +242,7 @@ class DecoderModel:
         if not lookups_from_head:
             assert isinstance(embed, torch.Tensor), "a quantized table serves the lookups from the head"
             self.embed = embed
-        self.rotary = RotaryEmbedding(spec, max_positions, device, dtype)
+        self.rotary = RotaryEmbedding(spec, max_positions, device, torch.float32 if self.mixed else dtype)
         if source.keep_quantized:
             log_placement(self.linears(), source.dequantized)
         logger.info("weights: %s", ", ".join(f"{name} {size / (1 << 20):.1f} MiB"
@@ -218,18 +270,43 @@ class DecoderModel:
         return held
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed[input_ids] if self.embed is not None else self.lm_head.weight_rows(input_ids)
+        """The rows, in the residual stream's dtype (float32 in the mixed model)."""
+        ids = input_ids if self.parallel is None else self.parallel.local_token_ids(input_ids)
+        rows = self.embed[ids] if self.embed is not None else self.lm_head.weight_rows(ids)
+        if self.parallel is not None:  # vocab-parallel: the rank holding each token's row supplies it
+            rows = self.parallel.reduce_embedding(rows, input_ids)
+        return rows.float() if self.mixed else rows
+
+    def fused_ops(self, backend: AttentionBackend) -> FusedOps:
+        return FusedOps.for_backend(backend, self.dtype, self.mixed)
+
+    def describe_placement(self, backend: AttentionBackend, kv_dtype: torch.dtype) -> str:
+        """What runs where, in one line (logged once at load): the linears, attention and the KV
+        cache, the elementwise ops, and the residual stream's dtype."""
+        kinds: dict[str, int] = {}
+        for layer in self.linears():
+            kind = layer.kernel_description if isinstance(layer, Linear) else "GGUF blocks (C)"
+            kinds[kind] = kinds.get(kind, 0) + 1
+        linears = "; ".join(f"{n} x {kind}" for kind, n in kinds.items())
+        attention = {"cpu": "C kernels", "torch": "torch", "triton": "Triton"}.get(backend.name, backend.name)
+        residual = "float32" if self.mixed else str(self.dtype).removeprefix("torch.")
+        return (f"{str(self.dtype).removeprefix('torch.')} on {self.device.type}: linears {linears}; attention "
+                f"{attention}, KV cache {str(kv_dtype).removeprefix('torch.')}; elementwise ops "
+                f"{self.fused_ops(backend).description}; residual stream {residual}")
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache, backend: AttentionBackend, logits_indices: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.tables(positions)
-        ops = FusedOps.for_backend(backend, self.dtype)
+        ops = self.fused_ops(backend)
         for i, layer in enumerate(self.layers):
             hidden, residual = layer.forward(hidden, residual, rope, kv_cache.key_caches[i],
                                              kv_cache.value_caches[i], meta, backend, ops)
         assert residual is not None, "the model has at least one layer"
         last, _ = ops.rms_norm(hidden[logits_indices], self.final_norm, self.spec.rms_norm_eps,
                                residual[logits_indices])
-        return self.lm_head(last).float()
+        logits = self.lm_head(last).float()
+        if self.parallel is not None:  # each rank holds a vocabulary slice; all sample from the whole
+            logits = self.parallel.gather_logits(logits, self.spec.vocab_size)
+        return logits

@@ -26,6 +26,7 @@ from vmesh.services.worker.model import DecoderModel, MissingWeightError
 from vmesh.services.worker.persistent_batch import PersistentBatch, PlanError, StepInputs
 from vmesh.services.worker.quantized_linear import load_native_weights
 from vmesh.services.worker.sampler import Sampler, SamplerOutput, SamplingBatch
+from vmesh.services.worker.tensor_parallel import join_group, shard_spec, shard_weights
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +71,13 @@ class ModelRunner:
         model_dir = resolve_model_dir(config.model, config.cache_dir)
         spec = load_model_spec(model_dir)
         device = resolve_device(config.device)
+        parallel = join_group(config, spec, device)  # None without tensor parallelism
+        if parallel is not None:
+            device = parallel.device  # a CUDA rank's own GPU
         dtype = DTYPES[config.dtype]
         max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
         cpu_kernels = None
-        if config.small_batch_linear and device.type == "cpu" and dtype == torch.float32:
+        if config.small_batch_linear and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             try:
                 cpu_kernels = load_cpu_kernels(cache_dir_path(config.cache_dir))
             except CpuKernelBuildError as exc:
@@ -83,14 +87,23 @@ class ModelRunner:
                                                              cache_dir_path(config.cache_dir))
         else:
             weights, quantized_kernels = dict(load_state_dict(model_dir)), None
+        if parallel is not None:  # this rank's share of the heads, MLP features and vocabulary
+            weights = shard_weights(weights, spec, parallel.rank, parallel.size)
         try:
-            model = DecoderModel(spec, weights, device, dtype, max_model_len, cpu_kernels, quantized_kernels)
+            model = DecoderModel(spec if parallel is None else shard_spec(spec, parallel.size), weights, device,
+                                 dtype, max_model_len, cpu_kernels, quantized_kernels, parallel)
         except MissingWeightError as exc:
             raise ModelLoadError(f"checkpoint in {model_dir} lacks tensor {exc.args[0]}") from exc
         del weights  # the model holds its own copies: the checkpoint's go before the KV cache is allocated
         budget = kv_cache_budget(device, config.kv_cache_memory, config.kv_cache_memory_fraction)
-        kv_cache = KVCache.from_budget(spec, budget, config.block_size, device, dtype)
+        if parallel is not None:  # equal block counts on every rank, however their free memory differs
+            budget = parallel.agree_loaded(budget)
+        # model.spec: a tensor-parallel rank caches only its own KV heads.
+        kv_cache = KVCache.from_budget(model.spec, budget, config.block_size, device, dtype)
         backend = make_attention_backend(config.attention_backend, device, cache_dir_path(config.cache_dir))
+        placement = model.describe_placement(backend, dtype)
+        # Said once, and loudly where the bfloat16 model lost its C kernels: no silent slow path.
+        logger.log(logging.WARNING if model.mixed and backend.name != "cpu" else logging.INFO, "%s", placement)
         runner = cls(model, kv_cache, backend, config.max_num_seqs, max_model_len)
         release_freed_heap()
         return runner

@@ -53,7 +53,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             model_name=self.model_name, num_kv_blocks=self.runner.kv_cache.num_blocks,
             block_size=self.runner.kv_cache.block_size, max_model_len=self.runner.max_model_len,
             vocab_size=spec.vocab_size, eos_token_ids=list(spec.eos_token_ids),
-            max_num_seqs=self.runner.batch.max_num_reqs)
+            max_num_seqs=self.runner.batch.max_num_reqs,
+            tensor_parallel_size=runner.model.parallel.size if runner.model.parallel is not None else 1)
 
     def gauges(self) -> dict[str, tuple[str, str, float]]:
         wall = time.perf_counter() - self.first_plan_at if self.first_plan_at else 0.0
@@ -171,7 +172,10 @@ async def serve(load_runner: Callable[[], ModelRunner], model_name: str, host: s
         await loop.run_in_executor(servicer.executor, _warm_step, servicer.runner)
 
     async def drain() -> None:
-        pass  # the scheduler drains; a worker's in-flight step ends with its stream
+        # The scheduler drains; a worker's in-flight step ends with its stream. A tensor-parallel
+        # group stops together: a peer that exits first is not a broken group.
+        if servicer.runner is not None and servicer.runner.model.parallel is not None:
+            servicer.runner.model.parallel.leave()
 
     await shell.run(warm_up, drain, ready_file)
     servicer.executor.shutdown(wait=False, cancel_futures=True)

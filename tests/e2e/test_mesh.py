@@ -63,6 +63,22 @@ def test_greedy_parity_across_two_worker_groups(chat_prompt_ids, reference_outpu
         assert mesh.stop() == 0
 
 
+def test_greedy_parity_with_a_tensor_parallel_worker_group(chat_prompt_ids, reference_outputs):
+    """Tensor parallelism: three worker processes (the embedded model's 9 query and 3 KV heads,
+    3 each and 1 each) hold one model between them behind one scheduler; a rank that dies takes
+    its group down."""
+    mesh = start_mesh("--tensor-parallel-size", "3")
+    try:
+        assert {name for name in mesh.services if name.startswith("worker")} == {
+            "worker-rank0", "worker-rank1", "worker-rank2"}
+        outputs = asyncio.run(_greedy_all(mesh.address, chat_prompt_ids[:3]))
+        for i, ids in enumerate(outputs):
+            assert_greedy_match(ids, reference_outputs[i], label=f"tensor-parallel prompt {i}")
+        assert wait_idle(mesh).num_used_blocks == 0
+    finally:
+        assert mesh.stop() == 0
+
+
 def test_64_concurrent_streams_complete_with_usage(default_mesh, embedded_tokenizer):
     prompts = [f"Request number {i}: say something about the number {i}." for i in range(64)]
 

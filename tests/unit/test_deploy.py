@@ -192,7 +192,7 @@ def test_k8s_network_policies_admit_only_each_port_s_callers():
 # volumes, env, mounts) merge by name, any other list is replaced.
 
 K8S_SETS = {"base": "k8s/base", "cpu": "k8s/overlays/cpu", "tracing": "k8s/overlays/tracing",
-            "keda": "k8s/overlays/keda"}
+            "keda": "k8s/overlays/keda", "tensor-parallel": "k8s/overlays/tensor-parallel"}
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job")
 
 
@@ -532,3 +532,33 @@ def test_image_copies_what_the_package_is_built_from():
     dockerfile = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
     assert 'pip install ".${VMESH_EXTRAS}"' in dockerfile
     assert "rm -rf services kernels vmesh" in dockerfile  # the launcher's `-m vmesh` must find the install
+
+
+def test_tensor_parallel_overlay_makes_one_group_of_the_worker_pods(rendered):
+    """Every rank's settings are the worker's own flags; the ranks are the StatefulSet's ordinals,
+    meet at rank 0's pod by a DNS name published before they are Ready, reach each other through
+    the network policy, and are all dialled by the scheduler."""
+    docs = rendered["tensor-parallel"]
+    worker = by_kind(docs, "StatefulSet")["vmesh-worker"]
+    container = worker["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    size = int(env["VMESH_TENSOR_PARALLEL_SIZE"]["value"])
+    assert worker["spec"]["replicas"] == size and worker["spec"]["podManagementPolicy"] == "Parallel"
+    assert env["VMESH_TENSOR_PARALLEL_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.labels['apps.kubernetes.io/pod-index']"
+    host, _, port = env["VMESH_TENSOR_PARALLEL_INIT"]["value"].partition(":")
+    service = worker["spec"]["serviceName"]
+    assert host == f"{worker['metadata']['name']}-0.{service}"
+    assert {"name": "rendezvous", "containerPort": int(port)} in container["ports"]
+    assert by_kind(docs, "Service")[service]["spec"]["publishNotReadyAddresses"] is True
+    args = parse_cli(container["args"])  # the env names are the worker's flags, defaults checked
+    for name in ("VMESH_TENSOR_PARALLEL_SIZE", "VMESH_TENSOR_PARALLEL_RANK", "VMESH_TENSOR_PARALLEL_INIT"):
+        assert name in env_flags(), name
+    assert args.command == "worker"
+    scheduler = parse_cli(by_kind(docs, "Deployment")["vmesh-scheduler"]["spec"]["template"]["spec"]
+                          ["containers"][0]["args"])
+    assert scheduler.workers.split(",") == [f"{worker['metadata']['name']}-{r}.{service}:50053" for r in range(size)]
+    ingress = by_kind(docs, "NetworkPolicy")["vmesh-worker"]["spec"]["ingress"]
+    peers = [r for r in ingress if r.get("from") == [{"podSelector": {"matchLabels":
+                                                                      {"app.kubernetes.io/name": "vmesh-worker"}}}]]
+    assert len(peers) == 1 and "ports" not in peers[0]

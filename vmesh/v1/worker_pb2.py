@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from vmesh.v1 import common_pb2 as vmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15vmesh/v1/worker.proto\x12\x08vmesh.v1\x1a\x15vmesh/v1/common.proto\"\x16\n\x14GetWorkerInfoRequest\"\xae\x01\n\x15GetWorkerInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\r\"\xd5\x01\n\nNewRequest\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.vmesh.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12-\n\rtrace_context\x18\x07 \x01(\x0b\x32\x16.vmesh.v1.TraceContext\"\xdf\x01\n\x0e\x45xecuteRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12*\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x14.vmesh.v1.NewRequest\x12\x17\n\x0fremoved_handles\x18\x03 \x03(\x04\x12\x19\n\x11scheduled_handles\x18\x04 \x03(\x04\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x03(\r\x12\x15\n\rnew_block_ids\x18\x06 \x03(\r\x12\x16\n\x0enum_new_blocks\x18\x07 \x03(\r\x12\x12\n\nfull_state\x18\x08 \x01(\x08\"\x91\x02\n\x0f\x45xecuteResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0f\n\x07handles\x18\x02 \x03(\x04\x12\x19\n\x11sampled_token_ids\x18\x03 \x03(\r\x12\x18\n\x10logprobs_handles\x18\x04 \x03(\x04\x12*\n\x08logprobs\x18\x0c \x01(\x0b\x32\x18.vmesh.v1.LogprobColumns\x12\x17\n\x0f\x66orward_seconds\x18\n \x01(\x01\x12\x18\n\x10sampling_seconds\x18\x0b \x01(\x01J\x04\x08\x05\x10\nR\x10sampled_logprobsR\rsampled_ranksR\rtop_token_idsR\x0ctop_logprobsR\x07num_top\"\x17\n\x15GetWorkerStatsRequest\"\x91\x01\n\x16GetWorkerStatsResponse\x12\r\n\x05steps\x18\x01 \x01(\x04\x12\x14\n\x0c\x62usy_seconds\x18\x02 \x01(\x01\x12\x14\n\x0cwall_seconds\x18\x03 \x01(\x01\x12\x12\n\nduty_cycle\x18\x04 \x01(\x01\x12\x16\n\x0e\x62ytes_received\x18\x05 \x01(\x04\x12\x10\n\x08num_rows\x18\x06 \x01(\r2\xfa\x01\n\rWorkerService\x12P\n\rGetWorkerInfo\x12\x1e.vmesh.v1.GetWorkerInfoRequest\x1a\x1f.vmesh.v1.GetWorkerInfoResponse\x12\x42\n\x07\x45xecute\x12\x18.vmesh.v1.ExecuteRequest\x1a\x19.vmesh.v1.ExecuteResponse(\x01\x30\x01\x12S\n\x0eGetWorkerStats\x12\x1f.vmesh.v1.GetWorkerStatsRequest\x1a .vmesh.v1.GetWorkerStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15vmesh/v1/worker.proto\x12\x08vmesh.v1\x1a\x15vmesh/v1/common.proto\"\x16\n\x14GetWorkerInfoRequest\"\xcc\x01\n\x15GetWorkerInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\r\"\xd5\x01\n\nNewRequest\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.vmesh.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12-\n\rtrace_context\x18\x07 \x01(\x0b\x32\x16.vmesh.v1.TraceContext\"\xdf\x01\n\x0e\x45xecuteRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12*\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x14.vmesh.v1.NewRequest\x12\x17\n\x0fremoved_handles\x18\x03 \x03(\x04\x12\x19\n\x11scheduled_handles\x18\x04 \x03(\x04\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x03(\r\x12\x15\n\rnew_block_ids\x18\x06 \x03(\r\x12\x16\n\x0enum_new_blocks\x18\x07 \x03(\r\x12\x12\n\nfull_state\x18\x08 \x01(\x08\"\x91\x02\n\x0f\x45xecuteResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0f\n\x07handles\x18\x02 \x03(\x04\x12\x19\n\x11sampled_token_ids\x18\x03 \x03(\r\x12\x18\n\x10logprobs_handles\x18\x04 \x03(\x04\x12*\n\x08logprobs\x18\x0c \x01(\x0b\x32\x18.vmesh.v1.LogprobColumns\x12\x17\n\x0f\x66orward_seconds\x18\n \x01(\x01\x12\x18\n\x10sampling_seconds\x18\x0b \x01(\x01J\x04\x08\x05\x10\nR\x10sampled_logprobsR\rsampled_ranksR\rtop_token_idsR\x0ctop_logprobsR\x07num_top\"\x17\n\x15GetWorkerStatsRequest\"\x91\x01\n\x16GetWorkerStatsResponse\x12\r\n\x05steps\x18\x01 \x01(\x04\x12\x14\n\x0c\x62usy_seconds\x18\x02 \x01(\x01\x12\x14\n\x0cwall_seconds\x18\x03 \x01(\x01\x12\x12\n\nduty_cycle\x18\x04 \x01(\x01\x12\x16\n\x0e\x62ytes_received\x18\x05 \x01(\x04\x12\x10\n\x08num_rows\x18\x06 \x01(\r2\xfa\x01\n\rWorkerService\x12P\n\rGetWorkerInfo\x12\x1e.vmesh.v1.GetWorkerInfoRequest\x1a\x1f.vmesh.v1.GetWorkerInfoResponse\x12\x42\n\x07\x45xecute\x12\x18.vmesh.v1.ExecuteRequest\x1a\x19.vmesh.v1.ExecuteResponse(\x01\x30\x01\x12S\n\x0eGetWorkerStats\x12\x1f.vmesh.v1.GetWorkerStatsRequest\x1a .vmesh.v1.GetWorkerStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,17 +35,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETWORKERINFOREQUEST']._serialized_start=58
   _globals['_GETWORKERINFOREQUEST']._serialized_end=80
   _globals['_GETWORKERINFORESPONSE']._serialized_start=83
-  _globals['_GETWORKERINFORESPONSE']._serialized_end=257
-  _globals['_NEWREQUEST']._serialized_start=260
-  _globals['_NEWREQUEST']._serialized_end=473
-  _globals['_EXECUTEREQUEST']._serialized_start=476
-  _globals['_EXECUTEREQUEST']._serialized_end=699
-  _globals['_EXECUTERESPONSE']._serialized_start=702
-  _globals['_EXECUTERESPONSE']._serialized_end=975
-  _globals['_GETWORKERSTATSREQUEST']._serialized_start=977
-  _globals['_GETWORKERSTATSREQUEST']._serialized_end=1000
-  _globals['_GETWORKERSTATSRESPONSE']._serialized_start=1003
-  _globals['_GETWORKERSTATSRESPONSE']._serialized_end=1148
-  _globals['_WORKERSERVICE']._serialized_start=1151
-  _globals['_WORKERSERVICE']._serialized_end=1401
+  _globals['_GETWORKERINFORESPONSE']._serialized_end=287
+  _globals['_NEWREQUEST']._serialized_start=290
+  _globals['_NEWREQUEST']._serialized_end=503
+  _globals['_EXECUTEREQUEST']._serialized_start=506
+  _globals['_EXECUTEREQUEST']._serialized_end=729
+  _globals['_EXECUTERESPONSE']._serialized_start=732
+  _globals['_EXECUTERESPONSE']._serialized_end=1005
+  _globals['_GETWORKERSTATSREQUEST']._serialized_start=1007
+  _globals['_GETWORKERSTATSREQUEST']._serialized_end=1030
+  _globals['_GETWORKERSTATSRESPONSE']._serialized_start=1033
+  _globals['_GETWORKERSTATSRESPONSE']._serialized_end=1178
+  _globals['_WORKERSERVICE']._serialized_start=1181
+  _globals['_WORKERSERVICE']._serialized_end=1431
 # @@protoc_insertion_point(module_scope)
