@@ -261,7 +261,11 @@ class Mesh:
         signal.signal(signal.SIGINT, force)
         for child in reversed(self.children):
             if child.process.poll() is None:
-                child.process.send_signal(signal.SIGTERM)
+                # A tensor-parallel group stops together: a rank that saw a peer leave first would
+                # take it for a broken group.
+                for rank in (child, *child.siblings):
+                    if rank.process.poll() is None:
+                        rank.process.send_signal(signal.SIGTERM)
                 try:
                     child.process.wait(STOP_TIMEOUT_S)
                 except subprocess.TimeoutExpired:
@@ -359,7 +363,8 @@ def _start_worker_group(mesh: Mesh, name: str, argv: list[str]) -> list[Child]:
     rendezvous = f"{INTERNAL_HOST}:{_free_port()}"
     # The ranks share this machine's cores: each gets its share of threads (unless told otherwise), or
     # their OpenMP teams would spin against each other at every collective.
-    share = str(max(1, (os.cpu_count() or 1) // size))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    share = str(max(1, cores // (size * mesh.args.data_parallel_size)))
     threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": share}
     ranks = [mesh.start(f"{name}-rank{rank}", "worker", [*argv, "--tensor-parallel-rank", str(rank),
                                                          "--tensor-parallel-init", rendezvous], env=threads)
@@ -389,7 +394,7 @@ def _describe(mesh: Mesh, frontend: Child) -> MeshDescription:
 
 
 def serve_mesh(args: argparse.Namespace) -> int:
-    for flag in ("detokenizers", "data_parallel_size"):
+    for flag in ("detokenizers", "data_parallel_size", "tensor_parallel_size"):
         if getattr(args, flag) < 1:
             print(f"vmesh: --{flag.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 2

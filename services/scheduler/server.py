@@ -150,6 +150,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         info = infos[0]
         if any(i.num_kv_blocks != info.num_kv_blocks or i.block_size != info.block_size for i in infos):
             raise RuntimeError("worker ranks disagree on their KV cache")
+        group_sizes = {max(1, i.tensor_parallel_size) for i in infos}
+        if group_sizes != {1} and group_sizes != {len(infos)}:
+            # A rank left out never gets plans, and the others wait for it in every collective.
+            raise RuntimeError(f"--workers names {len(infos)} worker(s), but they report tensor-parallel "
+                               f"group sizes {sorted(group_sizes)}: name every rank of the group, rank 0 first")
         self.worker_calls = [stub.Execute() for stub in self._worker_stubs]
         return info
 

@@ -83,6 +83,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.session += 1
         session = self.session
         if session > 1:
+            model = getattr(self.runner, "model", None)
+            if (parallel := getattr(model, "parallel", None)) is not None:
+                # Another rank may still be inside a collective of the old session's last step, which
+                # this rank never received: its next collectives would pair with that one's (wrong
+                # sums, or a hang). A group starts a new session only by starting again, together.
+                parallel.fail("a new scheduler session began; the group restarts to begin it in step")
             logger.warning("a new scheduler stream took over; forgetting the previous session's requests")
         await loop.run_in_executor(self.executor, self._reset)  # after any step still running
         async for request in request_iterator:

@@ -253,7 +253,7 @@ class TensorParallel:
         except RuntimeError as exc:  # a peer died or timed out: the group is gone for good
             if self._stopped.is_set():
                 raise  # leaving: peers go too, and the step's stream is closing anyway
-            self._fail(f"{getattr(collective, '__name__', collective)} failed: {exc}")
+            self.fail(f"{getattr(collective, '__name__', collective)} failed: {exc}")
 
     def _watch(self) -> None:
         while not self._stopped.wait(HEARTBEAT_INTERVAL_S):
@@ -262,9 +262,9 @@ class TensorParallel:
             except RuntimeError as exc:
                 if self._stopped.is_set():
                     return
-                self._fail(f"heartbeat failed: {exc}")
+                self.fail(f"heartbeat failed: {exc}")
 
-    def _fail(self, reason: str) -> NoReturn:
+    def fail(self, reason: str) -> NoReturn:
         logger.critical("tensor parallel rank %d of %d: the group is broken (%s); exiting so that every rank "
                         "restarts and the group meets again", self.rank, self.size, reason)
         for handler in logging.getLogger().handlers:
