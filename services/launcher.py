@@ -316,7 +316,8 @@ async def _run(mesh: Mesh) -> int:
     model = _flags(args, "model")
     groups = args.data_parallel_size
     suffixes = [""] if groups == 1 else [f"-{g}" for g in range(groups)]  # one worker group: plain names
-    workers = [_start_worker_group(mesh, f"worker{x}", model + _flags(args, "worker")) for x in suffixes]
+    workers = [_start_worker_group(mesh, f"worker{x}", model + _flags(args, "worker"), group)
+               for group, x in enumerate(suffixes)]
     detokenizers = [mesh.start(f"detokenizer-{i}", "detokenizer", model) for i in range(args.detokenizers)]
     await mesh.wait_ready([*(rank for ranks in workers for rank in ranks), *detokenizers])
     detok_addresses = ",".join(d.address for d in detokenizers)
@@ -354,9 +355,11 @@ async def _run(mesh: Mesh) -> int:
     return 0
 
 
-def _start_worker_group(mesh: Mesh, name: str, argv: list[str]) -> list[Child]:
+def _start_worker_group(mesh: Mesh, name: str, argv: list[str], group: int = 0) -> list[Child]:
     """One worker, or with --tensor-parallel-size N the N ranks that share its model (named
-    `<name>-rank<R>`), meeting at a rendezvous address of their own."""
+    `<name>-rank<R>`), meeting at a rendezvous address of their own. On a GPU machine rank R of
+    data-parallel group G sees only GPU G * N + R (unless CUDA_VISIBLE_DEVICES is set already):
+    groups must not share GPUs, and NCCL refuses two ranks on one."""
     size = mesh.args.tensor_parallel_size
     if size == 1:
         return [mesh.start(name, "worker", argv)]
@@ -366,8 +369,12 @@ def _start_worker_group(mesh: Mesh, name: str, argv: list[str]) -> list[Child]:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     share = str(max(1, cores // (size * mesh.args.data_parallel_size)))
     threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": share}
+    def env(rank: int) -> dict[str, str]:
+        gpu = {} if "CUDA_VISIBLE_DEVICES" in os.environ else {"CUDA_VISIBLE_DEVICES": str(group * size + rank)}
+        return {**threads, **gpu}
+
     ranks = [mesh.start(f"{name}-rank{rank}", "worker", [*argv, "--tensor-parallel-rank", str(rank),
-                                                         "--tensor-parallel-init", rendezvous], env=threads)
+                                                         "--tensor-parallel-init", rendezvous], env=env(rank))
              for rank in range(size)]
     for rank in ranks:
         rank.siblings = [other for other in ranks if other is not rank]
