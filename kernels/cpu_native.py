@@ -246,6 +246,10 @@ class CpuKernels:
         """packed_small_batch_linear over oneDNN's packed bfloat16 weight (AB16b64a2b, checked at load
         by services/worker/linear.py): x contiguous bfloat16 or float32 [1 to 4 rows, in], bias
         bfloat16 or None; the result is bfloat16. The caller (Linear) guarantees the layouts."""
+        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (out_features,)
+                                 or not bias.is_contiguous()):  # read through a raw pointer as bfloat16
+            raise ValueError(f"packed_small_batch_linear_bf16: bias must be contiguous bfloat16 [{out_features}], "
+                             f"got {bias.dtype} {tuple(bias.shape)}")
         out = torch.empty(x.shape[0], out_features, dtype=torch.bfloat16)
         status = self._packed_small_batch_linear_bf16(x.data_ptr(), int(x.dtype == torch.bfloat16),
                                                       packed_weight_address, 0 if bias is None else bias.data_ptr(),

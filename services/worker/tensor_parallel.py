@@ -74,6 +74,9 @@ def shard_spec(spec: ModelSpec, size: int) -> ModelSpec:
     if spec.intermediate_size % size:
         raise TensorParallelError(
             f"tensor parallel size {size} does not divide the model's MLP width {spec.intermediate_size}")
+    if vocab_range(spec.vocab_size, size - 1, size)[0] >= spec.vocab_size:
+        raise TensorParallelError(
+            f"tensor parallel size {size} leaves the last rank none of the model's {spec.vocab_size} token ids")
     return dataclasses.replace(spec, num_heads=spec.num_heads // size, num_kv_heads=max(1, kv // size),
                                intermediate_size=spec.intermediate_size // size)
 
@@ -195,7 +198,8 @@ class TensorParallel:
         if _is_loopback(host) and "GLOO_SOCKET_IFNAME" not in os.environ and (lo := _loopback_interface()):
             os.environ["GLOO_SOCKET_IFNAME"] = lo
         logger.info("tensor parallel rank %d of %d: meeting the group at %s (%s)", rank, size, init, backend)
-        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", world_size=size, rank=rank,
+        netloc = f"[{host}]" if ":" in host else host  # an IPv6 address keeps its brackets in a URL
+        dist.init_process_group(backend, init_method=f"tcp://{netloc}:{port}", world_size=size, rank=rank,
                                 timeout=RENDEZVOUS_TIMEOUT)
         group = cls(rank, size, device, vocab_size)
         group._heartbeat_group = dist.new_group(backend="gloo", timeout=HEARTBEAT_TIMEOUT)

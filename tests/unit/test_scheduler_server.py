@@ -205,25 +205,15 @@ def test_a_resumed_submission_is_checked_and_introduced_with_its_outputs():
     asyncio.run(main())
 
 
-class FakeExecute:
+class FakeExecute(FakeStream):
     """A worker's Execute stream: plans written are kept; results are fed to `responses`."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.plans: list[worker_pb2.ExecuteRequest] = []
-        self.responses: asyncio.Queue = asyncio.Queue()
-        self.cancelled = False
 
     async def write(self, message) -> None:
         self.plans.append(message)
-
-    async def read(self):
-        response = await self.responses.get()
-        if isinstance(response, Exception):
-            raise response
-        return response
-
-    def cancel(self) -> None:
-        self.cancelled = True
 
 
 class FakeWorker:

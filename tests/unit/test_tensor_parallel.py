@@ -153,3 +153,11 @@ def test_worker_flags_and_environment():
     assert flags["--tensor-parallel-size"] == "VMESH_TENSOR_PARALLEL_SIZE"
     assert flags["--tensor-parallel-rank"] == "VMESH_TENSOR_PARALLEL_RANK"
     assert flags["--tensor-parallel-init"] == "VMESH_TENSOR_PARALLEL_INIT"
+
+
+def test_a_size_that_leaves_a_rank_no_token_ids_is_refused():
+    from vmesh.services.worker.tensor_parallel import TensorParallelError
+
+    spec = dataclasses.replace(SPEC, vocab_size=49, num_heads=8, num_kv_heads=8, intermediate_size=64)
+    with pytest.raises(TensorParallelError, match="49 token ids"):
+        shard_spec(spec, 8)  # ceil(49 / 8) = 7 ids a rank: rank 7 would start at 49
