@@ -62,17 +62,9 @@ static inline void softmax_rows(float *scores, int64_t rows, int64_t seq_len) {
  * work when done per token; here 16 tokens' partial sums are folded into one vector in 15
  * shuffle-and-add steps. GCC and Clang lower these vectors to AVX-512, AVX2 or NEON. */
 
-typedef float vec16 __attribute__((vector_size(64)));
 typedef int32_t idx16 __attribute__((vector_size(64)));
 #define LANES 16
 
-static inline vec16 load16(const float *p) {
-    vec16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store16(float *p, vec16 v) { memcpy(p, &v, sizeof v); }
 
 /* __builtin_shufflevector arrived in GCC 12; older GCCs have __builtin_shuffle with a mask vector. */
 #if defined(__clang__) || __GNUC__ >= 12
@@ -98,18 +90,6 @@ static inline vec16 fold16(const vec16 a[LANES]) {
 }
 
 
-/* A bfloat16 cache: 16 elements widened to float32 (the upper half of a float's bits). */
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
-static inline vec16 load16_bf16(const uint16_t *p) {
-    u16x16 h;
-    memcpy(&h, p, sizeof h);
-    const u32x16 bits = __builtin_convertvector(h, u32x16) << 16;
-    vec16 v;
-    memcpy(&v, &bits, sizeof v);
-    return v;
-}
 
 static inline void prefetch_bf16_slot(const uint16_t *slot, int64_t elements) {
     for (int64_t i = 0; i < elements; i += 32) __builtin_prefetch(slot + i, 0, 2);

@@ -36,15 +36,7 @@
 #define QK_ROWS 6    /* rows per score microkernel: QK_ROWS * KEY_VECS accumulators */
 #define PV_ROWS 4    /* rows per value microkernel: 16 accumulators at head_dim 64 */
 
-typedef float vec16 __attribute__((vector_size(64)));
 
-static inline vec16 load16(const float *p) {
-    vec16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store16(float *p, vec16 v) { memcpy(p, &v, sizeof v); }
 
 /* Not (vec16){0} + x: under strict floating point that is an addition (0 + -0 is +0). */
 static inline vec16 splat16(float x) { return (vec16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
@@ -126,18 +118,6 @@ static inline __attribute__((always_inline)) void score_rows(const float *q, con
 }
 
 
-/* A bfloat16 cache: 16 elements widened to float32 (the upper half of a float's bits). */
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
-static inline vec16 load16_bf16(const uint16_t *p) {
-    u16x16 h;
-    memcpy(&h, p, sizeof h);
-    const u32x16 bits = __builtin_convertvector(h, u32x16) << 16;
-    vec16 v;
-    memcpy(&v, &bits, sizeof v);
-    return v;
-}
 
 #define CONCAT_(a, b) a##_##b
 #define CONCAT(a, b) CONCAT_(a, b)

@@ -45,4 +45,29 @@ static inline uint16_t f32_to_bf16(float f) {
     return f != f ? (uint16_t)0x7fc0u : (uint16_t)rounded;
 }
 
+/* 16 floats as one vector (GCC and Clang lower it to AVX-512, AVX2 or NEON): the attention
+ * kernels' unit. memcpy loads and stores: no alignment is assumed. */
+typedef float vec16 __attribute__((vector_size(64)));
+
+static inline vec16 load16(const float *p) {
+    vec16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store16(float *p, vec16 v) { memcpy(p, &v, sizeof v); }
+
+/* A bfloat16 cache: 16 elements widened to float32 (the upper half of a float's bits). */
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+static inline vec16 load16_bf16(const uint16_t *p) {
+    u16x16 h;
+    memcpy(&h, p, sizeof h);
+    const u32x16 bits = __builtin_convertvector(h, u32x16) << 16;
+    vec16 v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
 #endif
