@@ -4,7 +4,7 @@ Every process has at most one identity: a certificate from the mesh's private CA
 name is its role (frontend, scheduler, worker, detokenizer or admin) and whose only DNS name is
 `<role>.vmesh.internal`. A client dialling a peer checks the peer's certificate against the
 role it expects (gRPC's target-name check, pointed at that DNS name), and a server learns the
-caller's role from its client certificate, which RoleGuard (services/common/guards.py) checks
+caller's role from its client certificate, which ServerGuard (services/common/guards.py) checks
 against the methods that role may call. Addresses play no part, so the same certificates work
 on loopback, in compose and in Kubernetes.
 """
