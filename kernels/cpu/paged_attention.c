@@ -25,10 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernel_limits.h"
 #include "vec_math.h"
-
-#define MAX_HEADS 256
-#define MAX_HEAD_DIM 256
 
 /* Blocks sit at random places in the pool, which defeats the hardware prefetcher at every
  * block boundary: while one block is read, the same slot of the next block is fetched.

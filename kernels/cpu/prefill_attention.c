@@ -25,11 +25,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernel_limits.h"
 #include "vec_math.h"
 
-#define MAX_HEADS 256
-#define MAX_HEAD_DIM 256
-#define LANES 16
+#define LANES PREFILL_LANES
 #define KEY_VECS 4 /* vectors of scores per row and key tile */
 #define KEY_TILE (KEY_VECS * LANES)
 #define TILE_ROWS 192 /* query rows (token x head of a group) per work item, about */

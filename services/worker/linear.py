@@ -175,9 +175,8 @@ class Linear:
                 and x.dtype in (torch.bfloat16, torch.float32)):
             # x may be float32 (attention's output in the mixed bfloat16 model): the kernel widens either.
             assert self._packed_in_features is not None, "bfloat16 layers keep the kernel only over a checked layout"
-            out = self._small_batch.packed_small_batch_linear_bf16(x.contiguous(), self._packed_address,
-                                                                   self.out_features, self._packed_in_features,
-                                                                   self.bias)
+            out = self._small_batch.packed_small_batch_linear(x.contiguous(), self._packed_address, self.out_features,
+                                                              self._packed_in_features, self.bias, dtype=torch.bfloat16)
             return out.view(*lead, self.out_features)
         # The mixed bfloat16 model hands some layers float32 (attention's output): one rounding here.
         x = x.to(self.dtype)

@@ -48,7 +48,7 @@ def float32_residual(device: torch.device, dtype: torch.dtype) -> bool:
 
 def rms_norm_mixed_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
                        residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The mixed-precision model's norm in torch (CpuKernels.add_rms_norm_bf16's contract, except
+    """The mixed-precision model's norm in torch (CpuKernels.add_rms_norm's bfloat16 contract, except
     that the residual is a new tensor): x + residual in float32, normalised, rounded to bfloat16."""
     h = x.float() if residual is None else residual + x.float()
     normed = (weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))).to(torch.bfloat16)
@@ -56,7 +56,7 @@ def rms_norm_mixed_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def silu_and_mul_mixed_ref(x: torch.Tensor) -> torch.Tensor:
-    """silu_and_mul computed in float32, rounded to bfloat16 once (as silu_and_mul_bf16)."""
+    """silu_and_mul computed in float32, rounded to bfloat16 once (as CpuKernels.silu_and_mul in bfloat16)."""
     return silu_and_mul_ref(x.float()).to(torch.bfloat16)
 
 
@@ -87,7 +87,10 @@ class FusedOps:
             return cls(rms_norm, silu_and_mul, description="triton")
         if isinstance(backend, CpuAttentionBackend) and mixed:
             kernels = backend.kernels
-            return cls(kernels.add_rms_norm_bf16, kernels.silu_and_mul_bf16, kernels.rotary_write_kv_bf16,
+            bf16 = torch.bfloat16
+            return cls(functools.partial(kernels.add_rms_norm, dtype=bf16),
+                       functools.partial(kernels.silu_and_mul, dtype=bf16),
+                       functools.partial(kernels.rotary_write_kv, dtype=bf16),
                        description="C (add+RMSNorm, SiLU*mul and rotary+KV write, bfloat16 in and out)")
         if isinstance(backend, CpuAttentionBackend) and dtype == torch.float32:
             kernels = backend.kernels

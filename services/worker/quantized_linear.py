@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from vmesh.kernels.cpu_native import QUANTIZED_BLOCK_BYTES, CpuKernelBuildError, load_cpu_kernels
+from vmesh.kernels.cpu_native import QUANTIZED_BLOCK, QUANTIZED_FORMATS, CpuKernelBuildError, load_cpu_kernels
 from vmesh.services.common.model_loading import ModelLoadError, gguf_model_file
 from vmesh.services.common.model_spec import ModelSpec
 
@@ -35,10 +35,6 @@ if TYPE_CHECKING:
     from vmesh.services.worker.linear import Linear
 
 logger = logging.getLogger(__name__)
-
-# GGML type id -> name, for the formats the kernel reads (others are named by the gguf package).
-KERNEL_FORMATS = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
-assert set(KERNEL_FORMATS) == set(QUANTIZED_BLOCK_BYTES), "kernels/cpu_native.py lists the same formats"
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -49,8 +45,9 @@ _MODEL_NAMES = {"token_embd": "model.embed_tokens", "output": "lm_head", "output
 
 
 def format_name(block_format: int) -> str:
-    if block_format in KERNEL_FORMATS:
-        return KERNEL_FORMATS[block_format]
+    """A GGML type id's name: the kernel's formats without the gguf package, the others through it."""
+    if block_format in QUANTIZED_FORMATS:
+        return QUANTIZED_FORMATS[block_format].name
     from gguf import GGMLQuantizationType
 
     return GGMLQuantizationType(block_format).name
@@ -81,7 +78,7 @@ class QuantizedWeight:
 
     @property
     def kernel_readable(self) -> bool:
-        return self.block_format in KERNEL_FORMATS
+        return self.block_format in QUANTIZED_FORMATS
 
     def dequantize(self) -> torch.Tensor:
         """float32 [out, in], through the gguf package: the load-time fallback for a weight that
@@ -115,8 +112,8 @@ class QuantizedWeight:
 
 def _block_geometry(block_format: int) -> tuple[int, int]:
     """(weights per block, bytes per block)."""
-    if block_format in QUANTIZED_BLOCK_BYTES:
-        return 32, QUANTIZED_BLOCK_BYTES[block_format]
+    if block_format in QUANTIZED_FORMATS:
+        return QUANTIZED_BLOCK, QUANTIZED_FORMATS[block_format].block_bytes
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     return GGML_QUANT_SIZES[GGMLQuantizationType(block_format)]
@@ -140,7 +137,7 @@ class QuantizedLinear:
 
     @property
     def format(self) -> str:
-        return KERNEL_FORMATS[self.quantized.block_format]
+        return QUANTIZED_FORMATS[self.quantized.block_format].name
 
     def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """dequant(weight)[ids] for 1-D ids: the lookup of an embedding table tied to this layer,

@@ -94,14 +94,14 @@ def test_add_rms_norm_bf16(kernels, rows):
     residual, weight = torch.randn(rows, 576, generator=gen), torch.randn(576, generator=gen)
     want_residual = residual + x.float()
     want = weight * (want_residual * torch.rsqrt(want_residual.pow(2).mean(-1, keepdim=True) + 1e-6))
-    out, new_residual = kernels.add_rms_norm_bf16(x, weight, 1e-6, residual)
+    out, new_residual = kernels.add_rms_norm(x, weight, 1e-6, residual, dtype=torch.bfloat16)
     assert new_residual.data_ptr() == residual.data_ptr()
     torch.testing.assert_close(new_residual, want_residual, atol=0, rtol=0)  # one float32 add: exact
     _assert_bf16_close(out, want)
     # The first layer's norm reads the float32 stream itself and leaves it alone.
     stream = torch.randn(rows, 576, generator=gen)
     kept = stream.clone()
-    _assert_bf16_close(kernels.add_rms_norm_bf16(stream, weight, 1e-5),
+    _assert_bf16_close(kernels.add_rms_norm(stream, weight, 1e-5, dtype=torch.bfloat16),
                        weight * (stream * torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + 1e-5)))
     assert torch.equal(stream, kept)
     # The torch fallback of the mixed model computes the same.
@@ -115,7 +115,7 @@ def test_silu_and_mul_bf16(kernels, rows):
     gen = torch.Generator().manual_seed(rows)
     gate_up = (torch.randn(rows, 2 * 1536, generator=gen) * 8).bfloat16()
     gate_up[0, :6] = torch.tensor([-200.0, -87.5, -20.0, 0.0, 20.0, 200.0])
-    got = kernels.silu_and_mul_bf16(gate_up)
+    got = kernels.silu_and_mul(gate_up, dtype=torch.bfloat16)
     assert torch.isfinite(got.float()).all()
     _assert_bf16_close(got, silu_and_mul_ref(gate_up.float()))
 
@@ -140,7 +140,7 @@ def test_rotary_write_kv_bf16(kernels, rows, heads, kv_heads, head_dim):
     want_v.view(-1, kv_heads, head_dim)[slots[written]] = qkv[written, (heads + kv_heads) * head_dim:].view(
         -1, kv_heads, head_dim)
 
-    q = kernels.rotary_write_kv_bf16(qkv, heads, kv_heads, cos, sin, key_cache, value_cache, slots)
+    q = kernels.rotary_write_kv(qkv, heads, kv_heads, cos, sin, key_cache, value_cache, slots, dtype=torch.bfloat16)
     assert q.dtype == torch.float32 and q.shape == (rows, heads, head_dim)
     torch.testing.assert_close(q, qk[:, :heads], atol=1e-5, rtol=1e-5)
     _assert_bf16_close(key_cache, want_k)
@@ -150,15 +150,15 @@ def test_rotary_write_kv_bf16(kernels, rows, heads, kv_heads, head_dim):
 
 def test_bf16_ops_refuse_wrong_dtypes(kernels):
     with pytest.raises(ValueError, match="x must be a contiguous CPU torch.bfloat16"):
-        kernels.add_rms_norm_bf16(torch.randn(2, 8), torch.randn(8), 1e-5, torch.randn(2, 8))
+        kernels.add_rms_norm(torch.randn(2, 8), torch.randn(8), 1e-5, torch.randn(2, 8), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="x must be a contiguous CPU torch.float32"):
-        kernels.add_rms_norm_bf16(torch.randn(2, 8).bfloat16(), torch.randn(8), 1e-5)
+        kernels.add_rms_norm(torch.randn(2, 8).bfloat16(), torch.randn(8), 1e-5, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="gate_up must be a contiguous CPU torch.bfloat16"):
-        kernels.silu_and_mul_bf16(torch.randn(2, 8))
+        kernels.silu_and_mul(torch.randn(2, 8), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="qkv must be bfloat16"):
-        kernels.rotary_write_kv_bf16(torch.randn(1, 6 * 16), 2, 2, torch.randn(1, 16), torch.randn(1, 16),
-                                     torch.zeros(2, 4, 2, 16).bfloat16(), torch.zeros(2, 4, 2, 16).bfloat16(),
-                                     torch.zeros(1, dtype=torch.int64))
+        kernels.rotary_write_kv(torch.randn(1, 6 * 16), 2, 2, torch.randn(1, 16), torch.randn(1, 16),
+                                torch.zeros(2, 4, 2, 16).bfloat16(), torch.zeros(2, 4, 2, 16).bfloat16(),
+                                torch.zeros(1, dtype=torch.int64), dtype=torch.bfloat16)
 
 
 def _greedy(runner: ModelRunner, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -259,9 +259,9 @@ def test_small_batch_linear_matches_f_linear(kernels, rows, with_bias, pack, mon
     layer = Linear(weight, bias, pack=pack, small_batch_kernels=kernels)
     reads_packed = layer.weight is None
     assert reads_packed == (pack and packed_in_features(weight, layer._packed) is not None)
-    kernel = "_packed_small_batch_linear" if reads_packed else "_small_batch_linear"
-    calls, original = [], getattr(kernels, kernel)
-    monkeypatch.setattr(kernels, kernel, lambda *a: calls.append(a[4]) or original(*a))
+    kernel = "packed_small_batch_linear_f32" if reads_packed else "small_batch_linear_f32"
+    calls, original = [], kernels._functions[kernel]
+    monkeypatch.setitem(kernels._functions, kernel, lambda *a: calls.append(a[4]) or original(*a))
     x = torch.randn(rows, 72, generator=g)
     torch.testing.assert_close(layer(x), F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
     x3 = torch.randn(1, rows, 72, generator=g)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from vmesh.kernels.cpu_native import QUANTIZED_BLOCK_BYTES
+from vmesh.kernels.cpu_native import QUANTIZED_FORMATS
 from vmesh.services.worker.quantized_linear import QuantizedLinear, QuantizedWeight
 
 Q4_0, Q4_1, Q8_0 = 2, 3, 8
@@ -18,7 +18,7 @@ def random_blocks(block_format: int, out_features: int, in_features: int, seed: 
     """uint8 [out, in / 32 * block bytes]: random codes with scales (and offsets) of a real model's size."""
     rng = np.random.default_rng(seed)
     blocks = out_features * in_features // 32
-    raw = rng.integers(0, 256, size=(blocks, QUANTIZED_BLOCK_BYTES[block_format]), dtype=np.uint8)
+    raw = rng.integers(0, 256, size=(blocks, QUANTIZED_FORMATS[block_format].block_bytes), dtype=np.uint8)
     raw[:, 0:2] = rng.uniform(0.001, 0.05, blocks).astype(np.float16)[:, None].view(np.uint8)
     if block_format == Q4_1:
         raw[:, 2:4] = rng.uniform(-0.2, 0.2, blocks).astype(np.float16)[:, None].view(np.uint8)
@@ -28,7 +28,7 @@ def random_blocks(block_format: int, out_features: int, in_features: int, seed: 
 def dequantize_reference(raw: np.ndarray, block_format: int, in_features: int) -> np.ndarray:
     """From the format definitions: a float16 scale d (Q4_1: then a float16 offset m), then 32 codes;
     nibble formats hold feature j in byte j's low nibble and feature j + 16 in its high nibble."""
-    blocks = raw.reshape(-1, QUANTIZED_BLOCK_BYTES[block_format])
+    blocks = raw.reshape(-1, QUANTIZED_FORMATS[block_format].block_bytes)
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
     if block_format == Q8_0:
         values = blocks[:, 2:].view(np.int8).astype(np.float32) * d
