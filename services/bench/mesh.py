@@ -29,6 +29,7 @@ STOP_TIMEOUT_S = 60
 @dataclass
 class RunningMesh:
     process: subprocess.Popen
+    # The launcher's answer; empty until its ready file appears (start_mesh returns after that).
     description: MeshDescription = field(default_factory=lambda: MeshDescription(address=""))
     output: list[str] = field(default_factory=list)
     description_file: Path | None = None  # the launcher's description, rewritten when it restarts a service
