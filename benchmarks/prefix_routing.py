@@ -22,9 +22,9 @@ import time
 from typing import Any
 
 from vmesh.services.bench.common import load_workload
+from vmesh.services.bench.mesh import RunningMesh, start_mesh
 from vmesh.services.client import VmeshClient
 from vmesh.services.common.grpc_server import channel
-from vmesh.services.mesh_process import RunningMesh, start_mesh
 from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 MODES = ("least-busy", "prefix")

@@ -21,9 +21,9 @@ import json
 import statistics
 
 from vmesh.services.bench.common import load_workload, mesh_generate, timed_request
+from vmesh.services.bench.mesh import start_mesh
 from vmesh.services.client import VmeshClient
 from vmesh.services.common.model_loading import load_model_spec, resolve_model_dir
-from vmesh.services.mesh_process import start_mesh
 
 
 def all_reduce_bytes_per_token(model: str | None) -> dict[str, int]:

@@ -23,6 +23,7 @@ from vmesh.services.cli_commands import (
     cmd_worker,
 )
 from vmesh.services.common.config_flags import BadEnvironmentValue, add_option, add_settings
+from vmesh.services.common.huge_pages import prefer_huge_pages
 from vmesh.services.scheduler.settings import SchedulerSettings
 from vmesh.services.worker.config import PER_WORKER_PROCESS, WorkerConfig
 
@@ -199,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    prefer_huge_pages()  # before anything imports torch; the services the launcher starts inherit it
     argv = sys.argv[1:] if argv is None else argv
     rest = argv
     while rest[:1] == ["--log-level"] or (rest and rest[0].startswith("--log-level=")):

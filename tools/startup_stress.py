@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from vmesh.services.mesh_process import start_mesh
+from vmesh.services.bench.mesh import start_mesh
 
 
 def main() -> int:

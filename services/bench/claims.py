@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from vmesh.services.bench.common import load_workload, machine, mesh_generate
+from vmesh.services.bench.mesh import start_mesh
 from vmesh.services.common.model_loading import resolve_model_dir
-from vmesh.services.mesh_process import start_mesh
 
 
 def tiny_model_dir(target: Path) -> Path:

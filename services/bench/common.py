@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
+from vmesh.services.bench.mesh import RunningMesh
 from vmesh.services.client import VmeshClient
 from vmesh.services.common.grpc_server import channel
-from vmesh.services.mesh_process import RunningMesh
 from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 # The workloads that ship with vmesh; `--workload` takes these names or a file of the same form.

@@ -16,11 +16,11 @@ import torch
 
 from vmesh.services.bench.common import load_workload, machine, mesh_generate, timed_request
 from vmesh.services.bench.memory import PeakPss
+from vmesh.services.bench.mesh import RunningMesh, start_mesh
 from vmesh.services.bench.peers import PEER_BASELINES, PeerError, PeerProcess, default_peers_dir
 from vmesh.services.client import VmeshClient
 from vmesh.services.common.model_loading import embedded_model_file, resolve_model_dir
 from vmesh.services.common.sampling_params import SamplingParams
-from vmesh.services.mesh_process import RunningMesh, start_mesh
 
 
 def transformers_generate(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> Callable[[], float]:

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from vmesh.services.bench.common import load_workload, machine, percentiles, reset_prefix_cache, timed_request
+from vmesh.services.bench.mesh import RunningMesh, start_mesh
 from vmesh.services.client import VmeshClient
 from vmesh.services.common.model_loading import resolve_model_dir
-from vmesh.services.mesh_process import RunningMesh, start_mesh
 
 
 async def timed_openai_request(http: Any, base_url: str, model: str | None, prompt: list[int],

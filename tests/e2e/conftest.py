@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
+from vmesh.services.bench.mesh import start_mesh
 from vmesh.services.common.grpc_server import channel
-from vmesh.services.mesh_process import start_mesh
 from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 

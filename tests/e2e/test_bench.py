@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
+from tests.support.checkout import ROOT
 from vmesh.services.bench.claims import tiny_model_dir
 from vmesh.services.bench.common import load_workload
-from vmesh.services.mesh_process import ROOT
 
 
 @pytest.fixture(scope="module")

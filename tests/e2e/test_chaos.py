@@ -16,8 +16,8 @@ import grpc
 
 from tests.e2e.conftest import wait_idle
 from tests.e2e.test_metrics import scrape
+from vmesh.services.bench.mesh import RunningMesh, start_mesh
 from vmesh.services.client import VmeshClient
-from vmesh.services.mesh_process import RunningMesh, start_mesh
 
 NUM_REQUESTS = 6  # with --max-num-seqs 4: some are queued when the kill comes
 MAX_TOKENS = 40

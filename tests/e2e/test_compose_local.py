@@ -24,10 +24,10 @@ import grpc
 import pytest
 import yaml
 
+from tests.support.checkout import ROOT
+from tests.support.deployment import VMESH_SERVICES
 from vmesh.services.client import VmeshClient
 
-ROOT = Path(__file__).resolve().parents[2]
-START_ORDER = ["worker", "detokenizer", "scheduler", "frontend"]
 CERT_VOLUME = "/var/lib/vmesh/certs"
 PORTS = ("grpc", "metrics", "health", "http")
 
@@ -53,7 +53,7 @@ class LocalStack:
         self.compose = compose
         self.certs = certs  # where the certificate volume lives on this host
         self.instances: dict[str, list[dict]] = {}  # service -> [{grpc, metrics, health, http}]
-        counts = {name: compose["services"][name].get("deploy", {}).get("replicas", 1) for name in START_ORDER}
+        counts = {name: compose["services"][name].get("deploy", {}).get("replicas", 1) for name in VMESH_SERVICES}
         ports = iter(free_ports(len(PORTS) * sum(counts.values())))
         for name, replicas in counts.items():
             self.instances[name] = [{key: next(ports) for key in PORTS} for _ in range(replicas)]
@@ -104,7 +104,7 @@ class LocalStack:
 
     def start(self) -> None:
         self.make_certificates()
-        for name in START_ORDER:
+        for name in VMESH_SERVICES:
             for i in range(len(self.instances[name])):
                 self.start_instance(name, i)
             self.wait_healthy(name)
@@ -205,7 +205,7 @@ def test_prometheus_scrapes_every_service(stack, tmp_path):
                 pass
             assert time.monotonic() < deadline, "Prometheus never scraped every service"
             time.sleep(0.5)
-        assert {r["metric"]["job"] for r in up} == {f"vmesh-{n}" for n in START_ORDER}
+        assert {r["metric"]["job"] for r in up} == {f"vmesh-{n}" for n in VMESH_SERVICES}
         asyncio.run(traffic())
         deadline = time.monotonic() + 30
         wanted = {"vmesh:generation_tokens_total": 18, "vmesh:time_to_first_token_seconds_count": 3,

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.checkout import ROOT
+from vmesh.services.bench.mesh import start_mesh
 from vmesh.services.client import VmeshClient
-from vmesh.services.mesh_process import ROOT, start_mesh
 
 RUNTIME_UID = 65532  # the Dockerfile's USER
 

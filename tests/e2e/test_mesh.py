@@ -10,8 +10,8 @@ import pytest
 
 from tests.e2e.conftest import scheduler_stats, wait_idle
 from tests.support.reference import assert_greedy_match
+from vmesh.services.bench.mesh import start_mesh
 from vmesh.services.client import VmeshClient
-from vmesh.services.mesh_process import start_mesh
 
 
 async def _greedy_all(address: str, prompts: list[list[int]], max_tokens: int = 32) -> list[list[int]]:
@@ -278,7 +278,7 @@ def test_cli_generate_and_chat_stream_from_the_mesh(default_mesh):
     import subprocess
     import sys
 
-    from vmesh.services.mesh_process import ROOT
+    from tests.support.checkout import ROOT
 
     cli = [sys.executable, "-m", "vmesh", "--log-level", "WARNING"]
     generated = subprocess.run([*cli, "generate", "What is 2 + 2?", "--address", default_mesh.address,
@@ -312,7 +312,7 @@ def test_health_checks_do_not_import_torch(default_mesh):
     import subprocess
     import sys
 
-    from vmesh.services.mesh_process import ROOT
+    from tests.support.checkout import ROOT
 
     script = ("import sys\nfrom vmesh.services.cli import main\n"
               f"code = main(['health', {default_mesh.address!r}])\n"

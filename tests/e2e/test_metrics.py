@@ -9,9 +9,9 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from vmesh.services.bench.mesh import start_mesh
 from vmesh.services.client import VmeshClient
 from vmesh.services.common.model_loading import EMBEDDED_MODEL_NAME
-from vmesh.services.mesh_process import start_mesh
 
 VLLM_NAMES = Path(__file__).parent.parent / "fixtures/vllm_metric_names.txt"
 

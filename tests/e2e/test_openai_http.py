@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from tests.e2e.conftest import scheduler_stats, wait_idle
+from vmesh.services.bench.mesh import start_mesh
 from vmesh.services.client import VmeshClient
-from vmesh.services.mesh_process import start_mesh
 
 KEY = "test-key"
 CHAT = [{"role": "user", "content": "Count from 1 to 10 with commas."}]

@@ -12,11 +12,11 @@ import grpc
 import httpx
 import pytest
 
+from vmesh.services.bench.mesh import start_mesh
 from vmesh.services.client import VmeshClient
 from vmesh.services.common import tls
 from vmesh.services.common.certs import issue_role, make_ca, write_mesh_certificates
 from vmesh.services.common.grpc_server import channel
-from vmesh.services.mesh_process import start_mesh
 from vmesh.v1 import (
     detokenizer_pb2,
     detokenizer_pb2_grpc,

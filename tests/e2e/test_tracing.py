@@ -13,8 +13,8 @@ import grpc
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from vmesh.services.bench.mesh import start_mesh
 from vmesh.services.client import VmeshClient, generate_request
-from vmesh.services.mesh_process import start_mesh
 
 
 def service_name(resource) -> str:

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.checkout import ROOT
+from vmesh.services.bench.mesh import start_mesh
 from vmesh.services.client import VmeshClient
-from vmesh.services.mesh_process import ROOT, start_mesh
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,10 @@ def wheel(tmp_path_factory) -> Path:
     listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True,
                             check=True).stdout.decode().split("\0")
     for name in filter(None, listed):
-        if (ROOT / name).is_file():
+        if (ROOT / name).is_symlink():  # vmesh/services and vmesh/kernels: links, as a clone has them
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            (source / name).symlink_to(os.readlink(ROOT / name))
+        elif (ROOT / name).is_file():
             (source / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, source / name)
     dist = tmp_path_factory.mktemp("dist")

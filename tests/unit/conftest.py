@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.deployment import load_compose, render_all
 from vmesh.kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
 
 
@@ -14,3 +15,15 @@ def kernels(tmp_path_factory):
         return load_cpu_kernels(tmp_path_factory.mktemp("cache"))
     except CpuKernelBuildError as exc:
         pytest.skip(f"no C toolchain: {exc}")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    """docker-compose.yml, parsed (the test_deploy_* modules)."""
+    return load_compose()
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    """The Kubernetes base and each overlay, rendered as kustomize would (the test_deploy_* modules)."""
+    return render_all()

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from vmesh.services.bench.mesh import read_until_serving
 from vmesh.services.common.grpc_server import ServiceShell, wait_until_serving
-from vmesh.services.mesh_process import read_until_serving
 from vmesh.v1 import frontend_pb2
 
 

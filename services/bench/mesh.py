@@ -1,4 +1,5 @@
-"""Run `vmesh serve` as a child process tree on loopback (for tests and benchmarks) and stop it."""
+"""Run `vmesh serve` as a child process tree on loopback and stop it: what `vmesh bench` measures,
+and the harness of the checkout's end-to-end tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from pathlib import Path
 
 from vmesh.services.mesh_description import MeshDescription, description_path
 
-ROOT = Path(__file__).resolve().parents[1]  # the checkout, when this is one
+# The checkout this module lies in, when it is one (services/bench/mesh.py, resolved through the
+# vmesh/services symlink): a mesh started from it runs the checkout's code, not an installed copy.
+_CHECKOUT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 240
 STOP_TIMEOUT_S = 60
 
@@ -26,28 +29,45 @@ STOP_TIMEOUT_S = 60
 @dataclass
 class RunningMesh:
     process: subprocess.Popen
-    address: str
-    services: dict[str, tuple[str, int]]  # name -> (address, pid)
-    metrics: dict[str, str] = field(default_factory=dict)  # name -> metrics URL, with --metrics
-    http_url: str = ""  # the OpenAI-compatible API's base URL (http://host:port/v1); "" with --no-http
+    # The launcher's answer; empty until its ready file appears (start_mesh returns after that).
+    description: MeshDescription = field(default_factory=lambda: MeshDescription(address=""))
     output: list[str] = field(default_factory=list)
-    certificates: str = ""  # with --internal-tls: the run's CA and admin certificate
     description_file: Path | None = None  # the launcher's description, rewritten when it restarts a service
-    restarts: dict[str, int] = field(default_factory=dict)  # name -> times the launcher restarted it
+
+    # Views of the launcher's description, in the shapes callers index.
+    @property
+    def address(self) -> str:
+        return self.description.address
+
+    @property
+    def http_url(self) -> str:
+        """The OpenAI-compatible API's base URL (http://host:port/v1); "" with --no-http."""
+        return self.description.http_url
+
+    @property
+    def certificates(self) -> str:
+        """With --internal-tls: the run's CA and admin certificate."""
+        return self.description.certificates
+
+    @property
+    def services(self) -> dict[str, tuple[str, int]]:
+        """name -> (address, pid)"""
+        return {name: (entry.address, entry.pid) for name, entry in self.description.services.items()}
+
+    @property
+    def metrics(self) -> dict[str, str]:
+        """name -> metrics URL, with --metrics"""
+        return {name: entry.metrics_url for name, entry in self.description.services.items() if entry.metrics_url}
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        """name -> times the launcher restarted it"""
+        return {name: entry.restarts for name, entry in self.description.services.items()}
 
     def refresh(self) -> None:
         """Read the launcher's description again (pids and restart counts change on a restart)."""
         if self.description_file is not None and self.description_file.exists():
-            self._read(MeshDescription.from_json(self.description_file.read_text()))
-
-    def _read(self, description: MeshDescription) -> None:
-        self.address = description.address
-        self.http_url = description.http_url
-        self.certificates = description.certificates
-        self.services = {name: (entry.address, entry.pid) for name, entry in description.services.items()}
-        self.metrics = {name: entry.metrics_url for name, entry in description.services.items()
-                        if entry.metrics_url}
-        self.restarts = {name: entry.restarts for name, entry in description.services.items()}
+            self.description = MeshDescription.from_json(self.description_file.read_text())
 
     def stop(self) -> int:
         if self.process.poll() is None:
@@ -110,8 +130,8 @@ def start_mesh(*flags: str, env: dict[str, str] | None = None, timeout: float = 
     ready_file = answers / "ready"
     command = [*prefix, *vmesh, "--log-level", "WARNING", "serve", "--port", "0", "--http-port", "0",
                "--kv-cache-memory", "128MiB", "--ready-file", str(ready_file), *flags]
-    if cwd is None and (ROOT / "pyproject.toml").is_file():
-        cwd = ROOT
+    if cwd is None and (_CHECKOUT / "pyproject.toml").is_file():
+        cwd = _CHECKOUT
     # Its own process group, which its services join: one signal reaches all of them.
     process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, **(env or {})}, start_new_session=True)
@@ -138,7 +158,7 @@ def read_until_serving(process: subprocess.Popen, ready_file: Path, timeout: flo
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
-    mesh = RunningMesh(process, "", {}, output=output)
+    mesh = RunningMesh(process, output=output)
     deadline = time.monotonic() + timeout
     while not ready_file.exists():
         if process.poll() is not None:

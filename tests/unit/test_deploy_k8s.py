@@ -1,118 +1,28 @@
-"""The deployment files, checked statically: docker-compose.yml against the Compose
-Specification schema, Kubernetes manifests against Kubernetes schemas, and every container
-command through the real `vmesh` CLI parser."""
+"""The Kubernetes manifests, checked statically: base and every overlay, rendered, against the
+Kubernetes schemas; container commands through the real `vmesh` CLI parser; probes, network
+policies, pod security, disruption budgets, tracing, autoscaling and tensor parallelism."""
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 import yaml
 
-from vmesh.services.cli import build_parser
+from tests.support.checkout import ROOT
+from tests.support.deployment import (
+    VMESH_SERVICES,
+    all_containers,
+    by_kind,
+    env_flags,
+    k8s_documents,
+    parse_cli,
+    pod_templates,
+    split_image,
+    vmesh_role,
+)
 from vmesh.services.common.grpc_server import LIVENESS
-
-ROOT = Path(__file__).resolve().parents[2]
-VMESH_SERVICES = ("worker", "detokenizer", "scheduler", "frontend")
-
-
-@pytest.fixture(scope="module")
-def compose() -> dict:
-    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-
-
-@pytest.fixture(scope="module")
-def compose_schema(tmp_path_factory) -> dict:
-    """The Compose Specification JSON schema, as shipped inside docker-compose's own wheel."""
-    target = tmp_path_factory.mktemp("compose")
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "docker-compose==1.29.2",
-                    "-d", str(target)], check=True, timeout=120)
-    wheel = next(target.glob("docker_compose-*.whl"))
-    with zipfile.ZipFile(wheel) as zf:
-        return json.loads(zf.read("compose/config/compose_spec.json"))
-
-
-def test_compose_matches_the_compose_specification(compose, compose_schema):
-    import jsonschema
-
-    jsonschema.validate(compose, compose_schema)
-
-
-def parse_cli(argv: list[str]):
-    """The real parser; argparse exits on an unknown flag, which fails the test."""
-    return build_parser().parse_args(argv)
-
-
-def env_flags() -> set[str]:
-    """Every VMESH_<FLAG> variable some subcommand reads."""
-    parser = build_parser()
-    subcommands = parser._subparsers._group_actions[0].choices.values()
-    return {"VMESH_" + option.lstrip("-").upper().replace("-", "_")
-            for sub in [parser, *subcommands] for action in sub._actions for option in action.option_strings}
-
-
-def test_compose_commands_and_environment_parse(compose):
-    known_env = env_flags()
-    for name in VMESH_SERVICES:
-        service = compose["services"][name]
-        args = parse_cli(service["command"])
-        assert args.command == name
-        for key in service["environment"]:
-            assert not key.startswith("VMESH_") or key in known_env, f"{name}: unknown setting {key}"
-        environment = {**service["environment"]}
-        health = service["healthcheck"]["test"]
-        assert parse_cli(health[2:]).command == "health"
-        assert health[3] == f"127.0.0.1:{environment['VMESH_HEALTH_PORT']}"  # plaintext, health only
-        # mutual TLS: this role's certificate from the certs volume, which the certs job fills once
-        assert environment["VMESH_TLS_CERT"] == f"/var/lib/vmesh/certs/{name}.crt"
-        assert environment["VMESH_TLS_KEY"] == f"/var/lib/vmesh/certs/{name}.key"
-        assert environment["VMESH_TLS_CA"] == "/var/lib/vmesh/certs/ca.crt"
-        assert "certs:/var/lib/vmesh/certs:ro" in service["volumes"]
-        assert args.metrics_port == 9400
-    assert compose["services"]["detokenizer"]["deploy"]["replicas"] == 2
-    certs = compose["services"]["certs"]
-    assert parse_cli(certs["command"]).if_missing and "certs" in compose["volumes"]
-    for name in ("worker", "detokenizer"):
-        assert compose["services"][name]["depends_on"]["certs"]["condition"] == "service_completed_successfully"
-    assert compose["services"]["scheduler"]["depends_on"]["worker"]["condition"] == "service_healthy"
-
-
-def test_prometheus_scrapes_every_service(compose):
-    config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
-    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
-    for name in VMESH_SERVICES:
-        job = jobs[f"vmesh-{name}"]
-        targets = [t for sc in job.get("static_configs", []) for t in sc["targets"]]
-        targets += [f"{n}:{sd['port']}" for sd in job.get("dns_sd_configs", []) for n in sd["names"]]
-        assert targets == [f"{name}:9400"]
-        assert name in compose["services"]
-
-
-def test_grafana_dashboard_covers_the_key_series():
-    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/vmesh.json").read_text())
-    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
-    for series in ("time_to_first_token_seconds", "inter_token_latency_seconds", "generation_tokens_total",
-                   "kv_cache_usage_perc", "worker_duty_cycle", "num_requests_waiting"):
-        assert f"vmesh:{series}" in exprs
-    # Under a Kubernetes scrape the job label is the scrape config's, not compose's: no query may rely on it.
-    assert "job=" not in exprs
-    # Filtered on model_name as vLLM's dashboard is, through a template variable.
-    assert [v["name"] for v in dashboard["templating"]["list"]] == ["model_name"]
-    selectors = re.findall(r"vmesh:[a-z_]+(\{[^}]*\})?", exprs)
-    assert selectors and all('model_name=~"$model_name"' in s for s in selectors)
-
-
-def k8s_documents() -> list[tuple[Path, dict]]:
-    docs = []
-    for path in sorted((ROOT / "k8s/base").glob("*.yaml")):
-        if path.name != "kustomization.yaml":
-            docs += [(path, d) for d in yaml.safe_load_all(path.read_text()) if d]
-    return docs
 
 
 @pytest.mark.parametrize("version", ["1.30.0", "1.33.0"])
@@ -183,104 +93,6 @@ def test_k8s_network_policies_admit_only_each_port_s_callers():
         assert open_ports == {9400, 8081}, name
     public = policies["vmesh-frontend"]["spec"]["ingress"]
     assert {p["port"] for r in public for p in r["ports"]} >= {50051, 8000}
-
-
-# --- Rendered manifests -------------------------------------------------------------------------
-# No kustomize binary here: render() reads a kustomization the way kustomize does for the features
-# these files use (resources, patches with a target, images) and applies patches with a strategic
-# merge reduced to the cases used: maps merge, null deletes a key, lists of named items (containers,
-# volumes, env, mounts) merge by name, any other list is replaced.
-
-K8S_SETS = {"base": "k8s/base", "cpu": "k8s/overlays/cpu", "tracing": "k8s/overlays/tracing",
-            "keda": "k8s/overlays/keda", "tensor-parallel": "k8s/overlays/tensor-parallel"}
-WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job")
-
-
-def strategic_merge(target, patch):
-    if isinstance(target, dict) and isinstance(patch, dict):
-        merged = dict(target)
-        for key, value in patch.items():
-            if value is None:
-                merged.pop(key, None)
-            elif key in merged:
-                merged[key] = strategic_merge(merged[key], value)
-            else:
-                merged[key] = value
-        return merged
-    if (isinstance(target, list) and isinstance(patch, list) and patch
-            and all(isinstance(i, dict) and "name" in i for i in target + patch)):
-        merged = list(target)
-        for item in patch:
-            at = next((n for n, old in enumerate(merged) if old["name"] == item["name"]), None)
-            if at is None:
-                merged.append(item)
-            else:
-                merged[at] = strategic_merge(merged[at], item)
-        return merged
-    return patch
-
-
-def split_image(image: str) -> tuple[str, str | None]:
-    name, _, _digest = image.partition("@")
-    head, sep, tag = name.rpartition(":")
-    return (head, tag) if sep and "/" not in tag else (name, None)
-
-
-def pod_templates(docs: list[dict]):
-    for doc in docs:
-        if doc["kind"] in WORKLOAD_KINDS:
-            yield doc, doc["spec"]["template"]["spec"]
-
-
-def all_containers(pod: dict) -> list[dict]:
-    return pod.get("initContainers", []) + pod["containers"]
-
-
-def render(directory: Path) -> list[dict]:
-    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    docs: list[dict] = []
-    for entry in kustomization.get("resources", []):
-        path = (directory / entry).resolve()
-        docs += render(path) if path.is_dir() else [d for d in yaml.safe_load_all(path.read_text()) if d]
-    for patch in kustomization.get("patches", []):
-        body, target = yaml.safe_load((directory / patch["path"]).read_text()), patch["target"]
-        hits = [n for n, d in enumerate(docs)
-                if d["kind"] == target["kind"] and d["metadata"]["name"] == target["name"]]
-        assert len(hits) == 1, f"{directory}: patch {patch['path']} matches {len(hits)} documents"
-        docs[hits[0]] = strategic_merge(docs[hits[0]], body)
-    for image in kustomization.get("images", []):
-        for _doc, pod in pod_templates(docs):
-            for container in all_containers(pod):
-                name, tag = split_image(container["image"])
-                if name == image["name"]:
-                    tag = image.get("newTag", tag)
-                    container["image"] = image.get("newName", name) + (f":{tag}" if tag else "")
-    return docs
-
-
-@pytest.fixture(scope="module")
-def rendered() -> dict[str, list[dict]]:
-    return {name: render(ROOT / path) for name, path in K8S_SETS.items()}
-
-
-def dockerfile_env() -> dict[str, str]:
-    """The image's ENV, from the Dockerfile (KEY=VALUE forms, continued lines joined)."""
-    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
-    env: dict[str, str] = {}
-    for line in text.splitlines():
-        if line.startswith("ENV "):
-            for pair in line[4:].split():
-                key, _, value = pair.partition("=")
-                env[key] = value
-    return env
-
-
-def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
-    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
-
-
-def vmesh_role(container: dict) -> str | None:
-    return container["args"][0] if split_image(container["image"])[0].endswith("vmesh") else None
 
 
 @pytest.mark.parametrize("version", ["1.30.0", "1.33.0"])
@@ -354,33 +166,6 @@ def test_k8s_pods_meet_the_restricted_pod_security_standard(rendered):
                 assert not sc.get("privileged") and sc.get("runAsUser", 65532) != 0, where
                 assert sc.get("seccompProfile", {"type": "RuntimeDefault"})["type"] == "RuntimeDefault", where
                 assert not any("hostPort" in p for p in container.get("ports", [])), where
-
-
-def test_k8s_every_path_the_image_writes_is_a_writable_volume(rendered):
-    """With a read-only root filesystem, each directory a service writes to (from the image's
-    ENV: HOME, TRITON_CACHE_DIR, VMESH_CACHE_DIR/kernels for the worker's CPU kernels; /tmp for
-    everyone) must be an emptyDir mounted read-write; and the image makes those directories its
-    user's, for compose, where the root filesystem stays the image's."""
-    env = dockerfile_env()
-    writes = {"worker": ["/tmp", env["HOME"], env["TRITON_CACHE_DIR"], env["VMESH_CACHE_DIR"] + "/kernels"]}
-    for role in ("frontend", "detokenizer", "scheduler"):
-        writes[role] = ["/tmp", env["HOME"]]
-    dockerfile = (ROOT / "Dockerfile").read_text()
-    chowned = {p for line in dockerfile.replace("\\\n", " ").splitlines() if "chown 65532:65532" in line
-               for p in line.split("chown 65532:65532", 1)[1].split("&&")[0].split()}
-    assert set(writes["worker"]) - {"/tmp"} <= chowned
-    assert "USER 65532:65532" in dockerfile
-    for name, docs in rendered.items():
-        for doc, pod in pod_templates(docs):
-            volumes = {v["name"]: v for v in pod.get("volumes", [])}
-            for container in all_containers(pod):
-                role = vmesh_role(container)
-                for path in writes.get(role, ["/tmp"]):
-                    mounts = [m for m in container.get("volumeMounts", [])
-                              if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")]
-                    assert mounts, f"{name}/{doc['metadata']['name']}: nothing writable at {path}"
-                    mount = max(mounts, key=lambda m: len(m["mountPath"]))  # the one that shadows the rest
-                    assert "emptyDir" in volumes[mount["name"]] and not mount.get("readOnly"), f"{name}: {path}"
 
 
 def replicas_floor(docs: list[dict], workload: dict) -> int:
@@ -498,40 +283,6 @@ def test_keda_scaled_object_scales_the_workers_on_queue_depth(rendered):
     for ordinal in range(spec["maxReplicaCount"]):
         assert f"{workers['metadata']['name']}-{ordinal}" in dialled, \
             f"maxReplicaCount {spec['maxReplicaCount']} would start worker {ordinal}, which no scheduler dials"
-
-
-def test_compose_shares_a_model_cache_volume_writable_by_the_image_user(compose):
-    """The converted-model cache is the named volume `models` at the image's VMESH_CACHE_DIR for
-    every service that loads the model; a new volume copies the image's directory and owners, so
-    the cache and its kernels directory must be the runtime user's in the image."""
-    cache = dockerfile_env()["VMESH_CACHE_DIR"]
-    assert "models" in compose["volumes"]
-    for name in ("worker", "frontend", "detokenizer"):
-        assert f"models:{cache}" in compose["services"][name]["volumes"], name
-    dockerfile = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
-    chowned = {p for line in dockerfile.splitlines() if "chown 65532:65532" in line
-               for p in line.split("chown 65532:65532", 1)[1].split("&&")[0].split()}
-    assert {cache, f"{cache}/kernels"} <= chowned
-    for service in compose["services"].values():
-        assert not service.get("image", "x:pinned").endswith(":latest") and ":" in service.get("image", "x:pinned")
-
-
-def test_image_copies_what_the_package_is_built_from():
-    """`pip install .` in the image needs every folder pyproject maps into the package, and
-    nothing else of the checkout (benchmarks and tests stay out of the image)."""
-    import tomllib
-
-    setuptools_config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    needed = {*setuptools_config["package-dir"].values(), "vmesh", "pyproject.toml", "README.md"}
-    copied = set()
-    for line in (ROOT / "Dockerfile").read_text().splitlines():
-        if line.startswith("COPY "):
-            copied.update(line.split()[1:-1])
-    assert needed == copied
-    assert {p.split(".")[0] for p in setuptools_config["packages"]} == {"vmesh"}
-    dockerfile = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
-    assert 'pip install ".${VMESH_EXTRAS}"' in dockerfile
-    assert "rm -rf services kernels vmesh" in dockerfile  # the launcher's `-m vmesh` must find the install
 
 
 def test_tensor_parallel_overlay_makes_one_group_of_the_worker_pods(rendered):
