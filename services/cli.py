@@ -76,7 +76,7 @@ def add_frontend_args(parser: argparse.ArgumentParser, http_port: int | None) ->
 
 
 def add_detokenizer_discovery_args(parser: argparse.ArgumentParser) -> None:
-    from vmesh.services.common.discovery import DEFAULT_REFRESH_INTERVAL_S
+    from vmesh.services.common.runtime.discovery import DEFAULT_REFRESH_INTERVAL_S
 
     g = parser.add_argument_group("detokenizer replicas")
     add_option(g, "--detokenizer-addresses", default="",

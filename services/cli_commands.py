@@ -25,7 +25,7 @@ def _address_specs(text: str) -> list[str]:
 
 def _addresses(text: str) -> list[str]:
     """The specs resolved once: for a fixed group such as worker ranks."""
-    from vmesh.services.common.discovery import expand_addresses
+    from vmesh.services.common.runtime.discovery import expand_addresses
 
     return expand_addresses(_address_specs(text))
 

@@ -19,7 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vmesh.services.common.grpc_server import wait_until_serving, write_atomically
+from vmesh.services.common.grpc_server import wait_until_serving
+from vmesh.services.common.runtime.readiness import write_atomically
 from vmesh.services.mesh_description import MeshDescription, ServiceEntry, description_path
 from vmesh.services.worker.config import PER_WORKER_PROCESS
 

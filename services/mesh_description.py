@@ -8,6 +8,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from vmesh.services.common.runtime.readiness import Announcement, ReadyFiles
+
 
 @dataclass
 class ServiceEntry:
@@ -35,4 +37,4 @@ class MeshDescription:
 
 
 def description_path(ready_file: str | Path) -> Path:
-    return Path(f"{ready_file}.mesh.json")
+    return ReadyFiles(ready_file).file(Announcement.MESH_DESCRIPTION)

@@ -10,7 +10,6 @@ import os
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -18,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from vmesh.services.common import tls
 from vmesh.services.common.guards import ServerGuard
+from vmesh.services.common.runtime.readiness import Announcement, announce
 
 logger = logging.getLogger(__name__)
 
@@ -136,13 +136,11 @@ class ServiceShell:
         await self.server.start()
         if self.health_server is not None:
             await self.health_server.start()
-            if ready_file:
-                write_atomically(Path(ready_file + ".health"), self.health_address)
+            announce(ready_file, Announcement.HEALTH, self.health_address)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
-        if ready_file:  # lets a launcher that asked for port 0 learn the port
-            write_atomically(Path(ready_file), self.address)
+        announce(ready_file, Announcement.ADDRESS, self.address)  # a launcher that asked for port 0 learns it
         warming = asyncio.ensure_future(warm_up())
         stopped = asyncio.ensure_future(self.stopping.wait())
         await asyncio.wait({warming, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -169,13 +167,6 @@ class ServiceShell:
         from vmesh.services.common import telemetry
 
         telemetry.shutdown_tracing()
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Readers see the whole text or no file (a launcher polls for it)."""
-    staging = path.with_name(path.name + ".tmp")
-    staging.write_text(text)
-    os.replace(staging, path)
 
 
 def channel(address: str, peer: str | None = None, secure: bool = True,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -27,6 +26,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from vmesh.services.common.runtime.readiness import Announcement, announce
 
 # Otherwise every counter and histogram also exports a `_created` series, which vLLM does not
 # (it disables them too) and which dashboards summing `{__name__=~...}` would pick up.
@@ -88,8 +89,7 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int | None, read
     server = ThreadingHTTPServer((host, port), Handler)
     threading.Thread(target=server.serve_forever, name="vmesh-metrics", daemon=True).start()
     address = f"{host}:{server.server_port}"
-    if ready_file:
-        Path(ready_file + ".metrics").write_text(address)
+    announce(ready_file, Announcement.METRICS, address)
     return address
 
 

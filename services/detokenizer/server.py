@@ -14,6 +14,7 @@ from vmesh.services.common import telemetry, wire
 from vmesh.services.common.grpc_server import ServiceShell
 from vmesh.services.common.logprobs import TokenLogprobs, pack_logprobs, unpack_logprobs
 from vmesh.services.common.metrics import DetokenizerMetrics
+from vmesh.services.common.runtime.tasks import wait_until
 from vmesh.services.detokenizer.incremental import IncrementalDetokenizer
 from vmesh.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc
 
@@ -226,7 +227,6 @@ async def serve(load_tokenizer, host: str, port: int, ready_file: str | None,
 
     async def drain() -> None:
         servicer.start_draining()
-        while servicer.num_requests:
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: not servicer.num_requests)
 
     await shell.run(warm_up, drain, ready_file)

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Protocol, TypeVar
+from typing import TypeVar
+
+from vmesh.services.common.runtime.peers import Member
 
 CHUNK_TOKENS = 32
 MAX_CHUNKS = 128  # prefixes are told apart by at most their first 4,096 tokens
@@ -24,12 +26,7 @@ TABLE_ENTRIES = 1 << 16  # chunk hashes remembered per group (~4 MiB per group)
 OVERLOAD_SLACK = 4  # in-flight requests a preferred group may have beyond twice the least busy's
 
 
-class Group(Protocol):
-    address: str
-    in_flight: int
-
-
-G = TypeVar("G", bound=Group)
+G = TypeVar("G", bound=Member)
 
 
 def prefix_hashes(prompt: Sequence[int]) -> list[int]:

@@ -137,9 +137,7 @@ def loaded_limits(frontend: FrontendServicer) -> ModelLimits:
 
 def spawn(frontend: FrontendServicer, work: Coroutine[Any, Any, None]) -> None:
     """A task that outlives the request that started it (an abort), referenced until done."""
-    task = asyncio.get_running_loop().create_task(work)
-    frontend.background.add(task)
-    task.add_done_callback(frontend.background.discard)
+    frontend.background.spawn(work)
 
 
 async def generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRequest,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +15,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from vmesh.services.common.grpc_server import channel
-from vmesh.services.common.replica_set import ReplicaSet
+from vmesh.services.common.runtime.peers import Peer, PeerSet
+from vmesh.services.common.runtime.retry import Backoff
+from vmesh.services.common.runtime.stream import KeptStream
+from vmesh.services.common.runtime.tasks import TaskGroup
 from vmesh.services.frontend.prefix_routing import PrefixRouter
 from vmesh.services.frontend.validation import ModelLimits
 from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -23,22 +26,21 @@ from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 logger = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 600.0  # a group's worker may still be loading its model
-JOIN_RETRY_S = 5.0
+JOIN_RETRY = Backoff(5.0)
+REACH_TIMEOUT_S = 5.0  # one attempt to reach a lost group's new process
 LOSS_GRACE_S = 3.0  # a broken connection to a live scheduler is normally back well within this
-WATCH_RETRY_S = 0.5
+WATCH_RETRY = Backoff(0.5)  # between attempts to reach a lost group's new process
 ROUTING_POLICIES = ("prefix", "least-busy")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 @dataclass
-class SchedulerGroup:
-    address: str
-    stub: scheduler_pb2_grpc.SchedulerServiceStub
-    channel: grpc.aio.Channel
-    in_flight: int = 0
-    ready: bool = False  # it answered, serving the same model as the others
-    retired: bool = False  # its address left the list: no new requests; closed once idle
-    joined: asyncio.Event = field(default_factory=asyncio.Event)  # set once it answered (or was retired)
+class SchedulerGroup(Peer):
+    """One scheduler group. `alive`: it answered, serving the same model as the others, and its
+    process has not been lost since; `draining`: its health says NOT_SERVING; `joined`: set once
+    it answered (or was retired); `in_flight`: this frontend's requests there."""
+    stub: scheduler_pb2_grpc.SchedulerServiceStub = field(kw_only=True)
+    channel: grpc.aio.Channel = field(kw_only=True)
     incarnation: str = ""  # the scheduler process's id: a different one is a restarted scheduler
 
 
@@ -58,12 +60,14 @@ class SchedulerPool:
                                                       grpc.aio.Channel]] = connect,
                  on_lost: Callable[[SchedulerGroup], None] = lambda group: None,
                  health_stream: Callable[[SchedulerGroup], AsyncIterator[Any]] = health_stream,
-                 loss_grace_s: float = LOSS_GRACE_S, routing: str = "prefix"):
+                 loss_grace_s: float = LOSS_GRACE_S, routing: str = "prefix",
+                 join_retry: Backoff = JOIN_RETRY, watch_retry: Backoff = WATCH_RETRY):
         """`on_lost(group)`: the group's scheduler went away (its process died or restarted); what
         it held is gone, including requests still queued there that no detokenizer knows of.
         `loss_grace_s`: how long a broken connection may take to reach the same process again
         before its requests are given up. `routing`: "prefix" (prefix-aware, load as tie-breaker)
-        or "least-busy"."""
+        or "least-busy". `join_retry`: the wait before asking a group that did not answer again;
+        `watch_retry`: before trying again to reach a lost group's new process."""
         if routing not in ROUTING_POLICIES:
             raise ValueError(f"unknown routing {routing!r} ({' or '.join(ROUTING_POLICIES)})")
         self.prefix_router = PrefixRouter() if routing == "prefix" else None
@@ -71,13 +75,15 @@ class SchedulerPool:
         self._on_lost = on_lost
         self._health_stream = health_stream
         self.loss_grace_s = loss_grace_s
+        self.join_retry = join_retry
+        self.watch_retry = watch_retry
         # A group that leaves keeps its connection until its last request ends (an abort may still be sent).
-        self.members: ReplicaSet[SchedulerGroup] = ReplicaSet(
+        self.members: PeerSet[SchedulerGroup] = PeerSet(
             "scheduler", self._start, is_idle=lambda group: group.in_flight == 0,
             stop=self._stop,
             on_retire=lambda group: group.joined.set())  # start-up stops waiting for it
         self.limits: ModelLimits | None = None
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = TaskGroup()
 
     @property
     def groups(self) -> dict[str, SchedulerGroup]:
@@ -92,81 +98,93 @@ class SchedulerPool:
     def _stop(self, group: SchedulerGroup) -> None:
         if self.prefix_router is not None:
             self.prefix_router.forget(group.address)
-        self._spawn(group.channel.close())
+        group.stop()
+        self._tasks.spawn(group.channel.close())
 
     def _start(self, address: str) -> SchedulerGroup:
-        group = SchedulerGroup(address, *self._connect(address))
-        self._spawn(self._join(group))
+        stub, ch = self._connect(address)
+        group = SchedulerGroup(address, stub=stub, channel=ch)
+        group.task = asyncio.create_task(self._keep(group))
         return group
 
-    async def _join(self, group: SchedulerGroup) -> None:
+    async def _keep(self, group: SchedulerGroup) -> None:
+        """Join the group, then hold a health Watch stream open to its scheduler: it breaks the
+        moment the process goes, which is how requests that never produced a token learn of it."""
+        if await self._join(group):
+            await KeptStream(group, lambda opened: self._watch(group), lambda exc: self._lost(group, exc),
+                             Backoff.none()).run()  # _lost waits as long as reaching the scheduler again takes
+
+    async def _join(self, group: SchedulerGroup) -> bool:
+        """Ask the group for its model until it answers; whether it serves this pool's model."""
+        failures = 0
         while True:
             try:
                 stats = await group.stub.GetSchedulerStats(scheduler_pb2.GetSchedulerStatsRequest(),
-                                                           wait_for_ready=True, timeout=JOIN_TIMEOUT_S)
+                                                                wait_for_ready=True, timeout=JOIN_TIMEOUT_S)
                 break
             except grpc.aio.AioRpcError as exc:  # start-up stops waiting for it; asking goes on while it is listed
                 logger.warning("scheduler %s did not answer (%s); asking again", group.address, exc.details())
                 group.joined.set()
                 if group.retired:
-                    return
-                await asyncio.sleep(JOIN_RETRY_S)
+                    return False
+                failures += 1
+                await self.join_retry.sleep(failures)
         group.incarnation = stats.incarnation
         limits = ModelLimits(stats.model_name, stats.max_model_len, stats.vocab_size)
         if self.limits is None:
             self.limits = limits
-        if limits != self.limits:  # a request valid for one group must be valid for all
-            logger.error("scheduler %s serves %s, the others %s; not using it", group.address, limits, self.limits)
+        serves_the_model = limits == self.limits  # a request valid for one group must be valid for all
+        if serves_the_model:
+            group.alive = True
         else:
-            group.ready = True
-            self._spawn(self._watch(group))
+            logger.error("scheduler %s serves %s, the others %s; not using it", group.address, limits, self.limits)
         group.joined.set()
+        return serves_the_model
 
     async def _watch(self, group: SchedulerGroup) -> None:
-        """Hold a health Watch stream open to the group's scheduler: it breaks the moment the
-        process goes, which is how requests that never produced a token learn of it. A break
-        is only a connection's until proven otherwise: if the same process (same incarnation)
-        answers within the grace period, nothing was lost."""
-        while not group.retired:
-            try:
-                async for reply in self._health_stream(group):
-                    # NOT_SERVING: recovering a lost worker, or draining; new requests go elsewhere.
-                    group.ready = getattr(reply, "status", SERVING) == SERVING
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.CANCELLED and group.retired:
-                    return
-                reason = exc.code().name
-            else:
-                reason = "health stream ended"
-            group.ready = False  # new requests go elsewhere until it is sorted out
-            stats = await self._stats(group, self.loss_grace_s)
-            if stats is not None and stats.incarnation == group.incarnation:
-                logger.warning("scheduler %s: connection broke (%s), same process reached again", group.address,
-                               reason)
-                group.ready = True
-                continue
+        async for reply in self._health_stream(group):
+            # NOT_SERVING: recovering a lost worker, or draining; new requests go elsewhere.
+            group.draining = getattr(reply, "status", SERVING) != SERVING
+        raise ConnectionError("health stream ended")
+
+    async def _lost(self, group: SchedulerGroup, exc: Exception) -> bool:
+        """The health stream broke. A break is only a connection's until proven otherwise: if the
+        same process (same incarnation) answers within the grace period, nothing was lost.
+        Returns whether to watch again (not once the group left)."""
+        if isinstance(exc, grpc.aio.AioRpcError):
+            if exc.code() == grpc.StatusCode.CANCELLED and group.retired:
+                return False
+            reason = exc.code().name
+        elif isinstance(exc, ConnectionError):
+            reason = str(exc)
+        else:
+            raise exc  # not a break: a bug, which must not pass for a lost scheduler
+        group.alive = False  # new requests go elsewhere until it is sorted out
+        stats = await self._stats(group, self.loss_grace_s)
+        if stats is not None and stats.incarnation == group.incarnation:
+            logger.warning("scheduler %s: connection broke (%s), same process reached again", group.address, reason)
+        else:
             logger.error("scheduler %s lost (%s); its requests fail over", group.address, reason)
             if self.prefix_router is not None:  # a restarted scheduler starts with an empty cache
                 self.prefix_router.forget(group.address)
             self._on_lost(group)
+            failures = 0
             while stats is None and not group.retired:  # until a new process answers
-                await asyncio.sleep(WATCH_RETRY_S)
-                stats = await self._stats(group, JOIN_RETRY_S)
-            if stats is not None:
-                group.incarnation = stats.incarnation
-                group.ready = True
+                failures += 1
+                await self.watch_retry.sleep(failures)
+                stats = await self._stats(group, REACH_TIMEOUT_S)
+            if stats is None:
+                return False
+            group.incarnation = stats.incarnation
+        group.alive, group.draining = True, False
+        return not group.retired
 
     async def _stats(self, group: SchedulerGroup, timeout: float) -> scheduler_pb2.GetSchedulerStatsResponse | None:
         try:
-            return await group.stub.GetSchedulerStats(scheduler_pb2.GetSchedulerStatsRequest(), wait_for_ready=True,
-                                                      timeout=timeout)
+            return await group.stub.GetSchedulerStats(scheduler_pb2.GetSchedulerStatsRequest(),
+                                                           wait_for_ready=True, timeout=timeout)
         except grpc.aio.AioRpcError:
             return None
-
-    def _spawn(self, work: Coroutine[Any, Any, Any]) -> None:
-        task = asyncio.create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     def candidates(self, prefix_hashes: Sequence[int] = ()) -> list[SchedulerGroup]:
         """Groups that take new requests, in the order to try them: the least busy first, or,
@@ -190,7 +208,8 @@ class SchedulerPool:
         self.members.release_if_idle(group)
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
+        self._tasks.cancel()
         for group in self.members:  # a copy: a group may leave while another closes
+            group.stop()
             await group.channel.close()
+

@@ -9,14 +9,18 @@ import asyncio
 import itertools
 import logging
 import uuid
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from vmesh.services.common.discovery import DEFAULT_REFRESH_INTERVAL_S, AddressBook, watch
 from vmesh.services.common.grpc_server import ServiceShell, channel
 from vmesh.services.common.logprobs import unpack_logprobs
 from vmesh.services.common.metrics import FrontendMetrics
-from vmesh.services.common.replica_set import ReplicaSet
+from vmesh.services.common.runtime.discovery import DEFAULT_REFRESH_INTERVAL_S, AddressBook
+from vmesh.services.common.runtime.peers import Peer, PeerSet
+from vmesh.services.common.runtime.readiness import Announcement, announce
+from vmesh.services.common.runtime.retry import Backoff
+from vmesh.services.common.runtime.stream import KeptStream
+from vmesh.services.common.runtime.tasks import TaskGroup, wait_until
 from vmesh.services.frontend import requests
 from vmesh.services.frontend.outbox import Outbox, PendingOutput
 from vmesh.services.frontend.requests import RequestError
@@ -26,32 +30,33 @@ from vmesh.v1 import detokenizer_pb2, detokenizer_pb2_grpc, frontend_pb2, fronte
 
 logger = logging.getLogger(__name__)
 
+RESUBSCRIBE = Backoff(1.0)
+
 
 @dataclass
-class Subscription:
+class Subscription(Peer):
     """This frontend's subscription to one detokenizer replica, kept open (reopened after a
-    break) by its task for as long as the replica is listed or still serves a request."""
-    address: str
-    task: asyncio.Task | None = None
-    opened: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    retired: bool = False  # its address left the list: no new requests; let go once idle
+    break) by its task for as long as the replica is listed or still serves a request.
+    `alive`: the subscription is open now; `joined`: it opened once (or the replica left)."""
 
 
 class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
     def __init__(self, tokenizer, scheduler_specs: list[str], detokenizer_specs: list[str],
                  replica_refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S, api_key: str | None = None,
                  max_prompt_bytes: int = requests.DEFAULT_MAX_PROMPT_BYTES, model_name: str | None = None,
-                 failover_timeout_s: float = requests.DEFAULT_FAILOVER_TIMEOUT_S, routing: str = "prefix"):
+                 failover_timeout_s: float = requests.DEFAULT_FAILOVER_TIMEOUT_S, routing: str = "prefix",
+                 resubscribe: Backoff = RESUBSCRIBE):
         """Specs: host:port or dns:///name:port entries, re-resolved periodically. Several
         schedulers are several worker groups (data parallelism). `api_key`: required of
-        Generate, Tokenize and GetModelInfo callers as `authorization: Bearer KEY` metadata."""
+        Generate, Tokenize and GetModelInfo callers as `authorization: Bearer KEY` metadata.
+        `resubscribe`: the wait before subscribing again to a replica whose subscription broke."""
         self.tokenizer = tokenizer
         self.model_name = model_name  # the model whose tokenizer it loaded (None: not checked)
         self.api_key = api_key
         self.max_prompt_bytes = max_prompt_bytes
         self.failover_timeout_s = failover_timeout_s
         self.draining = False
-        self.background: set[asyncio.Task] = set()  # aborts that outlive their request
+        self.background = TaskGroup()  # aborts that outlive their request
         self.frontend_id = f"frontend-{uuid.uuid4().hex[:12]}"
         self.scheduler_addresses = AddressBook(scheduler_specs)
         self.schedulers = SchedulerPool(on_lost=self._scheduler_lost, routing=routing)
@@ -60,10 +65,11 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
         self.outboxes: dict[int, Outbox] = {}  # by frontend key
         self.frontend_keys = itertools.count(1)
         self.limits: ModelLimits | None = None
-        self.subscribed: set[str] = set()  # replicas whose subscription is open right now
-        self.replicas: ReplicaSet[Subscription] = ReplicaSet(
-            "detokenizer", self._start_subscription, is_idle=self._serves_nothing, stop=self._unsubscribe)
-        self._tasks: list[asyncio.Task] = []
+        self.resubscribe = resubscribe
+        self.replicas: PeerSet[Subscription] = PeerSet(
+            "detokenizer", self._start_subscription, is_idle=self._serves_nothing, stop=Subscription.stop,
+            on_retire=lambda subscription: subscription.joined.set())  # start-up stops waiting for it
+        self._tasks = TaskGroup()
         self.in_flight = 0
         self.metrics: FrontendMetrics | None = None
 
@@ -80,22 +86,26 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
             raise RuntimeError(f"this frontend loaded the tokenizer of {self.model_name!r}, but the schedulers "
                                f"serve {limits.name!r}; give both the same --model")
         self.limits = limits
-        await asyncio.gather(*(self.replicas.add(address).opened for address in self.detokenizers.addresses))
-        self._tasks += [
-            asyncio.create_task(watch(self.detokenizers, self.replica_refresh_interval_s, self.replicas.update)),
-            asyncio.create_task(watch(self.scheduler_addresses, self.replica_refresh_interval_s,
-                                      self.schedulers.members.update))]
+        await asyncio.gather(*(self.replicas.add(address).joined.wait() for address in self.detokenizers.addresses))
+        self._tasks.spawn(self.replicas.follow(self.detokenizers, self.replica_refresh_interval_s))
+        self._tasks.spawn(self.schedulers.members.follow(self.scheduler_addresses, self.replica_refresh_interval_s))
 
     async def close(self) -> None:
-        for task in [*self._tasks, *(s.task for s in self.replicas if s.task)]:
-            task.cancel()
+        self._tasks.cancel()
+        for subscription in self.replicas:
+            subscription.stop()
         await self.schedulers.close()
 
     # --- subscriptions -----------------------------------------------------------------------
 
+    @property
+    def subscribed(self) -> set[str]:
+        """Replicas whose subscription is open right now."""
+        return {subscription.address for subscription in self.replicas if subscription.alive}
+
     def listening(self) -> list[str]:
         """Replicas a new request may be routed to: subscribed, and not leaving."""
-        return sorted(a for a in self.subscribed if not self.replicas.is_retired(a))
+        return sorted(subscription.address for subscription in self.replicas if subscription.routable)
 
     def release_if_idle(self, address: str) -> None:
         """A request served by `address` ended: a leaving replica may now be let go."""
@@ -104,41 +114,31 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
 
     def _start_subscription(self, address: str) -> Subscription:
         subscription = Subscription(address)
-        subscription.task = asyncio.create_task(self._subscribe(address, subscription.opened))
+
+        async def broke(exc: Exception) -> bool:
+            subscription.alive = False
+            logger.error("detokenizer %s unavailable: %s", address, exc)
+            self._fail_replica(address, "the detokenizer serving this request became unavailable")
+            return True  # subscribed again until the replica is let go
+
+        stream = KeptStream(subscription, lambda opened: self._subscribe(address, opened), broke, self.resubscribe)
+        subscription.task = asyncio.create_task(stream.run())
         return subscription
 
     def _serves_nothing(self, subscription: Subscription) -> bool:
         return all(o.detokenizer != subscription.address for o in self.outboxes.values())
 
-    def _unsubscribe(self, subscription: Subscription) -> None:
-        self.subscribed.discard(subscription.address)
-        if subscription.task is not None:
-            subscription.task.cancel()
-
-    async def _subscribe(self, address: str, ready: asyncio.Future) -> None:
-        """Keep one subscription open to a replica; when it breaks, fail the requests it was
-        serving and subscribe again."""
-        while True:
-            try:
-                async with channel(address, "detokenizer") as ch:
-                    stub = detokenizer_pb2_grpc.DetokenizerServiceStub(ch)
-                    call = stub.Subscribe(detokenizer_pb2.SubscribeRequest(frontend_id=self.frontend_id),
-                                          wait_for_ready=True)
-                    # The replica sends metadata once it has registered us.
-                    await call.initial_metadata()
-                    self.subscribed.add(address)
-                    if not ready.done():
-                        ready.set_result(None)
-                    async for batch in call:
-                        self._dispatch(batch)
-                    raise ConnectionError("subscription closed")
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self.subscribed.discard(address)
-                logger.error("detokenizer %s unavailable: %s", address, exc)
-                self._fail_replica(address, "the detokenizer serving this request became unavailable")
-            await asyncio.sleep(1.0)
+    async def _subscribe(self, address: str, opened: Callable[[], None]) -> None:
+        """One subscription to a replica, read until it breaks (its requests then fail over)."""
+        async with channel(address, "detokenizer") as ch:
+            stub = detokenizer_pb2_grpc.DetokenizerServiceStub(ch)
+            call = stub.Subscribe(detokenizer_pb2.SubscribeRequest(frontend_id=self.frontend_id), wait_for_ready=True)
+            # The replica sends metadata once it has registered us.
+            await call.initial_metadata()
+            opened()
+            async for batch in call:
+                self._dispatch(batch)
+            raise ConnectionError("subscription closed")
 
     def _dispatch(self, batch: detokenizer_pb2.SubscribeResponse) -> None:
         token_offset = logprob_offset = 0
@@ -219,8 +219,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
 
     async def drain(self) -> None:
         self.draining = True  # new requests are refused from here on; those in flight finish
-        while self.in_flight:
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: not self.in_flight)
 
 
 async def serve(load_tokenizer, scheduler_specs: list[str], detokenizer_specs: list[str], host: str, port: int,
@@ -250,8 +249,7 @@ async def serve(load_tokenizer, scheduler_specs: list[str], detokenizer_specs: l
 
         # Listening before warm-up, as gRPC does: requests meanwhile get 503, not a refused connection.
         http = HttpServer(servicer, registry, host, http_port)
-        if ready_file:
-            Path(ready_file + ".http").write_text(http.address)
+        announce(ready_file, Announcement.HTTP, http.address)
         http.start()
 
     async def warm_up() -> None:

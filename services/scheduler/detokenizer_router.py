@@ -19,13 +19,15 @@ import grpc
 from vmesh.services.common.finish_reason import FINISH_REASONS_PB, FinishReason
 from vmesh.services.common.grpc_server import channel
 from vmesh.services.common.logprobs import pack_logprobs
-from vmesh.services.common.replica_set import ReplicaSet
+from vmesh.services.common.runtime.peers import Peer, PeerSet
+from vmesh.services.common.runtime.retry import Backoff
+from vmesh.services.common.runtime.stream import KeptStream
 from vmesh.services.scheduler.scheduler import RequestUpdate
 from vmesh.v1 import detokenizer_pb2, detokenizer_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-RECONNECT_DELAY_S = 1.0
+RECONNECT = Backoff(1.0)
 
 OpenStream = Callable[[str], tuple[grpc.aio.StreamStreamCall, grpc.aio.Channel]]
 
@@ -36,27 +38,23 @@ def open_stream(address: str) -> tuple[grpc.aio.StreamStreamCall, grpc.aio.Chann
 
 
 @dataclass
-class Replica:
+class Replica(Peer):
     """One detokenizer replica and the stream to it. A lost stream is reopened (the replica may
     have restarted); a replica whose address leaves the list takes no new requests and is closed
-    once its last request ends."""
-    address: str
+    once its last request ends. `alive`: the stream is open; `draining`: the replica said it is
+    shutting down; `in_flight`: requests routed here."""
     call: grpc.aio.StreamStreamCall | None = None
-    alive: bool = False  # the stream is open: new requests may be routed here
-    draining: bool = False  # the replica is shutting down (it said so): no new requests
-    retired: bool = False  # its address left the list
-    outstanding: int = 0
-    connected: asyncio.Event = field(default_factory=asyncio.Event)  # set on the first connection (or retirement)
     lost: asyncio.Event = field(default_factory=asyncio.Event)
-    task: asyncio.Task | None = None
     pending: detokenizer_pb2.DetokenizeRequest = field(default_factory=detokenizer_pb2.DetokenizeRequest)
     # A gRPC stream takes one write at a time (a second one in flight fails the call with TOO_MANY_OPERATIONS),
     # and abort RPCs flush concurrently with the engine loop. The lock's FIFO wake-up keeps batches in order.
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
-    def routable(self) -> bool:
-        return self.alive and not self.draining and not self.retired
+    def outstanding(self) -> int:
+        """Requests routed here and not yet released: the peer's `in_flight`, by the name the
+        scheduler's least-outstanding choice of a replica uses."""
+        return self.in_flight
 
     @property
     def has_pending(self) -> bool:
@@ -73,15 +71,18 @@ class Route:
 
 
 class DetokenizerRouter:
-    def __init__(self, on_released: Callable[[str, FinishReason], None], open_stream: OpenStream = open_stream):
+    def __init__(self, on_released: Callable[[str, FinishReason], None], open_stream: OpenStream = open_stream,
+                 reconnect: Backoff = RECONNECT):
         """`on_released(request_key, reason)`: the router let a request go on a replica's word (a
         stop string matched: STOP; its frontend went away: ABORT) or because its replica was lost
-        (ABORT); the caller stops computing it. Requests are named by the scheduler's request key."""
+        (ABORT); the caller stops computing it. Requests are named by the scheduler's request key.
+        `reconnect`: the wait before reopening a lost stream."""
         self._on_released = on_released
         self._open_stream = open_stream
-        self.replicas: ReplicaSet[Replica] = ReplicaSet(
-            "detokenizer", self._start, is_idle=lambda r: r.outstanding == 0 and not r.has_pending,
-            stop=self._stop, on_retire=lambda r: r.connected.set())  # start-up stops waiting for it
+        self.reconnect = reconnect
+        self.replicas: PeerSet[Replica] = PeerSet(
+            "detokenizer", self._start, is_idle=lambda r: r.in_flight == 0 and not r.has_pending,
+            stop=Replica.stop, on_retire=lambda r: r.joined.set())  # start-up stops waiting for it
         self.routes: dict[str, Route] = {}
         self.request_key_of: dict[int, str] = {}  # by stream handle
         self._stream_handles = itertools.count()
@@ -90,12 +91,11 @@ class DetokenizerRouter:
         """Open a stream to each replica; returns once each is open (or has left the list)."""
         for address in addresses:
             self.replicas.add(address)
-        await asyncio.gather(*(r.connected.wait() for r in self.replicas))
+        await asyncio.gather(*(r.joined.wait() for r in self.replicas))
 
     def close(self) -> None:
         for replica in self.replicas:
-            if replica.task is not None:
-                replica.task.cancel()
+            replica.stop()
 
     # --- routes ------------------------------------------------------------------------------
 
@@ -108,7 +108,7 @@ class DetokenizerRouter:
         """Route a request to `replica`; `introduction` lacks only the stream handle, set here."""
         route = Route(next(self._stream_handles), replica, introduction)
         introduction.handle = route.stream_handle
-        replica.outstanding += 1
+        replica.in_flight += 1
         self.routes[request_key] = route
         self.request_key_of[route.stream_handle] = request_key
         return route
@@ -118,7 +118,7 @@ class DetokenizerRouter:
         route = self.routes.pop(request_key, None)
         if route is not None:
             del self.request_key_of[route.stream_handle]
-            route.replica.outstanding -= 1
+            route.replica.in_flight -= 1
         return route
 
     def add_update(self, route: Route, update: RequestUpdate) -> None:
@@ -166,41 +166,34 @@ class DetokenizerRouter:
 
     def _start(self, address: str) -> Replica:
         replica = Replica(address)
-        replica.task = asyncio.create_task(self._keep(replica))
+
+        async def lost(exc: Exception) -> bool:
+            self._lost(replica, exc)
+            return True  # reopened until the replica is let go
+
+        stream = KeptStream(replica, lambda opened: self._keep(replica, opened), lost, self.reconnect)
+        replica.task = asyncio.create_task(stream.run())
         return replica
 
-    @staticmethod
-    def _stop(replica: Replica) -> None:
-        replica.alive = False
-        if replica.task is not None:
-            replica.task.cancel()
-
-    async def _keep(self, replica: Replica) -> None:
-        """Hold a stream open to the replica; reopen it after a loss until the replica leaves."""
-        while True:
-            call, ch = self._open_stream(replica.address)
-            reader = None
-            try:
-                await call.wait_for_connection()  # the replica sends initial metadata on a new stream
-                replica.lost.clear()
-                async with replica.write_lock:  # not while a write to the previous stream is in flight
-                    replica.call = call
-                    replica.alive = True
-                    replica.draining = False  # a restarted replica; one still draining says so again at once
-                replica.connected.set()
-                logger.info("detokenizer %s connected", replica.address)
-                reader = asyncio.create_task(self._read(replica, call))
-                await replica.lost.wait()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self._lost(replica, exc)
-            finally:
-                if reader is not None:
-                    reader.cancel()
-                call.cancel()
-                await ch.close()
-            await asyncio.sleep(RECONNECT_DELAY_S)
+    async def _keep(self, replica: Replica, opened: Callable[[], None]) -> None:
+        """One stream to the replica, held until it is lost (on a read or a write)."""
+        call, ch = self._open_stream(replica.address)
+        reader = None
+        try:
+            await call.wait_for_connection()  # the replica sends initial metadata on a new stream
+            replica.lost.clear()
+            async with replica.write_lock:  # not while a write to the previous stream is in flight
+                replica.call = call
+                replica.draining = False  # a restarted replica; one still draining says so again at once
+                opened()
+            logger.info("detokenizer %s connected", replica.address)
+            reader = asyncio.create_task(self._read(replica, call))
+            await replica.lost.wait()
+        finally:
+            if reader is not None:
+                reader.cancel()
+            call.cancel()
+            await ch.close()
 
     async def _read(self, replica: Replica, call: grpc.aio.StreamStreamCall) -> None:
         try:
@@ -226,7 +219,7 @@ class DetokenizerRouter:
 
     def _lost(self, replica: Replica, exc: Exception) -> None:
         """Release the replica's requests; the replica tells their frontends (or their
-        subscriptions break, when the replica itself is gone). `_keep` reconnects."""
+        subscriptions break, when the replica itself is gone). Its KeptStream reconnects."""
         replica.lost.set()
         if not replica.alive:
             return

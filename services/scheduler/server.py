@@ -21,11 +21,11 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 
 from vmesh.services.common import telemetry, wire
-from vmesh.services.common.discovery import DEFAULT_REFRESH_INTERVAL_S, AddressBook, watch
 from vmesh.services.common.finish_reason import FinishReason
 from vmesh.services.common.grpc_server import ServiceShell, channel
 from vmesh.services.common.metrics import Gauges, SchedulerMetrics
 from vmesh.services.common.request_checks import ModelLimits, check_prompt, check_resumed, decode_sampling
+from vmesh.services.common.runtime.discovery import DEFAULT_REFRESH_INTERVAL_S, AddressBook, watch
 from vmesh.services.common.step_types import NewRequest, StepPlan
 from vmesh.services.scheduler.block_pool import BlockPool
 from vmesh.services.scheduler.detokenizer_router import DetokenizerRouter, OpenStream, Route, open_stream

@@ -84,3 +84,12 @@ async def healthy_forever(group):
 
     await asyncio.Event().wait()
     yield  # pragma: no cover
+
+
+def listening(frontend, *addresses: str) -> None:
+    """Mark the frontend subscribed to these detokenizer replicas, without a network or a task
+    (as if each subscription had opened)."""
+    from vmesh.services.frontend.server import Subscription
+
+    for address in addresses:
+        frontend.replicas.members[address] = Subscription(address, alive=True)

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
 from tests.support.grpc_fakes import FakeChannel, FakeStream
 from vmesh.services.common.finish_reason import FinishReason
 from vmesh.services.common.logprobs import TokenLogprobs
-from vmesh.services.scheduler import detokenizer_router
+from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.scheduler.detokenizer_router import DetokenizerRouter
 from vmesh.services.scheduler.scheduler import RequestUpdate
 from vmesh.v1 import common_pb2, detokenizer_pb2
@@ -21,7 +19,8 @@ class Harness:
     def __init__(self) -> None:
         self.streams: dict[str, list[FakeStream]] = {}
         self.released: list[tuple[str, FinishReason]] = []
-        self.router = DetokenizerRouter(lambda key, reason: self.released.append((key, reason)), self._open)
+        self.router = DetokenizerRouter(lambda key, reason: self.released.append((key, reason)), self._open,
+                                        reconnect=Backoff.none())
 
     def _open(self, address: str):
         stream = FakeStream()
@@ -37,11 +36,6 @@ class Harness:
 async def turns(n: int = 20) -> None:
     for _ in range(n):
         await asyncio.sleep(0)
-
-
-@pytest.fixture(autouse=True)
-def no_reconnect_delay(monkeypatch):
-    monkeypatch.setattr(detokenizer_router, "RECONNECT_DELAY_S", 0.0)
 
 
 def update(key: str, tokens: list[int], finish: FinishReason | None = None) -> RequestUpdate:
@@ -190,7 +184,7 @@ def test_start_up_does_not_wait_for_a_replica_that_left_before_it_answered():
     async def main() -> None:
         h = Harness()
         h._open = lambda address: (NeverAnswers(), FakeChannel())
-        h.router = DetokenizerRouter(lambda key, reason: None, h._open)
+        h.router = DetokenizerRouter(lambda key, reason: None, h._open, reconnect=Backoff.none())
         connecting = asyncio.create_task(h.router.connect(["d:1"]))
         await turns()
         assert not connecting.done()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from vmesh.services.common.discovery import AddressBook, expand_addresses, resolve_spec
+from vmesh.services.common.runtime.discovery import AddressBook, expand_addresses, resolve_spec
 
 
 class FakeDns:
@@ -55,7 +55,7 @@ def test_the_first_resolution_must_succeed():
 def test_watch_reports_changes_and_returns_for_a_fixed_list():
     import asyncio
 
-    from vmesh.services.common.discovery import watch
+    from vmesh.services.common.runtime.discovery import watch
 
     async def main() -> list:
         dns = FakeDns({"dns:///detok:1": ["10.0.0.1:1"]})

@@ -3,6 +3,7 @@ it would turn text into ids of another vocabulary and serve wrong answers, not e
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 
@@ -22,8 +23,9 @@ def connect(model_name: str) -> None:
     async def main() -> None:
         f = FrontendServicer(object(), ["s:1"], ["d:1"], model_name=model_name)
 
-        async def no_detokenizer(address: str, opened: asyncio.Future) -> None:  # no detokenizers here
-            opened.set_result(None)
+        async def no_detokenizer(address: str, opened: Callable[[], None]) -> None:  # no detokenizers here
+            opened()
+            await asyncio.Event().wait()
 
         f._subscribe = no_detokenizer
         f.schedulers = SchedulerPool(lambda address: (Scheduler(), FakeChannel()), health_stream=healthy_forever)

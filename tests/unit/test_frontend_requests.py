@@ -8,7 +8,7 @@ import grpc
 import httpx
 import pytest
 
-from tests.support.grpc_fakes import Aborted, FakeChannel, FakeContext
+from tests.support.grpc_fakes import Aborted, FakeChannel, FakeContext, listening
 from vmesh.services.frontend import openai_protocol as oai
 from vmesh.services.frontend import requests
 from vmesh.services.frontend.http_server import build_app
@@ -221,7 +221,7 @@ async def failover_frontend(scheduler: FailoverScheduler, **kwargs) -> FrontendS
     f = frontend(object(), ModelLimits("m", 100, 50), **kwargs)
     f.schedulers = SchedulerPool(lambda address: (scheduler, FakeChannel()), health_stream=healthy_forever)
     await f.schedulers.add("s:1").joined.wait()
-    f.subscribed = {"d:1", "d:2", "d:3"}
+    listening(f, "d:1", "d:2", "d:3")
     return f
 
 

@@ -6,6 +6,7 @@ import asyncio
 import grpc
 
 from tests.support.grpc_fakes import FakeChannel, healthy_forever, rpc_error
+from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.frontend.schedulers import SchedulerPool
 from vmesh.v1 import scheduler_pb2
 
@@ -61,12 +62,8 @@ def test_a_group_that_leaves_takes_no_new_requests_and_closes_when_idle():
     asyncio.run(main())
 
 
-def test_a_group_that_is_not_ready_yet_is_asked_again(monkeypatch):
+def test_a_group_that_is_not_ready_yet_is_asked_again():
     import grpc
-
-    from vmesh.services.frontend import schedulers
-
-    monkeypatch.setattr(schedulers, "JOIN_RETRY_S", 0.0)
 
     class StartingScheduler(FakeScheduler):
         calls = 0
@@ -79,7 +76,7 @@ def test_a_group_that_is_not_ready_yet_is_asked_again(monkeypatch):
 
     async def main() -> None:
         stub = StartingScheduler("m")
-        pool = SchedulerPool(lambda address: (stub, FakeChannel()))
+        pool = SchedulerPool(lambda address: (stub, FakeChannel()), join_retry=Backoff.none())
         group = pool.add("a:1")
         for _ in range(20):
             await asyncio.sleep(0)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from vmesh.services.frontend.outbox import Outbox
 from vmesh.services.frontend.server import FrontendServicer
@@ -10,16 +11,15 @@ from vmesh.services.frontend.server import FrontendServicer
 class Frontend(FrontendServicer):
     """Subscriptions that open at once and stay open until cancelled."""
 
-    async def _subscribe(self, address: str, ready: asyncio.Future) -> None:
-        self.subscribed.add(address)
-        ready.set_result(None)
+    async def _subscribe(self, address: str, opened: Callable[[], None]) -> None:
+        opened()
         await asyncio.Event().wait()
 
 
 def test_a_leaving_replica_keeps_its_subscription_until_its_last_request_ends():
     async def main() -> None:
         frontend = Frontend(None, ["127.0.0.1:1"], ["127.0.0.1:5"])
-        await frontend.replicas.add("127.0.0.1:5").opened
+        await frontend.replicas.add("127.0.0.1:5").joined.wait()
         frontend.replicas.update(["127.0.0.1:6"], [])
         await asyncio.sleep(0)
         assert frontend.subscribed == {"127.0.0.1:5", "127.0.0.1:6"}

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.grpc_fakes import FakeChannel
+from tests.support.grpc_fakes import FakeChannel, listening
 from vmesh.services.frontend import openai_protocol as oai
 from vmesh.services.frontend import openai_responses as render
 from vmesh.services.frontend.fanout import Fanout, until_disconnect
@@ -87,7 +87,7 @@ async def serving_frontend(tokenizer: Any = None, **kwargs: Any) -> tuple[Fronte
     f.schedulers = SchedulerPool(lambda address: (scheduler, FakeChannel()), health_stream=quiet_health)
     await f.schedulers.add("s:1").joined.wait()
     f.limits = f.schedulers.limits
-    f.subscribed.add("d:1")
+    listening(f, "d:1")
     return f, scheduler
 
 

@@ -7,6 +7,7 @@ import asyncio
 import grpc
 import pytest
 
+from tests.support.grpc_fakes import listening
 from vmesh.services.frontend import requests
 from vmesh.services.frontend.requests import RequestError
 from vmesh.services.frontend.server import FrontendServicer
@@ -63,7 +64,7 @@ class Tokenizer:
 
 def test_a_deadline_that_passed_before_submission_is_deadline_exceeded():
     f = frontend(Tokenizer(), ModelLimits("m", 100, 10))
-    f.subscribed.add("d:1")
+    listening(f, "d:1")
     f.schedulers.candidates = lambda: [object()]
     with pytest.raises(RequestError) as err:
         asyncio.run(drain(requests.generate(f, frontend_pb2.GenerateRequest(text="hi"), time_remaining=lambda: 0.0)))
@@ -99,7 +100,7 @@ def test_a_failed_submission_does_not_show_internal_addresses():
         f = frontend(Tokenizer(), ModelLimits("m", 100, 10))
         f.schedulers = SchedulerPool(lambda address: (DownScheduler(), FakeChannel()), health_stream=healthy_forever)
         await f.schedulers.add("s:1").joined.wait()
-        f.subscribed.add("d:1")
+        listening(f, "d:1")
         try:
             await drain(requests.generate(f, frontend_pb2.GenerateRequest(text="hi")))
         except RequestError as exc:

@@ -10,8 +10,8 @@ import pytest
 from tests.support.grpc_fakes import Aborted, FakeChannel, FakeContext, FakeStream, rpc_error
 from vmesh.services.common import wire
 from vmesh.services.common.request_checks import MAX_STOP_TOKEN_IDS, ModelLimits
+from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.common.step_types import StepResult
-from vmesh.services.scheduler import detokenizer_router
 from vmesh.services.scheduler.block_pool import BlockPool
 from vmesh.services.scheduler.pipeline import StepPipeline
 from vmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -67,7 +67,7 @@ def test_a_replica_that_leaves_finishes_its_requests_and_then_closes():
         await connected(servicer)
         assert await servicer.submit(0) == "127.0.0.1:1"
         servicer.router.replicas.update(["127.0.0.1:2"], ["127.0.0.1:1"])
-        await servicer.router.replicas.members["127.0.0.1:2"].connected.wait()
+        await servicer.router.replicas.members["127.0.0.1:2"].joined.wait()
         leaving = servicer.router.replicas.members["127.0.0.1:1"]
         assert leaving.retired and leaving.alive  # r0 still streams there
         assert await servicer.submit(1) == "127.0.0.1:2"
@@ -84,11 +84,10 @@ def test_a_replica_that_leaves_finishes_its_requests_and_then_closes():
     asyncio.run(main())
 
 
-def test_a_lost_stream_fails_its_requests_and_reconnects(monkeypatch):
-    monkeypatch.setattr(detokenizer_router, "RECONNECT_DELAY_S", 0.0)
-
+def test_a_lost_stream_fails_its_requests_and_reconnects():
     async def main() -> None:
         servicer = Servicer(["127.0.0.1:1"])
+        servicer.router.reconnect = Backoff.none()
         await connected(servicer)
         await servicer.submit(0)
         first = servicer.streams["127.0.0.1:1"][0]
@@ -105,11 +104,10 @@ def test_a_lost_stream_fails_its_requests_and_reconnects(monkeypatch):
     asyncio.run(main())
 
 
-def test_a_draining_replica_gets_no_new_requests_until_it_restarts(monkeypatch):
-    monkeypatch.setattr(detokenizer_router, "RECONNECT_DELAY_S", 0.0)
-
+def test_a_draining_replica_gets_no_new_requests_until_it_restarts():
     async def main() -> None:
         servicer = Servicer(["127.0.0.1:1", "127.0.0.1:2"])
+        servicer.router.reconnect = Backoff.none()
         await connected(servicer)
         servicer.streams["127.0.0.1:1"][0].responses.put_nowait(detokenizer_pb2.DetokenizeResponse(
             draining=True))

@@ -1,5 +1,6 @@
-"""Membership of a scaled tier as discovery reports it: the scheduler groups a frontend submits
-to, the detokenizer replicas a frontend subscribes to, and those a scheduler streams tokens to.
+"""The peers of a scaled tier as discovery reports them (the scheduler groups a frontend
+submits to, the detokenizer replicas a frontend subscribes to, and those a scheduler streams
+tokens to), and the one state every user keeps for each.
 
 Each user keeps its own member objects (a connection, a subscription, a stream) and says how to
 start one, when one is idle and how to let one go; the rules of joining and leaving are here,
@@ -9,22 +10,57 @@ An address that comes back before then keeps its member, un-retired."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
+
+from vmesh.services.common.runtime.discovery import AddressBook, watch
 
 logger = logging.getLogger(__name__)
 
 
 class Member(Protocol):
+    """What a PeerSet and the routing over it need of a member."""
     address: str
     retired: bool
+    in_flight: int
+
+
+@dataclass
+class Peer:
+    """One peer and the link to it, in the state every user of a tier tracks."""
+    address: str
+    alive: bool = False  # the link is up now (a stream is open, or the peer answered)
+    draining: bool = False  # the peer says it takes no new work for now (shutting down, not serving)
+    retired: bool = False  # its address left the list: no new work; let go once idle
+    in_flight: int = 0  # work routed to it that has not ended
+    # Set once start-up need not wait for it any more: the link came up, a first attempt
+    # failed (trying goes on), or its address left the list.
+    joined: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task | None = None  # what keeps the link open; cancelled when the peer is let go
+
+    @property
+    def ready(self) -> bool:
+        """Up and taking new work (a retired peer may still be ready; it is just given none)."""
+        return self.alive and not self.draining
+
+    @property
+    def routable(self) -> bool:
+        return self.ready and not self.retired
+
+    def stop(self) -> None:
+        """Let the link go."""
+        self.alive = False
+        if self.task is not None:
+            self.task.cancel()
 
 
 M = TypeVar("M", bound=Member)
 
 
-class ReplicaSet(Generic[M]):
+class PeerSet(Generic[M]):
     def __init__(self, kind: str, start: Callable[[str], M], is_idle: Callable[[M], bool],
                  stop: Callable[[M], None], on_retire: Callable[[M], None] = lambda member: None):
         """`kind` names the tier in logs. `start(address)` makes and starts a member;
@@ -51,11 +87,15 @@ class ReplicaSet(Generic[M]):
             self.release_if_idle(member)
 
     def update(self, joined: list[str], left: list[str]) -> None:
-        """The discovery watch's callback (`services.common.discovery.watch`)."""
+        """Discovery's report of who joined and who left."""
         for address in joined:
             self.add(address)
         for address in left:
             self.remove(address)
+
+    async def follow(self, book: AddressBook, interval_s: float) -> None:
+        """Keep the members those of `book`, re-resolved every `interval_s`; until cancelled."""
+        await watch(book, interval_s, self.update)
 
     def release_if_idle(self, member: M) -> bool:
         """Let a retired member go once nothing depends on it; call whenever its work may have

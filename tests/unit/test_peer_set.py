@@ -1,9 +1,9 @@
-"""ReplicaSet: the one definition of joining, leaving, and retiring once idle."""
+"""PeerSet: the one definition of joining, leaving, and retiring once idle."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vmesh.services.common.replica_set import ReplicaSet
+from vmesh.services.common.runtime.peers import PeerSet
 
 
 @dataclass
@@ -15,7 +15,7 @@ class Member:
     retire_notices: int = 0
 
 
-def replica_set() -> tuple[ReplicaSet[Member], list[str]]:
+def peer_set() -> tuple[PeerSet[Member], list[str]]:
     started: list[str] = []
 
     def start(address: str) -> Member:
@@ -28,11 +28,11 @@ def replica_set() -> tuple[ReplicaSet[Member], list[str]]:
     def on_retire(member: Member) -> None:
         member.retire_notices += 1
 
-    return ReplicaSet("test", start, is_idle=lambda m: m.busy == 0, stop=stop, on_retire=on_retire), started
+    return PeerSet("test", start, is_idle=lambda m: m.busy == 0, stop=stop, on_retire=on_retire), started
 
 
 def test_joining_starts_a_member_once():
-    members, started = replica_set()
+    members, started = peer_set()
     a = members.add("a:1")
     assert members.add("a:1") is a
     members.update(["b:1", "a:1"], [])
@@ -41,7 +41,7 @@ def test_joining_starts_a_member_once():
 
 
 def test_a_busy_member_that_leaves_is_retired_until_its_work_ends():
-    members, _ = replica_set()
+    members, _ = peer_set()
     a, b = members.add("a:1"), members.add("b:1")
     a.busy = 1
     members.update([], ["a:1"])
@@ -54,7 +54,7 @@ def test_a_busy_member_that_leaves_is_retired_until_its_work_ends():
 
 
 def test_an_idle_member_that_leaves_is_let_go_at_once():
-    members, _ = replica_set()
+    members, _ = peer_set()
     a = members.add("a:1")
     members.remove("a:1")
     assert a.stopped and "a:1" not in members
@@ -63,7 +63,7 @@ def test_an_idle_member_that_leaves_is_let_go_at_once():
 
 
 def test_a_member_that_comes_back_before_it_is_idle_keeps_its_connection():
-    members, started = replica_set()
+    members, started = peer_set()
     a = members.add("a:1")
     a.busy = 1
     members.remove("a:1")
@@ -73,7 +73,7 @@ def test_a_member_that_comes_back_before_it_is_idle_keeps_its_connection():
 
 
 def test_a_member_let_go_and_listed_again_is_a_new_member():
-    members, started = replica_set()
+    members, started = peer_set()
     old = members.add("a:1")
     members.remove("a:1")
     new = members.add("a:1")
@@ -83,7 +83,7 @@ def test_a_member_let_go_and_listed_again_is_a_new_member():
 
 
 def test_iterating_tolerates_members_leaving():
-    members, _ = replica_set()
+    members, _ = peer_set()
     for address in ("a:1", "b:1", "c:1"):
         members.add(address)
     for member in members:
