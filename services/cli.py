@@ -9,6 +9,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Collection
+from typing import Any
 
 from vmesh.services.cli_commands import (
     cmd_certs,
@@ -25,9 +26,9 @@ from vmesh.services.cli_commands import (
 from vmesh.services.common.config_flags import BadEnvironmentValue, add_option, add_settings
 from vmesh.services.common.discovery import DEFAULT_REFRESH_INTERVAL_S
 from vmesh.services.common.tls import SERVICE_ROLES
-from vmesh.services.frontend.settings import HTTP_PORT_HELP, FrontendSettings
-from vmesh.services.scheduler.settings import SchedulerSettings
-from vmesh.services.worker.config import PER_WORKER_PROCESS, WorkerConfig
+from vmesh.services.flag_groups import SETTINGS_GROUPS
+from vmesh.services.frontend.settings import HTTP_PORT_HELP
+from vmesh.services.worker.config import PER_WORKER_PROCESS
 
 DEFAULT_PUBLIC_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
@@ -36,16 +37,22 @@ DEFAULT_FRONTEND = f"127.0.0.1:{DEFAULT_PUBLIC_PORT}"
 AddFlags = Callable[[argparse.ArgumentParser], None]
 
 
+def add_settings_group(parser: argparse.ArgumentParser, group: str, defaults: dict[str, Any] | None = None,
+                       helps: dict[str, str] | None = None, skip: Collection[str] = ()) -> None:
+    """The argument group `group`: one flag per field of its settings dataclass (but `skip`)."""
+    add_settings(parser.add_argument_group(group), SETTINGS_GROUPS[group], group, defaults, helps, skip)
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    add_settings(parser.add_argument_group("model"), WorkerConfig, "model")
+    add_settings_group(parser, "model")
 
 
 def add_worker_args(parser: argparse.ArgumentParser, skip: Collection[str] = ()) -> None:
-    add_settings(parser.add_argument_group("worker"), WorkerConfig, "worker", skip=skip)
+    add_settings_group(parser, "worker", skip=skip)
 
 
 def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
-    add_settings(parser.add_argument_group("scheduler"), SchedulerSettings, "scheduler")
+    add_settings_group(parser, "scheduler")
 
 
 def add_server_args(parser: argparse.ArgumentParser, port: int = 0) -> None:
@@ -75,7 +82,7 @@ def add_frontend_args(parser: argparse.ArgumentParser, http_port: int | None) ->
     # `vmesh serve` turns the HTTP API on by default; a lone frontend leaves it off.
     overrides = {} if http_port is None else {"http_port": http_port}
     helps = {} if http_port is None else {"http_port": f"{HTTP_PORT_HELP}; default {http_port}"}
-    add_settings(parser.add_argument_group("frontend"), FrontendSettings, "frontend", overrides, helps)
+    add_settings_group(parser, "frontend", overrides, helps)
 
 
 def add_detokenizer_discovery_args(parser: argparse.ArgumentParser) -> None:
