@@ -9,11 +9,10 @@ from __future__ import annotations
 import argparse
 import time
 
+from tests.support.factories import make_scheduler
 from tests.support.stub_worker import StubWorker
 from vmesh.services.common.sampling_params import SamplingParams
-from vmesh.services.scheduler.block_pool import BlockPool
 from vmesh.services.scheduler.request import Request
-from vmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
 def main() -> None:
@@ -22,9 +21,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
     num_blocks, block = 40_000, 16
-    pool = BlockPool(num_blocks, block)
-    scheduler = Scheduler(SchedulerConfig(max_model_len=4096, max_num_seqs=args.requests,
-                                          max_num_batched_tokens=args.requests * 64), pool)
+    scheduler = make_scheduler(num_blocks=num_blocks, block_size=block, max_model_len=4096, max_num_seqs=args.requests,
+                               max_num_batched_tokens=args.requests * 64)
     worker = StubWorker(num_blocks, block)
     for i in range(args.requests):
         scheduler.add_request(Request(f"r{i}", [(i + j) % 90 + 1 for j in range(40)],

@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Collection
+from collections.abc import Callable, Collection
+from typing import Any
 
 from vmesh.services.cli_commands import (
     cmd_certs,
@@ -24,23 +25,35 @@ from vmesh.services.cli_commands import (
 )
 from vmesh.services.common.config_flags import BadEnvironmentValue, add_option, add_settings
 from vmesh.services.common.huge_pages import prefer_huge_pages
-from vmesh.services.scheduler.settings import SchedulerSettings
-from vmesh.services.worker.config import PER_WORKER_PROCESS, WorkerConfig
+from vmesh.services.common.runtime.discovery import DEFAULT_REFRESH_INTERVAL_S
+from vmesh.services.common.tls import SERVICE_ROLES
+from vmesh.services.flag_groups import SETTINGS_GROUPS
+from vmesh.services.frontend.settings import HTTP_PORT_HELP
+from vmesh.services.worker.config import PER_WORKER_PROCESS
 
 DEFAULT_PUBLIC_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
+DEFAULT_FRONTEND = f"127.0.0.1:{DEFAULT_PUBLIC_PORT}"
+
+AddFlags = Callable[[argparse.ArgumentParser], None]
+
+
+def add_settings_group(parser: argparse.ArgumentParser, group: str, defaults: dict[str, Any] | None = None,
+                       helps: dict[str, str] | None = None, skip: Collection[str] = ()) -> None:
+    """The argument group `group`: one flag per field of its settings dataclass (but `skip`)."""
+    add_settings(parser.add_argument_group(group), SETTINGS_GROUPS[group], group, defaults, helps, skip)
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    add_settings(parser.add_argument_group("model"), WorkerConfig, "model")
+    add_settings_group(parser, "model")
 
 
 def add_worker_args(parser: argparse.ArgumentParser, skip: Collection[str] = ()) -> None:
-    add_settings(parser.add_argument_group("worker"), WorkerConfig, "worker", skip=skip)
+    add_settings_group(parser, "worker", skip=skip)
 
 
 def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
-    add_settings(parser.add_argument_group("scheduler"), SchedulerSettings, "scheduler")
+    add_settings_group(parser, "scheduler")
 
 
 def add_server_args(parser: argparse.ArgumentParser, port: int = 0) -> None:
@@ -49,40 +62,99 @@ def add_server_args(parser: argparse.ArgumentParser, port: int = 0) -> None:
     add_option(g, "--port", type=int, default=port, help="0: any free port")
     add_option(g, "--ready-file", default=None, help="write the bound address here once listening")
     add_option(g, "--metrics-port", type=int, default=None,
-         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; default: off)")
+               help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; default: off)")
 
 
 def add_security_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("security")
     add_option(g, "--tls-cert", default=None,
-         help="mutual TLS between services: this service's certificate from the mesh CA, its common name "
-              "its role (vmesh certs writes them); with --tls-key and --tls-ca")
+               help="mutual TLS between services: this service's certificate from the mesh CA, its common name "
+                    "its role (vmesh certs writes them); with --tls-key and --tls-ca")
     add_option(g, "--tls-key", default=None, help="the certificate's private key")
     add_option(g, "--tls-ca", default=None, help="the mesh CA: the only issuer trusted for calls between services")
     add_option(g, "--health-port", type=int, default=None,
-         help="also serve the gRPC health service alone, in plaintext, on this port (for probes that cannot "
-              "present a certificate, such as Kubernetes' gRPC probes; 0: any free port)")
+               help="also serve the gRPC health service alone, in plaintext, on this port (for probes that cannot "
+                    "present a certificate, such as Kubernetes' gRPC probes; 0: any free port)")
     add_option(g, "--reflection", action="store_true",
                help="serve gRPC reflection (with mutual TLS: to the admin role)")
 
 
 def add_frontend_args(parser: argparse.ArgumentParser, http_port: int | None) -> None:
-    from vmesh.services.frontend.settings import HTTP_PORT_HELP, FrontendSettings
-
     # `vmesh serve` turns the HTTP API on by default; a lone frontend leaves it off.
     overrides = {} if http_port is None else {"http_port": http_port}
     helps = {} if http_port is None else {"http_port": f"{HTTP_PORT_HELP}; default {http_port}"}
-    add_settings(parser.add_argument_group("frontend"), FrontendSettings, "frontend", overrides, helps)
+    add_settings_group(parser, "frontend", overrides, helps)
 
 
 def add_detokenizer_discovery_args(parser: argparse.ArgumentParser) -> None:
-    from vmesh.services.common.runtime.discovery import DEFAULT_REFRESH_INTERVAL_S
-
     g = parser.add_argument_group("detokenizer replicas")
     add_option(g, "--detokenizer-addresses", default="",
-         help="comma-separated host:port entries, or dns:///name:port for every address of name")
+               help="comma-separated host:port entries, or dns:///name:port for every address of name")
     add_option(g, "--replica-refresh-interval", type=float, default=DEFAULT_REFRESH_INTERVAL_S,
-         help="seconds between re-resolutions of dns:/// entries, so scaled-out replicas join and vanished ones leave")
+               help="seconds between re-resolutions of dns:/// entries, so scaled-out replicas join and vanished "
+                    "ones leave")
+
+
+def _service_args(port: int = 0) -> list[AddFlags]:
+    """The flags every service process takes: where it listens and its mutual TLS."""
+    return [lambda p: add_server_args(p, port), add_security_args]
+
+
+def _serve_args(parser: argparse.ArgumentParser) -> None:
+    add_server_args(parser, port=DEFAULT_PUBLIC_PORT)
+    add_option(parser, "--detokenizers", type=int, default=1, help="detokenizer replicas")
+    add_option(parser, "--data-parallel-size", type=int, default=1,
+               help="worker groups, each a worker and its scheduler; the frontend spreads requests over them")
+    add_option(parser, "--metrics", action="store_true",
+               help="every service serves Prometheus metrics on a free port")
+    add_option(parser, "--fail-fast", action="store_true",
+               help="stop the whole mesh when any service dies (default: restart it in place, with backoff; its "
+                    "requests fail over)")
+    add_option(parser, "--internal-tls", action="store_true",
+               help="mutual TLS between the services, from a private CA made for this run (its admin certificate "
+                    "is printed, for operator tools)")
+    add_frontend_args(parser, http_port=DEFAULT_HTTP_PORT)
+    add_model_args(parser)
+    add_worker_args(parser, skip=PER_WORKER_PROCESS)  # the launcher gives each rank its own
+    add_scheduler_args(parser)
+
+
+def _worker_addresses(parser: argparse.ArgumentParser) -> None:
+    add_option(parser, "--workers", required=False, default="", help="worker rank addresses, comma-separated")
+
+
+def _scheduler_addresses(parser: argparse.ArgumentParser) -> None:
+    add_option(parser, "--scheduler", default="127.0.0.1:50052",
+               help="scheduler addresses, one per worker group (data parallelism): host:port entries, "
+                    "comma-separated, or dns:///name:port, re-resolved like the detokenizers")
+
+
+def _health_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("address")
+    parser.add_argument("--timeout", type=float, default=3.0)
+    # Plaintext unless --tls-* are given on the command line. Deliberately not read from VMESH_TLS_*:
+    # a container's own identity is in its environment, and its health check must still reach the
+    # plaintext health port (--health-port) it probes.
+    parser.add_argument("--role", default=None, choices=SERVICE_ROLES,
+                        help="with --tls-*: the role of the service checked (its certificate must be that role's)")
+    parser.add_argument("--tls-cert", default=None, help="a certificate from the mesh CA (e.g. the admin one)")
+    parser.add_argument("--tls-key", default=None)
+    parser.add_argument("--tls-ca", default=None)
+
+
+def _certs_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, help="directory to write ca.crt and <role>.crt/.key into")
+    parser.add_argument("--public-hosts", default="",
+                        help="comma-separated DNS names or IPs: also write public.crt/.key for the public port")
+    parser.add_argument("--key-mode", default="600", help="octal mode of the key files (640: a group may read)")
+    parser.add_argument("--if-missing", action="store_true", help="keep certificates already in --out")
+
+
+def _client_args(parser: argparse.ArgumentParser) -> None:
+    """A client of a running mesh: where its frontend is and how to reach it; the sampling settings."""
+    add_option(parser, "--address", default=DEFAULT_FRONTEND, help="the mesh's frontend")
+    add_option(parser, "--api-key", default=None, help="sent as 'authorization: Bearer KEY'")
+    add_option(parser, "--public-tls-ca", default=None, help="the CA of a frontend serving TLS (--public-tls-cert)")
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -93,107 +165,43 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
 
 
+def _generate_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt")
+    _client_args(parser)
+    parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    parser.add_argument("--local", action="store_true", help="run the engine in this process instead of a mesh")
+    _sampling_args(parser)
+    add_model_args(parser)
+    add_worker_args(parser)
+    add_scheduler_args(parser)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vmesh", description="LLM serving with vLLM V1's architecture over gRPC")
     add_option(parser, "--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="start the whole mesh as local processes")
-    add_server_args(serve, port=DEFAULT_PUBLIC_PORT)
-    add_option(serve, "--detokenizers", type=int, default=1, help="detokenizer replicas")
-    add_option(serve, "--data-parallel-size", type=int, default=1,
-         help="worker groups, each a worker and its scheduler; the frontend spreads requests over them")
-    add_option(serve, "--metrics", action="store_true", help="every service serves Prometheus metrics on a free port")
-    add_option(serve, "--fail-fast", action="store_true",
-               help="stop the whole mesh when any service dies (default: restart it in place, with backoff; its "
-                    "requests fail over)")
-    add_option(serve, "--internal-tls", action="store_true",
-         help="mutual TLS between the services, from a private CA made for this run (its admin certificate "
-              "is printed, for operator tools)")
-    add_frontend_args(serve, http_port=DEFAULT_HTTP_PORT)
-    add_model_args(serve)
-    add_worker_args(serve, skip=PER_WORKER_PROCESS)  # the launcher gives each rank its own
-    add_scheduler_args(serve)
-    serve.set_defaults(func=cmd_serve)
+    def command(name: str, help_text: str, func: Callable[[argparse.Namespace], int], *flags: AddFlags) -> None:
+        subcommand = sub.add_parser(name, help=help_text)
+        for add in flags:
+            add(subcommand)
+        subcommand.set_defaults(func=func)
 
-    worker = sub.add_parser("worker", help="run a worker (model, KV cache, persistent batch)")
-    add_server_args(worker)
-    add_security_args(worker)
-    add_model_args(worker)
-    add_worker_args(worker)
-    worker.set_defaults(func=cmd_worker)
-
-    scheduler = sub.add_parser("scheduler", help="run the scheduler")
-    add_server_args(scheduler)
-    add_security_args(scheduler)
-    add_option(scheduler, "--workers", required=False, default="", help="worker rank addresses, comma-separated")
-    add_detokenizer_discovery_args(scheduler)
-    add_scheduler_args(scheduler)
-    scheduler.set_defaults(func=cmd_scheduler)
-
-    detok = sub.add_parser("detokenizer", help="run a detokenizer replica")
-    add_server_args(detok)
-    add_security_args(detok)
-    add_model_args(detok)
-    detok.set_defaults(func=cmd_detokenizer)
-
-    frontend = sub.add_parser("frontend", help="run a frontend (the public API)")
-    add_server_args(frontend, port=DEFAULT_PUBLIC_PORT)
-    add_security_args(frontend)
-    add_option(frontend, "--scheduler", default="127.0.0.1:50052",
-         help="scheduler addresses, one per worker group (data parallelism): host:port entries, comma-separated, "
-              "or dns:///name:port, re-resolved like the detokenizers")
-    add_detokenizer_discovery_args(frontend)
-    add_frontend_args(frontend, http_port=None)
-    add_model_args(frontend)
-    frontend.set_defaults(func=cmd_frontend)
-
+    command("serve", "start the whole mesh as local processes", cmd_serve, _serve_args)
+    command("worker", "run a worker (model, KV cache, persistent batch)", cmd_worker,
+            *_service_args(), add_model_args, add_worker_args)
+    command("scheduler", "run the scheduler", cmd_scheduler,
+            *_service_args(), _worker_addresses, add_detokenizer_discovery_args, add_scheduler_args)
+    command("detokenizer", "run a detokenizer replica", cmd_detokenizer, *_service_args(), add_model_args)
+    command("frontend", "run a frontend (the public API)", cmd_frontend,
+            *_service_args(DEFAULT_PUBLIC_PORT), _scheduler_addresses, add_detokenizer_discovery_args,
+            lambda p: add_frontend_args(p, http_port=None), add_model_args)
     sub.add_parser("bench", help="benchmarks: offline, serving, claims, detokenizer (vmesh bench -h)")
-
-    health = sub.add_parser("health", help="exit 0 if a service reports SERVING")
-    health.add_argument("address")
-    health.add_argument("--timeout", type=float, default=3.0)
-    # Plaintext unless --tls-* are given on the command line. Deliberately not read from VMESH_TLS_*:
-    # a container's own identity is in its environment, and its health check must still reach the
-    # plaintext health port (--health-port) it probes.
-    health.add_argument("--role", default=None, choices=["frontend", "scheduler", "worker", "detokenizer"],
-                        help="with --tls-*: the role of the service checked (its certificate must be that role's)")
-    health.add_argument("--tls-cert", default=None, help="a certificate from the mesh CA (e.g. the admin one)")
-    health.add_argument("--tls-key", default=None)
-    health.add_argument("--tls-ca", default=None)
-    health.set_defaults(func=cmd_health)
-
-    certs = sub.add_parser("certs", help="make a private CA and a certificate per role for mutual TLS")
-    certs.add_argument("--out", required=True, help="directory to write ca.crt and <role>.crt/.key into")
-    certs.add_argument("--public-hosts", default="",
-                       help="comma-separated DNS names or IPs: also write public.crt/.key for the public port")
-    certs.add_argument("--key-mode", default="600", help="octal mode of the key files (640: a group may read)")
-    certs.add_argument("--if-missing", action="store_true", help="keep certificates already in --out")
-    certs.set_defaults(func=cmd_certs)
-
-    warm = sub.add_parser("warm-cache", help="convert the model once so later starts are fast")
-    add_model_args(warm)
-    warm.set_defaults(func=cmd_warm_cache)
-
-    gen = sub.add_parser("generate", help="stream a completion from a running mesh")
-    gen.add_argument("prompt")
-    add_option(gen, "--address", default=f"127.0.0.1:{DEFAULT_PUBLIC_PORT}", help="the mesh's frontend")
-    add_option(gen, "--api-key", default=None, help="sent as 'authorization: Bearer KEY'")
-    add_option(gen, "--public-tls-ca", default=None, help="the CA of a frontend serving TLS (--public-tls-cert)")
-    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    gen.add_argument("--local", action="store_true", help="run the engine in this process instead of a mesh")
-    _sampling_args(gen)
-    add_model_args(gen)
-    add_worker_args(gen)
-    add_scheduler_args(gen)
-    gen.set_defaults(func=cmd_generate)
-
-    chat = sub.add_parser("chat", help="chat with a running mesh")
-    add_option(chat, "--address", default=f"127.0.0.1:{DEFAULT_PUBLIC_PORT}")
-    add_option(chat, "--api-key", default=None, help="sent as 'authorization: Bearer KEY'")
-    add_option(chat, "--public-tls-ca", default=None, help="the CA of a frontend serving TLS (--public-tls-cert)")
-    _sampling_args(chat)
-    chat.set_defaults(func=cmd_chat)
+    command("health", "exit 0 if a service reports SERVING", cmd_health, _health_args)
+    command("certs", "make a private CA and a certificate per role for mutual TLS", cmd_certs, _certs_args)
+    command("warm-cache", "convert the model once so later starts are fast", cmd_warm_cache, add_model_args)
+    command("generate", "stream a completion from a running mesh", cmd_generate, _generate_args)
+    command("chat", "chat with a running mesh", cmd_chat, _client_args, _sampling_args)
     for subparser in sub.choices.values():  # also accepted after the subcommand
         subparser.add_argument("--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING or ERROR")
     return parser

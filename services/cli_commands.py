@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vmesh.services.common.config_flags import values_from_args
-from vmesh.services.scheduler.settings import SchedulerSettings
+from vmesh.services.scheduler.settings import SchedulerServiceSettings, SchedulerSettings
 from vmesh.services.worker.config import WorkerConfig
 
 if TYPE_CHECKING:
@@ -80,12 +80,12 @@ def cmd_detokenizer(args: argparse.Namespace) -> int:
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
     configure_security(args, "scheduler")
-    from vmesh.services.scheduler.server import MeshSchedulerConfig, serve
+    from vmesh.services.scheduler.server import serve
 
-    config = MeshSchedulerConfig(
+    settings = SchedulerServiceSettings(
         worker_addresses=_addresses(args.workers), detokenizer_addresses=_address_specs(args.detokenizer_addresses),
         replica_refresh_interval_s=args.replica_refresh_interval, **values_from_args(SchedulerSettings, args))
-    asyncio.run(serve(config, args.host, args.port, args.ready_file, args.metrics_port))
+    asyncio.run(serve(settings, args.host, args.port, args.ready_file, args.metrics_port))
     return 0
 
 

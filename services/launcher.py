@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import os
 import signal
 import socket
@@ -21,8 +22,8 @@ from pathlib import Path
 
 from vmesh.services.common.grpc_server import wait_until_serving
 from vmesh.services.common.runtime.readiness import write_atomically
+from vmesh.services.flag_groups import forwarded_flags, forwarded_secrets
 from vmesh.services.mesh_description import MeshDescription, ServiceEntry, description_path
-from vmesh.services.worker.config import PER_WORKER_PROCESS
 
 INTERNAL_HOST = "127.0.0.1"
 START_TIMEOUT_S = 900.0  # the first start converts the model
@@ -62,6 +63,10 @@ class Child:
         self.quick_deaths = 0 if lived > STABLE_AFTER_S else self.quick_deaths + 1
         return min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** max(0, self.quick_deaths - 1))
 
+    def check_alive(self) -> None:
+        if (code := self.process.poll()) is not None:
+            raise ChildDied(f"{self.name} (pid {self.process.pid}) exited with code {code}")
+
     def restart_argv(self) -> list[str]:
         """Its flags again, with every port it was given at first (0: any) replaced by the one it
         bound: peers, probes and scrapers know it by them."""
@@ -71,38 +76,6 @@ class Child:
             if address and flag in argv:
                 argv[argv.index(flag) + 1] = address.rpartition(":")[2]
         return argv
-
-
-def _flags(args: argparse.Namespace, group: str) -> list[str]:
-    """The command-line form of every flag `vmesh serve` took in one of its argument groups
-    (model, worker, scheduler, frontend): a service gets its whole group, so a setting added to
-    its dataclass can never be left behind."""
-    from vmesh.services.common.config_flags import forwarded_argv
-
-    return forwarded_argv(_settings_class(group), group, args, skip=NOT_FORWARDED)
-
-
-def group_flags(group: str) -> list[tuple[str, str]]:
-    """(--flag, dest) of each option in `vmesh serve`'s argument group titled `group`."""
-    from vmesh.services.common.config_flags import section_flags
-
-    flags = section_flags(_settings_class(group), group)
-    return [(flag, dest) for flag, dest in flags if dest not in PER_WORKER_PROCESS]
-
-
-def _settings_class(group: str) -> type:
-    """The dataclass whose fields define a forwarded argument group's flags."""
-    from vmesh.services.frontend.settings import FrontendSettings
-    from vmesh.services.scheduler.settings import SchedulerSettings
-    from vmesh.services.worker.config import WorkerConfig
-
-    return {"model": WorkerConfig, "worker": WorkerConfig, "scheduler": SchedulerSettings,
-            "frontend": FrontendSettings}[group]
-
-
-# The API key reaches the frontend by environment (ps shows argv); --http-port and --no-http are
-# turned into the frontend's own --http-port by the launcher.
-NOT_FORWARDED = {"api_key", "http_port", "no_http", *PER_WORKER_PROCESS}
 
 
 class Mesh:
@@ -165,35 +138,26 @@ class Mesh:
         """Wait for `child` to write its ready file and answer health checks (it writes the file
         before it loads anything); then read the addresses it bound. ChildDied as soon as it
         exits meanwhile."""
-        def check_alive() -> None:
-            if (code := child.process.poll()) is not None:
-                raise ChildDied(f"{child.name} (pid {child.process.pid}) exited with code {code}")
-
         while not child.ready_file.exists():
-            check_alive()
+            child.check_alive()
             await asyncio.sleep(0.1)
         child.address = child.ready_file.read_text()
-        health = Path(str(child.ready_file) + ".health")
+        child.health_address = _answer(child.ready_file, ".health")
         remaining = max(1.0, deadline - time.monotonic())
-        if health.exists():
-            child.health_address = health.read_text()
+        if child.health_address:
             healthy = asyncio.ensure_future(wait_until_serving(child.health_address, remaining, secure=False))
         else:
             healthy = asyncio.ensure_future(wait_until_serving(child.address, remaining, child.service))
         try:
             while not healthy.done():
-                check_alive()
+                child.check_alive()
                 await asyncio.wait({healthy}, timeout=0.1)
             healthy.result()
         finally:
             healthy.cancel()
         child.serving_since = time.monotonic()
-        metrics = Path(str(child.ready_file) + ".metrics")
-        if metrics.exists():
-            child.metrics_address = metrics.read_text()
-        http = Path(str(child.ready_file) + ".http")
-        if http.exists():
-            child.http_address = http.read_text()
+        child.metrics_address = _answer(child.ready_file, ".metrics")
+        child.http_address = _answer(child.ready_file, ".http")
 
     async def supervise(self, on_change: Callable[[], None]) -> None:
         """Until a stop request: restart each child that dies (or, with --fail-fast, raise
@@ -206,7 +170,7 @@ class Mesh:
                 if child.restarting or (code := child.process.poll()) is None:
                     continue
                 if self.args.fail_fast:
-                    raise ChildDied(f"{child.name} (pid {child.process.pid}) exited with code {code}")
+                    child.check_alive()
                 for sibling in child.siblings:
                     if sibling.process.poll() is None and not sibling.restarting:
                         sibling.process.kill()  # restarted below, or on the next tick
@@ -246,9 +210,7 @@ class Mesh:
         if self.stop_requested:
             raise StopRequested
         for child in self.children:
-            code = child.process.poll()
-            if code is not None:
-                raise ChildDied(f"{child.name} (pid {child.process.pid}) exited with code {code}")
+            child.check_alive()
 
     def stop(self) -> None:
         """Frontend first, so no new work arrives; then the rest drain and exit. A second
@@ -292,8 +254,6 @@ def die_with_launcher() -> None:
     parent = os.environ.pop(PARENT_PID_ENV, None)
     if parent is None or not sys.platform.startswith("linux"):
         return
-    import ctypes
-
     pr_set_pdeathsig = 1
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
     if os.getppid() != int(parent):  # it died before the request took effect
@@ -314,24 +274,23 @@ async def _run(mesh: Mesh) -> int:
     args = mesh.args
     if args.internal_tls:
         _make_certificates(mesh)
-    model = _flags(args, "model")
+    model = forwarded_flags(args, "model")
     groups = args.data_parallel_size
     suffixes = [""] if groups == 1 else [f"-{g}" for g in range(groups)]  # one worker group: plain names
-    workers = [_start_worker_group(mesh, f"worker{x}", model + _flags(args, "worker"), group)
+    workers = [_start_worker_group(mesh, f"worker{x}", model + forwarded_flags(args, "worker"), group)
                for group, x in enumerate(suffixes)]
     detokenizers = [mesh.start(f"detokenizer-{i}", "detokenizer", model) for i in range(args.detokenizers)]
     await mesh.wait_ready([*(rank for ranks in workers for rank in ranks), *detokenizers])
     detok_addresses = ",".join(d.address for d in detokenizers)
     schedulers = [mesh.start(f"scheduler{x}", "scheduler", ["--workers", ",".join(r.address for r in ranks),
                                                              "--detokenizer-addresses", detok_addresses,
-                                                             *_flags(args, "scheduler")])
+                                                             *forwarded_flags(args, "scheduler")])
                   for x, ranks in zip(suffixes, workers)]
     await mesh.wait_ready(schedulers)
-    http = [] if args.no_http else ["--http-port", str(args.http_port)]
     frontend = mesh.start("frontend", "frontend", ["--scheduler", ",".join(s.address for s in schedulers),
-                                                   "--detokenizer-addresses", detok_addresses, *model, *http,
-                                                   *_flags(args, "frontend")],
-                          host=args.host, port=args.port, env={"VMESH_API_KEY": args.api_key} if args.api_key else None)
+                                                   "--detokenizer-addresses", detok_addresses, *model,
+                                                   *forwarded_flags(args, "frontend")],
+                          host=args.host, port=args.port, env=forwarded_secrets(args, "frontend"))
     await mesh.wait_ready([frontend])
     description = _describe(mesh, frontend)
     for name, entry in description.services.items():
@@ -382,6 +341,12 @@ def _start_worker_group(mesh: Mesh, name: str, argv: list[str], group: int = 0) 
     return ranks
 
 
+def _answer(ready_file: Path, suffix: str) -> str:
+    """What a child wrote beside its ready file (another address it bound); "" if nothing."""
+    answer = Path(str(ready_file) + suffix)
+    return answer.read_text() if answer.exists() else ""
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind((INTERNAL_HOST, 0))
@@ -420,11 +385,8 @@ def serve_mesh(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)
 
-        async def main() -> int:
-            return await _run(mesh)
-
         try:
-            return asyncio.run(main())
+            return asyncio.run(_run(mesh))
         except StopRequested:
             return 0
         except (ChildDied, StartTimeout) as exc:

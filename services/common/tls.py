@@ -16,7 +16,8 @@ from pathlib import Path
 
 import grpc
 
-ROLES = ("frontend", "scheduler", "worker", "detokenizer", "admin")
+SERVICE_ROLES = ("frontend", "scheduler", "worker", "detokenizer")
+ROLES = (*SERVICE_ROLES, "admin")  # admin: operator tools, not a service
 INTERNAL_DOMAIN = "vmesh.internal"
 
 

@@ -20,9 +20,8 @@ from vmesh.services.common.model_loading import load_tokenizer, resolve_model_di
 from vmesh.services.common.sampling_params import OutputMode, SamplingParams
 from vmesh.services.detokenizer.incremental import IncrementalDetokenizer
 from vmesh.services.engine.core import EngineCore, model_thread
-from vmesh.services.scheduler.block_pool import BlockPool
 from vmesh.services.scheduler.request import Request
-from vmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig
+from vmesh.services.scheduler.scheduler import Scheduler, WorkerGeometry
 from vmesh.services.scheduler.settings import SchedulerSettings
 from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
 
@@ -79,12 +78,9 @@ class LLMEngine:
         self.backend_tokenizer = tokenizer.backend_tokenizer
         self.config = config
         kv = runner.kv_cache
-        pool = BlockPool(kv.num_blocks, kv.block_size, enable_prefix_caching=config.enable_prefix_caching)
-        scheduler = Scheduler(SchedulerConfig(max_model_len=runner.max_model_len,
-                                              max_num_seqs=runner.batch.max_num_reqs,
-                                              max_num_batched_tokens=config.max_num_batched_tokens,
-                                              policy=config.policy, max_waiting=config.max_waiting),
-                              pool, runner.spec.eos_token_ids)
+        scheduler = Scheduler.for_worker(config, WorkerGeometry(
+            max_model_len=runner.max_model_len, max_num_seqs=runner.batch.max_num_reqs, num_kv_blocks=kv.num_blocks,
+            block_size=kv.block_size, eos_token_ids=tuple(runner.spec.eos_token_ids)))
         self.core = EngineCore(scheduler, runner, config.pipeline_depth, model_thread)
         self.tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()

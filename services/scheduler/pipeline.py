@@ -12,8 +12,7 @@ from collections.abc import Iterator
 
 from vmesh.services.common.step_types import StepPlan, StepResult
 from vmesh.services.scheduler.scheduler import RequestUpdate, Scheduler
-
-PIPELINE_DEPTHS = (1, 2)
+from vmesh.services.scheduler.settings import PIPELINE_DEPTHS
 
 
 class StepPipeline:

@@ -22,26 +22,44 @@ from vmesh.services.common.step_types import NewRequest, StepPlan, StepResult
 from vmesh.services.scheduler.block_pool import BlockPool
 from vmesh.services.scheduler.request import Request, RequestStatus
 from vmesh.services.scheduler.settings import SCHEDULING_POLICIES, SchedulerSettings
-from vmesh.services.worker.config import WorkerConfig
 
 
 class QueueFullError(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class WorkerGeometry:
+    """What the scheduler must know of the worker it plans for (the mesh's worker reports it in
+    GetWorkerInfo; the in-process engine reads it off its model runner)."""
+    max_model_len: int
+    max_num_seqs: int  # rows of the worker's persistent batch
+    num_kv_blocks: int
+    block_size: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
 @dataclass
 class SchedulerConfig:
-    """What one scheduler runs under: its service's settings (SchedulerSettings, WorkerConfig)
-    resolved against the worker it drives. Defaults are those settings' own."""
+    """What one scheduler runs under: its service's SchedulerSettings resolved against the worker
+    it drives (`for_worker`)."""
     max_model_len: int
-    max_num_seqs: int = WorkerConfig.max_num_seqs
-    max_num_batched_tokens: int = SchedulerSettings.max_num_batched_tokens
-    policy: str = SchedulerSettings.policy  # or "priority": (priority, arrival) order, lowest value first
-    max_waiting: int | None = None  # None: unbounded waiting queue
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    policy: str  # "fcfs", or "priority": (priority, arrival) order, lowest value first
+    max_waiting: int | None  # None: unbounded waiting queue
 
     def __post_init__(self) -> None:
+        # The command line offers only these (argparse choices), but a library caller's
+        # EngineConfig is checked nowhere else, and an unknown policy would quietly act as fcfs.
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"unknown scheduling policy {self.policy!r} ({' or '.join(SCHEDULING_POLICIES)})")
+
+    @classmethod
+    def for_worker(cls, settings: SchedulerSettings, worker: WorkerGeometry) -> SchedulerConfig:
+        return cls(max_model_len=worker.max_model_len, max_num_seqs=worker.max_num_seqs,
+                   max_num_batched_tokens=settings.max_num_batched_tokens, policy=settings.policy,
+                   max_waiting=settings.max_waiting)
 
 
 @dataclass
@@ -83,6 +101,14 @@ class Scheduler:
         self._handles = itertools.count()
         self.num_preemptions = 0
         self.num_scheduled_tokens = 0
+
+    @classmethod
+    def for_worker(cls, settings: SchedulerSettings, worker: WorkerGeometry,
+                   hash_seed: int | None = None) -> Scheduler:
+        """The scheduler for `worker`: its KV blocks, its limits and these settings. `hash_seed`:
+        the prefix cache's (None: a random one per process; tests fix it)."""
+        pool = BlockPool(worker.num_kv_blocks, worker.block_size, settings.enable_prefix_caching, hash_seed)
+        return cls(SchedulerConfig.for_worker(settings, worker), pool, worker.eos_token_ids)
 
     # --- requests ----------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The scheduler's settings, shared by the mesh's scheduler (MeshSchedulerConfig) and the
+"""The scheduler's settings, shared by the mesh's scheduler (SchedulerServiceSettings) and the
 in-process engine (EngineConfig): each default, flag, VMESH_* variable and help text written once
 here (services/common/config_flags.py derives the command line from them)."""
 
@@ -7,14 +7,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vmesh.services.common.config_flags import setting
+from vmesh.services.common.runtime.discovery import DEFAULT_REFRESH_INTERVAL_S
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+PIPELINE_DEPTHS = (1, 2)  # step plans in flight: 1 synchronous, 2 async scheduling
 
 
 @dataclass
 class SchedulerSettings:
     max_num_batched_tokens: int = setting(2048, section="scheduler")
-    pipeline_depth: int = setting(2, section="scheduler", choices=[1, 2],
+    pipeline_depth: int = setting(2, section="scheduler", choices=PIPELINE_DEPTHS,
                                   help="1: synchronous steps (V0); 2: plan step N+1 while step N computes")
     policy: str = setting(  # "priority": (priority, arrival) order, lowest value first
         "fcfs", section="scheduler", flag="--scheduling-policy", choices=SCHEDULING_POLICIES)
@@ -27,3 +29,13 @@ class SchedulerSettings:
         60.0, section="scheduler", flag="--worker-recovery-timeout",
         help="seconds a lost worker has to come back (restarted in place) before its requests fail with "
              "UNAVAILABLE; until then they wait and are recomputed on its replacement (mesh only)")
+
+
+@dataclass(kw_only=True)
+class SchedulerServiceSettings(SchedulerSettings):
+    """One scheduler process's settings: the scheduler's own and where its peers are. (The peers'
+    flags are the scheduler subcommand's own: `vmesh serve` sets them per group instead of
+    forwarding them.)"""
+    worker_addresses: list[str]  # its worker group's ranks, rank 0 first
+    detokenizer_addresses: list[str]  # host:port or dns:///name:port specs, re-resolved periodically
+    replica_refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S

@@ -23,6 +23,10 @@ def parse_memory_size(text: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+# The model dtypes a worker runs (torch's names for them: services/worker/model_runner.py maps them).
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+
+
 def _memory_size_or_none(text: str) -> int | None:
     return parse_memory_size(text) if text else None
 
@@ -39,9 +43,9 @@ class WorkerConfig:
     device: str = setting("auto", section="worker", help="cpu, cuda, cuda:N or auto")
     # bfloat16 on CPU: bfloat16 weights, linears and KV cache, float32 residual stream, norms and
     # attention sums (services/worker/model.py).
-    dtype: str = setting("float32", section="worker", choices=["float32", "float16", "bfloat16"],
-                         help="float32, float16 or bfloat16 (CPU: bfloat16 weights and KV cache, float32 residual "
-                              "stream and attention arithmetic)")
+    dtype: str = setting("float32", section="worker", choices=DTYPE_NAMES,
+                         help="the model's dtype (CPU: bfloat16 weights and KV cache, float32 residual stream and "
+                              "attention arithmetic)")
     # native: linears keep a GGUF file's Q4_0/Q4_1/Q8_0 blocks (services/worker/quantized_linear.py).
     weights: str = setting(
         "dequantized", section="worker", choices=["dequantized", "native"],

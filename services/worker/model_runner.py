@@ -20,7 +20,7 @@ from vmesh.services.common.model_loading import (
 from vmesh.services.common.model_spec import ModelSpec
 from vmesh.services.common.step_types import StepPlan, StepResult
 from vmesh.services.worker.attention import AttentionBackend, make_attention_backend
-from vmesh.services.worker.config import WorkerConfig
+from vmesh.services.worker.config import DTYPE_NAMES, WorkerConfig
 from vmesh.services.worker.kv_cache import KVCache, kv_cache_budget
 from vmesh.services.worker.model import DecoderModel, MissingWeightError
 from vmesh.services.worker.persistent_batch import PersistentBatch, PlanError, StepInputs
@@ -30,7 +30,7 @@ from vmesh.services.worker.tensor_parallel import join_group, shard_spec, shard_
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def resolve_device(name: str) -> torch.device:

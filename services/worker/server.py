@@ -56,11 +56,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             max_num_seqs=self.runner.batch.max_num_reqs,
             tensor_parallel_size=runner.model.parallel.size if runner.model.parallel is not None else 1)
 
+    def wall_seconds(self) -> float:
+        """Since the first plan (0 before it)."""
+        return time.perf_counter() - self.first_plan_at if self.first_plan_at else 0.0
+
+    def duty_cycle(self) -> float:
+        """Forward + sampling time over wall time since the first plan."""
+        wall = self.wall_seconds()
+        return self.busy_seconds / wall if wall else 0.0
+
     def gauges(self) -> dict[str, tuple[str, str, float]]:
-        wall = time.perf_counter() - self.first_plan_at if self.first_plan_at else 0.0
         return {
             "vmesh:worker_duty_cycle": ("gauge", "Forward + sampling time over wall time since the first plan.",
-                                        self.busy_seconds / wall if wall else 0.0),
+                                        self.duty_cycle()),
             "vmesh:worker_busy_seconds": ("counter", "Forward + sampling time.", self.busy_seconds),
             "vmesh:worker_steps": ("counter", "Steps executed.", self.steps),
             "vmesh:worker_batch_rows": ("gauge", "Requests held in the persistent batch.",
@@ -69,10 +77,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def GetWorkerStats(self, request, context):
         runner = await self._loaded(context)
-        wall = time.perf_counter() - self.first_plan_at if self.first_plan_at else 0.0
         return worker_pb2.GetWorkerStatsResponse(
-            steps=self.steps, busy_seconds=self.busy_seconds, wall_seconds=wall,
-            duty_cycle=self.busy_seconds / wall if wall else 0.0, bytes_received=self.bytes_received,
+            steps=self.steps, busy_seconds=self.busy_seconds, wall_seconds=self.wall_seconds(),
+            duty_cycle=self.duty_cycle(), bytes_received=self.bytes_received,
             num_rows=len(runner.batch))
 
     async def Execute(self, request_iterator, context):

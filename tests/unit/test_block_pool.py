@@ -9,12 +9,13 @@ from collections import Counter, deque
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support.factories import make_scheduler
 from tests.support.stub_worker import StubWorker
 from vmesh.services.common.sampling_params import SamplingParams
 from vmesh.services.scheduler.block_pool import BlockPool
 from vmesh.services.scheduler.pipeline import StepPipeline
 from vmesh.services.scheduler.request import Request
-from vmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig
+from vmesh.services.scheduler.scheduler import Scheduler
 
 BLOCK = 4
 
@@ -36,9 +37,9 @@ def check_invariants(scheduler: Scheduler) -> None:
 @given(seed=st.integers(0, 2**32 - 1), num_blocks=st.integers(6, 40), depth=st.sampled_from([1, 2]))
 def test_random_workload_keeps_pool_consistent(seed, num_blocks, depth):
     rng = random.Random(seed)
-    pool = BlockPool(num_blocks, BLOCK, hash_seed=seed)
-    scheduler = Scheduler(SchedulerConfig(max_model_len=64, max_num_seqs=6, max_num_batched_tokens=rng.randint(4, 32)),
-                          pool, eos_token_ids=(0,))
+    scheduler = make_scheduler(num_blocks=num_blocks, block_size=BLOCK, max_model_len=64, max_num_seqs=6,
+                               max_num_batched_tokens=rng.randint(4, 32), eos_token_ids=(0,), hash_seed=seed)
+    pool = scheduler.pool
     worker = StubWorker(num_blocks, BLOCK)
     pipeline = StepPipeline(scheduler, depth)
     in_flight: deque = deque()

@@ -11,8 +11,8 @@ import pytest
 from vmesh.services.cli import build_parser
 from vmesh.services.cli_commands import engine_config, worker_config
 from vmesh.services.common.config_flags import settings_of, values_from_args
+from vmesh.services.flag_groups import SECRET_SETTINGS, SETTINGS_GROUPS, forwarded_flags, forwarded_secrets, group_flags
 from vmesh.services.frontend.settings import FrontendSettings
-from vmesh.services.launcher import NOT_FORWARDED, _flags, _settings_class, group_flags
 from vmesh.services.scheduler.settings import SchedulerSettings
 from vmesh.services.worker.config import WorkerConfig
 
@@ -30,7 +30,7 @@ def _settings_built_by(service: str, group: str, args: argparse.Namespace) -> di
         built = FrontendSettings(**values_from_args(FrontendSettings, args))
     else:  # the model section, which the detokenizers and the frontend read for the tokenizer
         built = WorkerConfig(**values_from_args(WorkerConfig, args, "model"))
-    return {spec.dest: getattr(built, f.name) for f, spec in settings_of(_settings_class(group), group)}
+    return {spec.dest: getattr(built, f.name) for f, spec in settings_of(SETTINGS_GROUPS[group], group)}
 
 
 SAMPLE_TEXT = {"kv_cache_memory": "2GiB"}  # flags whose text the service parses further
@@ -60,11 +60,11 @@ def test_each_serve_flag_is_forwarded_to_a_service_that_accepts_it(group):
     flags = group_flags(group)
     assert flags, group
     for option, dest in flags:
-        if dest in NOT_FORWARDED:
+        if dest in SECRET_SETTINGS:  # by environment (test_a_secret_is_forwarded_by_environment_only)
             continue
         value = _sample_value(_serve_action(dest))
         args = build_parser().parse_args(["serve", option, *value])
-        forwarded = _flags(args, group)
+        forwarded = forwarded_flags(args, group)
         at = forwarded.index(option)
         assert forwarded[at:at + 1 + len(value)] == [option, *value], (option, forwarded)
         for service in OWNERS[group]:
@@ -76,9 +76,16 @@ def test_each_serve_flag_is_forwarded_to_a_service_that_accepts_it(group):
 
 def test_the_flags_that_once_went_missing_are_forwarded():
     args = build_parser().parse_args(["serve", "--no-small-batch-linear", "--max-waiting", "3"])
-    assert "--no-small-batch-linear" in _flags(args, "worker")
-    scheduler = _flags(args, "scheduler")
+    assert "--no-small-batch-linear" in forwarded_flags(args, "worker")
+    scheduler = forwarded_flags(args, "scheduler")
     assert scheduler[scheduler.index("--max-waiting") + 1] == "3"
+
+
+def test_a_secret_is_forwarded_by_environment_only():
+    """`ps` shows every user a process's argv: the API key reaches the frontend as VMESH_API_KEY."""
+    args = build_parser().parse_args(["serve", "--api-key", "k"])
+    assert "--api-key" not in forwarded_flags(args, "frontend") and "k" not in forwarded_flags(args, "frontend")
+    assert forwarded_secrets(args, "frontend") == {"VMESH_API_KEY": "k"}
 
 
 def test_generate_local_honours_or_refuses_every_scheduler_flag():

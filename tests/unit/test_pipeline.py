@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.factories import make_scheduler
 from vmesh.services.common.sampling_params import SamplingParams
 from vmesh.services.common.step_types import StepResult
-from vmesh.services.scheduler.block_pool import BlockPool
 from vmesh.services.scheduler.pipeline import StepPipeline
 from vmesh.services.scheduler.request import Request
-from vmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig
+from vmesh.services.scheduler.scheduler import Scheduler
 
 
 def scheduler() -> Scheduler:
-    s = Scheduler(SchedulerConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64), BlockPool(32, 4),
-                  eos_token_ids=(0,))
+    s = make_scheduler(num_blocks=32, block_size=4, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64,
+                       eos_token_ids=(0,))
     s.add_request(Request("a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)))
     return s
 

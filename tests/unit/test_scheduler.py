@@ -7,19 +7,20 @@ from collections import deque
 
 import pytest
 
+from tests.support.factories import make_scheduler
 from tests.support.stub_worker import StubWorker, next_token, reference_tokens
 from vmesh.services.common.finish_reason import FinishReason
 from vmesh.services.common.sampling_params import SamplingParams
-from vmesh.services.scheduler.block_pool import BlockPool
 from vmesh.services.scheduler.request import Request
-from vmesh.services.scheduler.scheduler import QueueFullError, Scheduler, SchedulerConfig
+from vmesh.services.scheduler.scheduler import QueueFullError
 
 BLOCK = 4
 
 
 def make(num_blocks=64, max_num_seqs=8, budget=64, max_model_len=256, policy="fcfs", eos=(), **kw):
-    pool = BlockPool(num_blocks, BLOCK, hash_seed=1)
-    scheduler = Scheduler(SchedulerConfig(max_model_len, max_num_seqs, budget, policy, **kw), pool, eos)
+    scheduler = make_scheduler(num_blocks=num_blocks, block_size=BLOCK, max_model_len=max_model_len,
+                               max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, policy=policy,
+                               eos_token_ids=eos, hash_seed=1, **kw)
     return scheduler, StubWorker(num_blocks, BLOCK)
 
 

@@ -3,31 +3,68 @@ does to the scheduler's queues, and refused submissions; driven without a networ
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import grpc
 import pytest
 
 from tests.support.grpc_fakes import Aborted, FakeChannel, FakeContext, FakeStream, rpc_error
 from vmesh.services.common import wire
-from vmesh.services.common.request_checks import MAX_STOP_TOKEN_IDS, ModelLimits
+from vmesh.services.common.request_checks import MAX_STOP_TOKEN_IDS
 from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.common.step_types import StepResult
-from vmesh.services.scheduler.block_pool import BlockPool
-from vmesh.services.scheduler.pipeline import StepPipeline
-from vmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig
-from vmesh.services.scheduler.server import MeshSchedulerConfig, SchedulerServicer
+from vmesh.services.scheduler.server import SchedulerServicer
+from vmesh.services.scheduler.session import SchedulerSession
+from vmesh.services.scheduler.settings import SchedulerServiceSettings
+from vmesh.services.scheduler.worker_ranks import WORKER_RETRY_S
 from vmesh.v1 import common_pb2, detokenizer_pb2, scheduler_pb2, worker_pb2
 
 
-class Servicer(SchedulerServicer):
-    """Streams to fake replicas; addresses resolve through `dns`."""
+class FakeExecute(FakeStream):
+    """A worker's Execute stream: plans written are kept; results are fed to `responses`."""
 
-    def __init__(self, addresses: list[str]):
-        super().__init__(MeshSchedulerConfig(worker_addresses=[], detokenizer_addresses=addresses),
-                         open_detokenizer_stream=self._open_stream)
+    def __init__(self) -> None:
+        super().__init__()
+        self.plans: list[worker_pb2.ExecuteRequest] = []
+
+    async def write(self, message) -> None:
+        self.plans.append(message)
+
+
+class FakeWorker:
+    """A worker rank's stub: UNAVAILABLE while `down` (dead, or loading its model)."""
+
+    def __init__(self) -> None:
+        self.down = False
+        self.refusals = 0  # GetWorkerInfo calls answered UNAVAILABLE
+        self.streams: list[FakeExecute] = []
+
+    async def GetWorkerInfo(self, request, **kwargs):
+        if self.down:
+            self.refusals += 1
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE)
+        return worker_pb2.GetWorkerInfoResponse(model_name="tiny", num_kv_blocks=16, block_size=4,
+                                                max_model_len=64, vocab_size=100, max_num_seqs=8,
+                                                eos_token_ids=[0])
+
+    def Execute(self):
+        self.streams.append(FakeExecute())
+        return self.streams[-1]
+
+
+class Servicer(SchedulerServicer):
+    """Over a session whose worker rank is `worker` and whose replica streams are fakes."""
+
+    def __init__(self, addresses: list[str], worker: FakeWorker | None = None, worker_retry_s: float = WORKER_RETRY_S,
+                 worker_recovery_timeout_s: float = 60.0):
+        self.worker = worker or FakeWorker()
         self.streams: dict[str, list[FakeStream]] = {}
-        self.scheduler = Scheduler(SchedulerConfig(max_model_len=64), BlockPool(16, 4), (0,))
-        self.limits = ModelLimits("tiny", max_model_len=64, vocab_size=100)
+        settings = SchedulerServiceSettings(worker_addresses=["worker:1"], detokenizer_addresses=addresses,
+                                            worker_recovery_timeout_s=worker_recovery_timeout_s)
+        super().__init__(SchedulerSession(settings, open_detokenizer_stream=self._open_stream,
+                                          open_worker_rank=lambda address: (self.worker, FakeChannel()),
+                                          worker_retry_s=worker_retry_s))
 
     def _open_stream(self, address: str):
         stream = FakeStream()
@@ -42,7 +79,21 @@ class Servicer(SchedulerServicer):
 
 
 async def connected(servicer: Servicer) -> None:
-    await servicer.router.connect(servicer.detokenizers.addresses)
+    """The scheduler core built from the worker's answer and the replicas connected, but no engine
+    loop: what a submission does to the queues stays there."""
+    await servicer.session.connect_workers(timeout=1)
+    await servicer.session.router.connect(servicer.session.detokenizers.addresses)
+
+
+@asynccontextmanager
+async def with_worker(worker: FakeWorker, **settings) -> AsyncIterator[Servicer]:
+    """A servicer connected to `worker` as serve() connects it, its engine loop running."""
+    servicer = Servicer(["127.0.0.1:1"], worker, **settings)
+    await servicer.connect()
+    try:
+        yield servicer
+    finally:
+        await servicer.session.close()
 
 
 def test_requests_go_only_to_replicas_the_frontend_listens_to():
@@ -56,7 +107,7 @@ def test_requests_go_only_to_replicas_the_frontend_listens_to():
         with pytest.raises(Aborted) as err:
             await servicer.submit(20, ("127.0.0.1:9",))
         assert err.value.code == grpc.StatusCode.UNAVAILABLE
-        await servicer.close()
+        await servicer.session.close()
 
     asyncio.run(main())
 
@@ -66,20 +117,20 @@ def test_a_replica_that_leaves_finishes_its_requests_and_then_closes():
         servicer = Servicer(["127.0.0.1:1"])
         await connected(servicer)
         assert await servicer.submit(0) == "127.0.0.1:1"
-        servicer.router.replicas.update(["127.0.0.1:2"], ["127.0.0.1:1"])
-        await servicer.router.replicas.members["127.0.0.1:2"].joined.wait()
-        leaving = servicer.router.replicas.members["127.0.0.1:1"]
+        servicer.session.router.replicas.update(["127.0.0.1:2"], ["127.0.0.1:1"])
+        await servicer.session.router.replicas.members["127.0.0.1:2"].joined.wait()
+        leaving = servicer.session.router.replicas.members["127.0.0.1:1"]
         assert leaving.retired and leaving.alive  # r0 still streams there
         assert await servicer.submit(1) == "127.0.0.1:2"
-        r0 = servicer._release("f/0")
-        servicer.router.add_end(r0)  # its last output is queued for the leaving replica...
-        assert "127.0.0.1:1" in servicer.router.replicas
-        await servicer.router.flush()  # ...and written before the replica is let go
+        r0 = servicer.session.release("f/0")
+        servicer.session.router.add_end(r0)  # its last output is queued for the leaving replica...
+        assert "127.0.0.1:1" in servicer.session.router.replicas
+        await servicer.session.router.flush()  # ...and written before the replica is let go
         assert servicer.streams["127.0.0.1:1"][0].received == [[r0.stream_handle]]
-        assert "127.0.0.1:1" not in servicer.router.replicas
+        assert "127.0.0.1:1" not in servicer.session.router.replicas
         await asyncio.sleep(0)
         assert leaving.task.done()
-        await servicer.close()
+        await servicer.session.close()
 
     asyncio.run(main())
 
@@ -87,7 +138,7 @@ def test_a_replica_that_leaves_finishes_its_requests_and_then_closes():
 def test_a_lost_stream_fails_its_requests_and_reconnects():
     async def main() -> None:
         servicer = Servicer(["127.0.0.1:1"])
-        servicer.router.reconnect = Backoff.none()
+        servicer.session.router.reconnect = Backoff.none()
         await connected(servicer)
         await servicer.submit(0)
         first = servicer.streams["127.0.0.1:1"][0]
@@ -95,11 +146,11 @@ def test_a_lost_stream_fails_its_requests_and_reconnects():
         for _ in range(50):
             await asyncio.sleep(0)
         assert first.cancelled
-        assert "f/0" not in servicer.router.routes and not servicer.scheduler.has_unfinished()
+        assert "f/0" not in servicer.session.router.routes and not servicer.session.scheduler.has_unfinished()
         assert len(servicer.streams["127.0.0.1:1"]) == 2  # reopened
-        assert servicer.router.replicas.members["127.0.0.1:1"].alive
+        assert servicer.session.router.replicas.members["127.0.0.1:1"].alive
         assert await servicer.submit(1) == "127.0.0.1:1"
-        await servicer.close()
+        await servicer.session.close()
 
     asyncio.run(main())
 
@@ -107,20 +158,20 @@ def test_a_lost_stream_fails_its_requests_and_reconnects():
 def test_a_draining_replica_gets_no_new_requests_until_it_restarts():
     async def main() -> None:
         servicer = Servicer(["127.0.0.1:1", "127.0.0.1:2"])
-        servicer.router.reconnect = Backoff.none()
+        servicer.session.router.reconnect = Backoff.none()
         await connected(servicer)
         servicer.streams["127.0.0.1:1"][0].responses.put_nowait(detokenizer_pb2.DetokenizeResponse(
             draining=True))
         for _ in range(10):
             await asyncio.sleep(0)
-        assert servicer.router.replicas.members["127.0.0.1:1"].draining
+        assert servicer.session.router.replicas.members["127.0.0.1:1"].draining
         assert {await servicer.submit(i) for i in range(3)} == {"127.0.0.1:2"}
         servicer.streams["127.0.0.1:1"][0].responses.put_nowait(ConnectionError("it exited"))  # ...and comes back
         for _ in range(50):
             await asyncio.sleep(0)
         assert len(servicer.streams["127.0.0.1:1"]) == 2
         assert await servicer.submit(3) == "127.0.0.1:1"
-        await servicer.close()
+        await servicer.session.close()
 
     asyncio.run(main())
 
@@ -131,15 +182,15 @@ def test_requests_the_detokenizer_reports_orphaned_are_stopped():
         await connected(servicer)
         await servicer.submit(0)
         await servicer.submit(1)
-        handle = servicer.router.routes["f/0"].stream_handle
+        handle = servicer.session.router.routes["f/0"].stream_handle
         servicer.streams["127.0.0.1:1"][0].responses.put_nowait(detokenizer_pb2.DetokenizeResponse(
             orphaned_handles=[handle, 999]))  # 999: unknown, or already gone
         for _ in range(10):
             await asyncio.sleep(0)
-        assert "f/0" not in servicer.router.routes and "f/1" in servicer.router.routes
-        assert servicer.scheduler.stats().num_waiting == 1
-        assert servicer.router.replicas.members["127.0.0.1:1"].outstanding == 1
-        await servicer.close()
+        assert "f/0" not in servicer.session.router.routes and "f/1" in servicer.session.router.routes
+        assert servicer.session.scheduler.stats().num_waiting == 1
+        assert servicer.session.router.replicas.members["127.0.0.1:1"].outstanding == 1
+        await servicer.session.close()
 
     asyncio.run(main())
 
@@ -171,9 +222,9 @@ def test_a_submission_the_worker_cannot_serve_is_refused_alone(fields, name):
         with pytest.raises(Aborted) as refused:
             await servicer.SubmitRequest(request, FakeContext())
         assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and name in str(refused.value)
-        assert not servicer.scheduler.has_unfinished() and not servicer.router.routes
+        assert not servicer.session.scheduler.has_unfinished() and not servicer.session.router.routes
         assert await servicer.submit(2)  # the next one is served
-        await servicer.close()
+        await servicer.session.close()
 
     asyncio.run(main())
 
@@ -193,43 +244,14 @@ def test_a_resumed_submission_is_checked_and_introduced_with_its_outputs():
         await servicer.SubmitRequest(scheduler_pb2.SubmitRequestRequest(
             frontend_id="f", frontend_key=2, prompt_token_ids=[1, 2, 3], sampling=common_pb2.SamplingParams(
                 max_tokens=8), resumed_output_token_ids=[7, 8], resumed_text_length=3), FakeContext())
-        request = servicer.scheduler.requests["f/2"]
+        request = servicer.session.scheduler.requests["f/2"]
         assert request.output_token_ids == [7, 8] and request.all_token_ids == [1, 2, 3, 7, 8]
-        introduction = servicer.router.routes["f/2"].introduction
+        introduction = servicer.session.router.routes["f/2"].introduction
         assert list(introduction.resumed_output_token_ids) == [7, 8] and introduction.resumed_text_length == 3
         assert introduction.num_prompt_tokens == 3
-        await servicer.close()
+        await servicer.session.close()
 
     asyncio.run(main())
-
-
-class FakeExecute(FakeStream):
-    """A worker's Execute stream: plans written are kept; results are fed to `responses`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.plans: list[worker_pb2.ExecuteRequest] = []
-
-    async def write(self, message) -> None:
-        self.plans.append(message)
-
-
-class FakeWorker:
-    """A worker rank's stub: UNAVAILABLE while `down` (dead, or loading its model)."""
-
-    def __init__(self) -> None:
-        self.down = False
-        self.streams: list[FakeExecute] = []
-
-    async def GetWorkerInfo(self, request, **kwargs):
-        if self.down:
-            raise rpc_error(grpc.StatusCode.UNAVAILABLE)
-        return worker_pb2.GetWorkerInfoResponse(model_name="tiny", num_kv_blocks=16, block_size=4,
-                                                max_model_len=64, vocab_size=100, max_num_seqs=8)
-
-    def Execute(self):
-        self.streams.append(FakeExecute())
-        return self.streams[-1]
 
 
 async def settle(condition, limit: int = 2000) -> None:
@@ -240,80 +262,71 @@ async def settle(condition, limit: int = 2000) -> None:
     raise AssertionError("the condition never held")
 
 
-async def with_worker(servicer: Servicer, worker: FakeWorker) -> asyncio.Task:
-    """Wire the servicer to `worker` as connect() would, and start its engine loop."""
-    servicer._worker_stubs = [worker]
-    servicer.info = await servicer._open_worker_streams(timeout=1)
-    servicer.pipeline = StepPipeline(servicer.scheduler, 2)
-    await connected(servicer)
-    return asyncio.create_task(servicer._engine_loop())
+async def fail_stream(worker: FakeWorker, session: int = 0, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
+                      details: str = "") -> None:
+    """Once the worker's `session`th Execute stream has a plan, it fails with `code` (UNAVAILABLE: the
+    worker died with that step in flight)."""
+    await settle(lambda: len(worker.streams) > session and worker.streams[session].plans)
+    worker.streams[session].responses.put_nowait(rpc_error(code, details))
 
 
-def test_a_lost_worker_that_comes_back_gets_every_request_again(monkeypatch):
-    monkeypatch.setattr("vmesh.services.scheduler.server.WORKER_RETRY_S", 0.01)
+def errors_sent(servicer: Servicer) -> list:
+    """The messages to the replica that ended a request with an error."""
+    return [m for m in servicer.streams["127.0.0.1:1"][0].messages if any(m.errors)]
 
+
+def test_a_lost_worker_that_comes_back_gets_every_request_again():
     async def main() -> None:
-        servicer = Servicer(["127.0.0.1:1"])
-        serving: list[bool] = []
-        servicer.on_serving = serving.append
         worker = FakeWorker()
-        loop = await with_worker(servicer, worker)
-        await servicer.submit(0)
-        first = worker.streams[0]
-        await settle(lambda: first.plans)
-        assert first.plans[0].step == 0
-        handle = first.plans[0].new_requests[0].handle
-        first.responses.put_nowait(wire.result_to_proto(StepResult(0, [handle], [42])))
-        await settle(lambda: servicer.scheduler.requests["f/0"].output_token_ids == [42])
-        worker.down = True  # it dies with step 1 in flight...
-        first.responses.put_nowait(rpc_error(grpc.StatusCode.UNAVAILABLE, "Socket closed"))
-        await settle(lambda: serving == [False])
-        await asyncio.sleep(0.05)
-        assert len(worker.streams) == 1 and first.cancelled
-        with pytest.raises(Aborted) as refused:  # new requests go to another group (or wait at the frontend)
-            await servicer.submit(1)
-        assert refused.value.code == grpc.StatusCode.UNAVAILABLE
-        worker.down = False  # ...and comes back
-        await settle(lambda: len(worker.streams) == 2 and worker.streams[1].plans)
-        assert serving == [False, True] and servicer.worker_failovers == 1
-        replay = worker.streams[1].plans[0]
-        assert replay.step == 0 and not replay.removed_handles  # a new session, from step 0
-        assert [tuple(r.token_ids) for r in replay.new_requests] == [(1, 2, 3, 42)]
-        assert all(r.num_computed_tokens == 0 for r in replay.new_requests)
-        assert await servicer.submit(2)  # serving again
-        stream = servicer.streams["127.0.0.1:1"][0]
-        assert not any(m.errors and any(m.errors) for m in stream.messages), "nobody was told of the loss"
-        loop.cancel()
-        await servicer.close()
+        async with with_worker(worker, worker_retry_s=0.01) as servicer:
+            serving: list[bool] = []
+            servicer.session.on_serving = serving.append
+            await servicer.submit(0)
+            first = worker.streams[0]
+            await settle(lambda: first.plans)
+            assert first.plans[0].step == 0
+            handle = first.plans[0].new_requests[0].handle
+            first.responses.put_nowait(wire.result_to_proto(StepResult(0, [handle], [42])))
+            await settle(lambda: servicer.session.scheduler.requests["f/0"].output_token_ids == [42])
+            worker.down = True  # it dies with step 1 in flight...
+            await fail_stream(worker, details="Socket closed")
+            await settle(lambda: serving == [False])
+            await settle(lambda: worker.refusals >= 3)  # asked again and again while it is away...
+            assert len(worker.streams) == 1 and first.cancelled  # ...and no stream opened meanwhile
+            with pytest.raises(Aborted) as refused:  # new requests go to another group (or wait at the frontend)
+                await servicer.submit(1)
+            assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+            worker.down = False  # ...and comes back
+            await settle(lambda: len(worker.streams) == 2 and worker.streams[1].plans)
+            assert serving == [False, True] and servicer.session.worker_failovers == 1
+            replay = worker.streams[1].plans[0]
+            assert replay.step == 0 and not replay.removed_handles  # a new session, from step 0
+            assert [tuple(r.token_ids) for r in replay.new_requests] == [(1, 2, 3, 42)]
+            assert all(r.num_computed_tokens == 0 for r in replay.new_requests)
+            assert await servicer.submit(2)  # serving again
+            stream = servicer.streams["127.0.0.1:1"][0]
+            assert not any(m.errors and any(m.errors) for m in stream.messages), "nobody was told of the loss"
 
     asyncio.run(main())
 
 
-def test_a_worker_gone_past_the_recovery_timeout_fails_its_requests_until_it_returns(monkeypatch):
-    monkeypatch.setattr("vmesh.services.scheduler.server.WORKER_RETRY_S", 0.01)
-
+def test_a_worker_gone_past_the_recovery_timeout_fails_its_requests_until_it_returns():
     async def main() -> None:
-        servicer = Servicer(["127.0.0.1:1"])
-        servicer.config.worker_recovery_timeout_s = 0.1
         worker = FakeWorker()
-        loop = await with_worker(servicer, worker)
-        await servicer.submit(0)
-        await settle(lambda: worker.streams[0].plans)
-        worker.down = True
-        worker.streams[0].responses.put_nowait(rpc_error(grpc.StatusCode.UNAVAILABLE))
-        stream = servicer.streams["127.0.0.1:1"][0]
-        await settle(lambda: any(any(m.errors) for m in stream.messages))
-        ended = next(m for m in stream.messages if any(m.errors))
-        assert "unavailable" in ended.errors[0] and ended.finish_reasons[0] == common_pb2.FINISH_REASON_ABORT
-        assert not servicer.scheduler.has_unfinished() and not servicer.router.routes
-        with pytest.raises(Aborted) as refused:
-            await servicer.submit(1)
-        assert refused.value.code == grpc.StatusCode.UNAVAILABLE
-        worker.down = False
-        await settle(lambda: servicer.failure is None)
-        assert await servicer.submit(2)  # serving again
-        loop.cancel()
-        await servicer.close()
+        async with with_worker(worker, worker_retry_s=0.01, worker_recovery_timeout_s=0.1) as servicer:
+            await servicer.submit(0)
+            worker.down = True
+            await fail_stream(worker)
+            await settle(lambda: errors_sent(servicer))
+            ended = errors_sent(servicer)[0]
+            assert "unavailable" in ended.errors[0] and ended.finish_reasons[0] == common_pb2.FINISH_REASON_ABORT
+            assert not servicer.session.scheduler.has_unfinished() and not servicer.session.router.routes
+            with pytest.raises(Aborted) as refused:
+                await servicer.submit(1)
+            assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+            worker.down = False
+            await settle(lambda: servicer.session.failure is None)
+            assert await servicer.submit(2)  # serving again
 
     asyncio.run(main())
 
@@ -325,64 +338,49 @@ def test_a_worker_that_refuses_a_plan_or_is_taken_over_is_not_retried(code):
     the worker over, or any other error would recur, and two schedulers would take one worker
     from each other forever."""
     async def main() -> None:
-        servicer = Servicer(["127.0.0.1:1"])
         worker = FakeWorker()
-        loop = await with_worker(servicer, worker)
-        await servicer.submit(0)
-        await settle(lambda: worker.streams[0].plans)
-        worker.streams[0].responses.put_nowait(rpc_error(code, "refused"))
-        await settle(loop.done)
-        assert servicer.failure and len(worker.streams) == 1 and not servicer.router.routes
-        await servicer.close()
+        async with with_worker(worker) as servicer:
+            await servicer.submit(0)
+            await fail_stream(worker, code=code, details="refused")
+            await settle(servicer.session.engine_loop.done)
+            assert servicer.session.failure and len(worker.streams) == 1 and not servicer.session.router.routes
 
     asyncio.run(main())
 
 
-def test_a_request_the_worker_keeps_dying_on_is_failed_not_recomputed_forever(monkeypatch):
-    monkeypatch.setattr("vmesh.services.scheduler.server.WORKER_RETRY_S", 0.001)
-
+def test_a_request_the_worker_keeps_dying_on_is_failed_not_recomputed_forever():
     async def main() -> None:
-        servicer = Servicer(["127.0.0.1:1"])
         worker = FakeWorker()
-        loop = await with_worker(servicer, worker)
-        await servicer.submit(0)
-        for attempt in range(3):  # each new session gets the request, and the worker dies on it
-            await settle(lambda n=attempt: len(worker.streams) == n + 1 and worker.streams[n].plans)
-            worker.streams[attempt].responses.put_nowait(rpc_error(grpc.StatusCode.UNAVAILABLE))
-        stream = servicer.streams["127.0.0.1:1"][0]
-        await settle(lambda: any(any(m.errors) for m in stream.messages))
-        assert "each time" in next(m for m in stream.messages if any(m.errors)).errors[0]
-        assert servicer.worker_failovers == 3 and not servicer.scheduler.has_unfinished()
-        await settle(lambda: servicer.failure is None and not servicer.recovering)
-        assert await servicer.submit(1)  # the others are served
-        loop.cancel()
-        await servicer.close()
+        async with with_worker(worker, worker_retry_s=0.001) as servicer:
+            await servicer.submit(0)
+            for attempt in range(3):  # each new session gets the request, and the worker dies on it
+                await fail_stream(worker, attempt)
+            await settle(lambda: errors_sent(servicer))
+            assert "each time" in errors_sent(servicer)[0].errors[0]
+            assert servicer.session.worker_failovers == 3 and not servicer.session.scheduler.has_unfinished()
+            await settle(lambda: servicer.session.failure is None and not servicer.session.recovering)
+            assert await servicer.submit(1)  # the others are served
 
     asyncio.run(main())
 
 
-def test_a_worker_that_comes_back_different_makes_the_scheduler_restart(monkeypatch):
-    monkeypatch.setattr("vmesh.services.scheduler.server.WORKER_RETRY_S", 0.001)
-
+def test_a_worker_that_comes_back_different_makes_the_scheduler_restart():
     async def main() -> None:
-        servicer = Servicer(["127.0.0.1:1"])
-        fatal: list[str] = []
-        servicer.on_fatal = fatal.append
         worker = FakeWorker()
-        loop = await with_worker(servicer, worker)
-        original = worker.GetWorkerInfo
+        async with with_worker(worker, worker_retry_s=0.001) as servicer:
+            fatal: list[str] = []
+            servicer.session.on_fatal = fatal.append
+            original = worker.GetWorkerInfo
 
-        async def smaller_cache(request, **kwargs):
-            info = await original(request)
-            info.num_kv_blocks = 8  # e.g. a GPU with less free memory this time
-            return info
+            async def smaller_cache(request, **kwargs):
+                info = await original(request)
+                info.num_kv_blocks = 8  # e.g. a GPU with less free memory this time
+                return info
 
-        worker.GetWorkerInfo = smaller_cache
-        await servicer.submit(0)
-        await settle(lambda: worker.streams[0].plans)
-        worker.streams[0].responses.put_nowait(rpc_error(grpc.StatusCode.UNAVAILABLE))
-        await settle(loop.done)
-        assert fatal and "8 KV blocks" in fatal[0] and "16 KV blocks" in fatal[0]
-        await servicer.close()
+            worker.GetWorkerInfo = smaller_cache
+            await servicer.submit(0)
+            await fail_stream(worker)
+            await settle(servicer.session.engine_loop.done)
+            assert fatal and "8 KV blocks" in fatal[0] and "16 KV blocks" in fatal[0]
 
     asyncio.run(main())

@@ -1,0 +1,288 @@
+"""A scheduler process's state and its engine loop: the scheduler core built from the worker's
+geometry, the step pipeline to the worker ranks, the routes to the detokenizer replicas and each
+request's lifetime. The loop sends up to `pipeline_depth` plans to every rank and routes each
+step's tokens to the detokenizers; a worker lost meanwhile is waited for and every request
+recomputed on it once it is back (services/scheduler/server.py is the gRPC face of all this).
+
+A request is known here by its request key (the core's request_id); on the Execute stream by
+its worker handle (the core's), and on its replica's stream by its stream handle (the router's)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from vmesh.services.common import telemetry, wire
+from vmesh.services.common.finish_reason import FinishReason
+from vmesh.services.common.metrics import SchedulerMetrics
+from vmesh.services.common.request_checks import ModelLimits
+from vmesh.services.common.runtime.discovery import AddressBook, watch
+from vmesh.services.common.step_types import StepPlan
+from vmesh.services.scheduler.detokenizer_router import DetokenizerRouter, OpenStream, Route, open_stream
+from vmesh.services.scheduler.lifetimes import Lifetimes
+from vmesh.services.scheduler.pipeline import StepPipeline
+from vmesh.services.scheduler.scheduler import RequestUpdate, Scheduler
+from vmesh.services.scheduler.settings import SchedulerServiceSettings
+from vmesh.services.scheduler.worker_ranks import (
+    WORKER_RETRY_S,
+    OpenWorker,
+    WorkerRanks,
+    describe,
+    detail,
+    geometry,
+    open_worker,
+    plan_message,
+    went_away,
+)
+from vmesh.v1 import worker_pb2
+
+logger = logging.getLogger(__name__)
+
+WORKER_START_TIMEOUT_S = 600.0  # for the worker ranks to answer at start-up (they may be loading the model)
+# A request the worker was computing each of these many times it was lost is failed instead of
+# computed again: it may be what kills the worker.
+MAX_WORKER_LOSSES = 3
+
+
+class SchedulerSession:
+    def __init__(self, settings: SchedulerServiceSettings, open_detokenizer_stream: OpenStream = open_stream,
+                 open_worker_rank: OpenWorker = open_worker, worker_retry_s: float = WORKER_RETRY_S):
+        self.settings = settings
+        self.workers = WorkerRanks(settings.worker_addresses, open_worker_rank, worker_retry_s)
+        self.info: worker_pb2.GetWorkerInfoResponse | None = None  # rank 0's, once the workers answered
+        self.limits: ModelLimits | None = None  # the workers' model, known once they answered
+        self.scheduler: Scheduler | None = None  # the core, which exists once the workers answered
+        self.pipeline: StepPipeline | None = None
+        self.detokenizers = AddressBook(settings.detokenizer_addresses)
+        self.router = DetokenizerRouter(self._released_by_router, open_detokenizer_stream)
+        self.lifetimes = Lifetimes()
+        self.metrics: SchedulerMetrics | None = None
+        # Marked NOT_SERVING (False) while the worker is lost, SERVING once back.
+        self.on_serving: Callable[[bool], None] = lambda serving: None
+        # The worker came back unlike before (another model, KV cache or limits): serve() exits the
+        # process, so that its supervisor starts a scheduler that adopts the new worker.
+        self.on_fatal: Callable[[str], None] = lambda reason: None
+        self.accepting = True  # False once draining
+        self.recovering = False  # the worker is lost and waited for: submissions go elsewhere
+        # Set while the worker is lost past its recovery timeout: submissions are refused.
+        self.failure: str | None = None
+        self.worker_failovers = 0  # times a lost worker's requests were recomputed on its replacement
+        self.wake = asyncio.Event()  # set when there may be a plan to make
+        self.engine_loop: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # --- start-up and shut-down --------------------------------------------------------------
+
+    async def connect_workers(self, timeout: float = WORKER_START_TIMEOUT_S) -> worker_pb2.GetWorkerInfoResponse:
+        """Open the worker ranks' streams and build the scheduler core from their geometry."""
+        info = self.info = await self.workers.open(timeout)
+        self.limits = ModelLimits(info.model_name, info.max_model_len, info.vocab_size)
+        self.scheduler = Scheduler.for_worker(self.settings, geometry(info))
+        self.pipeline = StepPipeline(self.scheduler, self.settings.pipeline_depth)
+        return info
+
+    def set_metrics(self, metrics: SchedulerMetrics) -> None:
+        self.metrics = self.lifetimes.metrics = metrics
+
+    async def start(self) -> None:
+        """Connect the detokenizer replicas (and follow their address book); start the engine loop."""
+        await self.router.connect(self.detokenizers.addresses)
+        self._tasks.append(asyncio.create_task(watch(self.detokenizers, self.settings.replica_refresh_interval_s,
+                                                     self.router.replicas.update)))
+        self.engine_loop = asyncio.create_task(self._run_engine())
+        self._tasks.append(self.engine_loop)
+        logger.info("connected to %d worker rank(s) (%d KV blocks of %d) and %d detokenizer(s)",
+                    len(self.workers.calls), self.core().pool.num_blocks, self.core().pool.block_size,
+                    len(self.router.replicas))
+
+    async def drain(self) -> None:
+        self.accepting = False
+        while self.scheduler is not None and self.scheduler.has_unfinished() and not self.failure:
+            await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self.router.close()
+        await self.workers.close()
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def core(self) -> Scheduler:
+        if self.scheduler is None:
+            raise RuntimeError("the scheduler core is used before the workers answered")
+        return self.scheduler
+
+    def model_limits(self) -> ModelLimits:
+        if self.limits is None:
+            raise RuntimeError("the model's limits are used before the workers answered")
+        return self.limits
+
+    def unavailable(self) -> str | None:
+        """Why a submission is refused now (the frontend tries another group); None: it is taken."""
+        if self.failure:
+            return self.failure
+        if not self.accepting or self.scheduler is None or self.recovering:
+            return "the scheduler is not accepting requests"
+        return None
+
+    async def abort(self, key: str) -> bool:
+        """Stop the request (a client went away); whether the core still had it."""
+        aborted = self.scheduler is not None and self.scheduler.abort(key)
+        if (route := self.release(key)) is not None:
+            self.router.add_end(route)
+            await self.router.flush()
+        return aborted
+
+    def release(self, key: str, finish_reason: str = FinishReason.ABORT.value) -> Route | None:
+        """Close the request's route and end its lifetime; None if it has none (already released)."""
+        route = self.router.close_route(key)
+        self.lifetimes.end(key, finish_reason)
+        return route
+
+    def _fail(self, key: str, error: str) -> None:
+        """End the request with `error` (UNAVAILABLE to the client), as the core drops it."""
+        self.core().abort(key)
+        if (route := self.release(key)) is not None:
+            self.router.add_end(route, error=error)
+
+    def _released_by_router(self, key: str, reason: FinishReason) -> None:
+        """A stop string, an orphan or a lost replica: the router has closed the route already."""
+        self.core().abort(key, reason)
+        self.lifetimes.end(key, reason.value)
+
+    async def _fail_all(self, message: str) -> None:
+        """End every request this scheduler holds with `message` and refuse new ones."""
+        self.failure = message
+        for key in list(self.router.routes):
+            self._fail(key, message)
+        await self.router.flush()
+        self.on_serving(False)
+
+    # --- the engine loop ---------------------------------------------------------------------
+
+    async def _run_engine(self) -> None:
+        """Steps until cancelled. A worker that went away is waited for; one that failed otherwise,
+        or came back unlike before, ends the loop."""
+        while True:
+            try:
+                await self._run_steps()
+            except Exception as exc:
+                if not went_away(exc):
+                    # The worker refused a plan (FAILED_PRECONDITION), another scheduler took it
+                    # over (ABORTED), or a bug here: recomputing would only repeat it.
+                    logger.error("the engine loop failed: %s", detail(exc))
+                    await self._fail_all("the worker serving this request failed")
+                    return
+                logger.error("worker unavailable: %s; %d request(s) wait for it to come back", detail(exc),
+                             len(self.router.routes))
+                if not await self._recover_worker():
+                    return
+
+    async def _run_steps(self) -> None:
+        pipeline = self._pipeline()
+        while True:
+            for plan in pipeline.plans():
+                await self._send(plan)
+            if pipeline.idle:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            result = await self.workers.receive()
+            self._route(pipeline.complete(wire.result_from_proto(result)))
+            await self.router.flush()
+
+    def _pipeline(self) -> StepPipeline:
+        if self.pipeline is None:
+            raise RuntimeError("the engine loop started before the workers answered")
+        return self.pipeline
+
+    async def _send(self, plan: StepPlan) -> None:
+        message = plan_message(plan, self.core(), full_state=self.settings.stateless_worker)
+        for new in message.new_requests:  # requests entering the worker carry their trace context
+            life = self.lifetimes.admitted(self.core().by_handle[new.handle].request_id)  # by worker handle
+            if life is not None and telemetry.tracing_enabled():
+                new.trace_context.CopyFrom(telemetry.to_proto(life.span))
+        if self.metrics and plan.scheduled_handles:
+            self.metrics.iteration_tokens.observe(plan.total_scheduled_tokens)
+        await self.workers.send(plan, message)
+
+    def _route(self, updates: list[RequestUpdate]) -> None:
+        """One step's tokens to the requests' detokenizer replicas."""
+        for update in updates:
+            if (route := self.router.routes.get(update.request_id)) is None:
+                continue
+            self.router.add_update(route, update)
+            if update.finish_reason is not None:
+                self.router.close_route(update.request_id)
+        self.lifetimes.stepped(updates, time.monotonic())  # one clock read per step, not per request
+
+    # --- a lost worker -----------------------------------------------------------------------
+
+    async def _recover_worker(self) -> bool:
+        """Wait for the lost worker to answer again (restarted in place, by `vmesh serve` or
+        Kubernetes) and recompute every request on it: clients see a pause. Past the recovery
+        timeout the requests fail with UNAVAILABLE and submissions are refused, but the worker is
+        still waited for; once it is back the scheduler serves again. False: it never can (the
+        replacement's model, KV cache or limits differ)."""
+        await self._recompute_on_replacement()
+        lost_at = time.monotonic()
+        info = await self._wait_for_worker(deadline=lost_at + self.settings.worker_recovery_timeout_s)
+        if info != self.info:
+            # E.g. a GPU's free memory sized the cache: a new scheduler process adopts it, and the
+            # frontends fail this one's requests over.
+            reason = (f"the worker came back unlike before ({describe(info)}, was "
+                      f"{describe(self.info) if self.info else '-'}); restarting the scheduler")
+            logger.error("%s", reason)
+            self.on_fatal(reason)
+            return False
+        if time.monotonic() - lost_at < self.workers.retry_s:  # lost and back at once: no hot loop
+            await asyncio.sleep(self.workers.retry_s)
+        logger.warning("worker back after %.1f s; recomputing %d request(s)", time.monotonic() - lost_at,
+                       len(self.core().requests))
+        self.failure = None
+        self.recovering = False
+        self.on_serving(self.accepting)  # a scheduler draining meanwhile stays NOT_SERVING
+        self.wake.set()
+        return True
+
+    async def _recompute_on_replacement(self) -> None:
+        """Give up the lost worker's streams and plans in flight, and refuse submissions while it is
+        away: every request starts again from its tokens on the worker that comes back, but one
+        the worker was computing each of the last MAX_WORKER_LOSSES times it was lost, which fails."""
+        self.workers.drop()
+        self._pipeline().abandon_all()
+        core = self.core()
+        was_computing = {r.request_id for r in core.running}
+        affected = core.recompute_all()
+        self.worker_failovers += 1
+        self.recovering = True
+        self.on_serving(False)
+        for request in affected:
+            if (life := self.lifetimes.get(request.request_id)) is None:
+                continue
+            life.span.add_event("vmesh.failover", {"vmesh.failover.kind": "worker"})
+            if request.request_id in was_computing:
+                life.worker_losses += 1
+                if life.worker_losses >= MAX_WORKER_LOSSES:
+                    logger.error("request %s was on the worker each of the %d times it was lost; failing it",
+                                 request.request_id, life.worker_losses)
+                    self._fail(request.request_id, "the worker failed each time it computed this request")
+        await self.router.flush()
+
+    async def _wait_for_worker(self, deadline: float) -> worker_pb2.GetWorkerInfoResponse:
+        """The worker's answer once it is back, with its streams open again. Past `deadline` the
+        requests fail meanwhile (once)."""
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 and self.failure is None:
+                logger.error("the worker did not come back within %.0f s; failing %d request(s)",
+                             self.settings.worker_recovery_timeout_s, len(self.router.routes))
+                await self._fail_all("the worker serving this request became unavailable")
+            try:
+                return await self.workers.open(timeout=remaining if remaining > 0 else self.workers.retry_s)
+            except Exception as exc:
+                logger.info("worker not reachable yet (%s)", detail(exc))
+                await asyncio.sleep(self.workers.retry_s)  # an attempt that failed at once is not repeated at once

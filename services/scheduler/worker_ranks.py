@@ -1,0 +1,158 @@
+"""The scheduler's link to its worker group: one Execute stream per rank, rank 0 first. Every
+plan goes to every rank; rank 0's result is the step's (the ranks of a tensor-parallel group
+compute one step together)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+
+from vmesh.services.common import wire
+from vmesh.services.common.grpc_server import channel
+from vmesh.services.common.step_types import NewRequest, StepPlan
+from vmesh.services.scheduler.scheduler import Scheduler, WorkerGeometry
+from vmesh.v1 import worker_pb2, worker_pb2_grpc
+
+WORKER_RETRY_S = 1.0  # between attempts to reach a worker that does not answer (yet)
+
+
+class WorkerStub(Protocol):
+    """The two WorkerService calls the scheduler makes (worker_pb2_grpc.WorkerServiceStub)."""
+
+    def GetWorkerInfo(self, request: worker_pb2.GetWorkerInfoRequest,
+                      **options: Any) -> Awaitable[worker_pb2.GetWorkerInfoResponse]: ...
+
+    def Execute(self) -> grpc.aio.StreamStreamCall: ...
+
+
+OpenWorker = Callable[[str], tuple[WorkerStub, grpc.aio.Channel]]
+
+
+def open_worker(address: str) -> tuple[WorkerStub, grpc.aio.Channel]:
+    ch = channel(address, "worker")
+    return worker_pb2_grpc.WorkerServiceStub(ch), ch
+
+
+@dataclass
+class PlanTraffic:
+    """The step plans sent so far, and their serialized bytes (per worker rank)."""
+    steps: int = 0
+    plan_bytes: int = 0
+    decode_steps: int = 0  # plans that only decode: no new request, one token each
+    decode_plan_bytes: int = 0
+
+    def count(self, plan: StepPlan, size: int) -> None:
+        self.steps += 1
+        self.plan_bytes += size
+        if not plan.new_requests and all(n == 1 for n in plan.num_scheduled_tokens):
+            self.decode_steps += 1
+            self.decode_plan_bytes += size
+
+
+class WorkerRanks:
+    def __init__(self, addresses: list[str], open_rank: OpenWorker = open_worker,
+                 retry_s: float = WORKER_RETRY_S):
+        self.addresses = addresses
+        self.retry_s = retry_s
+        self._open_rank = open_rank
+        self.stubs: list[WorkerStub] = []  # dialled at the first `open`, on the event loop
+        self._channels: list[grpc.aio.Channel] = []
+        self.calls: list[grpc.aio.StreamStreamCall] = []
+        self.traffic = PlanTraffic()
+
+    async def open(self, timeout: float) -> worker_pb2.GetWorkerInfoResponse:
+        """Ask every rank for its model and KV cache, then open a new Execute stream to each (a
+        new session: the worker forgets any earlier one). Returns rank 0's answer. A rank still
+        loading its model answers UNAVAILABLE: it is asked again until `timeout`."""
+        deadline = time.monotonic() + timeout
+        if not self.stubs:
+            for address in self.addresses:
+                stub, ch = self._open_rank(address)
+                self.stubs.append(stub)
+                self._channels.append(ch)
+        infos = [await self._info(stub, deadline) for stub in self.stubs]
+        info = infos[0]
+        if any(i.num_kv_blocks != info.num_kv_blocks or i.block_size != info.block_size for i in infos):
+            raise RuntimeError("worker ranks disagree on their KV cache")
+        group_sizes = {max(1, i.tensor_parallel_size) for i in infos}
+        if group_sizes != {1} and group_sizes != {len(infos)}:
+            # A rank left out never gets plans, and the others wait for it in every collective.
+            raise RuntimeError(f"--workers names {len(infos)} worker(s), but they report tensor-parallel "
+                               f"group sizes {sorted(group_sizes)}: name every rank of the group, rank 0 first")
+        self.calls = [stub.Execute() for stub in self.stubs]
+        return info
+
+    async def _info(self, stub: WorkerStub, deadline: float) -> worker_pb2.GetWorkerInfoResponse:
+        while True:
+            try:
+                return await stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), wait_for_ready=True,
+                                                timeout=max(0.1, deadline - time.monotonic()))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + self.retry_s > deadline:
+                    raise
+                await asyncio.sleep(self.retry_s)
+
+    async def send(self, plan: StepPlan, message: worker_pb2.ExecuteRequest) -> None:
+        """`plan`, as `message`, to every rank."""
+        self.traffic.count(plan, message.ByteSize())
+        for call in self.calls:
+            await call.write(message)
+
+    async def receive(self) -> worker_pb2.ExecuteResponse:
+        """The step's result: every rank's, of which rank 0's is the one that counts."""
+        results = [await call.read() for call in self.calls]
+        if any(r is grpc.aio.EOF for r in results):
+            raise ConnectionError("a worker closed its stream")
+        return results[0]
+
+    def drop(self) -> None:
+        """The group was lost: its streams are given up (a new session starts with `open`)."""
+        for call in self.calls:
+            call.cancel()
+        self.calls = []
+
+    async def close(self) -> None:
+        for ch in self._channels:
+            await ch.close()
+
+
+def plan_message(plan: StepPlan, scheduler: Scheduler, full_state: bool) -> worker_pb2.ExecuteRequest:
+    """The Execute message of `plan`. `full_state` (V0's behaviour, for measurement): every
+    scheduled request travels in full, every step, and the worker rebuilds its batch from them."""
+    if not full_state:
+        return wire.plan_to_proto(plan)
+    full = StepPlan(step=plan.step, scheduled_handles=plan.scheduled_handles,
+                    num_scheduled_tokens=plan.num_scheduled_tokens)
+    for worker_handle, n in zip(plan.scheduled_handles, plan.num_scheduled_tokens):
+        r = scheduler.by_handle[worker_handle]
+        full.new_requests.append(NewRequest(worker_handle, r.all_token_ids, len(r.prompt_token_ids), r.sampling,
+                                            list(r.block_ids), r.num_computed_tokens - n))
+    return wire.plan_to_proto(full, full_state=True)
+
+
+def geometry(info: worker_pb2.GetWorkerInfoResponse) -> WorkerGeometry:
+    return WorkerGeometry(max_model_len=info.max_model_len, max_num_seqs=info.max_num_seqs,
+                          num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
+                          eos_token_ids=tuple(info.eos_token_ids))
+
+
+def describe(info: worker_pb2.GetWorkerInfoResponse) -> str:
+    return (f"{info.model_name}, {info.num_kv_blocks} KV blocks of {info.block_size}, max_model_len "
+            f"{info.max_model_len}, max_num_seqs {info.max_num_seqs}")
+
+
+def went_away(exc: Exception) -> bool:
+    """Whether an Execute stream failed because its worker went (died, restarted, unreachable),
+    which a replacement can recover from, as opposed to a refusal or a bug."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code() == grpc.StatusCode.UNAVAILABLE
+    return isinstance(exc, ConnectionError)  # the worker closed its stream (it drained and exited)
+
+
+def detail(exc: Exception) -> str:
+    return exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
