@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vmesh.services.common.grpc_server import wait_until_serving
-from vmesh.services.common.runtime.readiness import write_atomically
+from vmesh.services.common.runtime.readiness import Announcement, ReadyFiles
+from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.flag_groups import forwarded_flags, forwarded_secrets
-from vmesh.services.mesh_description import MeshDescription, ServiceEntry, description_path
+from vmesh.services.mesh_description import MeshDescription, ServiceEntry
 
 INTERNAL_HOST = "127.0.0.1"
 START_TIMEOUT_S = 900.0  # the first start converts the model
@@ -31,6 +32,7 @@ STOP_TIMEOUT_S = 30.0
 PARENT_PID_ENV = "VMESH_LAUNCHER_PID"
 RESTART_BACKOFF_S = 0.5  # before the first restart; doubled for each death soon after a restart
 RESTART_BACKOFF_MAX_S = 10.0
+RESTART_BACKOFF = Backoff(RESTART_BACKOFF_S, factor=2.0, max_s=RESTART_BACKOFF_MAX_S)
 STABLE_AFTER_S = 30.0  # a service that lived this long starts again from the first backoff
 SUPERVISE_INTERVAL_S = 0.2
 
@@ -52,6 +54,7 @@ class Child:
     quick_deaths: int = 0  # deaths in a row, each soon after it served: the backoff's exponent
     serving_since: float | None = None  # monotonic; None until it serves
     restarting: bool = False  # a restart task owns it
+    backoff: Backoff = RESTART_BACKOFF
     # The other ranks of its tensor-parallel group: a group cannot take one rank back, so when one
     # dies they all start again together.
     siblings: list[Child] = field(default_factory=list)
@@ -61,7 +64,7 @@ class Child:
         it has served STABLE_AFTER_S (model loading does not count)."""
         lived = 0.0 if self.serving_since is None else time.monotonic() - self.serving_since
         self.quick_deaths = 0 if lived > STABLE_AFTER_S else self.quick_deaths + 1
-        return min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** max(0, self.quick_deaths - 1))
+        return self.backoff.delay(self.quick_deaths)
 
     def check_alive(self) -> None:
         if (code := self.process.poll()) is not None:
@@ -79,8 +82,9 @@ class Child:
 
 
 class Mesh:
-    def __init__(self, args: argparse.Namespace, workdir: Path):
+    def __init__(self, args: argparse.Namespace, workdir: Path, restart_backoff: Backoff = RESTART_BACKOFF):
         self.args = args
+        self.restart_backoff = restart_backoff
         self.workdir = workdir
         self.children: list[Child] = []
         self.certificates: Path | None = None  # with --internal-tls: ca.crt and <role>.crt/.key
@@ -104,7 +108,8 @@ class Mesh:
             argv += ["--tls-cert", str(self.certificates / f"{service}.crt"),
                      "--tls-key", str(self.certificates / f"{service}.key"),
                      "--tls-ca", str(self.certificates / "ca.crt")]
-        child = Child(name, service, self._spawn(service, argv, ready, env), ready, argv, host, env)
+        child = Child(name, service, self._spawn(service, argv, ready, env), ready, argv, host, env,
+                      backoff=self.restart_backoff)
         self.children.append(child)
         return child
 
@@ -138,11 +143,12 @@ class Mesh:
         """Wait for `child` to write its ready file and answer health checks (it writes the file
         before it loads anything); then read the addresses it bound. ChildDied as soon as it
         exits meanwhile."""
-        while not child.ready_file.exists():
+        ready = ReadyFiles(child.ready_file)
+        while (address := ready.read()) is None:
             child.check_alive()
             await asyncio.sleep(0.1)
-        child.address = child.ready_file.read_text()
-        child.health_address = _answer(child.ready_file, ".health")
+        child.address = address
+        child.health_address = ready.read(Announcement.HEALTH) or ""
         remaining = max(1.0, deadline - time.monotonic())
         if child.health_address:
             healthy = asyncio.ensure_future(wait_until_serving(child.health_address, remaining, secure=False))
@@ -156,8 +162,8 @@ class Mesh:
         finally:
             healthy.cancel()
         child.serving_since = time.monotonic()
-        child.metrics_address = _answer(child.ready_file, ".metrics")
-        child.http_address = _answer(child.ready_file, ".http")
+        child.metrics_address = ready.read(Announcement.METRICS) or ""
+        child.http_address = ready.read(Announcement.HTTP) or ""
 
     async def supervise(self, on_change: Callable[[], None]) -> None:
         """Until a stop request: restart each child that dies (or, with --fail-fast, raise
@@ -190,8 +196,7 @@ class Mesh:
               f"restarting it in {delay:.1f} s (restart {child.restarts + 1})", file=sys.stderr, flush=True)
         try:
             await asyncio.sleep(delay)
-            for answer in child.ready_file.parent.glob(child.ready_file.name + "*"):
-                answer.unlink(missing_ok=True)
+            ReadyFiles(child.ready_file).clear()
             child.serving_since = None
             child.process = self._spawn(child.service, child.restart_argv(), child.ready_file, child.env)
             child.restarts += 1
@@ -305,12 +310,12 @@ async def _run(mesh: Mesh) -> int:
           flush=True)
     def describe() -> None:
         if args.ready_file:
-            write_atomically(description_path(args.ready_file), _describe(mesh, frontend).to_json())
+            ReadyFiles(args.ready_file).write(Announcement.MESH_DESCRIPTION, _describe(mesh, frontend).to_json())
 
     # The description first: whoever sees the ready file finds the description complete.
     describe()
     if args.ready_file:
-        write_atomically(Path(args.ready_file), frontend.address)
+        ReadyFiles(args.ready_file).write(Announcement.ADDRESS, frontend.address)
     await mesh.supervise(on_change=describe)  # until a signal (or, with --fail-fast, a dead child)
     return 0
 
@@ -341,12 +346,6 @@ def _start_worker_group(mesh: Mesh, name: str, argv: list[str], group: int = 0) 
     return ranks
 
 
-def _answer(ready_file: Path, suffix: str) -> str:
-    """What a child wrote beside its ready file (another address it bound); "" if nothing."""
-    answer = Path(str(ready_file) + suffix)
-    return answer.read_text() if answer.exists() else ""
-
-
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind((INTERNAL_HOST, 0))
@@ -371,9 +370,8 @@ def serve_mesh(args: argparse.Namespace) -> int:
         if getattr(args, flag) < 1:
             print(f"vmesh: --{flag.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 2
-    answers = [Path(args.ready_file), description_path(args.ready_file)] if args.ready_file else []
-    for stale in answers:  # a previous run's answer must not read as this run's
-        stale.unlink(missing_ok=True)
+    if args.ready_file:  # a previous run's answer must not read as this run's
+        ReadyFiles(args.ready_file).clear()
     with tempfile.TemporaryDirectory(prefix="vmesh-") as tmp:
         mesh = Mesh(args, Path(tmp))
 
@@ -394,5 +392,5 @@ def serve_mesh(args: argparse.Namespace) -> int:
             return 1
         finally:
             mesh.stop()
-            for answer in answers:
-                answer.unlink(missing_ok=True)
+            if args.ready_file:
+                ReadyFiles(args.ready_file).clear()

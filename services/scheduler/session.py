@@ -18,7 +18,9 @@ from vmesh.services.common import telemetry, wire
 from vmesh.services.common.finish_reason import FinishReason
 from vmesh.services.common.metrics import SchedulerMetrics
 from vmesh.services.common.request_checks import ModelLimits
-from vmesh.services.common.runtime.discovery import AddressBook, watch
+from vmesh.services.common.runtime.discovery import AddressBook
+from vmesh.services.common.runtime.retry import Backoff
+from vmesh.services.common.runtime.tasks import TaskGroup, wait_until
 from vmesh.services.common.step_types import StepPlan
 from vmesh.services.scheduler.detokenizer_router import DetokenizerRouter, OpenStream, Route, open_stream
 from vmesh.services.scheduler.lifetimes import Lifetimes
@@ -26,7 +28,7 @@ from vmesh.services.scheduler.pipeline import StepPipeline
 from vmesh.services.scheduler.scheduler import RequestUpdate, Scheduler
 from vmesh.services.scheduler.settings import SchedulerServiceSettings
 from vmesh.services.scheduler.worker_ranks import (
-    WORKER_RETRY_S,
+    WORKER_RETRY,
     OpenWorker,
     WorkerRanks,
     describe,
@@ -48,9 +50,9 @@ MAX_WORKER_LOSSES = 3
 
 class SchedulerSession:
     def __init__(self, settings: SchedulerServiceSettings, open_detokenizer_stream: OpenStream = open_stream,
-                 open_worker_rank: OpenWorker = open_worker, worker_retry_s: float = WORKER_RETRY_S):
+                 open_worker_rank: OpenWorker = open_worker, worker_retry: Backoff = WORKER_RETRY):
         self.settings = settings
-        self.workers = WorkerRanks(settings.worker_addresses, open_worker_rank, worker_retry_s)
+        self.workers = WorkerRanks(settings.worker_addresses, open_worker_rank, worker_retry)
         self.info: worker_pb2.GetWorkerInfoResponse | None = None  # rank 0's, once the workers answered
         self.limits: ModelLimits | None = None  # the workers' model, known once they answered
         self.scheduler: Scheduler | None = None  # the core, which exists once the workers answered
@@ -71,7 +73,7 @@ class SchedulerSession:
         self.worker_failovers = 0  # times a lost worker's requests were recomputed on its replacement
         self.wake = asyncio.Event()  # set when there may be a plan to make
         self.engine_loop: asyncio.Task | None = None
-        self._tasks: list[asyncio.Task] = []
+        self._tasks = TaskGroup()
 
     # --- start-up and shut-down --------------------------------------------------------------
 
@@ -89,22 +91,19 @@ class SchedulerSession:
     async def start(self) -> None:
         """Connect the detokenizer replicas (and follow their address book); start the engine loop."""
         await self.router.connect(self.detokenizers.addresses)
-        self._tasks.append(asyncio.create_task(watch(self.detokenizers, self.settings.replica_refresh_interval_s,
-                                                     self.router.replicas.update)))
-        self.engine_loop = asyncio.create_task(self._run_engine())
-        self._tasks.append(self.engine_loop)
+        self._tasks.spawn(self.router.replicas.follow(self.detokenizers, self.settings.replica_refresh_interval_s))
+        self.engine_loop = self._tasks.spawn(self._run_engine())
         logger.info("connected to %d worker rank(s) (%d KV blocks of %d) and %d detokenizer(s)",
                     len(self.workers.calls), self.core().pool.num_blocks, self.core().pool.block_size,
                     len(self.router.replicas))
 
     async def drain(self) -> None:
         self.accepting = False
-        while self.scheduler is not None and self.scheduler.has_unfinished() and not self.failure:
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: self.scheduler is None or not self.scheduler.has_unfinished()
+                         or bool(self.failure))
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
+        self._tasks.cancel()
         self.router.close()
         await self.workers.close()
 
@@ -238,8 +237,8 @@ class SchedulerSession:
             logger.error("%s", reason)
             self.on_fatal(reason)
             return False
-        if time.monotonic() - lost_at < self.workers.retry_s:  # lost and back at once: no hot loop
-            await asyncio.sleep(self.workers.retry_s)
+        if time.monotonic() - lost_at < self.workers.retry.delay():  # lost and back at once: no hot loop
+            await self.workers.retry.sleep()
         logger.warning("worker back after %.1f s; recomputing %d request(s)", time.monotonic() - lost_at,
                        len(self.core().requests))
         self.failure = None
@@ -282,7 +281,7 @@ class SchedulerSession:
                              self.settings.worker_recovery_timeout_s, len(self.router.routes))
                 await self._fail_all("the worker serving this request became unavailable")
             try:
-                return await self.workers.open(timeout=remaining if remaining > 0 else self.workers.retry_s)
+                return await self.workers.open(timeout=remaining if remaining > 0 else self.workers.retry.delay())
             except Exception as exc:
                 logger.info("worker not reachable yet (%s)", detail(exc))
-                await asyncio.sleep(self.workers.retry_s)  # an attempt that failed at once is not repeated at once
+                await self.workers.retry.sleep()  # an attempt that failed at once is not repeated at once

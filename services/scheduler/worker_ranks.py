@@ -4,7 +4,6 @@ compute one step together)."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -14,11 +13,12 @@ import grpc
 
 from vmesh.services.common import wire
 from vmesh.services.common.grpc_server import channel
+from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.common.step_types import NewRequest, StepPlan
 from vmesh.services.scheduler.scheduler import Scheduler, WorkerGeometry
 from vmesh.v1 import worker_pb2, worker_pb2_grpc
 
-WORKER_RETRY_S = 1.0  # between attempts to reach a worker that does not answer (yet)
+WORKER_RETRY = Backoff(1.0)  # between attempts to reach a worker that does not answer (yet)
 
 
 class WorkerStub(Protocol):
@@ -56,9 +56,9 @@ class PlanTraffic:
 
 class WorkerRanks:
     def __init__(self, addresses: list[str], open_rank: OpenWorker = open_worker,
-                 retry_s: float = WORKER_RETRY_S):
+                 retry: Backoff = WORKER_RETRY):
         self.addresses = addresses
-        self.retry_s = retry_s
+        self.retry = retry
         self._open_rank = open_rank
         self.stubs: list[WorkerStub] = []  # dialled at the first `open`, on the event loop
         self._channels: list[grpc.aio.Channel] = []
@@ -93,9 +93,9 @@ class WorkerRanks:
                 return await stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), wait_for_ready=True,
                                                 timeout=max(0.1, deadline - time.monotonic()))
             except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + self.retry_s > deadline:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + self.retry.delay() > deadline:
                     raise
-                await asyncio.sleep(self.retry_s)
+                await self.retry.sleep()
 
     async def send(self, plan: StepPlan, message: worker_pb2.ExecuteRequest) -> None:
         """`plan`, as `message`, to every rank."""

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from vmesh.services import launcher
+from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.launcher import ChildDied, Mesh, StopRequested
 
 
@@ -23,8 +24,9 @@ def sleeper(*_: object) -> subprocess.Popen:
 class Supervised(Mesh):
     """Children are sleeping processes; serving is immediate; spawns are recorded."""
 
-    def __init__(self, tmp_path: Path, fail_fast: bool = False):
-        super().__init__(argparse.Namespace(log_level="INFO", metrics=True, fail_fast=fail_fast), tmp_path)
+    def __init__(self, tmp_path: Path, fail_fast: bool = False, restart_backoff: Backoff = launcher.RESTART_BACKOFF):
+        super().__init__(argparse.Namespace(log_level="INFO", metrics=True, fail_fast=fail_fast), tmp_path,
+                         restart_backoff)
         self.spawned: list[list[str]] = []
 
     def _spawn(self, service, argv, ready, env):
@@ -36,7 +38,6 @@ class Supervised(Mesh):
 
 
 def test_a_dead_service_is_restarted_on_its_ports_with_growing_backoff(tmp_path, monkeypatch):
-    monkeypatch.setattr(launcher, "RESTART_BACKOFF_S", 0.01)
     monkeypatch.setattr(launcher, "SUPERVISE_INTERVAL_S", 0.01)
 
     async def main(mesh: Supervised) -> list[float]:
@@ -59,7 +60,7 @@ def test_a_dead_service_is_restarted_on_its_ports_with_growing_backoff(tmp_path,
         assert len(changes) == 3
         return delays
 
-    mesh = Supervised(tmp_path)
+    mesh = Supervised(tmp_path, restart_backoff=Backoff(0.01, factor=2.0))
     try:
         delays = asyncio.run(main(mesh))
     finally:

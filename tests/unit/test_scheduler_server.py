@@ -17,7 +17,7 @@ from vmesh.services.common.step_types import StepResult
 from vmesh.services.scheduler.server import SchedulerServicer
 from vmesh.services.scheduler.session import SchedulerSession
 from vmesh.services.scheduler.settings import SchedulerServiceSettings
-from vmesh.services.scheduler.worker_ranks import WORKER_RETRY_S
+from vmesh.services.scheduler.worker_ranks import WORKER_RETRY
 from vmesh.v1 import common_pb2, detokenizer_pb2, scheduler_pb2, worker_pb2
 
 
@@ -56,7 +56,7 @@ class FakeWorker:
 class Servicer(SchedulerServicer):
     """Over a session whose worker rank is `worker` and whose replica streams are fakes."""
 
-    def __init__(self, addresses: list[str], worker: FakeWorker | None = None, worker_retry_s: float = WORKER_RETRY_S,
+    def __init__(self, addresses: list[str], worker: FakeWorker | None = None, worker_retry: Backoff = WORKER_RETRY,
                  worker_recovery_timeout_s: float = 60.0):
         self.worker = worker or FakeWorker()
         self.streams: dict[str, list[FakeStream]] = {}
@@ -64,7 +64,7 @@ class Servicer(SchedulerServicer):
                                             worker_recovery_timeout_s=worker_recovery_timeout_s)
         super().__init__(SchedulerSession(settings, open_detokenizer_stream=self._open_stream,
                                           open_worker_rank=lambda address: (self.worker, FakeChannel()),
-                                          worker_retry_s=worker_retry_s))
+                                          worker_retry=worker_retry))
 
     def _open_stream(self, address: str):
         stream = FakeStream()
@@ -278,7 +278,7 @@ def errors_sent(servicer: Servicer) -> list:
 def test_a_lost_worker_that_comes_back_gets_every_request_again():
     async def main() -> None:
         worker = FakeWorker()
-        async with with_worker(worker, worker_retry_s=0.01) as servicer:
+        async with with_worker(worker, worker_retry=Backoff(0.01)) as servicer:
             serving: list[bool] = []
             servicer.session.on_serving = serving.append
             await servicer.submit(0)
@@ -313,7 +313,7 @@ def test_a_lost_worker_that_comes_back_gets_every_request_again():
 def test_a_worker_gone_past_the_recovery_timeout_fails_its_requests_until_it_returns():
     async def main() -> None:
         worker = FakeWorker()
-        async with with_worker(worker, worker_retry_s=0.01, worker_recovery_timeout_s=0.1) as servicer:
+        async with with_worker(worker, worker_retry=Backoff(0.01), worker_recovery_timeout_s=0.1) as servicer:
             await servicer.submit(0)
             worker.down = True
             await fail_stream(worker)
@@ -351,7 +351,7 @@ def test_a_worker_that_refuses_a_plan_or_is_taken_over_is_not_retried(code):
 def test_a_request_the_worker_keeps_dying_on_is_failed_not_recomputed_forever():
     async def main() -> None:
         worker = FakeWorker()
-        async with with_worker(worker, worker_retry_s=0.001) as servicer:
+        async with with_worker(worker, worker_retry=Backoff(0.001)) as servicer:
             await servicer.submit(0)
             for attempt in range(3):  # each new session gets the request, and the worker dies on it
                 await fail_stream(worker, attempt)
@@ -367,7 +367,7 @@ def test_a_request_the_worker_keeps_dying_on_is_failed_not_recomputed_forever():
 def test_a_worker_that_comes_back_different_makes_the_scheduler_restart():
     async def main() -> None:
         worker = FakeWorker()
-        async with with_worker(worker, worker_retry_s=0.001) as servicer:
+        async with with_worker(worker, worker_retry=Backoff(0.001)) as servicer:
             fatal: list[str] = []
             servicer.session.on_fatal = fatal.append
             original = worker.GetWorkerInfo
