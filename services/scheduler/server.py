@@ -21,11 +21,11 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 
 from vmesh.services.common import telemetry, wire
+from vmesh.services.common.admission import InvalidRequest, ModelLimits, admit
 from vmesh.services.common.discovery import DEFAULT_REFRESH_INTERVAL_S, AddressBook, watch
 from vmesh.services.common.finish_reason import FinishReason
 from vmesh.services.common.grpc_server import ServiceShell, channel
 from vmesh.services.common.metrics import Gauges, SchedulerMetrics
-from vmesh.services.common.request_checks import ModelLimits, check_prompt, check_resumed, decode_sampling
 from vmesh.services.common.step_types import NewRequest, StepPlan
 from vmesh.services.scheduler.block_pool import BlockPool
 from vmesh.services.scheduler.detokenizer_router import DetokenizerRouter, OpenStream, Route, open_stream
@@ -179,15 +179,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         try:
             # Checked here too, whoever sent it: a request the worker cannot serve would fail
             # the whole step, and with it every other request in the batch.
-            check_prompt(request.prompt_token_ids, self.limits)
-            sampling = decode_sampling(request.sampling, len(request.prompt_token_ids), self.limits)
-            check_resumed(request.resumed_output_token_ids, sampling, self.limits)
+            sampling = wire.sampling_from_proto(request.sampling)
+            admit(request.prompt_token_ids, sampling, self.limits, request.resumed_output_token_ids)
             self.scheduler.add_request(Request(key, list(request.prompt_token_ids), sampling,
                                                priority=request.priority,
                                                output_token_ids=list(request.resumed_output_token_ids)))
         except QueueFullError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except ValueError as exc:
+        except InvalidRequest as exc:  # only the request's fault: any other error is the scheduler's
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         replica = min(replicas, key=lambda r: r.outstanding)
         life = self.lifetimes[key] = _Lifetime(len(request.prompt_token_ids), submitted_at=time.monotonic())

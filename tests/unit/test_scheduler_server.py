@@ -9,7 +9,7 @@ import pytest
 
 from tests.support.grpc_fakes import Aborted, FakeChannel, FakeContext, FakeStream, rpc_error
 from vmesh.services.common import wire
-from vmesh.services.common.request_checks import MAX_STOP_TOKEN_IDS, ModelLimits
+from vmesh.services.common.admission import MAX_STOP_TOKEN_IDS, ModelLimits
 from vmesh.services.common.step_types import StepResult
 from vmesh.services.scheduler import detokenizer_router
 from vmesh.services.scheduler.block_pool import BlockPool
