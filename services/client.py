@@ -14,6 +14,8 @@ from typing import Any
 import grpc
 
 from vmesh.services.common.grpc_server import CHANNEL_OPTIONS
+from vmesh.services.common.output_accumulator import OutputAccumulator
+from vmesh.services.common.sampling_params import OutputMode
 from vmesh.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 
 _OUTPUT_MODES = {"delta": common_pb2.OUTPUT_MODE_DELTA, "cumulative": common_pb2.OUTPUT_MODE_CUMULATIVE,
@@ -91,14 +93,15 @@ class VmeshClient:
 
     async def complete(self, **kwargs: Any) -> tuple[str, list[int], frontend_pb2.GenerateResponse]:
         """The whole text and token ids of one request, and its last response (finish reason, usage)."""
-        text, ids, last = "", list[int](), None
+        output = OutputAccumulator[frontend_pb2.GeneratedTokenLogprobs].for_mode(
+            OutputMode(kwargs.get("output_mode") or OutputMode.DELTA.value))
+        last = None
         async for out in self.generate(**kwargs):
-            text += out.text
-            ids += out.token_ids
+            output.extend(out.text, out.token_ids)
             last = out
         if last is None:
             raise RuntimeError("the stream ended without a response")
-        return text, ids, last
+        return output.text, output.token_ids, last
 
     async def tokenize(self, text: str) -> list[int]:
         reply = await self.stub.Tokenize(frontend_pb2.TokenizeRequest(text=text), metadata=self.metadata)

@@ -125,6 +125,13 @@ class ChatTokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
+def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> list[int]:
+    """A conversation's prompt token ids, ready for the assistant's reply: the one call every
+    door makes, on a ChatTokenizer or on transformers' tokenizer (same arguments, same ids)."""
+    return list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
+                                              return_dict=False))
+
+
 def load_chat_tokenizer(model_dir: Path) -> Any:
     """ChatTokenizer where the model has a tokenizer.json; otherwise transformers' tokenizer (a
     slow, sentencepiece-only checkpoint), at the price of importing torch."""

@@ -27,7 +27,7 @@ DEFAULT_MAX_TOKENS = 16
 
 def sampling_from_proto(pb: common_pb2.SamplingParams, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> SamplingParams:
     """The one translation of the proto into SamplingParams. Doors (frontend, scheduler) reach it
-    through request_checks.decode_sampling, which also checks the result."""
+    through admission.admit, which checks the result."""
     return SamplingParams(
         temperature=pb.temperature if pb.HasField("temperature") else 1.0,
         top_p=pb.top_p if pb.HasField("top_p") else 1.0,

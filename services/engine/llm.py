@@ -14,10 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from vmesh.services.common.admission import ModelLimits, admit
 from vmesh.services.common.finish_reason import FinishReason
 from vmesh.services.common.logprobs import TokenLogprobs
 from vmesh.services.common.model_loading import load_tokenizer, resolve_model_dir
-from vmesh.services.common.sampling_params import OutputMode, SamplingParams
+from vmesh.services.common.output_accumulator import OutputAccumulator
+from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.common.tokenizer import encode_chat
 from vmesh.services.detokenizer.incremental import IncrementalDetokenizer
 from vmesh.services.engine.core import EngineCore, model_thread
 from vmesh.services.scheduler.request import Request
@@ -77,6 +80,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.backend_tokenizer = tokenizer.backend_tokenizer
         self.config = config
+        # The mesh's limits for the same model: a request the mesh refuses, this door refuses too.
+        self.limits = ModelLimits(config.worker.model or "", runner.max_model_len, runner.spec.vocab_size)
         kv = runner.kv_cache
         scheduler = Scheduler.for_worker(config, WorkerGeometry(
             max_model_len=runner.max_model_len, max_num_seqs=runner.batch.max_num_reqs, num_kv_blocks=kv.num_blocks,
@@ -107,19 +112,15 @@ class LLMEngine:
     # --- requests ----------------------------------------------------------------------------
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False)
+        return encode_chat(self.tokenizer, messages)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0) -> str:
+        """Raises admission.InvalidRequest (a ValueError naming the field) for a request the
+        model cannot serve, by the rules of the mesh's doors."""
         params = params or SamplingParams()
-        params.validate()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        vocab = self.runner.spec.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        admit(token_ids, params, self.limits)
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(request_id, token_ids, params, priority=priority)
         detokenizer = IncrementalDetokenizer(self.backend_tokenizer, params, token_ids)
@@ -170,21 +171,21 @@ class LLMEngine:
         """Run every prompt to completion; outputs in prompt order."""
         params_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
-        delta_mode = {i: sp.output_mode is OutputMode.DELTA for i, sp in zip(ids, params_list)}
+        outputs = {i: OutputAccumulator[TokenLogprobs].for_mode(sp.output_mode) for i, sp in zip(ids, params_list)}
         results = {i: CompletionOutput(i, "", [], None, 0, 0) for i in ids}
         while self.has_unfinished():
             for out in self.step():
                 result = results.get(out.request_id)
                 if result is None:
                     continue
-                result.text = result.text + out.text if delta_mode[out.request_id] else out.text or result.text
-                result.token_ids += out.new_token_ids
-                result.logprobs += out.logprobs
+                outputs[out.request_id].extend(out.text, out.new_token_ids, out.logprobs)
                 result.num_prompt_tokens = out.num_prompt_tokens
                 result.num_cached_prompt_tokens = out.num_cached_prompt_tokens
                 if out.finished:
                     result.finish_reason = out.finish_reason
-        # Stop strings cut text; token ids after the cut were already generated and stay listed.
+        for i, output in outputs.items():
+            # Stop strings cut text; token ids after the cut were already generated and stay listed.
+            results[i].text, results[i].token_ids, results[i].logprobs = output.text, output.token_ids, output.logprobs
         return [results[i] for i in ids]
 
     async def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,

@@ -11,7 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vmesh.services.frontend import openai_protocol as oai
 from vmesh.services.frontend import requests
-from vmesh.services.frontend.requests import RequestError
+from vmesh.services.frontend.errors import RequestError
 
 if TYPE_CHECKING:
     from vmesh.services.frontend.server import FrontendServicer

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vmesh.services.frontend import openai_protocol as oai
 from vmesh.services.frontend import openai_responses as render
 from vmesh.services.frontend import requests
+from vmesh.services.frontend.errors import RequestError
 from vmesh.services.frontend.fanout import ClientGone, Fanout, FanoutStreamingResponse, until_disconnect
 from vmesh.services.frontend.http_middleware import (
     ApiKeyMiddleware,
@@ -31,7 +32,6 @@ from vmesh.services.frontend.http_middleware import (
     error_response,
     request_error_response,
 )
-from vmesh.services.frontend.requests import RequestError
 from vmesh.v1 import frontend_pb2
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """OpenAI's request bodies as pydantic models, their translation into the GenerateRequests the
-gRPC API takes (so that one validation, validate_generate, judges both APIs), and the error
-bodies for requests refused. The response bodies are openai_responses.py. Pure functions: no I/O."""
+gRPC API takes (so that one admission, services/common/admission.py, judges both APIs), and the
+error bodies for requests refused. The response bodies are openai_responses.py. Pure functions: no I/O."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from typing import Any, Literal, cast
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
-from vmesh.services.frontend.requests import Code, RequestError
+from vmesh.services.common.admission import MAX_LOGPROBS
+from vmesh.services.frontend.errors import Code, RequestError
 from vmesh.v1 import common_pb2, frontend_pb2
 
 MAX_CHOICES = 64  # n × prompts per HTTP request: each is a request in the scheduler
-# OpenAI's own caps: completions' `logprobs` at most 5, chat's `top_logprobs` at most 20. Each
-# top entry is a token to render per generated token, so the cap bounds a response's size.
+# OpenAI's own cap for completions' `logprobs` (chat's `top_logprobs` has the mesh's, 20, as
+# OpenAI's). Each top entry is a token to render per generated token: the cap bounds a response.
 MAX_COMPLETION_LOGPROBS = 5
-MAX_TOP_LOGPROBS = 20
 SEED_MASK = (1 << 64) - 1
 
 
@@ -85,7 +85,7 @@ class ChatCompletionRequest(_SamplingBody):
 
 
 def invalid(param: str, message: str) -> RequestError:
-    return RequestError(Code.INVALID_ARGUMENT, f"{param}: {message}")
+    return RequestError(Code.INVALID_ARGUMENT, f"{param}: {message}", param)
 
 
 def _refuse_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -152,7 +152,7 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int |
 def check_common(body: CompletionRequest | ChatCompletionRequest, served: str) -> None:
     if body.model is not None and body.model != served:
         raise RequestError(Code.NOT_FOUND, f"model: the model {body.model!r} does not exist "
-                                           f"(this server serves {served!r})")
+                                           f"(this server serves {served!r})", "model")
     _refuse_unsupported(body)
     if body.n < 1:
         raise invalid("n", f"must be >= 1, got {body.n}")
@@ -212,8 +212,8 @@ def chat_request(body: ChatCompletionRequest, served: str) -> frontend_pb2.Gener
         raise invalid("n", f"at most {MAX_CHOICES}")
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs", "requires logprobs: true")
-    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise invalid("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {body.top_logprobs}")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+        raise invalid("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     request = frontend_pb2.GenerateRequest(sampling=_sampling(body, max_tokens, logprobs))
@@ -264,16 +264,8 @@ def error_body(message: str, error_type: str, param: str | None = None, code: st
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def param_of(message: str) -> str | None:
-    """The field a validation message names: its text before the first ':' or ' ', without
-    the gRPC API's `sampling.` prefix (e.g. 'sampling.top_p must be ...' -> 'top_p')."""
-    head = message.split(":", 1)[0].split(" ", 1)[0]
-    if not head or not all(c.isalnum() or c in "._[]" for c in head):
-        return None
-    return head.removeprefix("sampling.")
-
-
 def param_aliases(body: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
+    """The gRPC API's field names (sampling's without their `sampling.`) as this HTTP body spells them."""
     if isinstance(body, CompletionRequest):
         return {"token_ids": "prompt", "input": "prompt"}
     aliases = {"prompt": "messages", "chat": "messages", "input": "messages"}
@@ -283,10 +275,11 @@ def param_aliases(body: CompletionRequest | ChatCompletionRequest) -> dict[str, 
 
 
 def request_error_body(exc: RequestError, aliases: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
-    """`aliases`: the gRPC API's field names as this HTTP request spelled them (token_ids -> prompt)."""
+    """`aliases`: param_aliases of the HTTP request refused (token_ids -> prompt)."""
     status, error_type = HTTP_STATUS.get(exc.code, (500, "internal_error"))
     code = {Code.UNAUTHENTICATED: "invalid_api_key", Code.NOT_FOUND: "model_not_found"}.get(exc.code)
-    param = param_of(exc.message) if status in (400, 404) else None
-    if param is not None:
+    param = None
+    if exc.field is not None:
+        param = exc.field.removeprefix("sampling.")
         param = (aliases or {}).get(param, param)
     return status, error_body(exc.message, error_type, param, code)

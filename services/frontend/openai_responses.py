@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from vmesh.services.frontend.requests import Code, RequestError
+from vmesh.services.common.output_accumulator import OutputAccumulator
+from vmesh.services.frontend.errors import Code, RequestError
 from vmesh.v1 import common_pb2, frontend_pb2
 
 # JSON has no -inf: a logprob that underflowed is sent as this, as vLLM does.
@@ -19,19 +20,14 @@ FINISH_REASONS: dict[int, str] = {common_pb2.FINISH_REASON_STOP: "stop", common_
 
 
 @dataclass
-class Choice:
-    """What one choice has received so far."""
+class Choice(OutputAccumulator[frontend_pb2.GeneratedTokenLogprobs]):
+    """What one choice has received so far (the HTTP API asks for delta outputs)."""
 
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[frontend_pb2.GeneratedTokenLogprobs] = field(default_factory=list)
     finish_reason: int = 0
     usage: frontend_pb2.Usage | None = None
 
     def add(self, out: frontend_pb2.GenerateResponse) -> None:
-        self.text += out.text
-        self.token_ids += out.token_ids
-        self.logprobs += out.logprobs
+        self.extend(out.text, out.token_ids, out.logprobs)
         self.finish_reason = out.finish_reason or self.finish_reason
         if out.HasField("usage"):
             self.usage = out.usage

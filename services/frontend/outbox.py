@@ -4,32 +4,46 @@ the previous one are merged, so a slow client never stalls the engine or grows a
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from enum import StrEnum
 
 from vmesh.services.common.logprobs import TokenLogprobs
+from vmesh.services.common.output_accumulator import OutputAccumulator
 from vmesh.v1 import common_pb2, frontend_pb2
 
 
+class LostService(StrEnum):
+    SCHEDULER = "scheduler"
+    DETOKENIZER = "detokenizer"
+
+
 @dataclass
-class PendingOutput:
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
+class PendingOutput(OutputAccumulator[TokenLogprobs]):
+    """One output, or several merged while the client read the one before (`delta_text`
+    matters only to the merged ones: the outbox's)."""
+
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     usage: frontend_pb2.Usage | None = None
     error: str = ""
-    # With an error, the service the request lost ("scheduler" or "detokenizer"; "" for any other
-    # error): it may be submitted again with what it has received (a failover).
-    lost: str = ""
+    # With an error, the service the request lost (None for any other error): it may be
+    # submitted again with what it has received (a failover).
+    lost: LostService | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED or bool(self.error)
 
+    def merge(self, later: PendingOutput) -> None:
+        self.extend(later.text, later.token_ids, later.logprobs)
+        self.finish_reason = later.finish_reason or self.finish_reason
+        self.usage = later.usage or self.usage
+        self.error = later.error or self.error
+        self.lost = later.lost or self.lost
+
 
 class Outbox:
     def __init__(self, delta_text: bool):
-        self.delta_text = delta_text  # delta mode concatenates text; other modes keep the latest
+        self.delta_text = delta_text  # the request's output mode is delta (else its texts are whole)
         self.pending: PendingOutput | None = None
         self.ready = asyncio.Event()
         self.detokenizer: str | None = None
@@ -37,28 +51,26 @@ class Outbox:
         self.closed = False  # its last output (a finish or an error) is in: later news is moot
         # What reached this outbox, hence the client: a failover resubmits the tokens and tells
         # the next replica how much of their text not to send again.
-        self.received_token_ids: list[int] = []
-        self.received_text_length = 0  # characters; in cumulative mode the latest text's length
+        self.received = OutputAccumulator[TokenLogprobs](delta_text)
+
+    @property
+    def received_token_ids(self) -> list[int]:
+        return self.received.token_ids
+
+    @property
+    def received_text_length(self) -> int:
+        """Characters; outside delta mode, the latest text's."""
+        return len(self.received.text)
 
     def put(self, out: PendingOutput) -> None:
         if self.closed:  # e.g. a scheduler lost after this request already finished
             return
         self.closed = out.finished
         if not out.error:
-            self.received_token_ids += out.token_ids
-            self.received_text_length = (self.received_text_length + len(out.text) if self.delta_text
-                                         else len(out.text))
+            self.received.extend(out.text, out.token_ids)
         if self.pending is None:
-            self.pending = out
-        else:
-            merged = self.pending
-            merged.text = merged.text + out.text if self.delta_text else out.text
-            merged.token_ids += out.token_ids
-            merged.logprobs += out.logprobs
-            merged.finish_reason = out.finish_reason or merged.finish_reason
-            merged.usage = out.usage or merged.usage
-            merged.error = out.error or merged.error
-            merged.lost = out.lost or merged.lost
+            self.pending = PendingOutput(self.delta_text)
+        self.pending.merge(out)
         self.ready.set()
 
     def reopen(self) -> None:

@@ -12,33 +12,29 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import grpc
 from opentelemetry import trace
 
 from vmesh.services.common import telemetry, wire
+from vmesh.services.common.admission import InvalidRequest, ModelLimits, admit, check_model, check_prompt_length
 from vmesh.services.common.finish_reason import finish_name
 from vmesh.services.common.logprobs import to_public
-from vmesh.services.frontend.outbox import Outbox, PendingOutput
+from vmesh.services.common.sampling_params import OutputMode, SamplingParams
+from vmesh.services.common.tokenizer import encode_chat
+from vmesh.services.frontend.errors import Code, RequestError
+from vmesh.services.frontend.outbox import LostService, Outbox, PendingOutput
 from vmesh.services.frontend.prefix_routing import prefix_hashes
 from vmesh.services.frontend.schedulers import SchedulerGroup
-from vmesh.services.frontend.validation import InvalidRequest, validate_generate
 from vmesh.v1 import common_pb2, frontend_pb2, scheduler_pb2
 
 if TYPE_CHECKING:
-    from vmesh.services.common.request_checks import ModelLimits
     from vmesh.services.frontend.server import FrontendServicer
 
 logger = logging.getLogger(__name__)
 
 SUBMIT_TIMEOUT_S = 30.0
-# Prompts are refused above this many bytes of text before they are tokenized: tokenizing is
-# the one step whose cost a client controls, and it runs on a shared thread pool.
-DEFAULT_MAX_PROMPT_BYTES = 1 << 20
-# How long a request may wait for a scheduler group and a detokenizer replica to take it (a lost
-# one restarting, say) before it fails with UNAVAILABLE.
-DEFAULT_FAILOVER_TIMEOUT_S = 60.0
 MAX_FAILOVERS = 8  # per request: a request that keeps losing its services is given up
 TARGET_POLL_S = 0.1
 TRACER = telemetry.tracer("vmesh.frontend")
@@ -47,16 +43,7 @@ _PASSED_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EX
                    grpc.StatusCode.DEADLINE_EXCEEDED}
 # Tokenizers release the GIL; two threads keep a core for everything else on a small machine.
 TOKENIZER_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
-Code = grpc.StatusCode
-
-
-class RequestError(Exception):
-    """A request the frontend refuses or cannot finish; `code` says why, as gRPC would."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
+Loaded = TypeVar("Loaded")
 
 
 def check_api_key(expected: str | None, authorization: str | None) -> None:
@@ -84,55 +71,54 @@ def _encode(tokenizer: Any, which: str | None, message: Any) -> list[int]:
     if which == "chat":
         messages = [{"role": m.role, "content": m.content} for m in message.chat.messages]
         if not messages:
-            raise InvalidRequest("chat: no messages")
+            raise InvalidRequest("chat", "no messages")
         try:
-            return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                      return_dict=False))
+            return encode_chat(tokenizer, messages)
         except Exception as exc:  # the template rejects the conversation (roles, order)
-            raise InvalidRequest(f"chat: {exc}") from exc
+            raise InvalidRequest("chat", str(exc)) from exc
     if which == "token_ids":
         return list(message.token_ids.ids)
-    raise InvalidRequest("input: one of text, chat or token_ids is required")
+    raise InvalidRequest("input", "one of text, chat or token_ids is required")
 
 
 async def encode(frontend: FrontendServicer, message: Any) -> list[int]:
     """Token ids of a GenerateRequest's or TokenizeRequest's input, tokenized on a worker
     thread so that a long prompt never stalls the streams of other requests."""
-    if frontend.tokenizer is None:
-        raise RequestError(Code.UNAVAILABLE, "the frontend is starting; try again shortly")
+    tokenizer = _loaded(frontend.tokenizer)
     which = message.WhichOneof("input")
-    size = prompt_bytes(which, message)
-    if size > frontend.max_prompt_bytes:
-        raise RequestError(Code.INVALID_ARGUMENT, f"prompt: {size} bytes of text; at most "
-                                                  f"{frontend.max_prompt_bytes} are accepted")
-    if which == "token_ids" and frontend.limits is not None:
-        n = len(message.token_ids.ids)  # checked before any copy: a message may hold millions
-        if n >= frontend.limits.max_model_len:
-            raise RequestError(Code.INVALID_ARGUMENT, f"prompt: {n} tokens; the context holds "
-                                                      f"{frontend.limits.max_model_len}, so the prompt must be shorter")
     try:
+        size = prompt_bytes(which, message)
+        if size > frontend.max_prompt_bytes:
+            raise InvalidRequest("prompt", f"{size} bytes of text; at most {frontend.max_prompt_bytes} are accepted")
         if which == "token_ids":  # nothing to tokenize
-            return _encode(frontend.tokenizer, which, message)
+            if frontend.limits is not None:  # before any copy: a message may hold millions of ids
+                check_prompt_length(len(message.token_ids.ids), frontend.limits)
+            return _encode(tokenizer, which, message)
         # Its own pool: a queue of long prompts never delays DNS look-ups or other default-pool work.
-        return await asyncio.get_running_loop().run_in_executor(TOKENIZER_POOL, _encode, frontend.tokenizer, which,
-                                                                message)
+        return await asyncio.get_running_loop().run_in_executor(TOKENIZER_POOL, _encode, tokenizer, which, message)
     except InvalidRequest as exc:
-        raise RequestError(Code.INVALID_ARGUMENT, str(exc)) from exc
+        raise RequestError.invalid(exc) from exc
+
+
+def _loaded(value: Loaded | None) -> Loaded:
+    """What the frontend loads as it starts (its tokenizer; the model's limits, once the
+    schedulers have answered): until then, requests are refused as UNAVAILABLE."""
+    if value is None:
+        raise RequestError(Code.UNAVAILABLE, "the frontend is starting; try again shortly")
+    return value
 
 
 def ready(frontend: FrontendServicer) -> None:
     """Refuse new work while the frontend starts (no tokenizer or scheduler yet) or drains."""
-    if frontend.tokenizer is None or frontend.limits is None:
-        raise RequestError(Code.UNAVAILABLE, "the frontend is starting; try again shortly")
+    _loaded(frontend.tokenizer)
+    _loaded(frontend.limits)
     if frontend.draining:
         raise RequestError(Code.UNAVAILABLE, "the frontend is draining")
 
 
 def loaded_limits(frontend: FrontendServicer) -> ModelLimits:
     """The served model's limits, once the schedulers have answered (`ready` refuses work before)."""
-    if frontend.limits is None:
-        raise RequestError(Code.UNAVAILABLE, "the frontend is starting; try again shortly")
-    return frontend.limits
+    return _loaded(frontend.limits)
 
 
 def spawn(frontend: FrontendServicer, work: Coroutine[Any, Any, None]) -> None:
@@ -186,24 +172,13 @@ async def _generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRe
     ready(frontend)
     prompt = await encode(frontend, request)
     ready(frontend)  # a drain that began while this prompt was tokenizing counted no request in flight
-    limits = loaded_limits(frontend)
-    try:
-        params = validate_generate(request, prompt, limits)
-    except InvalidRequest as exc:
-        raise RequestError(Code.INVALID_ARGUMENT, str(exc)) from exc
-    span.set_attributes({"gen_ai.request.max_tokens": params.max_tokens,
-                         "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
-                         "gen_ai.usage.input_tokens": len(prompt), "gen_ai.response.model": limits.name})
-    if params.top_k > 0:
-        span.set_attribute("gen_ai.request.top_k", params.top_k)
-    if params.seed is not None:
-        span.set_attribute("gen_ai.request.seed", params.seed)
+    params = _admit(request, prompt, loaded_limits(frontend), span)
     # The frontend key names the request inside the mesh (with this frontend's id); the client
     # sees it as the request id.
     frontend_key = next(frontend.frontend_keys)
     request_id = str(frontend_key)
     span.set_attribute("gen_ai.response.id", f"{frontend.frontend_id}/{request_id}")
-    outbox = frontend.outboxes[frontend_key] = Outbox(delta_text=params.output_mode.value == "delta")
+    outbox = frontend.outboxes[frontend_key] = Outbox(delta_text=params.output_mode is OutputMode.DELTA)
     finished = False
     frontend.in_flight += 1
     started = last_token_at = time.monotonic()
@@ -244,14 +219,14 @@ async def _generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRe
                     finish_reason=cast("common_pb2.FinishReason", out.finish_reason), usage=out.usage)
             if finished:
                 return
-            if out.error:  # its scheduler or detokenizer replica was lost: continue elsewhere
+            if out.lost:  # its scheduler or detokenizer replica was lost: continue elsewhere
                 failovers += 1
                 logger.warning("request %s: %s; failing over with %d output token(s)", request_id, out.error,
                                len(outbox.received_token_ids))
-                span.add_event("vmesh.failover", {"vmesh.failover.kind": out.lost,
+                span.add_event("vmesh.failover", {"vmesh.failover.kind": out.lost.value,
                                                   "vmesh.resumed_output_tokens": len(outbox.received_token_ids)})
                 if metrics:
-                    metrics.failover(out.lost)
+                    metrics.failover(out.lost.value)
                 # Aborted there even when its scheduler looks gone: it may be alive behind a broken link.
                 _let_go(frontend, outbox, submission.frontend_key, group)
                 group = None
@@ -268,6 +243,27 @@ async def _generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRe
             group = None
         # Unfinished (the client went away, its deadline passed, or it failed): abort it everywhere.
         _let_go(frontend, outbox, submission.frontend_key, group)
+
+
+def _admit(request: frontend_pb2.GenerateRequest, prompt: list[int], limits: ModelLimits,
+           span: trace.Span) -> SamplingParams:
+    """The request's sampling params with defaults filled (max_tokens: the context's room), once
+    the model can serve it: the form the frontend forwards, every field set, so that every
+    later door decodes the same settings."""
+    try:
+        check_model(request.model, limits)
+        params = wire.sampling_from_proto(request.sampling, default_max_tokens=limits.max_model_len - len(prompt))
+        admit(prompt, params, limits)
+    except InvalidRequest as exc:
+        raise RequestError.invalid(exc) from exc
+    span.set_attributes({"gen_ai.request.max_tokens": params.max_tokens,
+                         "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
+                         "gen_ai.usage.input_tokens": len(prompt), "gen_ai.response.model": limits.name})
+    if params.top_k > 0:
+        span.set_attribute("gen_ai.request.top_k", params.top_k)
+    if params.seed is not None:
+        span.set_attribute("gen_ai.request.seed", params.seed)
+    return params
 
 
 def _let_go(frontend: FrontendServicer, outbox: Outbox, frontend_key: int, group: SchedulerGroup | None) -> None:
@@ -304,7 +300,7 @@ async def _submit_when_possible(frontend: FrontendServicer, submission: schedule
                 outbox.detokenizer = reply.detokenizer
                 if reply.detokenizer not in frontend.subscribed:  # lost while the scheduler chose it
                     outbox.put(PendingOutput(error="the detokenizer serving this request became unavailable",
-                                             lost="detokenizer"))
+                                         lost=LostService.DETOKENIZER))
                 return group
         elif time.monotonic() > deadline:
             what = "detokenizer replica is reachable" if not listening else "scheduler is available"
@@ -372,13 +368,7 @@ async def abort(frontend: FrontendServicer, group: SchedulerGroup, frontend_key:
         frontend.schedulers.release(group)
 
 
-async def tokenize(frontend: FrontendServicer, request: frontend_pb2.TokenizeRequest) -> list[int]:
-    return await encode(frontend, request)
-
-
 def model_info(frontend: FrontendServicer) -> frontend_pb2.GetModelInfoResponse:
-    if frontend.limits is None:
-        raise RequestError(Code.UNAVAILABLE, "the frontend is starting; try again shortly")
-    limits = frontend.limits
+    limits = loaded_limits(frontend)
     return frontend_pb2.GetModelInfoResponse(model=limits.name, max_model_len=limits.max_model_len,
                                              vocab_size=limits.vocab_size)

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from vmesh.services.common.admission import ModelLimits
 from vmesh.services.common.grpc_server import ServiceShell, channel
 from vmesh.services.common.logprobs import unpack_logprobs
 from vmesh.services.common.metrics import FrontendMetrics
@@ -22,10 +23,10 @@ from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.common.runtime.stream import KeptStream
 from vmesh.services.common.runtime.tasks import TaskGroup, wait_until
 from vmesh.services.frontend import requests
-from vmesh.services.frontend.outbox import Outbox, PendingOutput
-from vmesh.services.frontend.requests import RequestError
+from vmesh.services.frontend.errors import RequestError
+from vmesh.services.frontend.outbox import LostService, Outbox, PendingOutput
 from vmesh.services.frontend.schedulers import SchedulerPool
-from vmesh.services.frontend.validation import ModelLimits
+from vmesh.services.frontend.settings import DEFAULT_FAILOVER_TIMEOUT_S, DEFAULT_MAX_PROMPT_BYTES
 from vmesh.v1 import detokenizer_pb2, detokenizer_pb2_grpc, frontend_pb2, frontend_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -43,8 +44,8 @@ class Subscription(Peer):
 class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
     def __init__(self, tokenizer, scheduler_specs: list[str], detokenizer_specs: list[str],
                  replica_refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S, api_key: str | None = None,
-                 max_prompt_bytes: int = requests.DEFAULT_MAX_PROMPT_BYTES, model_name: str | None = None,
-                 failover_timeout_s: float = requests.DEFAULT_FAILOVER_TIMEOUT_S, routing: str = "prefix",
+                 max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES, model_name: str | None = None,
+                 failover_timeout_s: float = DEFAULT_FAILOVER_TIMEOUT_S, routing: str = "prefix",
                  resubscribe: Backoff = RESUBSCRIBE):
         """Specs: host:port or dns:///name:port entries, re-resolved periodically. Several
         schedulers are several worker groups (data parallelism). `api_key`: required of
@@ -155,8 +156,9 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
                 continue
             error = batch.errors[i] if batch.errors else ""
             if error:  # it ends the request (or its path, for a failover): no finish reason, no usage
+                resumable = bool(batch.resumable) and batch.resumable[i]
                 outbox.put(PendingOutput(text=batch.texts[i], token_ids=token_ids, logprobs=logprobs, error=error,
-                                         lost="scheduler" if batch.resumable and batch.resumable[i] else ""))
+                                         lost=LostService.SCHEDULER if resumable else None))
                 continue
             out = PendingOutput(text=batch.texts[i], token_ids=token_ids, logprobs=logprobs,
                                 finish_reason=batch.finish_reasons[i])
@@ -171,13 +173,14 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
         have heard of them, so nothing else would move them)."""
         for outbox in self.outboxes.values():
             if outbox.group is group:
-                outbox.put(PendingOutput(error="the scheduler serving this request went away", lost="scheduler"))
+                outbox.put(PendingOutput(error="the scheduler serving this request went away",
+                                         lost=LostService.SCHEDULER))
 
     def _fail_replica(self, address: str, message: str) -> None:
         """The replica's requests fail over to another one (or to it, restarted)."""
         for outbox in self.outboxes.values():
             if outbox.detokenizer == address:
-                outbox.put(PendingOutput(error=message, lost="detokenizer"))
+                outbox.put(PendingOutput(error=message, lost=LostService.DETOKENIZER))
 
     # --- RPCs: the gRPC shell over the shared request path (requests.py) --------------------
 
@@ -201,7 +204,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
     async def Tokenize(self, request, context):
         await self._authorize(context)
         try:
-            return frontend_pb2.TokenizeResponse(token_ids=await requests.tokenize(self, request))
+            return frontend_pb2.TokenizeResponse(token_ids=await requests.encode(self, request))
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
 
@@ -225,8 +228,8 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
 async def serve(load_tokenizer, scheduler_specs: list[str], detokenizer_specs: list[str], host: str, port: int,
                 ready_file: str | None, metrics_port: int | None = None,
                 replica_refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S, http_port: int | None = None,
-                api_key: str | None = None, max_prompt_bytes: int = requests.DEFAULT_MAX_PROMPT_BYTES,
-                model_name: str | None = None, failover_timeout_s: float = requests.DEFAULT_FAILOVER_TIMEOUT_S,
+                api_key: str | None = None, max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
+                model_name: str | None = None, failover_timeout_s: float = DEFAULT_FAILOVER_TIMEOUT_S,
                 routing: str = "prefix") -> None:
     """`http_port`: also serve the OpenAI-compatible HTTP API there (0: any free port; None: off),
     on this event loop, over the same request path; its address goes to `<ready_file>.http`."""

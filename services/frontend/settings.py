@@ -6,7 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vmesh.services.common.config_flags import setting
-from vmesh.services.frontend.requests import DEFAULT_FAILOVER_TIMEOUT_S, DEFAULT_MAX_PROMPT_BYTES
+
+# Prompts are refused above this many bytes of text before they are tokenized: tokenizing is
+# the one step whose cost a client controls, and it runs on a shared thread pool.
+DEFAULT_MAX_PROMPT_BYTES = 1 << 20
+# How long a request may wait for a scheduler group and a detokenizer replica to take it (a lost
+# one restarting, say) before it fails with UNAVAILABLE.
+DEFAULT_FAILOVER_TIMEOUT_S = 60.0
 
 HTTP_PORT_HELP = "serve the OpenAI-compatible HTTP API on --host at this port (0: any free port)"
 

@@ -16,9 +16,9 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 
 from vmesh.services.common import telemetry, wire
+from vmesh.services.common.admission import InvalidRequest, admit
 from vmesh.services.common.grpc_server import ServiceShell
 from vmesh.services.common.metrics import Gauges, SchedulerMetrics
-from vmesh.services.common.request_checks import check_prompt, check_resumed, decode_sampling
 from vmesh.services.common.sampling_params import SamplingParams
 from vmesh.services.scheduler.request import Request
 from vmesh.services.scheduler.scheduler import QueueFullError
@@ -63,7 +63,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             sampling = self._admit(key, request)
         except QueueFullError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except ValueError as exc:
+        except InvalidRequest as exc:  # only the request's fault: any other error is the scheduler's
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         replica = min(replicas, key=lambda r: r.outstanding)
         life = session.lifetimes.begin(key, len(request.prompt_token_ids), telemetry.from_proto(request.trace_context),
@@ -77,10 +77,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     def _admit(self, key: str, request: scheduler_pb2.SubmitRequestRequest) -> SamplingParams:
         """Queue the request in the core. Checked here too, whoever sent it: a request the worker
         cannot serve would fail the whole step, and with it every other request in the batch."""
-        limits = self.session.model_limits()
-        check_prompt(request.prompt_token_ids, limits)
-        sampling = decode_sampling(request.sampling, len(request.prompt_token_ids), limits)
-        check_resumed(request.resumed_output_token_ids, sampling, limits)
+        sampling = wire.sampling_from_proto(request.sampling)
+        admit(request.prompt_token_ids, sampling, self.session.model_limits(), request.resumed_output_token_ids)
         self.session.core().add_request(Request(key, list(request.prompt_token_ids), sampling,
                                                 priority=request.priority,
                                                 output_token_ids=list(request.resumed_output_token_ids)))

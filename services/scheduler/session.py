@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 
 from vmesh.services.common import telemetry, wire
+from vmesh.services.common.admission import ModelLimits
 from vmesh.services.common.finish_reason import FinishReason
 from vmesh.services.common.metrics import SchedulerMetrics
-from vmesh.services.common.request_checks import ModelLimits
 from vmesh.services.common.runtime.discovery import AddressBook
 from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.common.runtime.tasks import TaskGroup, wait_until

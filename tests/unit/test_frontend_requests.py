@@ -9,13 +9,13 @@ import httpx
 import pytest
 
 from tests.support.grpc_fakes import Aborted, FakeChannel, FakeContext, listening
+from vmesh.services.common.admission import InvalidRequest, ModelLimits
 from vmesh.services.frontend import openai_protocol as oai
 from vmesh.services.frontend import requests
+from vmesh.services.frontend.errors import RequestError
 from vmesh.services.frontend.http_server import build_app
-from vmesh.services.frontend.requests import RequestError
 from vmesh.services.frontend.schedulers import SchedulerPool
 from vmesh.services.frontend.server import FrontendServicer
-from vmesh.services.frontend.validation import ModelLimits
 from vmesh.v1 import common_pb2, frontend_pb2, scheduler_pb2
 
 
@@ -75,7 +75,7 @@ def test_prompts_over_the_byte_limit_are_refused_before_tokenizing():
             asyncio.run(drain(requests.generate(f, request)))
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in err.value.message
     with pytest.raises(RequestError):
-        asyncio.run(requests.tokenize(f, frontend_pb2.TokenizeRequest(text="x" * 9)))
+        asyncio.run(requests.encode(f, frontend_pb2.TokenizeRequest(text="x" * 9)))
 
 
 def test_api_key():
@@ -184,8 +184,10 @@ def test_unknown_model_is_404_and_errors_map_to_http_statuses():
     for code, status in [(grpc.StatusCode.INVALID_ARGUMENT, 400), (grpc.StatusCode.UNAUTHENTICATED, 401),
                          (grpc.StatusCode.RESOURCE_EXHAUSTED, 429), (grpc.StatusCode.UNAVAILABLE, 503)]:
         assert oai.request_error_body(RequestError(code, "x"))[0] == status
-    assert oai.param_of("sampling.top_p must be in (0, 1], got 2") == "top_p"
-    assert oai.param_of("prompt: empty") == "prompt"
+    top_p = RequestError.invalid(InvalidRequest("sampling.top_p", "must be in (0, 1], got 2"))
+    assert oai.request_error_body(top_p)[1]["error"]["param"] == "top_p"
+    empty = RequestError.invalid(InvalidRequest("prompt", "empty"))
+    assert oai.request_error_body(empty)[1]["error"]["param"] == "prompt"
 
 
 class FailoverScheduler:

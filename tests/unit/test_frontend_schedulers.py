@@ -88,7 +88,7 @@ def test_a_group_that_is_not_ready_yet_is_asked_again():
 def test_submission_fails_over_to_the_next_group_only_when_unavailable():
     import grpc
 
-    from vmesh.services.frontend.requests import RequestError
+    from vmesh.services.frontend.errors import RequestError
     from vmesh.services.frontend.requests import submit as submit_request
     from vmesh.services.frontend.server import FrontendServicer
 

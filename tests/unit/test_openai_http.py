@@ -16,11 +16,11 @@ import pytest
 from tests.support.grpc_fakes import FakeChannel, listening
 from vmesh.services.frontend import openai_protocol as oai
 from vmesh.services.frontend import openai_responses as render
+from vmesh.services.frontend.errors import RequestError
 from vmesh.services.frontend.fanout import Fanout, until_disconnect
 from vmesh.services.frontend.http_middleware import body_limit
 from vmesh.services.frontend.http_server import build_app
 from vmesh.services.frontend.outbox import PendingOutput
-from vmesh.services.frontend.requests import RequestError
 from vmesh.services.frontend.schedulers import SchedulerPool
 from vmesh.services.frontend.server import FrontendServicer
 from vmesh.v1 import common_pb2, frontend_pb2, scheduler_pb2

@@ -8,10 +8,10 @@ import grpc
 import pytest
 
 from tests.support.grpc_fakes import listening
+from vmesh.services.common.admission import ModelLimits
 from vmesh.services.frontend import requests
-from vmesh.services.frontend.requests import RequestError
+from vmesh.services.frontend.errors import RequestError
 from vmesh.services.frontend.server import FrontendServicer
-from vmesh.services.frontend.validation import ModelLimits
 from vmesh.v1 import frontend_pb2
 
 

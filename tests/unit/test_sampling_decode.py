@@ -1,16 +1,25 @@
-"""The one sampling decoder (request_checks.decode_sampling): defaults filled once at the
-frontend, and what it forwards decodes to the same settings wherever it is read again."""
+"""The one sampling decoder (wire.sampling_from_proto, then admission.admit at each door):
+defaults filled once at the frontend, and what it forwards decodes to the same settings
+wherever it is read again."""
 
 from __future__ import annotations
 
 import pytest
 
 from vmesh.services.common import wire
-from vmesh.services.common.request_checks import InvalidRequest, ModelLimits, decode_sampling
+from vmesh.services.common.admission import InvalidRequest, ModelLimits, admit
 from vmesh.services.common.sampling_params import OutputMode, SamplingParams
 from vmesh.v1 import common_pb2
 
 LIMITS = ModelLimits(name="m", max_model_len=64, vocab_size=100)
+
+
+def decode_sampling(pb: common_pb2.SamplingParams, num_prompt_tokens: int, limits: ModelLimits,
+                    default_max_tokens: int = wire.DEFAULT_MAX_TOKENS) -> SamplingParams:
+    """What a door does with a request's sampling settings: decode them, then admit the request."""
+    params = wire.sampling_from_proto(pb, default_max_tokens)
+    admit([1] * num_prompt_tokens, params, limits)
+    return params
 
 
 def test_unset_fields_take_their_documented_defaults() -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from tests.support.grpc_fakes import Aborted, FakeChannel, FakeContext, FakeStream, rpc_error
 from vmesh.services.common import wire
-from vmesh.services.common.request_checks import MAX_STOP_TOKEN_IDS
+from vmesh.services.common.admission import MAX_STOP_TOKEN_IDS
 from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.common.step_types import StepResult
 from vmesh.services.scheduler.server import SchedulerServicer
