@@ -11,7 +11,7 @@ from typing import Any
 
 from vmesh.services.bench.common import load_workload, machine
 from vmesh.services.common.grpc_server import channel
-from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.common.types import SamplingParams
 
 
 async def _detokenizer_throughput(replicas: int, prompts: list[list[int]], max_tokens: int) -> float:
@@ -21,7 +21,7 @@ async def _detokenizer_throughput(replicas: int, prompts: list[list[int]], max_t
     import sys
 
     from vmesh.services.common.grpc_server import wait_until_serving
-    from vmesh.services.common.wire import sampling_to_proto
+    from vmesh.services.common.wire.sampling import sampling_to_proto
     from vmesh.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -19,7 +19,7 @@ from vmesh.services.bench.memory import PeakPss
 from vmesh.services.bench.peers import PEER_BASELINES, PeerError, PeerProcess, default_peers_dir
 from vmesh.services.client import VmeshClient
 from vmesh.services.common.model_loading import embedded_model_file, resolve_model_dir
-from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.common.types import SamplingParams
 from vmesh.services.mesh_process import RunningMesh, start_mesh
 
 

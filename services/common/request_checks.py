@@ -7,10 +7,9 @@ step it shares with every other request."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from vmesh.services.common import wire
-from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.common.types import DEFAULT_MAX_TOKENS, MAX_LOGPROBS, ModelLimits, SamplingParams
+from vmesh.services.common.wire.sampling import sampling_from_proto
 from vmesh.v1 import common_pb2
 
 MAX_STOP_STRINGS = 16
@@ -18,14 +17,6 @@ MAX_STOP_STRING_CHARS = 256
 # Each stop id is checked against every sampled token; a request with a million of them slowed
 # its step neighbours ~14x. vLLM's largest practical lists (multi-EOS models) are a handful.
 MAX_STOP_TOKEN_IDS = 256
-MAX_LOGPROBS = 20
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    name: str
-    max_model_len: int
-    vocab_size: int
 
 
 class InvalidRequest(ValueError):
@@ -79,12 +70,12 @@ def check_sampling(params: SamplingParams, num_prompt_tokens: int, limits: Model
 
 
 def decode_sampling(pb: common_pb2.SamplingParams, num_prompt_tokens: int, limits: ModelLimits,
-                    default_max_tokens: int = wire.DEFAULT_MAX_TOKENS) -> SamplingParams:
+                    default_max_tokens: int = DEFAULT_MAX_TOKENS) -> SamplingParams:
     """A request's sampling settings as a door takes them in: decoded, defaults filled, checked.
 
     The frontend passes the context's room as `default_max_tokens` and forwards the result,
     encoded in full; the scheduler decodes that again here, whoever sent it. Raise
     InvalidRequest naming the field as `sampling.<field>`."""
-    params = wire.sampling_from_proto(pb, default_max_tokens)
+    params = sampling_from_proto(pb, default_max_tokens)
     check_sampling(params, num_prompt_tokens, limits)
     return params

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import grpc
 
-ROLES = ("frontend", "scheduler", "worker", "detokenizer", "admin")
+from vmesh.services.common.types import ROLES
+
 INTERNAL_DOMAIN = "vmesh.internal"
 
 

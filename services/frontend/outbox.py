@@ -6,8 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from vmesh.services.common.logprobs import TokenLogprobs
-from vmesh.v1 import common_pb2, frontend_pb2
+from vmesh.services.common.types import FinishReason, TokenLogprobs, Usage
 
 
 @dataclass
@@ -15,8 +14,8 @@ class PendingOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
-    usage: frontend_pb2.Usage | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
     error: str = ""
     # With an error, the service the request lost ("scheduler" or "detokenizer"; "" for any other
     # error): it may be submitted again with what it has received (a failover).
@@ -24,7 +23,7 @@ class PendingOutput:
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED or bool(self.error)
+        return self.finish_reason is not None or bool(self.error)
 
 
 class Outbox:

@@ -16,8 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from vmesh.services.common.grpc_server import channel
 from vmesh.services.common.replica_set import ReplicaSet
+from vmesh.services.common.types import ModelLimits
 from vmesh.services.frontend.prefix_routing import PrefixRouter
-from vmesh.services.frontend.validation import ModelLimits
 from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -14,14 +14,14 @@ from pathlib import Path
 
 from vmesh.services.common.discovery import DEFAULT_REFRESH_INTERVAL_S, AddressBook, watch
 from vmesh.services.common.grpc_server import ServiceShell, channel
-from vmesh.services.common.logprobs import unpack_logprobs
 from vmesh.services.common.metrics import FrontendMetrics
 from vmesh.services.common.replica_set import ReplicaSet
+from vmesh.services.common.types import ModelLimits, OutputBatch
+from vmesh.services.common.wire import outputs
 from vmesh.services.frontend import requests
 from vmesh.services.frontend.outbox import Outbox, PendingOutput
 from vmesh.services.frontend.requests import RequestError
 from vmesh.services.frontend.schedulers import SchedulerPool
-from vmesh.services.frontend.validation import ModelLimits
 from vmesh.v1 import detokenizer_pb2, detokenizer_pb2_grpc, frontend_pb2, frontend_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
                     if not ready.done():
                         ready.set_result(None)
                     async for batch in call:
-                        self._dispatch(batch)
+                        self._dispatch(outputs.from_proto(batch))
                     raise ConnectionError("subscription closed")
             except asyncio.CancelledError:
                 raise
@@ -140,30 +140,19 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
                 self._fail_replica(address, "the detokenizer serving this request became unavailable")
             await asyncio.sleep(1.0)
 
-    def _dispatch(self, batch: detokenizer_pb2.SubscribeResponse) -> None:
-        token_offset = logprob_offset = 0
-        logprob_rows = unpack_logprobs(batch.logprobs)
-        for i, frontend_key in enumerate(batch.frontend_keys):
-            n = batch.num_tokens[i]
-            token_ids = list(batch.token_ids[token_offset:token_offset + n])
-            token_offset += n
-            num_rows = batch.num_logprobs_rows[i]
-            logprobs = logprob_rows[logprob_offset:logprob_offset + num_rows]
-            logprob_offset += num_rows
-            outbox = self.outboxes.get(frontend_key)
+    def _dispatch(self, batch: OutputBatch) -> None:
+        for output in batch.outputs:
+            outbox = self.outboxes.get(output.frontend_key)
             if outbox is None:
                 continue
-            error = batch.errors[i] if batch.errors else ""
-            if error:  # it ends the request (or its path, for a failover): no finish reason, no usage
-                outbox.put(PendingOutput(text=batch.texts[i], token_ids=token_ids, logprobs=logprobs, error=error,
-                                         lost="scheduler" if batch.resumable and batch.resumable[i] else ""))
+            if output.error:  # it ends the request (or its path, for a failover): no finish reason, no usage
+                outbox.put(PendingOutput(text=output.text, token_ids=output.token_ids, logprobs=output.logprobs,
+                                         error=output.error, lost="scheduler" if output.resumable else ""))
                 continue
-            out = PendingOutput(text=batch.texts[i], token_ids=token_ids, logprobs=logprobs,
-                                finish_reason=batch.finish_reasons[i])
+            out = PendingOutput(text=output.text, token_ids=output.token_ids, logprobs=output.logprobs,
+                                finish_reason=output.finish_reason)
             if out.finished:
-                out.usage = frontend_pb2.Usage(prompt_tokens=batch.num_prompt_tokens[i],
-                                               completion_tokens=batch.num_output_tokens[i],
-                                               cached_prompt_tokens=batch.num_cached_prompt_tokens[i])
+                out.usage = output.usage
             outbox.put(out)
 
     def _scheduler_lost(self, group) -> None:

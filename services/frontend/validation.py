@@ -3,11 +3,11 @@ rules the scheduler applies too (services/common/request_checks.py)."""
 
 from __future__ import annotations
 
-from vmesh.services.common.request_checks import InvalidRequest, ModelLimits, check_prompt, decode_sampling
-from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.common.request_checks import InvalidRequest, check_prompt, decode_sampling
+from vmesh.services.common.types import ModelLimits, SamplingParams
 from vmesh.v1 import frontend_pb2
 
-__all__ = ["InvalidRequest", "ModelLimits", "validate_generate"]
+__all__ = ["InvalidRequest", "validate_generate"]
 
 
 def validate_generate(request: frontend_pb2.GenerateRequest, prompt_token_ids: list[int],

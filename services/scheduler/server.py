@@ -20,24 +20,31 @@ import grpc
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 
-from vmesh.services.common import telemetry, wire
+from vmesh.services.common import telemetry
 from vmesh.services.common.discovery import DEFAULT_REFRESH_INTERVAL_S, AddressBook, watch
-from vmesh.services.common.finish_reason import FinishReason
 from vmesh.services.common.grpc_server import ServiceShell, channel
 from vmesh.services.common.metrics import Gauges, SchedulerMetrics
-from vmesh.services.common.request_checks import ModelLimits, check_prompt, check_resumed, decode_sampling
+from vmesh.services.common.request_checks import check_prompt, check_resumed, decode_sampling
 from vmesh.services.common.step_types import NewRequest, StepPlan
+from vmesh.services.common.types import (
+    PROMPT_TAIL_TOKENS,
+    FinishReason,
+    ModelLimits,
+    RequestRef,
+    StreamStart,
+    TraceContext,
+)
+from vmesh.services.common.wire.step import plan_to_proto, result_from_proto
 from vmesh.services.scheduler.block_pool import BlockPool
 from vmesh.services.scheduler.detokenizer_router import DetokenizerRouter, OpenStream, Route, open_stream
 from vmesh.services.scheduler.pipeline import StepPipeline
 from vmesh.services.scheduler.request import Request
 from vmesh.services.scheduler.scheduler import QueueFullError, RequestUpdate, Scheduler, SchedulerConfig
 from vmesh.services.scheduler.settings import SchedulerSettings
-from vmesh.v1 import detokenizer_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-PROMPT_TAIL_TOKENS = 4  # decoding context given to the detokenizer
 WORKER_RETRY_S = 1.0  # between attempts to reach a lost worker again
 # A request the worker was computing each of these many times it was lost is failed instead of
 # computed again: it may be what kills the worker.
@@ -56,7 +63,7 @@ class MeshSchedulerConfig(SchedulerSettings):
 
 def request_key(frontend_id: str, frontend_key: int) -> str:
     """The scheduler's name for a request: unique across frontends."""
-    return f"{frontend_id}/{frontend_key}"
+    return RequestRef(frontend_id, frontend_key).key
 
 
 @dataclass
@@ -197,12 +204,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                                                   "vmesh.resumed_output_tokens":
                                                       len(request.resumed_output_token_ids)})
         life.queue_span = TRACER.start_span("scheduler.queue", context=trace.set_span_in_context(life.span))
-        self.router.open_route(key, replica, detokenizer_pb2.DetokenizerRequestInfo(
-            frontend_id=request.frontend_id, frontend_key=request.frontend_key,
-            prompt_tail=request.prompt_token_ids[-PROMPT_TAIL_TOKENS:], sampling=wire.sampling_to_proto(sampling),
-            num_prompt_tokens=len(request.prompt_token_ids),
-            trace_context=telemetry.to_proto(life.span) if telemetry.tracing_enabled() else None,
-            resumed_output_token_ids=request.resumed_output_token_ids,
+        self.router.open_route(key, replica, StreamStart(
+            RequestRef(request.frontend_id, request.frontend_key), list(request.prompt_token_ids[-PROMPT_TAIL_TOKENS:]),
+            sampling, len(request.prompt_token_ids),
+            trace_context=telemetry.trace_context(life.span) if telemetry.tracing_enabled() else TraceContext(),
+            resumed_output_token_ids=list(request.resumed_output_token_ids),
             resumed_text_length=request.resumed_text_length))
         self.wake.set()
         return scheduler_pb2.SubmitRequestResponse(detokenizer=replica.address)
@@ -277,7 +283,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             results = [await call.read() for call in self.worker_calls]
             if any(r is grpc.aio.EOF for r in results):
                 raise ConnectionError("a worker closed its stream")
-            self._route(pipeline.complete(wire.result_from_proto(results[0])))
+            self._route(pipeline.complete(result_from_proto(results[0])))
             await self.router.flush()
 
     async def _recover_worker(self) -> bool:
@@ -400,7 +406,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     def _plan_to_proto(self, plan: StepPlan) -> worker_pb2.ExecuteRequest:
         if not self.config.stateless_worker:
-            return wire.plan_to_proto(plan)
+            return plan_to_proto(plan)
         # V0 behaviour: every scheduled request travels in full, every step.
         full = StepPlan(step=plan.step, scheduled_handles=plan.scheduled_handles,
                         num_scheduled_tokens=plan.num_scheduled_tokens)
@@ -408,7 +414,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             r = self._core().by_handle[worker_handle]
             full.new_requests.append(NewRequest(worker_handle, r.all_token_ids, len(r.prompt_token_ids), r.sampling,
                                                 list(r.block_ids), r.num_computed_tokens - n))
-        return wire.plan_to_proto(full, full_state=True)
+        return plan_to_proto(full, full_state=True)
 
     # --- routing to detokenizers -------------------------------------------------------------
 

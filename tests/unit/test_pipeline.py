@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from vmesh.services.common.sampling_params import SamplingParams
 from vmesh.services.common.step_types import StepResult
+from vmesh.services.common.types import SamplingParams
 from vmesh.services.scheduler.block_pool import BlockPool
 from vmesh.services.scheduler.pipeline import StepPipeline
 from vmesh.services.scheduler.request import Request

@@ -7,10 +7,10 @@ import asyncio
 import grpc
 import pytest
 
+from vmesh.services.common.types import ModelLimits
 from vmesh.services.frontend import requests
 from vmesh.services.frontend.requests import RequestError
 from vmesh.services.frontend.server import FrontendServicer
-from vmesh.services.frontend.validation import ModelLimits
 from vmesh.v1 import frontend_pb2
 
 

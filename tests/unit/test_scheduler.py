@@ -8,8 +8,7 @@ from collections import deque
 import pytest
 
 from tests.support.stub_worker import StubWorker, next_token, reference_tokens
-from vmesh.services.common.finish_reason import FinishReason
-from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.common.types import FinishReason, SamplingParams
 from vmesh.services.scheduler.block_pool import BlockPool
 from vmesh.services.scheduler.request import Request
 from vmesh.services.scheduler.scheduler import QueueFullError, Scheduler, SchedulerConfig

@@ -8,9 +8,10 @@ import grpc
 import pytest
 
 from tests.support.grpc_fakes import Aborted, FakeChannel, FakeContext, FakeStream, rpc_error
-from vmesh.services.common import wire
-from vmesh.services.common.request_checks import MAX_STOP_TOKEN_IDS, ModelLimits
+from vmesh.services.common.request_checks import MAX_STOP_TOKEN_IDS
 from vmesh.services.common.step_types import StepResult
+from vmesh.services.common.types import ModelLimits
+from vmesh.services.common.wire.step import result_to_proto
 from vmesh.services.scheduler import detokenizer_router
 from vmesh.services.scheduler.block_pool import BlockPool
 from vmesh.services.scheduler.pipeline import StepPipeline
@@ -265,7 +266,7 @@ def test_a_lost_worker_that_comes_back_gets_every_request_again(monkeypatch):
         await settle(lambda: first.plans)
         assert first.plans[0].step == 0
         handle = first.plans[0].new_requests[0].handle
-        first.responses.put_nowait(wire.result_to_proto(StepResult(0, [handle], [42])))
+        first.responses.put_nowait(result_to_proto(StepResult(0, [handle], [42])))
         await settle(lambda: servicer.scheduler.requests["f/0"].output_token_ids == [42])
         worker.down = True  # it dies with step 1 in flight...
         first.responses.put_nowait(rpc_error(grpc.StatusCode.UNAVAILABLE, "Socket closed"))
