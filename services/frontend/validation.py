@@ -13,7 +13,7 @@ __all__ = ["InvalidRequest", "validate_generate"]
 def validate_generate(request: frontend_pb2.GenerateRequest, prompt_token_ids: list[int],
                       limits: ModelLimits) -> SamplingParams:
     """Check a GenerateRequest against the model; return its sampling params with defaults filled:
-    the form the frontend forwards (wire.sampling_to_proto), every field set, so later decodes read the same."""
+    the form the frontend forwards (sampling_to_proto), every field set, so later decodes read the same."""
     if request.model and request.model != limits.name:
         raise InvalidRequest(f"model: unknown model {request.model!r} (this server serves {limits.name!r})")
     check_prompt(prompt_token_ids, limits)
