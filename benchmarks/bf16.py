@@ -33,8 +33,8 @@ import torch
 
 from vmesh.services.bench.common import load_workload
 from vmesh.services.common.model_loading import load_model_spec, load_tokenizer, resolve_model_dir
-from vmesh.services.common.sampling_params import SamplingParams
 from vmesh.services.common.step_types import NewRequest, StepPlan
+from vmesh.services.common.types import SamplingParams
 from vmesh.services.worker.attention import AttentionMetadata
 from vmesh.services.worker.kv_cache import bytes_per_block
 from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig

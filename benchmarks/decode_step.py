@@ -15,8 +15,8 @@ import time
 import torch
 
 from vmesh.services.common.model_loading import load_model_spec, resolve_model_dir
-from vmesh.services.common.sampling_params import SamplingParams
 from vmesh.services.common.step_types import NewRequest, StepPlan
+from vmesh.services.common.types import SamplingParams
 from vmesh.services.worker.kv_cache import bytes_per_block
 from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
 

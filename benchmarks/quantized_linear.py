@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from vmesh.services.common.model_loading import cache_dir_path, load_tokenizer, resolve_model_dir
-from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.common.types import SamplingParams
 from vmesh.services.engine.llm import EngineConfig, LLMEngine
 from vmesh.services.worker.linear import Linear
 from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig

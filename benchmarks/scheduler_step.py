@@ -11,7 +11,7 @@ import time
 
 from tests.support.factories import make_scheduler
 from tests.support.stub_worker import StubWorker
-from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.common.types import SamplingParams
 from vmesh.services.scheduler.request import Request
 
 

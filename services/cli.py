@@ -26,7 +26,7 @@ from vmesh.services.cli_commands import (
 from vmesh.services.common.config_flags import BadEnvironmentValue, add_option, add_settings
 from vmesh.services.common.huge_pages import prefer_huge_pages
 from vmesh.services.common.runtime.discovery import DEFAULT_REFRESH_INTERVAL_S
-from vmesh.services.common.tls import SERVICE_ROLES
+from vmesh.services.common.types import SERVICE_ROLES
 from vmesh.services.flag_groups import SETTINGS_GROUPS
 from vmesh.services.frontend.settings import HTTP_PORT_HELP
 from vmesh.services.worker.config import PER_WORKER_PROCESS

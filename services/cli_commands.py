@@ -199,7 +199,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _generate_in_process(args: argparse.Namespace) -> int:
-    from vmesh.services.common.sampling_params import SamplingParams
+    from vmesh.services.common.types import SamplingParams
     from vmesh.services.engine.llm import LLMEngine
 
     engine = LLMEngine.from_config(engine_config(args))

@@ -15,11 +15,9 @@ import grpc
 
 from vmesh.services.common.grpc_server import CHANNEL_OPTIONS
 from vmesh.services.common.output_accumulator import OutputAccumulator
-from vmesh.services.common.sampling_params import OutputMode
+from vmesh.services.common.types import OutputMode
+from vmesh.services.common.wire.common import OUTPUT_MODES_PB
 from vmesh.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
-
-_OUTPUT_MODES = {"delta": common_pb2.OUTPUT_MODE_DELTA, "cumulative": common_pb2.OUTPUT_MODE_CUMULATIVE,
-                 "final_only": common_pb2.OUTPUT_MODE_FINAL_ONLY}
 
 
 def sampling_params(**fields: Any) -> common_pb2.SamplingParams:
@@ -28,8 +26,8 @@ def sampling_params(**fields: Any) -> common_pb2.SamplingParams:
     for name, value in fields.items():
         if value is None:
             continue
-        if name == "output_mode":
-            value = _OUTPUT_MODES[value]
+        if name == "output_mode":  # by its name: "delta", "cumulative" or "final_only"
+            value = OUTPUT_MODES_PB[OutputMode(value)]
         if isinstance(value, (list, tuple)):
             getattr(pb, name).extend(value)
         else:

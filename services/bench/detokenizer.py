@@ -11,7 +11,15 @@ from typing import Any
 
 from vmesh.services.bench.common import load_workload, machine
 from vmesh.services.common.grpc_server import channel
-from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.common.types import (
+    PROMPT_TAIL_TOKENS,
+    FinishReason,
+    RequestRef,
+    SamplingParams,
+    StepTokens,
+    StreamStart,
+    TokenBatch,
+)
 
 
 async def _detokenizer_throughput(replicas: int, prompts: list[list[int]], max_tokens: int) -> float:
@@ -21,8 +29,8 @@ async def _detokenizer_throughput(replicas: int, prompts: list[list[int]], max_t
     import sys
 
     from vmesh.services.common.grpc_server import wait_until_serving
-    from vmesh.services.common.wire import sampling_to_proto
-    from vmesh.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc
+    from vmesh.services.common.wire import tokens
+    from vmesh.v1 import detokenizer_pb2, detokenizer_pb2_grpc
 
     with tempfile.TemporaryDirectory() as tmp:
         procs, addresses = [], []
@@ -54,25 +62,18 @@ async def _detokenizer_throughput(replicas: int, prompts: list[list[int]], max_t
 
             readers = [asyncio.create_task(drain(s)) for s in subs]
             calls = [s.Detokenize() for s in stubs]
-            params = sampling_to_proto(SamplingParams(max_tokens=max_tokens))
+            params = SamplingParams(max_tokens=max_tokens)
             started = time.perf_counter()
             for step in range(max_tokens):
                 for r, call in enumerate(calls):
                     mine = range(r, len(prompts), replicas)
-                    batch = detokenizer_pb2.DetokenizeRequest()
-                    if step == 0:
-                        batch.new_requests.extend(detokenizer_pb2.DetokenizerRequestInfo(
-                            handle=h, frontend_id="bench", frontend_key=h, prompt_tail=prompts[h][-4:],
-                            sampling=params, num_prompt_tokens=len(prompts[h])) for h in mine)
-                    for h in mine:
-                        batch.handles.append(h)
-                        batch.num_tokens.append(1)
-                        batch.token_ids.append(prompts[h][(step * 7) % len(prompts[h])])
-                        last = step == max_tokens - 1
-                        batch.finish_reasons.append(common_pb2.FINISH_REASON_LENGTH if last else 0)
-                        batch.num_cached_prompt_tokens.append(0)
-                        batch.errors.append("")
-                    await call.write(batch)
+                    last = step == max_tokens - 1
+                    batch = TokenBatch(
+                        [StreamStart(RequestRef("bench", h), prompts[h][-PROMPT_TAIL_TOKENS:], params, len(prompts[h]),
+                                     handle=h) for h in mine] if step == 0 else [],
+                        [StepTokens(h, [prompts[h][(step * 7) % len(prompts[h])]],
+                                    FinishReason.LENGTH if last else None) for h in mine])
+                    await call.write(tokens.to_proto(batch))
             await asyncio.wait_for(done.wait(), 600)
             elapsed = time.perf_counter() - started
             for task in readers:

@@ -20,7 +20,7 @@ from vmesh.services.bench.mesh import RunningMesh, start_mesh
 from vmesh.services.bench.peers import PEER_BASELINES, PeerError, PeerProcess, default_peers_dir
 from vmesh.services.client import VmeshClient
 from vmesh.services.common.model_loading import embedded_model_file, resolve_model_dir
-from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.common.types import SamplingParams
 
 
 def transformers_generate(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> Callable[[], float]:

@@ -11,24 +11,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.common.types import MAX_LOGPROBS, ModelLimits, SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 # Each stop id is checked against every sampled token; a request with a million of them slowed
 # its step neighbours ~14x. vLLM's largest practical lists (multi-EOS models) are a handful.
 MAX_STOP_TOKEN_IDS = 256
-MAX_LOGPROBS = 20  # top entries per generated token: each is a token to render for the client
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    name: str
-    max_model_len: int
-    vocab_size: int
-
 
 class InvalidRequest(ValueError):
     """A request that cannot be served. `field`: the offending field, as the gRPC API names it;

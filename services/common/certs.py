@@ -14,7 +14,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from vmesh.services.common.tls import ROLES, role_dns_name
+from vmesh.services.common.tls import role_dns_name
+from vmesh.services.common.types import ROLES
 
 VALID_DAYS = 825
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import grpc
 
-from vmesh.services.common.tls import ROLES, caller_role
+from vmesh.services.common.tls import caller_role
+from vmesh.services.common.types import ROLES
 
 _ANY = frozenset(ROLES)
 # Who may call what inside the mesh. A method not listed is refused to every caller.

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Generic, Self, TypeVar
 
-from vmesh.services.common.sampling_params import OutputMode
+from vmesh.services.common.types import OutputMode
 
 Logprobs = TypeVar("Logprobs")
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vmesh.services.common.logprobs import TokenLogprobs
-from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.common.types import SamplingParams, TokenLogprobs
 
 
 @dataclass

@@ -18,6 +18,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from vmesh.services.common.types import TraceContext
 from vmesh.v1 import common_pb2
 
 if TYPE_CHECKING:  # the SDK is imported only when something is exported
@@ -93,17 +94,22 @@ def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(name)
 
 
-def to_proto(span_context_holder: trace.Span | otel_context.Context | None = None) -> common_pb2.TraceContext:
-    """The W3C context of a span (or of the current context) as a message field."""
+def trace_context(span_context_holder: trace.Span | otel_context.Context | None = None) -> TraceContext:
+    """The W3C context of a span (or of the current context)."""
     carrier: dict[str, str] = {}
     ctx = trace.set_span_in_context(span_context_holder) if isinstance(span_context_holder, trace.Span) \
         else span_context_holder
     _PROPAGATOR.inject(carrier, context=ctx)
-    return common_pb2.TraceContext(traceparent=carrier.get("traceparent", ""),
-                                   tracestate=carrier.get("tracestate", ""))
+    return TraceContext(traceparent=carrier.get("traceparent", ""), tracestate=carrier.get("tracestate", ""))
 
 
-def from_proto(message: common_pb2.TraceContext) -> otel_context.Context | None:
+def to_proto(span_context_holder: trace.Span | otel_context.Context | None = None) -> common_pb2.TraceContext:
+    """The W3C context of a span (or of the current context) as a message field."""
+    context = trace_context(span_context_holder)
+    return common_pb2.TraceContext(traceparent=context.traceparent, tracestate=context.tracestate)
+
+
+def from_proto(message: common_pb2.TraceContext | TraceContext) -> otel_context.Context | None:
     if not message.traceparent:
         return None
     carrier = {"traceparent": message.traceparent}

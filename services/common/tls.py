@@ -16,8 +16,8 @@ from pathlib import Path
 
 import grpc
 
-SERVICE_ROLES = ("frontend", "scheduler", "worker", "detokenizer")
-ROLES = (*SERVICE_ROLES, "admin")  # admin: operator tools, not a service
+from vmesh.services.common.types import ROLES
+
 INTERNAL_DOMAIN = "vmesh.internal"
 
 

@@ -9,11 +9,7 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from vmesh.services.common.sampling_params import OutputMode, SamplingParams
-
-# Prompt tokens given to the decoder as context, so the first output token decodes as it
-# would mid-text (some tokenizers drop a leading space at the start of a text).
-_PROMPT_CONTEXT_TOKENS = 4
+from vmesh.services.common.types import PROMPT_TAIL_TOKENS, OutputMode, SamplingParams
 
 
 @dataclass
@@ -27,7 +23,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams, prompt_token_ids: list[int] | None = None):
         self.tokenizer = tokenizer
         self.params = params
-        context = list(prompt_token_ids or [])[-_PROMPT_CONTEXT_TOKENS:]
+        context = list(prompt_token_ids or [])[-PROMPT_TAIL_TOKENS:]  # decoding context (see PROMPT_TAIL_TOKENS)
         self.stream = DecodeStream(ids=context, skip_special_tokens=params.skip_special_tokens)
         self.text = ""
         self.num_tokens = 0

@@ -10,57 +10,32 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
-from vmesh.services.common import telemetry, wire
+from vmesh.services.common import telemetry
 from vmesh.services.common.grpc_server import ServiceShell
-from vmesh.services.common.logprobs import TokenLogprobs, pack_logprobs, unpack_logprobs
 from vmesh.services.common.metrics import DetokenizerMetrics
 from vmesh.services.common.runtime.tasks import wait_until
-from vmesh.services.detokenizer.incremental import IncrementalDetokenizer
-from vmesh.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc
+from vmesh.services.common.types import FinishReason, OutputBatch, StreamOutput, TokenBatch, TokenLogprobs
+from vmesh.services.common.wire import outputs, tokens
+from vmesh.services.detokenizer.output_processor import OutputProcessor, RequestState
+from vmesh.v1 import detokenizer_pb2, detokenizer_pb2_grpc
 
 logger = logging.getLogger(__name__)
 TRACER = telemetry.tracer("vmesh.detokenizer")
 
 
 @dataclass
-class _Tracked:
-    detokenizer: IncrementalDetokenizer
-    frontend_id: str
-    frontend_key: int
-    num_prompt_tokens: int
-    num_output_tokens: int = 0
-    span: trace.Span = trace.INVALID_SPAN
-
-
-@dataclass
 class _SchedulerStream:
     """One scheduler's stream: its requests by stream handle (numbered per scheduler, and a
     request lives no longer than the stream that introduced it) and the replies waiting to go back."""
-    requests: dict[int, _Tracked] = field(default_factory=dict)
+    requests: OutputProcessor[int]
     replies: asyncio.Queue[detokenizer_pb2.DetokenizeResponse | None] = field(default_factory=asyncio.Queue)
 
 
-class _FrontendBatch:
-    """Columns of one SubscribeResponse under construction."""
-
-    def __init__(self) -> None:
-        self.pb = detokenizer_pb2.SubscribeResponse()
-
-    def add(self, frontend_key: int, text: str, token_ids: list[int], reason: int, tracked: _Tracked, cached: int,
-            logprobs: list[TokenLogprobs], error: str, resumable: bool = False) -> None:
-        pb = self.pb
-        pb.errors.append(error)
-        pb.resumable.append(resumable)
-        pb.frontend_keys.append(frontend_key)
-        pb.texts.append(text)
-        pb.num_tokens.append(len(token_ids))
-        pb.token_ids.extend(token_ids)
-        pb.finish_reasons.append(reason)
-        pb.num_prompt_tokens.append(tracked.num_prompt_tokens)
-        pb.num_output_tokens.append(tracked.num_output_tokens)
-        pb.num_cached_prompt_tokens.append(cached)
-        pb.num_logprobs_rows.append(len(logprobs))
-        pack_logprobs(logprobs, pb.logprobs)
+def _output(state: RequestState, text: str, token_ids: list[int], reason: FinishReason | None, cached: int,
+            logprobs: list[TokenLogprobs], error: str = "", resumable: bool = False) -> StreamOutput:
+    assert state.ref is not None, "every request here was introduced by its frontend's reference"
+    return StreamOutput(state.ref.frontend_key, text, token_ids, reason, state.num_prompt_tokens,
+                        state.num_output_tokens, cached, logprobs, error, resumable)
 
 
 class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
@@ -87,9 +62,11 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
     def _orphan(self, frontend_id: str) -> None:
         """Drop a gone frontend's requests and ask their schedulers to stop computing them."""
         for stream in self.streams:
-            handles = [h for h, tracked in stream.requests.items() if tracked.frontend_id == frontend_id]
+            handles = [h for h, state in stream.requests.items()
+                       if state.ref is not None and state.ref.frontend_id == frontend_id]
             for handle in handles:
-                stream.requests.pop(handle).span.end()
+                if (state := stream.requests.pop(handle)) is not None:
+                    state.span.end()
             if handles:
                 logger.warning("frontend %s went away; stopping its %d request(s)", frontend_id, len(handles))
                 stream.replies.put_nowait(detokenizer_pb2.DetokenizeResponse(orphaned_handles=handles))
@@ -105,7 +82,7 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
             stream.replies.put_nowait(detokenizer_pb2.DetokenizeResponse(draining=True))
 
     async def Detokenize(self, request_iterator, context):
-        stream = _SchedulerStream()
+        stream = _SchedulerStream(OutputProcessor(self.tokenizer))
         self.streams.append(stream)
         if self.draining:
             stream.replies.put_nowait(detokenizer_pb2.DetokenizeResponse(draining=True))
@@ -130,87 +107,62 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
         finally:
             stream.replies.put_nowait(None)
 
-    def fail(self, requests: dict[int, _Tracked], error: str, resumable: bool = False) -> None:
+    def fail(self, requests: OutputProcessor[int], error: str, resumable: bool = False) -> None:
         """End `requests` with `error`; `resumable`: their frontends may submit them again."""
         logger.error("%s; failing %d request(s)", error, len(requests))
-        out: dict[str, _FrontendBatch] = {}
-        for tracked in requests.values():
-            tracked.span.end()
-            out.setdefault(tracked.frontend_id, _FrontendBatch()).add(
-                tracked.frontend_key, "", [], common_pb2.FINISH_REASON_ABORT, tracked, 0, [], error, resumable)
-        requests.clear()
+        out: dict[str, OutputBatch] = {}
+        for _, state in requests.items():
+            state.span.end()
+            assert state.ref is not None
+            out.setdefault(state.ref.frontend_id, OutputBatch()).outputs.append(
+                _output(state, "", [], FinishReason.ABORT, 0, [], error, resumable))
+        requests.requests.clear()
         self._publish(out)
 
-    def process(self, batch: detokenizer_pb2.DetokenizeRequest,
-                requests: dict[int, _Tracked]) -> detokenizer_pb2.DetokenizeResponse:
+    def process(self, message: detokenizer_pb2.DetokenizeRequest,
+                requests: OutputProcessor[int]) -> detokenizer_pb2.DetokenizeResponse:
         """Decode one step's tokens and publish the outputs; the reply names the requests to stop:
         a stop string matched, or their frontend is gone."""
-        orphaned = []
-        for info in batch.new_requests:
-            if info.frontend_id not in self.subscribers:
-                # Frontends subscribe before they submit: this one has gone (its subscription
-                # ended while the request was still queued, so `_orphan` could not name it).
-                orphaned.append(info.handle)
-                continue
-            params = wire.sampling_from_proto(info.sampling)
-            detokenizer = IncrementalDetokenizer(self.tokenizer, params, list(info.prompt_tail))
-            if info.resumed_output_token_ids:
-                detokenizer.resume(list(info.resumed_output_token_ids), info.resumed_text_length)
-            requests[info.handle] = _Tracked(
-                detokenizer, info.frontend_id, info.frontend_key, info.num_prompt_tokens,
-                num_output_tokens=len(info.resumed_output_token_ids),
-                span=TRACER.start_span("detokenizer.request", context=telemetry.from_proto(info.trace_context))
-                if telemetry.tracing_enabled() else trace.INVALID_SPAN)
-        logprobs = _logprobs_by_handle(batch)
-        out: dict[str, _FrontendBatch] = {}
-        stopped = []
-        offset = 0
-        for i, handle in enumerate(batch.handles):
-            n = batch.num_tokens[i]
-            token_ids = list(batch.token_ids[offset:offset + n])
-            offset += n
-            tracked = requests.get(handle)
-            if tracked is None:
-                continue
-            reason = batch.finish_reasons[i]
-            finished = reason != common_pb2.FINISH_REASON_UNSPECIFIED
-            tracked.num_output_tokens += n
-            result = tracked.detokenizer.update(token_ids, finished)
-            if result.stop_hit and not finished:
-                reason = common_pb2.FINISH_REASON_STOP
-                stopped.append(handle)
-                if self.metrics:
-                    self.metrics.stop_string_hits.inc()
-            if result.finished:
-                del requests[handle]
-                tracked.span.set_attribute("vmesh.output_tokens", tracked.num_output_tokens)
-                tracked.span.end()
-            if not result.text and not token_ids and not result.finished:
-                continue
-            out.setdefault(tracked.frontend_id, _FrontendBatch()).add(
-                tracked.frontend_key, result.text, token_ids, reason, tracked,
-                batch.num_cached_prompt_tokens[i], logprobs.get(handle, []), batch.errors[i] if batch.errors else "")
+        batch = tokens.from_proto(message)
+        orphaned = self._introduce(batch, requests)
+        processed, stopped = requests.process(batch.requests)
+        out: dict[str, OutputBatch] = {}
+        for p in processed:
+            assert p.state.ref is not None
+            out.setdefault(p.state.ref.frontend_id, OutputBatch()).outputs.append(
+                _output(p.state, p.text, p.token_ids, p.finish_reason, p.num_cached_prompt_tokens, p.logprobs,
+                        p.error))
         if self.metrics:
-            self.metrics.tokens.inc(sum(batch.num_tokens))
+            self.metrics.stop_string_hits.inc(len(stopped))
+            self.metrics.tokens.inc(len(message.token_ids))
         self._publish(out)
         if orphaned:
             logger.warning("%d new request(s) of frontends that went away; stopping them", len(orphaned))
         return detokenizer_pb2.DetokenizeResponse(stopped_handles=stopped, orphaned_handles=orphaned)
 
-    def _publish(self, out: dict[str, _FrontendBatch]) -> None:
+    def _introduce(self, batch: TokenBatch, requests: OutputProcessor[int]) -> list[int]:
+        """Take the batch's new requests; returns those whose frontend is gone."""
+        orphaned = []
+        requests.tokenizer = self.tokenizer  # loaded at warm-up, which a stream may have opened before
+        for start in batch.new_requests:
+            if start.ref.frontend_id not in self.subscribers:
+                # Frontends subscribe before they submit: this one has gone (its subscription
+                # ended while the request was still queued, so `_orphan` could not name it).
+                orphaned.append(start.handle)
+                continue
+            span = TRACER.start_span("detokenizer.request", context=telemetry.from_proto(start.trace_context)) \
+                if telemetry.tracing_enabled() else trace.INVALID_SPAN
+            requests.add_request(start.handle, start.sampling, start.prompt_tail, start.num_prompt_tokens,
+                                 start.resumed_output_token_ids, start.resumed_text_length, start.ref, span)
+        return orphaned
+
+    def _publish(self, out: dict[str, OutputBatch]) -> None:
         for frontend_id, frontend_batch in out.items():
             queue = self.subscribers.get(frontend_id)
             if queue is None:
                 logger.warning("no subscription from frontend %s; dropping its outputs", frontend_id)
                 continue
-            queue.put_nowait(frontend_batch.pb)
-
-
-def _logprobs_by_handle(batch: detokenizer_pb2.DetokenizeRequest) -> dict[int, list[TokenLogprobs]]:
-    by_handle: dict[int, list[TokenLogprobs]] = {}
-    for handle, row in zip(batch.logprobs_handles, unpack_logprobs(batch.logprobs)):
-        by_handle.setdefault(handle, []).append(row)
-    return by_handle
+            queue.put_nowait(outputs.to_proto(frontend_batch))
 
 
 async def serve(load_tokenizer, host: str, port: int, ready_file: str | None,

@@ -14,14 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from vmesh.services.common.admission import ModelLimits, admit
-from vmesh.services.common.finish_reason import FinishReason
-from vmesh.services.common.logprobs import TokenLogprobs
+from vmesh.services.common.admission import admit
 from vmesh.services.common.model_loading import load_tokenizer, resolve_model_dir
 from vmesh.services.common.output_accumulator import OutputAccumulator
-from vmesh.services.common.sampling_params import SamplingParams
 from vmesh.services.common.tokenizer import encode_chat
-from vmesh.services.detokenizer.incremental import IncrementalDetokenizer
+from vmesh.services.common.types import FinishReason, ModelLimits, SamplingParams, StepTokens, TokenLogprobs
+from vmesh.services.detokenizer.output_processor import OutputProcessor
 from vmesh.services.engine.core import EngineCore, model_thread
 from vmesh.services.scheduler.request import Request
 from vmesh.services.scheduler.scheduler import Scheduler, WorkerGeometry
@@ -66,13 +64,6 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
-@dataclass
-class _Tracked:
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    finished: bool = False
-
-
 class LLMEngine:
     def __init__(self, runner: ModelRunner, tokenizer: Any, config: EngineConfig,
                  model_thread: ThreadPoolExecutor | None = None):
@@ -87,7 +78,7 @@ class LLMEngine:
             max_model_len=runner.max_model_len, max_num_seqs=runner.batch.max_num_reqs, num_kv_blocks=kv.num_blocks,
             block_size=kv.block_size, eos_token_ids=tuple(runner.spec.eos_token_ids)))
         self.core = EngineCore(scheduler, runner, config.pipeline_depth, model_thread)
-        self.tracked: dict[str, _Tracked] = {}
+        self.outputs: OutputProcessor[str] = OutputProcessor(self.backend_tokenizer)  # by request id
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._driver: _AsyncDriver | None = None
@@ -123,15 +114,14 @@ class LLMEngine:
         admit(token_ids, params, self.limits)
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(request_id, token_ids, params, priority=priority)
-        detokenizer = IncrementalDetokenizer(self.backend_tokenizer, params, token_ids)
         with self._lock:
             self.scheduler.add_request(request)
-            self.tracked[request_id] = _Tracked(request, detokenizer)
+            self.outputs.add_request(request_id, params, token_ids, len(token_ids))
         return request_id
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
-            self.tracked.pop(request_id, None)
+            self.outputs.pop(request_id)
             return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -146,25 +136,15 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         updates = self.core.step()
-        outputs = []
         with self._lock:
-            for update in updates:
-                tracked = self.tracked.get(update.request_id)
-                if tracked is None:
-                    continue
-                finished = update.finish_reason is not None
-                detok = tracked.detokenizer.update(update.new_token_ids, finished)
-                reason = update.finish_reason
-                if detok.stop_hit and not finished:
-                    self.scheduler.abort(update.request_id, FinishReason.STOP)
-                    reason = FinishReason.STOP
-                request = tracked.request
-                if detok.finished:
-                    del self.tracked[update.request_id]
-                outputs.append(RequestOutput(
-                    update.request_id, detok.text, update.new_token_ids, detok.finished, reason, update.logprobs,
-                    len(request.prompt_token_ids), len(request.output_token_ids), request.num_cached_prompt_tokens))
-        return outputs
+            processed, stopped = self.outputs.process(
+                StepTokens(u.request_id, u.new_token_ids, u.finish_reason, u.num_cached_prompt_tokens, u.logprobs)
+                for u in updates)
+            for request_id in stopped:  # a stop string ended it: the core would compute it on
+                self.scheduler.abort(request_id, FinishReason.STOP)
+        return [RequestOutput(p.handle, p.text, p.token_ids, p.finished, p.finish_reason, p.logprobs,
+                              p.state.num_prompt_tokens, p.state.num_output_tokens, p.num_cached_prompt_tokens)
+                for p in processed]
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:

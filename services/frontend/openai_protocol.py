@@ -9,7 +9,7 @@ from typing import Any, Literal, cast
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
-from vmesh.services.common.admission import MAX_LOGPROBS
+from vmesh.services.common.types import DEFAULT_MAX_TOKENS, MAX_LOGPROBS
 from vmesh.services.frontend.errors import Code, RequestError
 from vmesh.v1 import common_pb2, frontend_pb2
 
@@ -172,7 +172,7 @@ def completion_requests(body: CompletionRequest, served: str) -> list[frontend_p
         raise invalid("n", f"{len(prompts)} prompts × n={body.n} choices; at most {MAX_CHOICES} per request")
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
         raise invalid("logprobs", f"must be in [0, {MAX_COMPLETION_LOGPROBS}], got {body.logprobs}")
-    sampling = _sampling(body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs)
+    sampling = _sampling(body, body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS, body.logprobs)
     out = []
     for p in prompts:
         request = frontend_pb2.GenerateRequest(sampling=sampling)

@@ -9,14 +9,17 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from vmesh.services.common.output_accumulator import OutputAccumulator
+from vmesh.services.common.types import FinishReason
+from vmesh.services.common.wire.common import finish_from_proto
 from vmesh.services.frontend.errors import Code, RequestError
-from vmesh.v1 import common_pb2, frontend_pb2
+from vmesh.v1 import frontend_pb2
 
 # JSON has no -inf: a logprob that underflowed is sent as this, as vLLM does.
 MIN_LOGPROB = -9999.0
 # Only OpenAI's values: "abort" (which vLLM passes through) breaks clients that switch on the
 # enum, and an aborted request did not complete, so it is reported as an error instead.
-FINISH_REASONS: dict[int, str] = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
+# The enum's values are OpenAI's names.
+OPENAI_FINISH_REASONS = frozenset({FinishReason.STOP, FinishReason.LENGTH})
 
 
 @dataclass
@@ -135,7 +138,7 @@ def chat_logprobs(entries: list[frontend_pb2.GeneratedTokenLogprobs], token_ids:
 def check_not_aborted(out: frontend_pb2.GenerateResponse) -> None:
     """An output the server aborted (a failure or a deadline on its side) ends the request with
     an error: OpenAI has no finish reason for it, and its text is not a complete answer."""
-    if out.finish_reason == common_pb2.FINISH_REASON_ABORT:
+    if finish_from_proto(out.finish_reason) is FinishReason.ABORT:
         raise RequestError(Code.UNAVAILABLE, "the server aborted the request before it finished; try again")
 
 
@@ -149,7 +152,8 @@ def usage(choices: list[Choice], n: int) -> dict[str, Any]:
 
 
 def finish_reason(code: int) -> str | None:
-    return FINISH_REASONS.get(code)
+    reason = finish_from_proto(code)
+    return reason.value if reason in OPENAI_FINISH_REASONS else None
 
 
 def completion_body(request_id: str, created: int, model: str, choices: list[Choice], n: int, want_logprobs: bool,

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import Enum
 
-from vmesh.services.common.logprobs import TokenLogprobs
 from vmesh.services.common.output_accumulator import OutputAccumulator
-from vmesh.v1 import common_pb2, frontend_pb2
+from vmesh.services.common.types import FinishReason, TokenLogprobs, Usage
 
 
-class LostService(StrEnum):
+class LostService(str, Enum):
     SCHEDULER = "scheduler"
     DETOKENIZER = "detokenizer"
 
@@ -22,8 +21,8 @@ class PendingOutput(OutputAccumulator[TokenLogprobs]):
     """One output, or several merged while the client read the one before (`delta_text`
     matters only to the merged ones: the outbox's)."""
 
-    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
-    usage: frontend_pb2.Usage | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
     error: str = ""
     # With an error, the service the request lost (None for any other error): it may be
     # submitted again with what it has received (a failover).
@@ -31,7 +30,7 @@ class PendingOutput(OutputAccumulator[TokenLogprobs]):
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED or bool(self.error)
+        return self.finish_reason is not None or bool(self.error)
 
     def merge(self, later: PendingOutput) -> None:
         self.extend(later.text, later.token_ids, later.logprobs)

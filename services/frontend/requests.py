@@ -12,22 +12,23 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from opentelemetry import trace
 
-from vmesh.services.common import telemetry, wire
-from vmesh.services.common.admission import InvalidRequest, ModelLimits, admit, check_model, check_prompt_length
-from vmesh.services.common.finish_reason import finish_name
-from vmesh.services.common.logprobs import to_public
-from vmesh.services.common.sampling_params import OutputMode, SamplingParams
+from vmesh.services.common import telemetry
+from vmesh.services.common.admission import InvalidRequest, admit, check_model, check_prompt_length
 from vmesh.services.common.tokenizer import encode_chat
+from vmesh.services.common.types import ModelLimits, OutputMode, RequestRef, SamplingParams, finish_name
+from vmesh.services.common.wire.common import finish_to_proto
+from vmesh.services.common.wire.public import logprobs_to_public, usage_to_public
+from vmesh.services.common.wire.sampling import sampling_from_proto, sampling_to_proto
 from vmesh.services.frontend.errors import Code, RequestError
 from vmesh.services.frontend.outbox import LostService, Outbox, PendingOutput
 from vmesh.services.frontend.prefix_routing import prefix_hashes
 from vmesh.services.frontend.schedulers import SchedulerGroup
-from vmesh.v1 import common_pb2, frontend_pb2, scheduler_pb2
+from vmesh.v1 import frontend_pb2, scheduler_pb2
 
 if TYPE_CHECKING:
     from vmesh.services.frontend.server import FrontendServicer
@@ -177,7 +178,7 @@ async def _generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRe
     # sees it as the request id.
     frontend_key = next(frontend.frontend_keys)
     request_id = str(frontend_key)
-    span.set_attribute("gen_ai.response.id", f"{frontend.frontend_id}/{request_id}")
+    span.set_attribute("gen_ai.response.id", RequestRef(frontend.frontend_id, frontend_key).key)
     outbox = frontend.outboxes[frontend_key] = Outbox(delta_text=params.output_mode is OutputMode.DELTA)
     finished = False
     frontend.in_flight += 1
@@ -188,7 +189,7 @@ async def _generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRe
     failovers = 0
     submission = scheduler_pb2.SubmitRequestRequest(
         frontend_id=frontend.frontend_id, frontend_key=frontend_key, prompt_token_ids=prompt,
-        sampling=wire.sampling_to_proto(params), priority=request.priority, trace_context=telemetry.to_proto(span))
+        sampling=sampling_to_proto(params), priority=request.priority, trace_context=telemetry.to_proto(span))
     try:
         group = await _submit_when_possible(frontend, submission, outbox, time_remaining)
         while True:
@@ -215,8 +216,9 @@ async def _generate(frontend: FrontendServicer, request: frontend_pb2.GenerateRe
                                      "gen_ai.response.finish_reasons": [finish_name(out.finish_reason)]})
             if not out.error or out.text or out.token_ids:
                 yield frontend_pb2.GenerateResponse(
-                    request_id=request_id, text=out.text, token_ids=out.token_ids, logprobs=to_public(out.logprobs),
-                    finish_reason=cast("common_pb2.FinishReason", out.finish_reason), usage=out.usage)
+                    request_id=request_id, text=out.text, token_ids=out.token_ids,
+                    logprobs=logprobs_to_public(out.logprobs), finish_reason=finish_to_proto(out.finish_reason),
+                    usage=usage_to_public(out.usage))
             if finished:
                 return
             if out.lost:  # its scheduler or detokenizer replica was lost: continue elsewhere
@@ -252,7 +254,7 @@ def _admit(request: frontend_pb2.GenerateRequest, prompt: list[int], limits: Mod
     later door decodes the same settings."""
     try:
         check_model(request.model, limits)
-        params = wire.sampling_from_proto(request.sampling, default_max_tokens=limits.max_model_len - len(prompt))
+        params = sampling_from_proto(request.sampling, default_max_tokens=limits.max_model_len - len(prompt))
         admit(prompt, params, limits)
     except InvalidRequest as exc:
         raise RequestError.invalid(exc) from exc

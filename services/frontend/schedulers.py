@@ -14,12 +14,12 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from vmesh.services.common.admission import ModelLimits
 from vmesh.services.common.grpc_server import channel
 from vmesh.services.common.runtime.peers import Peer, PeerSet
 from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.common.runtime.stream import KeptStream
 from vmesh.services.common.runtime.tasks import TaskGroup
+from vmesh.services.common.types import ModelLimits
 from vmesh.services.frontend.prefix_routing import PrefixRouter
 from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 

@@ -12,9 +12,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vmesh.services.common.admission import ModelLimits
 from vmesh.services.common.grpc_server import ServiceShell, channel
-from vmesh.services.common.logprobs import unpack_logprobs
 from vmesh.services.common.metrics import FrontendMetrics
 from vmesh.services.common.runtime.discovery import DEFAULT_REFRESH_INTERVAL_S, AddressBook
 from vmesh.services.common.runtime.peers import Peer, PeerSet
@@ -22,6 +20,8 @@ from vmesh.services.common.runtime.readiness import Announcement, announce
 from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.common.runtime.stream import KeptStream
 from vmesh.services.common.runtime.tasks import TaskGroup, wait_until
+from vmesh.services.common.types import ModelLimits, OutputBatch
+from vmesh.services.common.wire import outputs
 from vmesh.services.frontend import requests
 from vmesh.services.frontend.errors import RequestError
 from vmesh.services.frontend.outbox import LostService, Outbox, PendingOutput
@@ -138,34 +138,22 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
             await call.initial_metadata()
             opened()
             async for batch in call:
-                self._dispatch(batch)
+                self._dispatch(outputs.from_proto(batch))
             raise ConnectionError("subscription closed")
 
-    def _dispatch(self, batch: detokenizer_pb2.SubscribeResponse) -> None:
-        token_offset = logprob_offset = 0
-        logprob_rows = unpack_logprobs(batch.logprobs)
-        for i, frontend_key in enumerate(batch.frontend_keys):
-            n = batch.num_tokens[i]
-            token_ids = list(batch.token_ids[token_offset:token_offset + n])
-            token_offset += n
-            num_rows = batch.num_logprobs_rows[i]
-            logprobs = logprob_rows[logprob_offset:logprob_offset + num_rows]
-            logprob_offset += num_rows
-            outbox = self.outboxes.get(frontend_key)
+    def _dispatch(self, batch: OutputBatch) -> None:
+        for output in batch.outputs:
+            outbox = self.outboxes.get(output.frontend_key)
             if outbox is None:
                 continue
-            error = batch.errors[i] if batch.errors else ""
-            if error:  # it ends the request (or its path, for a failover): no finish reason, no usage
-                resumable = bool(batch.resumable) and batch.resumable[i]
-                outbox.put(PendingOutput(text=batch.texts[i], token_ids=token_ids, logprobs=logprobs, error=error,
-                                         lost=LostService.SCHEDULER if resumable else None))
+            if output.error:  # it ends the request (or its path, for a failover): no finish reason, no usage
+                outbox.put(PendingOutput(text=output.text, token_ids=output.token_ids, logprobs=output.logprobs,
+                                         error=output.error, lost=LostService.SCHEDULER if output.resumable else None))
                 continue
-            out = PendingOutput(text=batch.texts[i], token_ids=token_ids, logprobs=logprobs,
-                                finish_reason=batch.finish_reasons[i])
+            out = PendingOutput(text=output.text, token_ids=output.token_ids, logprobs=output.logprobs,
+                                finish_reason=output.finish_reason)
             if out.finished:
-                out.usage = frontend_pb2.Usage(prompt_tokens=batch.num_prompt_tokens[i],
-                                               completion_tokens=batch.num_output_tokens[i],
-                                               cached_prompt_tokens=batch.num_cached_prompt_tokens[i])
+                out.usage = output.usage
             outbox.put(out)
 
     def _scheduler_lost(self, group) -> None:

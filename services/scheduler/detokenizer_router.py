@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from vmesh.services.common.finish_reason import FINISH_REASONS_PB, FinishReason
 from vmesh.services.common.grpc_server import channel
-from vmesh.services.common.logprobs import pack_logprobs
 from vmesh.services.common.runtime.peers import Peer, PeerSet
 from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.common.runtime.stream import KeptStream
+from vmesh.services.common.types import FinishReason, StepTokens, StreamStart, TokenBatch
+from vmesh.services.common.wire import tokens
 from vmesh.services.scheduler.scheduler import RequestUpdate
-from vmesh.v1 import detokenizer_pb2, detokenizer_pb2_grpc
+from vmesh.v1 import detokenizer_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class Replica(Peer):
     shutting down; `in_flight`: requests routed here."""
     call: grpc.aio.StreamStreamCall | None = None
     lost: asyncio.Event = field(default_factory=asyncio.Event)
-    pending: detokenizer_pb2.DetokenizeRequest = field(default_factory=detokenizer_pb2.DetokenizeRequest)
+    pending: TokenBatch = field(default_factory=TokenBatch)
     # A gRPC stream takes one write at a time (a second one in flight fails the call with TOO_MANY_OPERATIONS),
     # and abort RPCs flush concurrently with the engine loop. The lock's FIFO wake-up keeps batches in order.
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -58,7 +58,7 @@ class Replica(Peer):
 
     @property
     def has_pending(self) -> bool:
-        return bool(self.pending.handles or self.pending.new_requests)
+        return bool(self.pending)
 
 
 @dataclass
@@ -66,7 +66,7 @@ class Route:
     """Where one request's outputs go."""
     stream_handle: int  # the request's number on its replica's stream
     replica: Replica
-    introduction: detokenizer_pb2.DetokenizerRequestInfo  # sent once, ahead of its first tokens
+    introduction: StreamStart  # sent once, ahead of its first tokens
     introduced: bool = False
 
 
@@ -103,8 +103,7 @@ class DetokenizerRouter:
         """Replicas that take new requests; `allowed`, when given, limits them to those addresses."""
         return [r for r in self.replicas if r.routable and (not allowed or r.address in allowed)]
 
-    def open_route(self, request_key: str, replica: Replica,
-                   introduction: detokenizer_pb2.DetokenizerRequestInfo) -> Route:
+    def open_route(self, request_key: str, replica: Replica, introduction: StreamStart) -> Route:
         """Route a request to `replica`; `introduction` lacks only the stream handle, set here."""
         route = Route(next(self._stream_handles), replica, introduction)
         introduction.handle = route.stream_handle
@@ -123,26 +122,15 @@ class DetokenizerRouter:
 
     def add_update(self, route: Route, update: RequestUpdate) -> None:
         """Queue a step's update (tokens, logprobs, finish) for the route's replica."""
-        batch = route.replica.pending
         self._introduce(route)
-        batch.handles.append(route.stream_handle)
-        batch.num_tokens.append(len(update.new_token_ids))
-        batch.token_ids.extend(update.new_token_ids)
-        batch.finish_reasons.append(FINISH_REASONS_PB[update.finish_reason])
-        batch.num_cached_prompt_tokens.append(update.num_cached_prompt_tokens)
-        batch.errors.append("")
-        batch.logprobs_handles.extend([route.stream_handle] * len(update.logprobs))
-        pack_logprobs(update.logprobs, batch.logprobs)
+        route.replica.pending.requests.append(StepTokens(
+            route.stream_handle, update.new_token_ids, update.finish_reason, update.num_cached_prompt_tokens,
+            update.logprobs))
 
     def add_end(self, route: Route, error: str = "") -> None:
         """Tell a closed route's replica that its request ended without more tokens (aborted or failed)."""
         self._introduce(route)
-        batch = route.replica.pending
-        batch.handles.append(route.stream_handle)
-        batch.num_tokens.append(0)
-        batch.finish_reasons.append(FINISH_REASONS_PB[FinishReason.ABORT])
-        batch.num_cached_prompt_tokens.append(0)
-        batch.errors.append(error)
+        route.replica.pending.requests.append(StepTokens(route.stream_handle, [], FinishReason.ABORT, error=error))
 
     def _introduce(self, route: Route) -> None:
         if not route.introduced:
@@ -153,11 +141,11 @@ class DetokenizerRouter:
         """Write each replica's pending batch."""
         for replica in self.replicas:
             if replica.has_pending:
-                batch, replica.pending = replica.pending, detokenizer_pb2.DetokenizeRequest()
+                batch, replica.pending = replica.pending, TokenBatch()
                 async with replica.write_lock:
                     if replica.alive and replica.call is not None:
                         try:
-                            await replica.call.write(batch)
+                            await replica.call.write(tokens.to_proto(batch))
                         except Exception as exc:
                             self._lost(replica, exc)
             self.replicas.release_if_idle(replica)  # a retired replica goes once its last outputs are out
@@ -224,7 +212,7 @@ class DetokenizerRouter:
         if not replica.alive:
             return
         replica.alive = False
-        replica.pending = detokenizer_pb2.DetokenizeRequest()  # nothing in it can reach anyone now
+        replica.pending = TokenBatch()  # nothing in it can reach anyone now
         lost = [key for key, route in self.routes.items() if route.replica is replica]
         logger.error("detokenizer %s lost (%s); aborting its %d request(s)", replica.address, exc, len(lost))
         for request_key in lost:

@@ -6,8 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 
-from vmesh.services.common.finish_reason import FinishReason
-from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.common.types import FinishReason, SamplingParams
 
 
 class RequestStatus(Enum):

@@ -16,9 +16,8 @@ import bisect
 import itertools
 from dataclasses import dataclass, field
 
-from vmesh.services.common.finish_reason import FinishReason
-from vmesh.services.common.logprobs import TokenLogprobs
 from vmesh.services.common.step_types import NewRequest, StepPlan, StepResult
+from vmesh.services.common.types import FinishReason, TokenLogprobs
 from vmesh.services.scheduler.block_pool import BlockPool
 from vmesh.services.scheduler.request import Request, RequestStatus
 from vmesh.services.scheduler.settings import SCHEDULING_POLICIES, SchedulerSettings

@@ -15,25 +15,24 @@ import grpc
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 
-from vmesh.services.common import telemetry, wire
+from vmesh.services.common import telemetry
 from vmesh.services.common.admission import InvalidRequest, admit
 from vmesh.services.common.grpc_server import ServiceShell
 from vmesh.services.common.metrics import Gauges, SchedulerMetrics
-from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.common.types import PROMPT_TAIL_TOKENS, RequestRef, SamplingParams, StreamStart, TraceContext
+from vmesh.services.common.wire.sampling import sampling_from_proto
 from vmesh.services.scheduler.request import Request
 from vmesh.services.scheduler.scheduler import QueueFullError
 from vmesh.services.scheduler.session import SchedulerSession
 from vmesh.services.scheduler.settings import SchedulerServiceSettings
-from vmesh.v1 import detokenizer_pb2, scheduler_pb2, scheduler_pb2_grpc
+from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
-
-PROMPT_TAIL_TOKENS = 4  # decoding context given to the detokenizer
 
 
 def request_key(frontend_id: str, frontend_key: int) -> str:
     """The scheduler's name for a request: unique across frontends."""
-    return f"{frontend_id}/{frontend_key}"
+    return RequestRef(frontend_id, frontend_key).key
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
@@ -77,7 +76,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     def _admit(self, key: str, request: scheduler_pb2.SubmitRequestRequest) -> SamplingParams:
         """Queue the request in the core. Checked here too, whoever sent it: a request the worker
         cannot serve would fail the whole step, and with it every other request in the batch."""
-        sampling = wire.sampling_from_proto(request.sampling)
+        sampling = sampling_from_proto(request.sampling)
         admit(request.prompt_token_ids, sampling, self.session.model_limits(), request.resumed_output_token_ids)
         self.session.core().add_request(Request(key, list(request.prompt_token_ids), sampling,
                                                 priority=request.priority,
@@ -130,14 +129,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
 
 def _introduction(request: scheduler_pb2.SubmitRequestRequest, sampling: SamplingParams,
-                  span: trace.Span) -> detokenizer_pb2.DetokenizerRequestInfo:
+                  span: trace.Span) -> StreamStart:
     """What the request's detokenizer replica is told of it before its first tokens."""
-    return detokenizer_pb2.DetokenizerRequestInfo(
-        frontend_id=request.frontend_id, frontend_key=request.frontend_key,
-        prompt_tail=request.prompt_token_ids[-PROMPT_TAIL_TOKENS:], sampling=wire.sampling_to_proto(sampling),
-        num_prompt_tokens=len(request.prompt_token_ids),
-        trace_context=telemetry.to_proto(span) if telemetry.tracing_enabled() else None,
-        resumed_output_token_ids=request.resumed_output_token_ids,
+    return StreamStart(
+        RequestRef(request.frontend_id, request.frontend_key), list(request.prompt_token_ids[-PROMPT_TAIL_TOKENS:]),
+        sampling, len(request.prompt_token_ids),
+        trace_context=telemetry.trace_context(span) if telemetry.tracing_enabled() else TraceContext(),
+        resumed_output_token_ids=list(request.resumed_output_token_ids),
         resumed_text_length=request.resumed_text_length)
 
 

@@ -14,14 +14,14 @@ import logging
 import time
 from collections.abc import Callable
 
-from vmesh.services.common import telemetry, wire
-from vmesh.services.common.admission import ModelLimits
-from vmesh.services.common.finish_reason import FinishReason
+from vmesh.services.common import telemetry
 from vmesh.services.common.metrics import SchedulerMetrics
 from vmesh.services.common.runtime.discovery import AddressBook
 from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.common.runtime.tasks import TaskGroup, wait_until
 from vmesh.services.common.step_types import StepPlan
+from vmesh.services.common.types import FinishReason, ModelLimits
+from vmesh.services.common.wire.step import result_from_proto
 from vmesh.services.scheduler.detokenizer_router import DetokenizerRouter, OpenStream, Route, open_stream
 from vmesh.services.scheduler.lifetimes import Lifetimes
 from vmesh.services.scheduler.pipeline import StepPipeline
@@ -190,7 +190,7 @@ class SchedulerSession:
                 await self.wake.wait()
                 continue
             result = await self.workers.receive()
-            self._route(pipeline.complete(wire.result_from_proto(result)))
+            self._route(pipeline.complete(result_from_proto(result)))
             await self.router.flush()
 
     def _pipeline(self) -> StepPipeline:

@@ -11,10 +11,10 @@ from typing import Any, Protocol
 
 import grpc
 
-from vmesh.services.common import wire
 from vmesh.services.common.grpc_server import channel
 from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.common.step_types import NewRequest, StepPlan
+from vmesh.services.common.wire.step import plan_to_proto
 from vmesh.services.scheduler.scheduler import Scheduler, WorkerGeometry
 from vmesh.v1 import worker_pb2, worker_pb2_grpc
 
@@ -125,14 +125,14 @@ def plan_message(plan: StepPlan, scheduler: Scheduler, full_state: bool) -> work
     """The Execute message of `plan`. `full_state` (V0's behaviour, for measurement): every
     scheduled request travels in full, every step, and the worker rebuilds its batch from them."""
     if not full_state:
-        return wire.plan_to_proto(plan)
+        return plan_to_proto(plan)
     full = StepPlan(step=plan.step, scheduled_handles=plan.scheduled_handles,
                     num_scheduled_tokens=plan.num_scheduled_tokens)
     for worker_handle, n in zip(plan.scheduled_handles, plan.num_scheduled_tokens):
         r = scheduler.by_handle[worker_handle]
         full.new_requests.append(NewRequest(worker_handle, r.all_token_ids, len(r.prompt_token_ids), r.sampling,
                                             list(r.block_ids), r.num_computed_tokens - n))
-    return wire.plan_to_proto(full, full_state=True)
+    return plan_to_proto(full, full_state=True)
 
 
 def geometry(info: worker_pb2.GetWorkerInfoResponse) -> WorkerGeometry:

@@ -9,7 +9,6 @@ import time
 import torch
 
 from vmesh.kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
-from vmesh.services.common.logprobs import TokenLogprobs
 from vmesh.services.common.model_loading import (
     ModelLoadError,
     cache_dir_path,
@@ -19,6 +18,7 @@ from vmesh.services.common.model_loading import (
 )
 from vmesh.services.common.model_spec import ModelSpec
 from vmesh.services.common.step_types import StepPlan, StepResult
+from vmesh.services.common.types import TokenLogprobs
 from vmesh.services.worker.attention import AttentionBackend, make_attention_backend
 from vmesh.services.worker.config import DTYPE_NAMES, WorkerConfig
 from vmesh.services.worker.kv_cache import KVCache, kv_cache_budget

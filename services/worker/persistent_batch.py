@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vmesh.services.common.sampling_params import SamplingParams
 from vmesh.services.common.step_types import NewRequest, StepPlan
+from vmesh.services.common.types import SamplingParams
 from vmesh.services.worker.attention import AttentionMetadata
 
 

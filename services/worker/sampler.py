@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vmesh.services.common.sampling_params import GREEDY_TEMPERATURE_EPS
+from vmesh.services.common.types import GREEDY_TEMPERATURE_EPS
 
 _MASKED = float("-inf")
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct positions give distinct seeds

@@ -11,10 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from opentelemetry import trace
 
-from vmesh.services.common import telemetry, wire
+from vmesh.services.common import telemetry
 from vmesh.services.common.grpc_server import ServiceShell
 from vmesh.services.common.metrics import Gauges, WorkerMetrics
 from vmesh.services.common.step_types import NewRequest, StepPlan
+from vmesh.services.common.wire.step import plan_from_proto, result_to_proto
 from vmesh.services.worker.model_runner import ModelRunner
 from vmesh.services.worker.persistent_batch import PlanError
 from vmesh.v1 import worker_pb2, worker_pb2_grpc
@@ -108,7 +109,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 result = await loop.run_in_executor(self.executor, self._execute, request)
             except PlanError as exc:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"rejected plan: {exc}")
-            yield wire.result_to_proto(result)
+            yield result_to_proto(result)
 
     def _reset(self) -> None:
         self.runner.reset()
@@ -116,7 +117,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.span_contexts.clear()
 
     def _execute(self, request: worker_pb2.ExecuteRequest):
-        plan = wire.plan_from_proto(request)
+        plan = plan_from_proto(request)
         if request.full_state:
             self._rebuild_batch(plan)
         if telemetry.tracing_enabled():
@@ -197,7 +198,7 @@ async def serve(load_runner: Callable[[], ModelRunner], model_name: str, host: s
 def _warm_step(runner: ModelRunner) -> None:
     """Run one tiny request through the model so the first real step pays no first-call costs,
     then leave the runner as if nothing happened (step numbering restarts at 0)."""
-    from vmesh.services.common.sampling_params import SamplingParams
+    from vmesh.services.common.types import SamplingParams
 
     handle = -1
     runner.execute(StepPlan(0, new_requests=[NewRequest(handle, [0, 1], 2, SamplingParams(temperature=0), [0])],

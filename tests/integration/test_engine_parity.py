@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import CHAT_PROMPTS
 from tests.support.reference import assert_greedy_match, hf_greedy
-from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.common.types import SamplingParams
 from vmesh.services.engine.llm import EngineConfig, LLMEngine
 from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
 

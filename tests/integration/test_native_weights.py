@@ -12,7 +12,7 @@ from tests.support.reference import NEAR_TIE
 from vmesh.services.cli import build_parser
 from vmesh.services.cli_commands import engine_config, worker_config
 from vmesh.services.common.model_loading import ModelLoadError, load_state_dict
-from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.common.types import SamplingParams
 from vmesh.services.engine.llm import EngineConfig, LLMEngine
 from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
 from vmesh.services.worker.quantized_linear import QuantizedLinear

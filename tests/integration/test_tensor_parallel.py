@@ -24,7 +24,7 @@ import torch
 
 from tests.support.plan_driver import DrivenRequest, drive
 from tests.support.tiny_models import TINY_VOCAB, save_tiny_llama, save_tiny_qwen2
-from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.common.types import SamplingParams
 from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
 from vmesh.services.worker.tensor_parallel import GROUP_FAILED_EXIT_CODE
 

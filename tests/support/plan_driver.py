@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vmesh.services.common.sampling_params import SamplingParams
 from vmesh.services.common.step_types import NewRequest, StepPlan
+from vmesh.services.common.types import SamplingParams
 from vmesh.services.worker.model_runner import ModelRunner
 
 

@@ -14,7 +14,7 @@ from tests.support.plan_driver import DrivenRequest, drive
 from tests.support.tiny_models import TINY_VOCAB, save_tiny_llama, save_tiny_qwen2
 from vmesh.kernels import reference
 from vmesh.kernels.reference import silu_and_mul_ref
-from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.common.types import SamplingParams
 from vmesh.services.worker.model import FusedOps, rms_norm_mixed_ref
 from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
 from vmesh.services.worker.rotary import RotaryEmbedding

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from tests.support.grpc_fakes import FakeContext
-from vmesh.services.common.sampling_params import OutputMode, SamplingParams
+from vmesh.services.common.types import OutputMode, SamplingParams
 from vmesh.services.detokenizer.incremental import IncrementalDetokenizer
+from vmesh.services.detokenizer.output_processor import OutputProcessor
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +236,8 @@ def test_a_replica_introduced_to_a_resumed_request_counts_its_earlier_tokens(tok
             handle=1, frontend_id="f", frontend_key=4, num_prompt_tokens=2, prompt_tail=[1, 9690, 198],
             resumed_output_token_ids=earlier, resumed_text_length=len("Hello"))],
         handles=[1], num_tokens=[1], token_ids=tok.encode(" friend", add_special_tokens=False).ids[:1],
-        finish_reasons=[common_pb2.FINISH_REASON_LENGTH], num_cached_prompt_tokens=[0], errors=[""]), {})
+        finish_reasons=[common_pb2.FINISH_REASON_LENGTH], num_cached_prompt_tokens=[0], errors=[""]),
+        OutputProcessor(tok))
     out = queue.get_nowait()
     assert out.texts[0] == " there friend"  # only what the client lacks
     assert out.num_output_tokens[0] == len(earlier) + 1 and out.num_prompt_tokens[0] == 2
@@ -251,7 +253,7 @@ def test_a_request_introduced_after_its_frontend_left_is_reported_orphaned(tok):
 
     servicer = DetokenizerServicer(tok)
     servicer.subscribers["alive"] = asyncio.Queue()
-    requests: dict = {}
+    requests: OutputProcessor[int] = OutputProcessor(tok)
     reply = servicer.process(detokenizer_pb2.DetokenizeRequest(
         new_requests=[detokenizer_pb2.DetokenizerRequestInfo(handle=1, frontend_id="gone", frontend_key=1),
                       detokenizer_pb2.DetokenizerRequestInfo(handle=2, frontend_id="alive", frontend_key=2)],

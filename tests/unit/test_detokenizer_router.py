@@ -5,9 +5,15 @@ from __future__ import annotations
 import asyncio
 
 from tests.support.grpc_fakes import FakeChannel, FakeStream
-from vmesh.services.common.finish_reason import FinishReason
-from vmesh.services.common.logprobs import TokenLogprobs
 from vmesh.services.common.runtime.retry import Backoff
+from vmesh.services.common.types import (
+    FinishReason,
+    RequestRef,
+    SamplingParams,
+    StepTokens,
+    StreamStart,
+    TokenLogprobs,
+)
 from vmesh.services.scheduler.detokenizer_router import DetokenizerRouter
 from vmesh.services.scheduler.scheduler import RequestUpdate
 from vmesh.v1 import common_pb2, detokenizer_pb2
@@ -29,8 +35,7 @@ class Harness:
 
     def route(self, key: str, address: str, frontend_key: int = 0):
         return self.router.open_route(key, self.router.replicas.members[address],
-                                      detokenizer_pb2.DetokenizerRequestInfo(frontend_id="f", frontend_key=frontend_key,
-                                                                             num_prompt_tokens=3))
+                                      StreamStart(RequestRef("f", frontend_key), [], SamplingParams(), 3))
 
 
 async def turns(n: int = 20) -> None:
@@ -92,7 +97,7 @@ def test_concurrent_flushes_write_one_at_a_time_and_in_order():
         replica = h.router.replicas.members["d:1"]
         flushes = []
         for handle in range(6):  # abort RPCs and the engine loop each flush whatever is pending, concurrently
-            replica.pending.handles.append(handle)
+            replica.pending.requests.append(StepTokens(handle, []))
             flushes.append(asyncio.create_task(h.router.flush()))
             await asyncio.sleep(0)
         await asyncio.gather(*flushes)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from vmesh.services.common.admission import MAX_STOP_STRINGS, InvalidRequest
-from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.common.types import SamplingParams
 from vmesh.services.engine.llm import EngineConfig, LLMEngine
 
 
@@ -38,7 +38,7 @@ def test_the_engine_refuses_what_the_mesh_refuses(prompt: list[int], params: Sam
         with pytest.raises(InvalidRequest) as refused:
             llm.add_request(prompt, params)
         assert refused.value.field == field and str(refused.value).startswith(f"{field}: ")
-        assert not llm.has_unfinished() and not llm.tracked
+        assert not llm.has_unfinished() and not llm.outputs
         llm.add_request([1, 2], SamplingParams(max_tokens=30))  # the next one is taken
         assert llm.has_unfinished()
     finally:

@@ -9,7 +9,9 @@ import httpx
 import pytest
 
 from tests.support.grpc_fakes import Aborted, FakeChannel, FakeContext, listening
-from vmesh.services.common.admission import InvalidRequest, ModelLimits
+from vmesh.services.common.admission import InvalidRequest
+from vmesh.services.common.types import FinishReason, ModelLimits, OutputBatch, StreamOutput
+from vmesh.services.common.wire.common import finish_from_proto
 from vmesh.services.frontend import openai_protocol as oai
 from vmesh.services.frontend import requests
 from vmesh.services.frontend.errors import RequestError
@@ -227,13 +229,8 @@ async def failover_frontend(scheduler: FailoverScheduler, **kwargs) -> FrontendS
     return f
 
 
-def output(key: int, text: str, token_ids: list[int], finish: int = 0):
-    from vmesh.v1 import detokenizer_pb2
-
-    return detokenizer_pb2.SubscribeResponse(
-        frontend_keys=[key], texts=[text], num_tokens=[len(token_ids)], token_ids=token_ids, finish_reasons=[finish],
-        num_prompt_tokens=[3], num_output_tokens=[3], num_cached_prompt_tokens=[0], num_logprobs_rows=[0],
-        errors=[""], resumable=[False])
+def output(key: int, text: str, token_ids: list[int], finish: int = 0) -> OutputBatch:
+    return OutputBatch([StreamOutput(key, text, token_ids, finish_from_proto(finish), 3, 3, 0)])
 
 
 async def until(condition) -> None:
@@ -308,15 +305,12 @@ def test_a_resumable_error_merged_with_an_unread_output_carries_no_finish():
     previous output: what the client then reads has that output's text, but no finish reason and
     no usage, and the request goes on."""
     from vmesh.services.frontend.outbox import Outbox
-    from vmesh.v1 import detokenizer_pb2
 
     f = frontend(object(), ModelLimits("m", 100, 50))
     box = f.outboxes[1] = Outbox(delta_text=True)
     f._dispatch(output(1, "Hel", [5, 6]))
-    f._dispatch(detokenizer_pb2.SubscribeResponse(
-        frontend_keys=[1], texts=[""], num_tokens=[0], finish_reasons=[common_pb2.FINISH_REASON_ABORT],
-        num_prompt_tokens=[3], num_output_tokens=[2], num_cached_prompt_tokens=[0], num_logprobs_rows=[0],
-        errors=["the scheduler's stream to this detokenizer closed"], resumable=[True]))
+    f._dispatch(OutputBatch([StreamOutput(1, "", [], FinishReason.ABORT, 3, 2, 0,
+                                          error="the scheduler's stream to this detokenizer closed", resumable=True)]))
     merged = asyncio.run(box.get())
     assert merged.text == "Hel" and merged.token_ids == [5, 6] and merged.lost == "scheduler"
-    assert merged.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED and merged.usage is None
+    assert merged.finish_reason is None and merged.usage is None

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from vmesh.services.common import wire
-from vmesh.services.common.logprobs import TokenLogprobs, pack_logprobs, to_public, unpack_logprobs
 from vmesh.services.common.step_types import StepResult
+from vmesh.services.common.types import TokenLogprobs
+from vmesh.services.common.wire.common import pack_logprobs, unpack_logprobs
+from vmesh.services.common.wire.public import logprobs_to_public
+from vmesh.services.common.wire.step import result_from_proto, result_to_proto
 from vmesh.v1 import common_pb2, detokenizer_pb2
 
 # Values a float32 holds exactly, so that the wire's float columns give them back unchanged.
@@ -33,12 +35,12 @@ def test_empty_columns_unpack_to_no_rows() -> None:
 def test_step_result_round_trips_its_logprobs_over_the_worker_wire() -> None:
     result = StepResult(step=4, handles=[1, 2, 3], sampled_token_ids=[8, 5, 4], logprobs_handles=[1, 3, 3],
                         logprobs=ROWS)
-    back = wire.result_from_proto(wire.result_to_proto(result))
+    back = result_from_proto(result_to_proto(result))
     assert back.logprobs_handles == [1, 3, 3] and back.logprobs == ROWS
 
 
 def test_public_form_keeps_each_row_and_its_top_entries_in_order() -> None:
-    public = to_public(ROWS)
+    public = logprobs_to_public(ROWS)
     assert [(p.logprob, p.rank) for p in public] == [(r.logprob, r.rank) for r in ROWS]
     assert [[(t.token_id, t.logprob) for t in p.top] for p in public] == [
         list(zip(r.top_token_ids, r.top_logprobs)) for r in ROWS]

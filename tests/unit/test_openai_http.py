@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.support.grpc_fakes import FakeChannel, listening
+from vmesh.services.common.wire.common import finish_from_proto
 from vmesh.services.frontend import openai_protocol as oai
 from vmesh.services.frontend import openai_responses as render
 from vmesh.services.frontend.errors import RequestError
@@ -104,7 +105,8 @@ async def settle(condition: Callable[[], bool], rounds: int = 10_000) -> None:
 def emit(f: FrontendServicer, text: str, finish: int = 0, keys: list[int] | None = None) -> None:
     """Play the detokenizer: `text` (one token per character) to the given requests (all: None)."""
     for key in sorted(f.outboxes) if keys is None else keys:
-        f.outboxes[key].put(PendingOutput(text=text, token_ids=[ord(c) for c in text], finish_reason=finish))
+        f.outboxes[key].put(PendingOutput(text=text, token_ids=[ord(c) for c in text],
+                                          finish_reason=finish_from_proto(finish)))
 
 
 class Call:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
+from vmesh.services.common.types import FinishReason
 from vmesh.services.frontend.outbox import Outbox, PendingOutput
-from vmesh.v1 import common_pb2
 
-STOP = common_pb2.FINISH_REASON_STOP
+STOP = FinishReason.STOP
 
 
 def test_outputs_merge_until_read():

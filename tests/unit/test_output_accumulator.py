@@ -11,7 +11,7 @@ import pytest
 
 from vmesh.services.client import VmeshClient
 from vmesh.services.common.output_accumulator import OutputAccumulator
-from vmesh.services.common.sampling_params import OutputMode
+from vmesh.services.common.types import OutputMode
 from vmesh.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 
 # The texts one request's outputs carry in each mode (the detokenizer's contract).

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vmesh.services.common.sampling_params import SamplingParams
 from vmesh.services.common.step_types import NewRequest, StepPlan
+from vmesh.services.common.types import SamplingParams
 from vmesh.services.worker.persistent_batch import PersistentBatch, PlanError
 
 BLOCK = 4

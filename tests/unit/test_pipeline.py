@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tests.support.factories import make_scheduler
-from vmesh.services.common.sampling_params import SamplingParams
 from vmesh.services.common.step_types import StepResult
+from vmesh.services.common.types import SamplingParams
 from vmesh.services.scheduler.pipeline import StepPipeline
 from vmesh.services.scheduler.request import Request
 from vmesh.services.scheduler.scheduler import Scheduler

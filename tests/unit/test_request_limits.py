@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from tests.support.grpc_fakes import listening
-from vmesh.services.common.admission import ModelLimits
+from vmesh.services.common.types import ModelLimits
 from vmesh.services.frontend import requests
 from vmesh.services.frontend.errors import RequestError
 from vmesh.services.frontend.server import FrontendServicer

@@ -6,25 +6,25 @@ from __future__ import annotations
 
 import pytest
 
-from vmesh.services.common import wire
-from vmesh.services.common.admission import InvalidRequest, ModelLimits, admit
-from vmesh.services.common.sampling_params import OutputMode, SamplingParams
+from vmesh.services.common.admission import InvalidRequest, admit
+from vmesh.services.common.types import DEFAULT_MAX_TOKENS, ModelLimits, OutputMode, SamplingParams
+from vmesh.services.common.wire.sampling import sampling_from_proto, sampling_to_proto
 from vmesh.v1 import common_pb2
 
 LIMITS = ModelLimits(name="m", max_model_len=64, vocab_size=100)
 
 
 def decode_sampling(pb: common_pb2.SamplingParams, num_prompt_tokens: int, limits: ModelLimits,
-                    default_max_tokens: int = wire.DEFAULT_MAX_TOKENS) -> SamplingParams:
+                    default_max_tokens: int = DEFAULT_MAX_TOKENS) -> SamplingParams:
     """What a door does with a request's sampling settings: decode them, then admit the request."""
-    params = wire.sampling_from_proto(pb, default_max_tokens)
+    params = sampling_from_proto(pb, default_max_tokens)
     admit([1] * num_prompt_tokens, params, limits)
     return params
 
 
 def test_unset_fields_take_their_documented_defaults() -> None:
     params = decode_sampling(common_pb2.SamplingParams(), num_prompt_tokens=4, limits=LIMITS)
-    assert params == SamplingParams(max_tokens=wire.DEFAULT_MAX_TOKENS, output_mode=OutputMode.DELTA)
+    assert params == SamplingParams(max_tokens=DEFAULT_MAX_TOKENS, output_mode=OutputMode.DELTA)
 
 
 def test_the_frontend_default_fills_max_tokens_to_the_context() -> None:
@@ -36,10 +36,10 @@ def test_forwarded_form_decodes_to_the_same_params_at_every_later_door() -> None
     client = common_pb2.SamplingParams(temperature=0.5, top_k=3, seed=(1 << 64) - 1, stop=["x"], logprobs=2,
                                        stop_token_ids=[7], output_mode=common_pb2.OUTPUT_MODE_FINAL_ONLY)
     at_frontend = decode_sampling(client, 10, LIMITS, default_max_tokens=LIMITS.max_model_len - 10)
-    forwarded = common_pb2.SamplingParams.FromString(wire.sampling_to_proto(at_frontend).SerializeToString())
+    forwarded = common_pb2.SamplingParams.FromString(sampling_to_proto(at_frontend).SerializeToString())
     # The scheduler's own default (16) never applies: the forwarded form sets every field.
     assert decode_sampling(forwarded, 10, LIMITS) == at_frontend
-    assert wire.sampling_from_proto(forwarded) == at_frontend  # as the detokenizer and worker read it
+    assert sampling_from_proto(forwarded) == at_frontend  # as the detokenizer and worker read it
     assert at_frontend.max_tokens == 54 and at_frontend.logprobs == 2 and at_frontend.seed == (1 << 64) - 1
 
 

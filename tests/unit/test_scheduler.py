@@ -9,8 +9,7 @@ import pytest
 
 from tests.support.factories import make_scheduler
 from tests.support.stub_worker import StubWorker, next_token, reference_tokens
-from vmesh.services.common.finish_reason import FinishReason
-from vmesh.services.common.sampling_params import SamplingParams
+from vmesh.services.common.types import FinishReason, SamplingParams
 from vmesh.services.scheduler.request import Request
 from vmesh.services.scheduler.scheduler import QueueFullError
 

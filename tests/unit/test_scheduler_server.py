@@ -10,10 +10,10 @@ import grpc
 import pytest
 
 from tests.support.grpc_fakes import Aborted, FakeChannel, FakeContext, FakeStream, rpc_error
-from vmesh.services.common import wire
 from vmesh.services.common.admission import MAX_STOP_TOKEN_IDS
 from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.common.step_types import StepResult
+from vmesh.services.common.wire.step import result_to_proto
 from vmesh.services.scheduler.server import SchedulerServicer
 from vmesh.services.scheduler.session import SchedulerSession
 from vmesh.services.scheduler.settings import SchedulerServiceSettings
@@ -286,7 +286,7 @@ def test_a_lost_worker_that_comes_back_gets_every_request_again():
             await settle(lambda: first.plans)
             assert first.plans[0].step == 0
             handle = first.plans[0].new_requests[0].handle
-            first.responses.put_nowait(wire.result_to_proto(StepResult(0, [handle], [42])))
+            first.responses.put_nowait(result_to_proto(StepResult(0, [handle], [42])))
             await settle(lambda: servicer.session.scheduler.requests["f/0"].output_token_ids == [42])
             worker.down = True  # it dies with step 1 in flight...
             await fail_stream(worker, details="Socket closed")

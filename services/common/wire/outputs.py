@@ -1,0 +1,54 @@
+"""The detokenizer -> frontend link: OutputBatch <-> SubscribeResponse, columns by frontend key."""
+
+from __future__ import annotations
+
+from vmesh.services.common.types import OutputBatch, StreamOutput
+from vmesh.services.common.wire.common import (
+    finish_from_proto,
+    finish_to_proto,
+    owners_of_counts,
+    pack_owned,
+    unpack_owned,
+)
+from vmesh.v1 import detokenizer_pb2
+
+
+def to_proto(batch: OutputBatch) -> detokenizer_pb2.SubscribeResponse:
+    pb = detokenizer_pb2.SubscribeResponse()
+    for o in batch.outputs:
+        pb.frontend_keys.append(o.frontend_key)
+        pb.texts.append(o.text)
+        pb.num_tokens.append(len(o.token_ids))
+        pb.token_ids.extend(o.token_ids)
+        pb.finish_reasons.append(finish_to_proto(o.finish_reason))
+        pb.num_prompt_tokens.append(o.num_prompt_tokens)
+        pb.num_output_tokens.append(o.num_output_tokens)
+        pb.num_cached_prompt_tokens.append(o.num_cached_prompt_tokens)
+        pb.num_logprobs_rows.append(len(o.logprobs))
+        pb.errors.append(o.error)
+        pb.resumable.append(o.resumable)
+    pack_owned(enumerate(o.logprobs for o in batch.outputs), pb.logprobs)
+    return pb
+
+
+def from_proto(pb: detokenizer_pb2.SubscribeResponse) -> OutputBatch:
+    n_keys = len(pb.frontend_keys)
+    logprobs = unpack_owned(owners_of_counts(pb.num_logprobs_rows), pb.logprobs)
+    token_ids, num_tokens = list(pb.token_ids), list(pb.num_tokens)  # repeated fields index slowly
+    errors = list(pb.errors) or [""] * n_keys  # per key, or absent when nothing failed
+    resumable = list(pb.resumable) or [False] * n_keys
+    outputs = []
+    offset = 0
+    for i, frontend_key in enumerate(pb.frontend_keys):
+        n = num_tokens[i]
+        outputs.append(StreamOutput(
+            frontend_key, pb.texts[i], token_ids[offset:offset + n], finish_from_proto(pb.finish_reasons[i]),
+            _at(pb.num_prompt_tokens, i), _at(pb.num_output_tokens, i), _at(pb.num_cached_prompt_tokens, i),
+            logprobs.get(i, []), errors[i], resumable[i]))
+        offset += n
+    return OutputBatch(outputs)
+
+
+def _at(column, i: int) -> int:
+    """A usage column's value; a batch that only fails requests may leave usage out."""
+    return column[i] if i < len(column) else 0
