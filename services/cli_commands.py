@@ -92,15 +92,14 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 def cmd_frontend(args: argparse.Namespace) -> int:
     configure_security(args, "frontend")
     from vmesh.services.frontend.server import serve
-    from vmesh.services.frontend.settings import FrontendSettings
+    from vmesh.services.frontend.settings import FrontendServiceSettings, FrontendSettings
 
-    settings = FrontendSettings(**values_from_args(FrontendSettings, args))
-    asyncio.run(serve(_tokenizer_loader(args), _address_specs(args.scheduler),
-                      _address_specs(args.detokenizer_addresses), args.host, args.port, args.ready_file,
-                      args.metrics_port, args.replica_refresh_interval, http_port=settings.http_api_port,
-                      api_key=settings.api_key or None, max_prompt_bytes=settings.max_prompt_bytes,
-                      model_name=_model_name(args), failover_timeout_s=settings.failover_timeout_s,
-                      routing=settings.routing))
+    settings = FrontendServiceSettings(
+        scheduler_addresses=_address_specs(args.scheduler),
+        detokenizer_addresses=_address_specs(args.detokenizer_addresses),
+        replica_refresh_interval_s=args.replica_refresh_interval, model_name=_model_name(args),
+        **values_from_args(FrontendSettings, args))
+    asyncio.run(serve(settings, _tokenizer_loader(args), args.host, args.port, args.ready_file, args.metrics_port))
     return 0
 
 

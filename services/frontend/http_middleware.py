@@ -4,17 +4,14 @@ request body is buffered or parsed on the frontend's one loop; OpenAI-shaped err
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vmesh.services.frontend import openai_protocol as oai
-from vmesh.services.frontend import requests
+from vmesh.services.frontend.auth import check_api_key
 from vmesh.services.frontend.errors import RequestError
-
-if TYPE_CHECKING:
-    from vmesh.services.frontend.server import FrontendServicer
 
 OPEN_PATHS = {"/health", "/metrics", "/openapi.json"}  # no API key asked: probes and scrapers
 
@@ -39,16 +36,16 @@ class ApiKeyMiddleware:
     """Bearer-key check ahead of everything else (body parsing included), so that a caller
     without the key learns nothing but 401. Plain ASGI: it must not buffer streamed responses."""
 
-    def __init__(self, app: Any, frontend: FrontendServicer):
+    def __init__(self, app: Any, api_key: str | None):
         self.app = app
-        self.frontend = frontend
+        self.api_key = api_key
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and self.frontend.api_key and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and self.api_key and scope["path"] not in OPEN_PATHS:
             headers = dict(scope["headers"])
             authorization = headers.get(b"authorization", b"").decode("latin-1")
             try:
-                requests.check_api_key(self.frontend.api_key, authorization)
+                check_api_key(self.api_key, authorization)
             except RequestError as exc:
                 await request_error_response(exc)(scope, receive, send)
                 return

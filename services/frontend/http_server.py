@@ -1,6 +1,6 @@
 """The frontend's HTTP shell: OpenAI's API (/v1/models, /v1/completions, /v1/chat/completions,
 streamed as Server-Sent Events) plus /health, /metrics and /openapi.json, served by uvicorn on
-the frontend's own event loop over the same request path as gRPC (requests.py). A client that
+the frontend's own event loop over the same core as gRPC (core.py). A client that
 disconnects aborts its requests, as a cancelled gRPC stream does."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
+from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -22,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vmesh.services.frontend import openai_protocol as oai
 from vmesh.services.frontend import openai_responses as render
-from vmesh.services.frontend import requests
+from vmesh.services.frontend.core import FrontendCore
 from vmesh.services.frontend.errors import RequestError
 from vmesh.services.frontend.fanout import ClientGone, Fanout, FanoutStreamingResponse, until_disconnect
 from vmesh.services.frontend.http_middleware import (
@@ -34,10 +35,8 @@ from vmesh.services.frontend.http_middleware import (
 )
 from vmesh.v1 import frontend_pb2
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # a type only: /metrics imports prometheus_client when scraped
     from prometheus_client import CollectorRegistry
-
-    from vmesh.services.frontend.server import FrontendServicer
 
 logger = logging.getLogger(__name__)
 
@@ -51,15 +50,42 @@ def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
+@dataclass
+class Reply:
+    """One HTTP request's reply as it is built: what its body, or each of its streamed chunks, says
+    besides the outputs (`choices`: one per prompt and copy, in order)."""
+
+    model: str
+    chat: bool
+    prompts: InitVar[int]
+    n: int
+    stream: bool
+    include_usage: bool  # streamed: a last chunk with the usage
+    want_logprobs: bool
+    aliases: dict[str, str]  # the request's own names of fields (for errors' `param`)
+    request_id: str = field(init=False)
+    created: int = field(init=False)
+    choices: list[render.Choice] = field(init=False)
+
+    def __post_init__(self, prompts: int) -> None:
+        self.request_id = render.new_id("chatcmpl" if self.chat else "cmpl")
+        self.created = render.now()
+        self.choices = [render.Choice() for _ in range(prompts * self.n)]
+
+    def chunk(self, choices: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
+        return {"id": self.request_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, **fields}
+
+
 class OpenAIRoutes:
-    def __init__(self, frontend: FrontendServicer):
+    def __init__(self, frontend: FrontendCore):
         self.frontend = frontend
         self.created = int(time.time())
         self._tokens: render.TokenTable | None = None
 
     def served(self) -> str:
-        requests.ready(self.frontend)
-        return requests.loaded_limits(self.frontend).name
+        self.frontend.ready()
+        return self.frontend.loaded_limits().name
 
     @property
     def tokens(self) -> render.TokenTable:
@@ -69,69 +95,58 @@ class OpenAIRoutes:
             self._tokens = render.TokenTable(self.frontend.tokenizer)
         return self._tokens
 
-    async def _run(self, http_request: Request, generate_requests: list[frontend_pb2.GenerateRequest], n: int,
-                   stream: bool, include_usage: bool, want_logprobs: bool, chat: bool,
-                   aliases: dict[str, str]) -> Response:
-        model = requests.loaded_limits(self.frontend).name
-        request_id = render.new_id("chatcmpl" if chat else "cmpl")
-        created = render.now()
-        choices = [render.Choice() for _ in range(len(generate_requests) * n)]
+    async def _run(self, http_request: Request, generate_requests: list[frontend_pb2.GenerateRequest],
+                   reply: Reply) -> Response:
         fanout: Fanout | None = None
 
         async def start() -> None:
             nonlocal fanout
             # Each prompt is tokenized once (off the loop); its n copies carry the token ids.
-            prompts = [await requests.encode(self.frontend, r) for r in generate_requests]
-            operation = "chat" if chat else "text_completion"
-            fanout = Fanout([requests.generate(self.frontend, r, trace_headers=http_request.headers,
-                                               operation=operation)
-                             for r in oai.fan_out(generate_requests, n, prompts)])
-            if stream:
+            prompts = [await self.frontend.encode(r) for r in generate_requests]
+            operation = "chat" if reply.chat else "text_completion"
+            fanout = Fanout([self.frontend.generate(r, trace_headers=http_request.headers, operation=operation)
+                             for r in oai.fan_out(generate_requests, reply.n, prompts)])
+            if reply.stream:
                 await fanout.started()
                 return
             async for index, out in fanout.events():
-                choices[index].add(out)
+                reply.choices[index].add(out)
 
         handed_over = False  # a streaming response closes the fan-out itself, when it ends
         try:
             await until_disconnect(http_request, start())
             assert fanout is not None
-            if not stream:
+            if not reply.stream:
                 await fanout.close()  # every stream has ended; closing leaves nothing to chance
-                build = render.chat_body if chat else render.completion_body
+                build = render.chat_body if reply.chat else render.completion_body
                 tokens = self.tokens
                 # Rendering n × max_tokens entries (with logprobs) is long work: a worker thread
                 # keeps the loop serving other requests meanwhile.
                 body = await asyncio.to_thread(lambda: json.dumps(
-                    build(request_id, created, model, choices, n, want_logprobs, tokens),
-                    ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode())
+                    build(reply.request_id, reply.created, reply.model, reply.choices, reply.n, reply.want_logprobs,
+                          tokens), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode())
                 return Response(body, media_type="application/json")
-            events = self._chat_events if chat else self._completion_events
-            response = FanoutStreamingResponse(
-                fanout, self._stream(fanout, events(fanout, choices, request_id, created, model, want_logprobs),
-                                     choices, n, include_usage, request_id, created, model, chat, aliases),
-                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            events = self._chat_events if reply.chat else self._completion_events
+            response = FanoutStreamingResponse(fanout, self._stream(fanout, events(fanout, reply), reply),
+                                               media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             handed_over = True
             return response
         except RequestError as exc:
-            return request_error_response(exc, aliases)
+            return request_error_response(exc, reply.aliases)
         except ClientGone:
             return Response(status_code=499)  # nobody reads it; nginx's code for "client closed"
         finally:
             if fanout is not None and not handed_over:
                 await fanout.close()
 
-    async def _stream(self, fanout: Fanout, chunks: AsyncIterator[dict[str, Any]], choices: list[render.Choice], n: int,
-                      include_usage: bool, request_id: str, created: int, model: str, chat: bool,
-                      aliases: dict[str, str]) -> AsyncIterator[str]:
+    async def _stream(self, fanout: Fanout, chunks: AsyncIterator[dict[str, Any]], reply: Reply) -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
                 yield _sse(chunk)
-            if include_usage:
-                yield _sse({"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-                            "created": created, "model": model, "choices": [], "usage": render.usage(choices, n)})
+            if reply.include_usage:
+                yield _sse(reply.chunk([], usage=render.usage(reply.choices, reply.n)))
         except RequestError as exc:  # mid-stream: the status line is long gone; OpenAI's clients read this
-            yield _sse(oai.request_error_body(exc, aliases)[1])
+            yield _sse(oai.request_error_body(exc, reply.aliases)[1])
         except Exception as exc:
             logger.exception("HTTP stream failed")
             yield _sse(oai.error_body(f"internal error: {type(exc).__name__}", "internal_error"))
@@ -139,57 +154,57 @@ class OpenAIRoutes:
             await fanout.close()
         yield "data: [DONE]\n\n"
 
-    async def _completion_events(self, fanout: Fanout, choices: list[render.Choice], request_id: str, created: int,
-                                 model: str, want_logprobs: bool) -> AsyncIterator[dict[str, Any]]:
+    async def _completion_events(self, fanout: Fanout, reply: Reply) -> AsyncIterator[dict[str, Any]]:
         async for index, out in fanout.events():
-            choice = choices[index]
+            choice = reply.choices[index]
             offset = len(choice.text)
             choice.add(out)
             if not (out.text or out.finish_reason or out.logprobs):
                 continue
             logprobs = (render.completion_logprobs(list(out.logprobs), list(out.token_ids), self.tokens, offset)
-                        if want_logprobs else None)
-            yield {"id": request_id, "object": "text_completion", "created": created, "model": model,
-                   "choices": [{"index": index, "text": out.text, "logprobs": logprobs,
-                                "finish_reason": render.finish_reason(out.finish_reason)}]}
+                        if reply.want_logprobs else None)
+            yield reply.chunk([{"index": index, "text": out.text, "logprobs": logprobs,
+                                "finish_reason": render.finish_reason(out.finish_reason)}])
 
-    async def _chat_events(self, fanout: Fanout, choices: list[render.Choice], request_id: str, created: int,
-                           model: str, want_logprobs: bool) -> AsyncIterator[dict[str, Any]]:
+    async def _chat_events(self, fanout: Fanout, reply: Reply) -> AsyncIterator[dict[str, Any]]:
         def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> dict:
-            return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+            return reply.chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
 
-        for index in range(len(choices)):  # OpenAI opens every choice with the role
+        for index in range(len(reply.choices)):  # OpenAI opens every choice with the role
             yield chunk(index, {"role": "assistant", "content": ""})
         async for index, out in fanout.events():
-            choices[index].add(out)
+            reply.choices[index].add(out)
             if not (out.text or out.finish_reason or out.logprobs):
                 continue
             logprobs = (render.chat_logprobs(list(out.logprobs), list(out.token_ids), self.tokens)
-                        if want_logprobs else None)
+                        if reply.want_logprobs else None)
             yield chunk(index, {"content": out.text} if out.text else {}, logprobs,
                         render.finish_reason(out.finish_reason))
 
     async def completions(self, body: oai.CompletionRequest, request: Request) -> Response:
-        generate_requests = oai.completion_requests(body, self.served())
-        return await self._run(request, generate_requests, body.n, body.stream,
-                               bool(body.stream_options and body.stream_options.include_usage),
-                               body.logprobs is not None, chat=False, aliases=oai.param_aliases(body))
+        model = self.served()
+        generate_requests = oai.completion_requests(body, model)
+        return await self._run(request, generate_requests, Reply(
+            model, chat=False, prompts=len(generate_requests), n=body.n, stream=body.stream,
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            want_logprobs=body.logprobs is not None, aliases=oai.param_aliases(body)))
 
     async def chat_completions(self, body: oai.ChatCompletionRequest, request: Request) -> Response:
-        generate_request = oai.chat_request(body, self.served())
-        return await self._run(request, [generate_request], body.n, body.stream,
-                               bool(body.stream_options and body.stream_options.include_usage), body.logprobs,
-                               chat=True, aliases=oai.param_aliases(body))
+        model = self.served()
+        generate_request = oai.chat_request(body, model)
+        return await self._run(request, [generate_request], Reply(
+            model, chat=True, prompts=1, n=body.n, stream=body.stream,
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            want_logprobs=body.logprobs, aliases=oai.param_aliases(body)))
 
     def models(self) -> dict[str, Any]:
-        limits = requests.model_info(self.frontend)
-        return {"object": "list", "data": [{"id": limits.model, "object": "model", "created": self.created,
-                                            "owned_by": "vmesh", "root": limits.model,
+        limits = self.frontend.loaded_limits()
+        return {"object": "list", "data": [{"id": limits.name, "object": "model", "created": self.created,
+                                            "owned_by": "vmesh", "root": limits.name,
                                             "max_model_len": limits.max_model_len}]}
 
 
-def build_app(frontend: FrontendServicer, registry: CollectorRegistry | None) -> FastAPI:
+def build_app(frontend: FrontendCore, registry: CollectorRegistry | None) -> FastAPI:
     app = FastAPI(title="vmesh", summary="OpenAI-compatible API of a vmesh frontend", docs_url=None,
                   redoc_url=None)
     routes = OpenAIRoutes(frontend)
@@ -242,8 +257,8 @@ def build_app(frontend: FrontendServicer, registry: CollectorRegistry | None) ->
         return await routes.chat_completions(body, request)
 
     # The last added runs first: the key is checked before any body byte is read.
-    app.add_middleware(BodyLimitMiddleware, limit=body_limit(frontend.max_prompt_bytes))
-    app.add_middleware(ApiKeyMiddleware, frontend=frontend)
+    app.add_middleware(BodyLimitMiddleware, limit=body_limit(frontend.settings.max_prompt_bytes))
+    app.add_middleware(ApiKeyMiddleware, api_key=frontend.settings.api_key)
     return app
 
 
@@ -266,7 +281,7 @@ def bind(host: str, port: int) -> socket.socket:
 class HttpServer:
     """uvicorn on the running event loop, bound at construction so that port 0 is known at once."""
 
-    def __init__(self, frontend: FrontendServicer, registry: CollectorRegistry | None, host: str, port: int):
+    def __init__(self, frontend: FrontendCore, registry: CollectorRegistry | None, host: str, port: int):
         self.socket = bind(host, port)
         bound = self.socket.getsockname()
         self.address = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"

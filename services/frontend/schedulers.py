@@ -21,6 +21,7 @@ from vmesh.services.common.runtime.stream import KeptStream
 from vmesh.services.common.runtime.tasks import TaskGroup
 from vmesh.services.common.types import ModelLimits
 from vmesh.services.frontend.prefix_routing import PrefixRouter
+from vmesh.services.frontend.settings import ROUTING_POLICIES
 from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,6 @@ JOIN_RETRY = Backoff(5.0)
 REACH_TIMEOUT_S = 5.0  # one attempt to reach a lost group's new process
 LOSS_GRACE_S = 3.0  # a broken connection to a live scheduler is normally back well within this
 WATCH_RETRY = Backoff(0.5)  # between attempts to reach a lost group's new process
-ROUTING_POLICIES = ("prefix", "least-busy")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vmesh.services.common.config_flags import setting
+from vmesh.services.common.runtime.discovery import DEFAULT_REFRESH_INTERVAL_S
 
 # Prompts are refused above this many bytes of text before they are tokenized: tokenizing is
 # the one step whose cost a client controls, and it runs on a shared thread pool.
@@ -13,6 +14,8 @@ DEFAULT_MAX_PROMPT_BYTES = 1 << 20
 # How long a request may wait for a scheduler group and a detokenizer replica to take it (a lost
 # one restarting, say) before it fails with UNAVAILABLE.
 DEFAULT_FAILOVER_TIMEOUT_S = 60.0
+# How a request picks among scheduler groups (data parallelism).
+ROUTING_POLICIES = ("prefix", "least-busy")
 
 HTTP_PORT_HELP = "serve the OpenAI-compatible HTTP API on --host at this port (0: any free port)"
 
@@ -35,7 +38,7 @@ class FrontendSettings:
         help="serve the public gRPC port and the HTTP API over TLS with this certificate (and --public-tls-key)")
     public_tls_key: str | None = setting(None, section="frontend")
     routing: str = setting(
-        "prefix", section="frontend", choices=["prefix", "least-busy"],
+        "prefix", section="frontend", choices=ROUTING_POLICIES,
         help="how a request picks among scheduler groups (data parallelism): prefix = the group most likely to "
              "hold its prompt's prefix in cache (load breaks ties; an overloaded group is passed over); "
              "least-busy = the fewest of this frontend's requests in flight")
@@ -48,3 +51,13 @@ class FrontendSettings:
     def http_api_port(self) -> int | None:
         """Where the HTTP API listens; None: nowhere."""
         return self.http_port if self.serve_http else None
+
+
+@dataclass(kw_only=True)
+class FrontendServiceSettings(FrontendSettings):
+    """One frontend process's settings: the frontend's own and where its peers are (the peers'
+    flags are the frontend subcommand's own; `vmesh serve` sets them instead of forwarding them)."""
+    scheduler_addresses: list[str]  # host:port or dns:///name:port specs, re-resolved periodically; one per group
+    detokenizer_addresses: list[str]  # the same, for the detokenizer replicas
+    replica_refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S
+    model_name: str | None = None  # the model whose tokenizer it loads (None: not checked against the schedulers')

@@ -89,7 +89,7 @@ async def healthy_forever(group):
 def listening(frontend, *addresses: str) -> None:
     """Mark the frontend subscribed to these detokenizer replicas, without a network or a task
     (as if each subscription had opened)."""
-    from vmesh.services.frontend.server import Subscription
+    from vmesh.services.frontend.subscriptions import Subscription
 
     for address in addresses:
         frontend.replicas.members[address] = Subscription(address, alive=True)

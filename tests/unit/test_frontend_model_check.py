@@ -7,28 +7,20 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.support.grpc_fakes import FakeChannel, healthy_forever
-from vmesh.services.frontend.schedulers import SchedulerPool
-from vmesh.services.frontend.server import FrontendServicer
-from vmesh.v1 import scheduler_pb2
-
-
-class Scheduler:
-    async def GetSchedulerStats(self, request, **kwargs):
-        return scheduler_pb2.GetSchedulerStatsResponse(model_name="SmolLM2-135M-Instruct", max_model_len=100,
-                                                       vocab_size=10)
+from tests.support.fake_scheduler import FakeScheduler
+from tests.support.frontends import make_frontend
+from vmesh.services.common.types import ModelLimits
 
 
 def connect(model_name: str) -> None:
     async def main() -> None:
-        f = FrontendServicer(object(), ["s:1"], ["d:1"], model_name=model_name)
-
-        async def no_detokenizer(address: str, opened: Callable[[], None]) -> None:  # no detokenizers here
+        async def no_detokenizer(frontend_id: str, address: str, dispatch: Callable,
+                                 opened: Callable[[], None]) -> None:  # no detokenizers here
             opened()
             await asyncio.Event().wait()
 
-        f._subscribe = no_detokenizer
-        f.schedulers = SchedulerPool(lambda address: (Scheduler(), FakeChannel()), health_stream=healthy_forever)
+        f = make_frontend(object(), scheduler=FakeScheduler(ModelLimits("SmolLM2-135M-Instruct", 100, 10)),
+                          subscribe=no_detokenizer, model_name=model_name)
         try:
             await f.connect()
         finally:

@@ -8,15 +8,17 @@ import grpc
 import httpx
 import pytest
 
-from tests.support.grpc_fakes import Aborted, FakeChannel, FakeContext, listening
+from tests.support.fake_scheduler import FakeScheduler
+from tests.support.frontends import make_frontend, serving_frontend
+from tests.support.grpc_fakes import Aborted, FakeContext
 from vmesh.services.common.admission import InvalidRequest
 from vmesh.services.common.types import FinishReason, ModelLimits, OutputBatch, StreamOutput
 from vmesh.services.common.wire.common import finish_from_proto
 from vmesh.services.frontend import openai_protocol as oai
-from vmesh.services.frontend import requests
+from vmesh.services.frontend.auth import check_api_key
 from vmesh.services.frontend.errors import RequestError
+from vmesh.services.frontend.failover import submit
 from vmesh.services.frontend.http_server import build_app
-from vmesh.services.frontend.schedulers import SchedulerPool
 from vmesh.services.frontend.server import FrontendServicer
 from vmesh.v1 import common_pb2, frontend_pb2, scheduler_pb2
 
@@ -30,23 +32,17 @@ class RefusingTokenizer:
     apply_chat_template = encode
 
 
-def frontend(tokenizer=None, limits: ModelLimits | None = None, **kwargs) -> FrontendServicer:
-    f = FrontendServicer(tokenizer, ["s:1"], ["d:1"], **kwargs)
-    f.limits = limits
-    return f
-
-
 async def drain(stream) -> list:
     return [x async for x in stream]
 
 
 def test_a_starting_frontend_answers_unavailable_not_a_crash():
-    f = frontend()
+    f = make_frontend()
     with pytest.raises(RequestError) as err:
-        asyncio.run(drain(requests.generate(f, frontend_pb2.GenerateRequest(text="hi"))))
+        asyncio.run(drain(f.generate(frontend_pb2.GenerateRequest(text="hi"))))
     assert err.value.code == grpc.StatusCode.UNAVAILABLE
     with pytest.raises(Aborted) as aborted:
-        asyncio.run(drain(f.Generate(frontend_pb2.GenerateRequest(text="hi"), FakeContext())))
+        asyncio.run(drain(FrontendServicer(f).Generate(frontend_pb2.GenerateRequest(text="hi"), FakeContext())))
     assert aborted.value.code == grpc.StatusCode.UNAVAILABLE
 
     async def via_http():
@@ -61,58 +57,50 @@ def test_a_starting_frontend_answers_unavailable_not_a_crash():
 
 
 def test_a_draining_frontend_refuses_new_requests():
-    f = frontend(RefusingTokenizer(), ModelLimits("m", 100, 10))
+    f = make_frontend(RefusingTokenizer(), ModelLimits("m", 100, 10))
     f.draining = True
     with pytest.raises(RequestError) as err:
-        asyncio.run(drain(requests.generate(f, frontend_pb2.GenerateRequest(text="hi"))))
+        asyncio.run(drain(f.generate(frontend_pb2.GenerateRequest(text="hi"))))
     assert err.value.code == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.message
 
 
 def test_prompts_over_the_byte_limit_are_refused_before_tokenizing():
-    f = frontend(RefusingTokenizer(), ModelLimits("m", 100, 10), max_prompt_bytes=8)
+    f = make_frontend(RefusingTokenizer(), ModelLimits("m", 100, 10), max_prompt_bytes=8)
     for request in (frontend_pb2.GenerateRequest(text="x" * 9),
                     frontend_pb2.GenerateRequest(chat=frontend_pb2.ChatMessages(
                         messages=[frontend_pb2.ChatMessage(role="user", content="é" * 5)]))):
         with pytest.raises(RequestError) as err:
-            asyncio.run(drain(requests.generate(f, request)))
+            asyncio.run(drain(f.generate(request)))
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in err.value.message
     with pytest.raises(RequestError):
-        asyncio.run(requests.encode(f, frontend_pb2.TokenizeRequest(text="x" * 9)))
+        asyncio.run(f.encode(frontend_pb2.TokenizeRequest(text="x" * 9)))
 
 
 def test_api_key():
-    requests.check_api_key(None, None)
-    requests.check_api_key("k", "Bearer k")
+    check_api_key(None, None)
+    check_api_key("k", "Bearer k")
     for header in (None, "", "k", "Bearer x", "Basic k"):
         with pytest.raises(RequestError) as err:
-            requests.check_api_key("k", header)
+            check_api_key("k", header)
         assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_a_cancel_during_submission_aborts_once_the_submission_resolves():
-    class SlowScheduler:
+    class SlowScheduler(FakeScheduler):
         def __init__(self):
+            super().__init__(ModelLimits("m", 100, 10))
             self.release = asyncio.Event()
-            self.aborted: list[int] = []
-
-        async def GetSchedulerStats(self, request, **kwargs):
-            return scheduler_pb2.GetSchedulerStatsResponse(model_name="m", max_model_len=100, vocab_size=10)
 
         async def SubmitRequest(self, request, **kwargs):
             await self.release.wait()  # the scheduler takes it, but only after the client left
-            return scheduler_pb2.SubmitRequestResponse(detokenizer="d:1")
-
-        async def AbortRequest(self, request, **kwargs):
-            self.aborted.append(request.frontend_key)
-            return scheduler_pb2.AbortRequestResponse()
+            return await super().SubmitRequest(request, **kwargs)
 
     async def main():
         scheduler = SlowScheduler()
-        f = frontend()
-        f.schedulers = SchedulerPool(lambda address: (scheduler, FakeChannel()))
-        await f.schedulers.add("s:1").joined.wait()
+        f = make_frontend(scheduler=scheduler)
+        await f.join_schedulers()
         submission = scheduler_pb2.SubmitRequestRequest(frontend_key=7)
-        task = asyncio.create_task(requests.submit(f, submission))
+        task = asyncio.create_task(submit(f, submission))
         await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -192,41 +180,9 @@ def test_unknown_model_is_404_and_errors_map_to_http_statuses():
     assert oai.request_error_body(empty)[1]["error"]["param"] == "prompt"
 
 
-class FailoverScheduler:
-    """A scheduler group's stub that records submissions and aborts; `refuse` makes it answer
-    UNAVAILABLE (a group that cannot take requests now)."""
-
-    def __init__(self) -> None:
-        self.submissions: list[scheduler_pb2.SubmitRequestRequest] = []
-        self.aborted: list[int] = []
-        self.refuse = False
-
-    async def GetSchedulerStats(self, request, **kwargs):
-        return scheduler_pb2.GetSchedulerStatsResponse(model_name="m", max_model_len=100, vocab_size=50)
-
-    async def SubmitRequest(self, request, **kwargs):
-        if self.refuse:
-            from tests.support.grpc_fakes import rpc_error
-
-            raise rpc_error(grpc.StatusCode.UNAVAILABLE)
-        copy = scheduler_pb2.SubmitRequestRequest()
-        copy.CopyFrom(request)
-        self.submissions.append(copy)
-        return scheduler_pb2.SubmitRequestResponse(detokenizer=f"d:{len(self.submissions)}")
-
-    async def AbortRequest(self, request, **kwargs):
-        self.aborted.append(request.frontend_key)
-        return scheduler_pb2.AbortRequestResponse()
-
-
-async def failover_frontend(scheduler: FailoverScheduler, **kwargs) -> FrontendServicer:
-    from tests.support.grpc_fakes import healthy_forever
-
-    f = frontend(object(), ModelLimits("m", 100, 50), **kwargs)
-    f.schedulers = SchedulerPool(lambda address: (scheduler, FakeChannel()), health_stream=healthy_forever)
-    await f.schedulers.add("s:1").joined.wait()
-    listening(f, "d:1", "d:2", "d:3")
-    return f
+def failover_scheduler() -> FakeScheduler:
+    """Names a new detokenizer replica for each submission."""
+    return FakeScheduler(ModelLimits("m", 100, 50), detokenizer=lambda n: f"d:{n}")
 
 
 def output(key: int, text: str, token_ids: list[int], finish: int = 0) -> OutputBatch:
@@ -247,28 +203,27 @@ def test_a_request_fails_over_with_what_the_client_has_and_ignores_its_old_key()
     are ignored; the client sees one uninterrupted stream."""
 
     async def main():
-        scheduler = FailoverScheduler()
-        f = await failover_frontend(scheduler)
+        f, scheduler = await serving_frontend(object(), failover_scheduler(), ("d:1", "d:2", "d:3"))
         request = frontend_pb2.GenerateRequest(token_ids=frontend_pb2.TokenIds(ids=[1, 2, 3]),
                                                sampling=common_pb2.SamplingParams(max_tokens=5))
-        client = asyncio.create_task(drain(requests.generate(f, request)))
-        await until(lambda: scheduler.submissions)
-        first = scheduler.submissions[0].frontend_key
-        f._dispatch(output(first, "Hel", [5, 6]))
-        f._fail_replica("d:1", "the detokenizer serving this request became unavailable")
-        await until(lambda: len(scheduler.submissions) == 2)
-        second = scheduler.submissions[1]
+        client = asyncio.create_task(drain(f.generate(request)))
+        await until(lambda: scheduler.submitted)
+        first = scheduler.submitted[0].frontend_key
+        f.dispatch(output(first, "Hel", [5, 6]))
+        f.replica_lost("d:1", "the detokenizer serving this request became unavailable")
+        await until(lambda: len(scheduler.submitted) == 2)
+        second = scheduler.submitted[1]
         assert second.frontend_key != first and list(second.prompt_token_ids) == [1, 2, 3]
         assert list(second.resumed_output_token_ids) == [5, 6] and second.resumed_text_length == 3
         await until(lambda: scheduler.aborted == [first])  # the old group stops computing it
-        f._dispatch(output(first, "STALE", [9]))  # a late output under the old key: ignored
-        f._dispatch(output(second.frontend_key, "lo", [7]))
+        f.dispatch(output(first, "STALE", [9]))  # a late output under the old key: ignored
+        f.dispatch(output(second.frontend_key, "lo", [7]))
         group = f.schedulers.groups["s:1"]
-        f._scheduler_lost(group)  # now its scheduler goes
-        await until(lambda: len(scheduler.submissions) == 3)
-        third = scheduler.submissions[2]
+        f.scheduler_lost(group)  # now its scheduler goes
+        await until(lambda: len(scheduler.submitted) == 3)
+        third = scheduler.submitted[2]
         assert list(third.resumed_output_token_ids) == [5, 6, 7] and third.resumed_text_length == 5
-        f._dispatch(output(third.frontend_key, " you", [8, 9], common_pb2.FINISH_REASON_LENGTH))
+        f.dispatch(output(third.frontend_key, " you", [8, 9], common_pb2.FINISH_REASON_LENGTH))
         responses = await client
         assert "".join(r.text for r in responses) == "Hello you"
         assert [t for r in responses for t in r.token_ids] == [5, 6, 7, 8, 9]
@@ -282,14 +237,14 @@ def test_a_request_fails_over_with_what_the_client_has_and_ignores_its_old_key()
 
 def test_a_failover_that_finds_no_taker_fails_unavailable_after_the_bounded_wait():
     async def main():
-        scheduler = FailoverScheduler()
-        f = await failover_frontend(scheduler, failover_timeout_s=0.2)
+        f, scheduler = await serving_frontend(object(), failover_scheduler(), ("d:1", "d:2", "d:3"),
+                                              failover_timeout_s=0.2)
         request = frontend_pb2.GenerateRequest(token_ids=frontend_pb2.TokenIds(ids=[1, 2, 3]),
                                                sampling=common_pb2.SamplingParams(max_tokens=5))
-        client = asyncio.create_task(drain(requests.generate(f, request)))
-        await until(lambda: scheduler.submissions)
+        client = asyncio.create_task(drain(f.generate(request)))
+        await until(lambda: scheduler.submitted)
         scheduler.refuse = True
-        f._fail_replica("d:1", "the detokenizer serving this request became unavailable")
+        f.replica_lost("d:1", "the detokenizer serving this request became unavailable")
         with pytest.raises(RequestError) as err:
             await client
         assert err.value.code == grpc.StatusCode.UNAVAILABLE
@@ -306,10 +261,11 @@ def test_a_resumable_error_merged_with_an_unread_output_carries_no_finish():
     no usage, and the request goes on."""
     from vmesh.services.frontend.outbox import Outbox
 
-    f = frontend(object(), ModelLimits("m", 100, 50))
-    box = f.outboxes[1] = Outbox(delta_text=True)
-    f._dispatch(output(1, "Hel", [5, 6]))
-    f._dispatch(OutputBatch([StreamOutput(1, "", [], FinishReason.ABORT, 3, 2, 0,
+    f = make_frontend(object(), ModelLimits("m", 100, 50))
+    box = Outbox(delta_text=True)
+    key = f.register(box)
+    f.dispatch(output(key, "Hel", [5, 6]))
+    f.dispatch(OutputBatch([StreamOutput(key, "", [], FinishReason.ABORT, 3, 2, 0,
                                           error="the scheduler's stream to this detokenizer closed", resumable=True)]))
     merged = asyncio.run(box.get())
     assert merged.text == "Hel" and merged.token_ids == [5, 6] and merged.lost == "scheduler"

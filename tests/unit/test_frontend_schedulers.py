@@ -5,24 +5,21 @@ import asyncio
 
 import grpc
 
+from tests.support.fake_scheduler import FakeScheduler
 from tests.support.grpc_fakes import FakeChannel, healthy_forever, rpc_error
 from vmesh.services.common.runtime.retry import Backoff
+from vmesh.services.common.types import ModelLimits
 from vmesh.services.frontend.schedulers import SchedulerPool
-from vmesh.v1 import scheduler_pb2
 
 
-class FakeScheduler:
-    def __init__(self, model: str):
-        self.model = model
-
-    async def GetSchedulerStats(self, request, **kwargs):
-        return scheduler_pb2.GetSchedulerStatsResponse(model_name=self.model, max_model_len=2048, vocab_size=100)
+def serving(model: str) -> FakeScheduler:
+    return FakeScheduler(ModelLimits(model, 2048, 100))
 
 
 def pool_of(models: dict[str, str], **kwargs) -> tuple[SchedulerPool, dict[str, FakeChannel]]:
     channels = {address: FakeChannel() for address in models}
     kwargs.setdefault("health_stream", healthy_forever)
-    return SchedulerPool(lambda address: (FakeScheduler(models[address]), channels[address]), **kwargs), channels
+    return SchedulerPool(lambda address: (serving(models[address]), channels[address]), **kwargs), channels
 
 
 def test_requests_go_to_the_least_busy_group_serving_the_same_model():
@@ -75,7 +72,7 @@ def test_a_group_that_is_not_ready_yet_is_asked_again():
             return await super().GetSchedulerStats(request, **kwargs)
 
     async def main() -> None:
-        stub = StartingScheduler("m")
+        stub = StartingScheduler(ModelLimits("m", 2048, 100))
         pool = SchedulerPool(lambda address: (stub, FakeChannel()), join_retry=Backoff.none())
         group = pool.add("a:1")
         for _ in range(20):
@@ -88,33 +85,32 @@ def test_a_group_that_is_not_ready_yet_is_asked_again():
 def test_submission_fails_over_to_the_next_group_only_when_unavailable():
     import grpc
 
+    from tests.support.frontends import make_frontend
     from vmesh.services.frontend.errors import RequestError
-    from vmesh.services.frontend.requests import submit as submit_request
-    from vmesh.services.frontend.server import FrontendServicer
+    from vmesh.services.frontend.failover import submit as submit_request
+    from vmesh.v1 import scheduler_pb2
 
     class Group(FakeScheduler):
         def __init__(self, error: grpc.StatusCode | None):
-            super().__init__("m")
+            super().__init__(ModelLimits("m", 2048, 100))
             self.error = error
-            self.submitted = 0
+            self.calls = 0
 
         async def SubmitRequest(self, request, **kwargs):
-            self.submitted += 1
+            self.calls += 1
             if self.error is not None:
                 raise rpc_error(self.error)
-            return scheduler_pb2.SubmitRequestResponse(detokenizer="d:1")
+            return await super().SubmitRequest(request, **kwargs)
 
     async def submit(errors: dict[str, grpc.StatusCode | None]):
         stubs = {address: Group(error) for address, error in errors.items()}
-        frontend = FrontendServicer(None, list(errors), ["d:1"])
-        frontend.schedulers = SchedulerPool(lambda address: (stubs[address], FakeChannel()))
-        groups = [frontend.schedulers.add(address) for address in errors]
-        await asyncio.gather(*(g.joined.wait() for g in groups))
+        frontend = make_frontend(scheduler=stubs, schedulers=tuple(errors))
+        await frontend.join_schedulers()
         try:
             group, _ = await submit_request(frontend, scheduler_pb2.SubmitRequestRequest())
-            return group.address, {a: (s.submitted, frontend.schedulers.groups[a].in_flight) for a, s in stubs.items()}
+            return group.address, {a: (s.calls, frontend.schedulers.groups[a].in_flight) for a, s in stubs.items()}
         except RequestError as exc:
-            return exc.code, {a: (s.submitted, frontend.schedulers.groups[a].in_flight) for a, s in stubs.items()}
+            return exc.code, {a: (s.calls, frontend.schedulers.groups[a].in_flight) for a, s in stubs.items()}
 
     # a:1 is down: the request goes to b:1, and only b:1 counts it in flight
     assert asyncio.run(submit({"a:1": grpc.StatusCode.UNAVAILABLE, "b:1": None})) == (
@@ -128,7 +124,7 @@ class Restartable(FakeScheduler):
     """A scheduler process that can die, come back as a new process, or stay the same."""
 
     def __init__(self, model: str):
-        super().__init__(model)
+        super().__init__(ModelLimits(model, 2048, 100))
         self.incarnation = "first"
         self.down = False
 
@@ -153,7 +149,7 @@ async def _break_once(outcome: str) -> tuple[list, bool]:
 
     scheduler = Restartable("m")
     lost = []
-    pool = SchedulerPool(lambda address: (scheduler if address == "a:1" else FakeScheduler("m"), FakeChannel()),
+    pool = SchedulerPool(lambda address: (scheduler if address == "a:1" else serving("m"), FakeChannel()),
                          on_lost=lost.append, loss_grace_s=0.05,
                          health_stream=lambda g: health(g) if g.address == "a:1" else healthy_forever(g))
     a, b = pool.add("a:1"), pool.add("b:1")

@@ -13,18 +13,17 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.grpc_fakes import FakeChannel, listening
+from tests.support.frontends import make_frontend, serving_frontend
 from vmesh.services.common.wire.common import finish_from_proto
 from vmesh.services.frontend import openai_protocol as oai
 from vmesh.services.frontend import openai_responses as render
+from vmesh.services.frontend.core import FrontendCore
 from vmesh.services.frontend.errors import RequestError
 from vmesh.services.frontend.fanout import Fanout, until_disconnect
 from vmesh.services.frontend.http_middleware import body_limit
 from vmesh.services.frontend.http_server import build_app
 from vmesh.services.frontend.outbox import PendingOutput
-from vmesh.services.frontend.schedulers import SchedulerPool
-from vmesh.services.frontend.server import FrontendServicer
-from vmesh.v1 import common_pb2, frontend_pb2, scheduler_pb2
+from vmesh.v1 import common_pb2, frontend_pb2
 
 LENGTH = common_pb2.FINISH_REASON_LENGTH
 ABORT = common_pb2.FINISH_REASON_ABORT
@@ -50,48 +49,6 @@ class CharTokenizer:
         return "".join(map(chr, ids))
 
 
-class FakeScheduler:
-    """Takes every submission; records submissions and aborts."""
-
-    def __init__(self) -> None:
-        self.submitted: list[scheduler_pb2.SubmitRequestRequest] = []
-        self.aborted: list[int] = []
-        self.arrived = asyncio.Event()
-
-    async def GetSchedulerStats(self, request: Any, **kwargs: Any) -> scheduler_pb2.GetSchedulerStatsResponse:
-        return scheduler_pb2.GetSchedulerStatsResponse(model_name="m", max_model_len=1000, vocab_size=1000)
-
-    async def SubmitRequest(self, request: Any, **kwargs: Any) -> scheduler_pb2.SubmitRequestResponse:
-        self.submitted.append(request)
-        self.arrived.set()
-        return scheduler_pb2.SubmitRequestResponse(detokenizer="d:1")
-
-    async def AbortRequest(self, request: Any, **kwargs: Any) -> scheduler_pb2.AbortRequestResponse:
-        self.aborted.append(request.frontend_key)
-        return scheduler_pb2.AbortRequestResponse()
-
-    async def until_submitted(self, count: int) -> None:
-        # An event, not a bounded spin: tokenizing runs on a worker thread.
-        while len(self.submitted) < count:
-            self.arrived.clear()
-            await self.arrived.wait()
-
-
-async def quiet_health(group: Any) -> AsyncIterator[Any]:
-    await asyncio.Event().wait()  # the scheduler never goes away
-    yield
-
-
-async def serving_frontend(tokenizer: Any = None, **kwargs: Any) -> tuple[FrontendServicer, FakeScheduler]:
-    scheduler = FakeScheduler()
-    f = FrontendServicer(tokenizer or CharTokenizer(), ["s:1"], ["d:1"], **kwargs)
-    f.schedulers = SchedulerPool(lambda address: (scheduler, FakeChannel()), health_stream=quiet_health)
-    await f.schedulers.add("s:1").joined.wait()
-    f.limits = f.schedulers.limits
-    listening(f, "d:1")
-    return f, scheduler
-
-
 async def settle(condition: Callable[[], bool], rounds: int = 10_000) -> None:
     """Let the loop run until `condition` holds; only for work that needs no thread or timer, so
     a bound on loop rounds (not on time) says it never will."""
@@ -102,7 +59,7 @@ async def settle(condition: Callable[[], bool], rounds: int = 10_000) -> None:
     raise AssertionError("the condition never held")
 
 
-def emit(f: FrontendServicer, text: str, finish: int = 0, keys: list[int] | None = None) -> None:
+def emit(f: FrontendCore, text: str, finish: int = 0, keys: list[int] | None = None) -> None:
     """Play the detokenizer: `text` (one token per character) to the given requests (all: None)."""
     for key in sorted(f.outboxes) if keys is None else keys:
         f.outboxes[key].put(PendingOutput(text=text, token_ids=[ord(c) for c in text],
@@ -167,7 +124,7 @@ def test_n_copies_tokenize_the_prompt_once_and_carry_its_ids():
 
 def test_a_stream_starts_with_its_first_choice_and_its_other_choices_follow():
     async def main():
-        f, scheduler = await serving_frontend()
+        f, scheduler = await serving_frontend(CharTokenizer())
         call = Call(build_app(f, None), "/v1/completions", {"prompt": [1, 2], "n": 3, "max_tokens": 2,
                                                             "stream": True})
         await scheduler.until_submitted(3)
@@ -192,7 +149,7 @@ def test_a_stream_whose_client_left_as_it_started_aborts_its_requests():
     response start fails); the fan-out must be closed all the same."""
 
     async def main():
-        f, scheduler = await serving_frontend()
+        f, scheduler = await serving_frontend(CharTokenizer())
         call = Call(build_app(f, None), "/v1/completions", {"prompt": [1, 2], "n": 2, "max_tokens": 500,
                                                             "stream": True}, spec_version="2.4", fail_on_start=True)
         await scheduler.until_submitted(2)
@@ -207,7 +164,7 @@ def test_a_stream_whose_client_left_as_it_started_aborts_its_requests():
 
 def test_a_non_streaming_request_whose_client_left_aborts_its_requests():
     async def main():
-        f, scheduler = await serving_frontend()
+        f, scheduler = await serving_frontend(CharTokenizer())
         call = Call(build_app(f, None), "/v1/completions", {"prompt": [1, 2], "n": 2, "max_tokens": 500})
         await scheduler.until_submitted(2)
         emit(f, "a")
@@ -223,7 +180,7 @@ def test_a_non_streaming_request_whose_client_left_aborts_its_requests():
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_aborted_request_is_an_error_not_an_abort_finish_reason(stream: bool):
     async def main():
-        f, scheduler = await serving_frontend()
+        f, scheduler = await serving_frontend(CharTokenizer())
         call = Call(build_app(f, None), "/v1/chat/completions",
                     {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": stream})
         await scheduler.until_submitted(1)
@@ -314,7 +271,7 @@ def test_until_disconnect_lets_its_own_cancellation_through():
 
 
 def test_request_bodies_over_the_limit_are_refused_with_413():
-    f = FrontendServicer(None, ["s:1"], ["d:1"], max_prompt_bytes=8)
+    f = make_frontend(max_prompt_bytes=8)
     limit = body_limit(8)
     assert limit == 64 * 8 + 64 * 1024
     chunks_sent = 0
@@ -348,7 +305,7 @@ def test_request_bodies_over_the_limit_are_refused_with_413():
 
 def test_a_lone_surrogate_is_a_400_naming_the_field():
     async def main():
-        f, _ = await serving_frontend()
+        f, _ = await serving_frontend(CharTokenizer())
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(f, None)),
                                      base_url="http://frontend") as http:
             out = []

@@ -7,18 +7,11 @@ import asyncio
 import grpc
 import pytest
 
-from tests.support.grpc_fakes import listening
+from tests.support.fake_scheduler import FakeScheduler
+from tests.support.frontends import make_frontend, serving_frontend
 from vmesh.services.common.types import ModelLimits
-from vmesh.services.frontend import requests
 from vmesh.services.frontend.errors import RequestError
-from vmesh.services.frontend.server import FrontendServicer
 from vmesh.v1 import frontend_pb2
-
-
-def frontend(tokenizer, limits: ModelLimits) -> FrontendServicer:
-    f = FrontendServicer(tokenizer, ["s:1"], ["d:1"])
-    f.limits = limits
-    return f
 
 
 async def drain(stream) -> list:
@@ -47,9 +40,9 @@ class TokenIdsRequest:
 
 
 def test_token_id_prompts_longer_than_the_context_are_refused_before_any_copy():
-    f = frontend(object(), ModelLimits("m", max_model_len=100, vocab_size=10))
+    f = make_frontend(object(), ModelLimits("m", max_model_len=100, vocab_size=10))
     with pytest.raises(RequestError) as err:
-        asyncio.run(requests.encode(f, TokenIdsRequest(50_000_000)))
+        asyncio.run(f.encode(TokenIdsRequest(50_000_000)))
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "50000000 tokens" in err.value.message
 
 
@@ -63,46 +56,40 @@ class Tokenizer:
 
 
 def test_a_deadline_that_passed_before_submission_is_deadline_exceeded():
-    f = frontend(Tokenizer(), ModelLimits("m", 100, 10))
-    listening(f, "d:1")
-    f.schedulers.candidates = lambda: [object()]
+    async def main() -> None:
+        f, _ = await serving_frontend(Tokenizer(), FakeScheduler(ModelLimits("m", 100, 10)))
+        await drain(f.generate(frontend_pb2.GenerateRequest(text="hi"), time_remaining=lambda: 0.0))
+
     with pytest.raises(RequestError) as err:
-        asyncio.run(drain(requests.generate(f, frontend_pb2.GenerateRequest(text="hi"), time_remaining=lambda: 0.0)))
+        asyncio.run(main())
     assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 def test_a_drain_that_began_during_tokenization_refuses_the_request():
     """Drain waits for requests in flight; one still tokenizing was not counted, so it must not
     start once tokenized (it would be cut off when the server stops)."""
-    f = frontend(None, ModelLimits("m", 100, 10))
+    f = make_frontend(None, ModelLimits("m", 100, 10))
     f.tokenizer = Tokenizer(on_encode=lambda: setattr(f, "draining", True))
     with pytest.raises(RequestError) as err:
-        asyncio.run(drain(requests.generate(f, frontend_pb2.GenerateRequest(text="hi"))))
+        asyncio.run(drain(f.generate(frontend_pb2.GenerateRequest(text="hi"))))
     assert err.value.code == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.message
     assert f.in_flight == 0
 
 
 def test_a_failed_submission_does_not_show_internal_addresses():
     """gRPC's own text names addresses inside the mesh; the client gets the gist."""
-    from tests.support.grpc_fakes import FakeChannel, healthy_forever, rpc_error
-    from vmesh.services.frontend.schedulers import SchedulerPool
-    from vmesh.v1 import scheduler_pb2
+    from tests.support.grpc_fakes import rpc_error
 
-    class DownScheduler:
-        async def GetSchedulerStats(self, request, **kwargs):
-            return scheduler_pb2.GetSchedulerStatsResponse(model_name="m", max_model_len=100, vocab_size=10)
-
+    class DownScheduler(FakeScheduler):
         async def SubmitRequest(self, request, **kwargs):
             raise rpc_error(grpc.StatusCode.UNAVAILABLE,
                             "failed to connect to all addresses; last error: ipv4:10.1.2.3:50052: Connection refused")
 
     async def main() -> RequestError:
-        f = frontend(Tokenizer(), ModelLimits("m", 100, 10))
-        f.schedulers = SchedulerPool(lambda address: (DownScheduler(), FakeChannel()), health_stream=healthy_forever)
-        await f.schedulers.add("s:1").joined.wait()
-        listening(f, "d:1")
+        # No wait for a group to come back: the refusal is the answer under test.
+        f, _ = await serving_frontend(Tokenizer(), DownScheduler(ModelLimits("m", 100, 10)), failover_timeout_s=0)
         try:
-            await drain(requests.generate(f, frontend_pb2.GenerateRequest(text="hi")))
+            await drain(f.generate(frontend_pb2.GenerateRequest(text="hi")))
         except RequestError as exc:
             return exc
         finally:

@@ -1,0 +1,383 @@
+"""The frontend's core, shared by its gRPC shell (server.py) and its HTTP shell (http_server.py):
+the state every request shares (the scheduler groups it submits to; one subscription per
+detokenizer replica, over which every request's outputs arrive; an outbox per request in flight)
+and the one request path: authorize, tokenize (off the event loop), validate, submit (failover.py
+keeps it running when it loses a service), and stream the outputs. Failures raise RequestError
+with a gRPC status code; each shell turns it into its own transport's error."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping
+from typing import Any, TypeVar
+
+from opentelemetry import trace
+
+from vmesh.services.common import telemetry
+from vmesh.services.common.admission import InvalidRequest, admit, check_model, check_prompt_length
+from vmesh.services.common.metrics import FrontendMetrics
+from vmesh.services.common.runtime.discovery import AddressBook
+from vmesh.services.common.runtime.peers import PeerSet
+from vmesh.services.common.runtime.retry import Backoff
+from vmesh.services.common.runtime.stream import KeptStream
+from vmesh.services.common.runtime.tasks import TaskGroup, wait_until
+from vmesh.services.common.types import ModelLimits, OutputBatch, OutputMode, RequestRef, SamplingParams, finish_name
+from vmesh.services.common.wire.common import finish_to_proto
+from vmesh.services.common.wire.public import logprobs_to_public, usage_to_public
+from vmesh.services.common.wire.sampling import sampling_from_proto, sampling_to_proto
+from vmesh.services.frontend import schedulers
+from vmesh.services.frontend.auth import check_api_key
+from vmesh.services.frontend.errors import Code, RequestError
+from vmesh.services.frontend.failover import DETOKENIZER_LOST, Route, TimeRemaining
+from vmesh.services.frontend.inputs import encode_input, prompt_bytes
+from vmesh.services.frontend.outbox import LostService, Outbox, PendingOutput
+from vmesh.services.frontend.schedulers import SchedulerGroup, SchedulerPool
+from vmesh.services.frontend.settings import FrontendServiceSettings
+from vmesh.services.frontend.subscriptions import Subscribe, Subscription, subscribe_over_grpc
+from vmesh.v1 import frontend_pb2, scheduler_pb2
+
+logger = logging.getLogger(__name__)
+
+RESUBSCRIBE = Backoff(1.0)
+TRACER = telemetry.tracer("vmesh.frontend")
+# Tokenizers release the GIL; two threads keep a core for everything else on a small machine.
+TOKENIZER_THREADS = 2
+Loaded = TypeVar("Loaded")
+
+
+def _loaded(value: Loaded | None) -> Loaded:
+    """What the frontend loads as it starts (its tokenizer; the model's limits, once the
+    schedulers have answered): until then, requests are refused as UNAVAILABLE."""
+    if value is None:
+        raise RequestError(Code.UNAVAILABLE, "the frontend is starting; try again shortly")
+    return value
+
+
+class RequestClock:
+    """One request's times, measured once for both the Prometheus series (FrontendMetrics) and
+    OpenTelemetry's GenAI metrics: from its arrival to its first token, between tokens, to its end."""
+
+    def __init__(self, metrics: FrontendMetrics | None):
+        self.metrics = metrics
+        self.started = self.last_token_at = time.monotonic()
+        self.first_token_at: float | None = None
+
+    def observe(self, out: PendingOutput, finished: bool) -> None:
+        if out.token_ids:
+            now = time.monotonic()
+            if self.first_token_at is None:
+                self.first_token_at = now
+                if self.metrics:
+                    self.metrics.ttft.observe(now - self.started)
+            elif self.metrics:  # merged outputs spread their gap over their tokens
+                for _ in out.token_ids:
+                    self.metrics.itl.observe((now - self.last_token_at) / len(out.token_ids))
+            self.last_token_at = now
+        if self.metrics and finished:
+            self.metrics.e2e.observe(time.monotonic() - self.started)
+            self.metrics.request_finished(finish_name(out.finish_reason))
+
+
+class FrontendCore:
+    def __init__(self, settings: FrontendServiceSettings, *, tokenizer: Any = None, limits: ModelLimits | None = None,
+                 connect_scheduler: Callable[[str], tuple[Any, Any]] = schedulers.connect,
+                 scheduler_health: Callable[[SchedulerGroup], Any] = schedulers.health_stream,
+                 subscribe: Subscribe = subscribe_over_grpc, resubscribe: Backoff = RESUBSCRIBE,
+                 metrics: FrontendMetrics | None = None, genai_metrics: telemetry.GenAIServerMetrics | None = None):
+        """`tokenizer`, `limits`: when already loaded (else `start` loads the tokenizer, and the
+        limits are the schedulers' answer). `connect_scheduler`, `scheduler_health`: how a
+        scheduler group is reached and watched (SchedulerPool's). `subscribe(frontend_id, address,
+        dispatch, opened)`: one subscription to a detokenizer replica, read until it breaks;
+        `resubscribe`: the wait before subscribing again to a replica whose subscription broke."""
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.draining = False
+        self.background = TaskGroup()  # aborts that outlive their request
+        self.frontend_id = f"frontend-{uuid.uuid4().hex[:12]}"
+        self.scheduler_addresses = AddressBook(settings.scheduler_addresses)
+        self.schedulers = SchedulerPool(connect_scheduler, on_lost=self.scheduler_lost, health_stream=scheduler_health,
+                                        routing=settings.routing)
+        self.detokenizers = AddressBook(settings.detokenizer_addresses)
+        self.outboxes: dict[int, Outbox] = {}  # by frontend key
+        self.frontend_keys = itertools.count(1)
+        self._subscribe = subscribe
+        self.resubscribe = resubscribe
+        self.replicas: PeerSet[Subscription] = PeerSet(
+            "detokenizer", self._start_subscription, is_idle=self._serves_nothing, stop=Subscription.stop,
+            on_retire=lambda subscription: subscription.joined.set())  # start-up stops waiting for it
+        self._tasks = TaskGroup()
+        self.in_flight = 0
+        self.metrics = metrics
+        self.genai_metrics = genai_metrics or telemetry.GenAIServerMetrics()
+        # Its own pool: a queue of long prompts never delays DNS look-ups or other default-pool work.
+        self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+
+    @property
+    def failover_timeout_s(self) -> float:
+        return self.settings.failover_timeout_s
+
+    async def start(self, load_tokenizer: Callable[[], Any]) -> None:
+        """Load the tokenizer (off the loop), then join the schedulers and subscribe to the detokenizers."""
+        self.tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer)
+        await self.connect()
+
+    async def connect(self) -> None:
+        await self.join_schedulers()
+        await asyncio.gather(*(self.replicas.add(address).joined.wait() for address in self.detokenizers.addresses))
+        refresh_s = self.settings.replica_refresh_interval_s
+        self._tasks.spawn(self.replicas.follow(self.detokenizers, refresh_s))
+        self._tasks.spawn(self.schedulers.members.follow(self.scheduler_addresses, refresh_s))
+
+    async def join_schedulers(self) -> None:
+        """Wait for every listed scheduler group to answer; the model's limits are theirs."""
+        groups = [self.schedulers.add(address) for address in self.scheduler_addresses.addresses]
+        await asyncio.gather(*(g.joined.wait() for g in groups))
+        if not self.schedulers.candidates():
+            raise RuntimeError("no scheduler answered")
+        limits = self.schedulers.limits
+        if limits is None:
+            raise RuntimeError("no scheduler told its model")
+        model_name = self.settings.model_name
+        if model_name is not None and limits.name != model_name:
+            # Its tokenizer would turn text into ids of another vocabulary: wrong answers, not errors.
+            raise RuntimeError(f"this frontend loaded the tokenizer of {model_name!r}, but the schedulers "
+                               f"serve {limits.name!r}; give both the same --model")
+        self.limits = limits
+
+    async def close(self) -> None:
+        self._tasks.cancel()
+        for subscription in self.replicas:
+            subscription.stop()
+        await self.schedulers.close()
+        self.tokenizer_pool.shutdown(wait=False)
+
+    # --- subscriptions and the outputs they deliver --------------------------------------------
+
+    @property
+    def subscribed(self) -> set[str]:
+        """Replicas whose subscription is open right now."""
+        return {subscription.address for subscription in self.replicas if subscription.alive}
+
+    def listening(self) -> list[str]:
+        """Replicas a new request may be routed to: subscribed, and not leaving."""
+        return sorted(subscription.address for subscription in self.replicas if subscription.routable)
+
+    def release_if_idle(self, address: str) -> None:
+        """A request served by `address` ended: a leaving replica may now be let go."""
+        if (subscription := self.replicas.get(address)) is not None:
+            self.replicas.release_if_idle(subscription)
+
+    def _start_subscription(self, address: str) -> Subscription:
+        subscription = Subscription(address)
+
+        async def broke(exc: Exception) -> bool:
+            subscription.alive = False
+            logger.error("detokenizer %s unavailable: %s", address, exc)
+            self.replica_lost(address, DETOKENIZER_LOST)
+            return True  # subscribed again until the replica is let go
+
+        stream = KeptStream(subscription, lambda opened: self._subscribe(self.frontend_id, address, self.dispatch,
+                                                                         opened), broke, self.resubscribe)
+        subscription.task = asyncio.create_task(stream.run())
+        return subscription
+
+    def _serves_nothing(self, subscription: Subscription) -> bool:
+        return all(o.detokenizer != subscription.address for o in self.outboxes.values())
+
+    def dispatch(self, batch: OutputBatch) -> None:
+        """Outputs from a detokenizer replica, each to its request's outbox (outputs of a key no
+        longer served, e.g. one left behind by a failover, are dropped)."""
+        for output in batch.outputs:
+            outbox = self.outboxes.get(output.frontend_key)
+            if outbox is None:
+                continue
+            if output.error:  # it ends the request (or its path, for a failover): no finish reason, no usage
+                outbox.put(PendingOutput(text=output.text, token_ids=output.token_ids, logprobs=output.logprobs,
+                                         error=output.error, lost=LostService.SCHEDULER if output.resumable else None))
+                continue
+            out = PendingOutput(text=output.text, token_ids=output.token_ids, logprobs=output.logprobs,
+                                finish_reason=output.finish_reason)
+            if out.finished:
+                out.usage = output.usage
+            outbox.put(out)
+
+    def scheduler_lost(self, group: SchedulerGroup) -> None:
+        """The group's requests, queued ones included, fail over (their detokenizer may never
+        have heard of them, so nothing else would move them)."""
+        for outbox in self.outboxes.values():
+            if outbox.group is group:
+                outbox.put(PendingOutput(error="the scheduler serving this request went away",
+                                         lost=LostService.SCHEDULER))
+
+    def replica_lost(self, address: str, message: str) -> None:
+        """The replica's requests fail over to another one (or to it, restarted)."""
+        for outbox in self.outboxes.values():
+            if outbox.detokenizer == address:
+                outbox.put(PendingOutput(error=message, lost=LostService.DETOKENIZER))
+
+    def register(self, outbox: Outbox) -> int:
+        """A new frontend key, whose outputs go to `outbox`."""
+        frontend_key = next(self.frontend_keys)
+        self.outboxes[frontend_key] = outbox
+        return frontend_key
+
+    def unregister(self, frontend_key: int, outbox: Outbox) -> None:
+        self.outboxes.pop(frontend_key, None)
+        if outbox.detokenizer:
+            self.release_if_idle(outbox.detokenizer)
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """A task that outlives the request that started it (an abort), referenced until done."""
+        self.background.spawn(work)
+
+    # --- the request path ----------------------------------------------------------------------
+
+    def authorize(self, authorization: str | None) -> None:
+        check_api_key(self.settings.api_key, authorization)
+
+    def ready(self) -> None:
+        """Refuse new work while the frontend starts (no tokenizer or scheduler yet) or drains."""
+        _loaded(self.tokenizer)
+        _loaded(self.limits)
+        if self.draining:
+            raise RequestError(Code.UNAVAILABLE, "the frontend is draining")
+
+    def loaded_limits(self) -> ModelLimits:
+        """The served model's limits, once the schedulers have answered (`ready` refuses work before)."""
+        return _loaded(self.limits)
+
+    async def encode(self, message: Any) -> list[int]:
+        """Token ids of a GenerateRequest's or TokenizeRequest's input, tokenized on a worker
+        thread so that a long prompt never stalls the streams of other requests."""
+        tokenizer = _loaded(self.tokenizer)
+        which = message.WhichOneof("input")
+        try:
+            size = prompt_bytes(which, message)
+            if size > self.settings.max_prompt_bytes:
+                raise InvalidRequest("prompt", f"{size} bytes of text; at most {self.settings.max_prompt_bytes} "
+                                               "are accepted")
+            if which == "token_ids":  # nothing to tokenize
+                if self.limits is not None:  # before any copy: a message may hold millions of ids
+                    check_prompt_length(len(message.token_ids.ids), self.limits)
+                return encode_input(tokenizer, which, message)
+            return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, encode_input, tokenizer, which,
+                                                                    message)
+        except InvalidRequest as exc:
+            raise RequestError.invalid(exc) from exc
+
+    async def generate(self, request: frontend_pb2.GenerateRequest, time_remaining: TimeRemaining = lambda: None,
+                       trace_headers: Mapping[str, str] | None = None, operation: str | None = None,
+                       ) -> AsyncGenerator[frontend_pb2.GenerateResponse, None]:
+        """One request, start to end, as a stream of GenerateResponses. Closing the stream early
+        (the client left) aborts the request wherever it still runs. `trace_headers`: the caller's
+        W3C `traceparent`/`tracestate` (gRPC metadata or HTTP headers), which the request's trace
+        continues. `operation`: the GenAI operation when the input does not say (a chat whose
+        prompt arrives tokenized)."""
+        operation = operation or ("chat" if request.WhichOneof("input") == "chat" else "text_completion")
+        model = request.model or (self.limits.name if self.limits else "")
+        # OpenTelemetry's GenAI conventions: the span is named "{operation} {model}".
+        attributes = {"gen_ai.operation.name": operation, "gen_ai.provider.name": "vmesh",
+                      "gen_ai.request.model": model}
+        span = TRACER.start_span(f"{operation} {model}".strip(), kind=trace.SpanKind.SERVER,
+                                 context=telemetry.from_headers(trace_headers), attributes=attributes)
+        clock = RequestClock(self.metrics)
+        output_tokens = 0
+        error_type: str | None = None
+        try:
+            async for response in self._generate(request, time_remaining, span, clock):
+                if response.HasField("usage"):
+                    output_tokens = response.usage.completion_tokens
+                yield response
+        except BaseException as exc:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
+            # GeneratorExit: the client went away mid-stream, which gRPC reports as CANCELLED.
+            error_type = (exc.code.name if isinstance(exc, RequestError)
+                          else "CANCELLED" if isinstance(exc, (GeneratorExit, asyncio.CancelledError))
+                          else type(exc).__name__)
+            raise
+        finally:
+            span.end()
+            if self.limits:
+                attributes["gen_ai.response.model"] = self.limits.name
+            self.genai_metrics.record(attributes, clock.started, clock.first_token_at, time.monotonic(),
+                                      output_tokens, error_type)
+
+    async def _generate(self, request: frontend_pb2.GenerateRequest, time_remaining: TimeRemaining, span: trace.Span,
+                        clock: RequestClock) -> AsyncGenerator[frontend_pb2.GenerateResponse, None]:
+        self.ready()
+        prompt = await self.encode(request)
+        self.ready()  # a drain that began while this prompt was tokenizing counted no request in flight
+        params = _admit(request, prompt, self.loaded_limits(), span)
+        outbox = Outbox(delta_text=params.output_mode is OutputMode.DELTA)
+        # The frontend key names the request inside the mesh (with this frontend's id); the client
+        # sees it as the request id.
+        frontend_key = self.register(outbox)
+        request_id = str(frontend_key)
+        span.set_attribute("gen_ai.response.id", RequestRef(self.frontend_id, frontend_key).key)
+        route = Route(self, scheduler_pb2.SubmitRequestRequest(
+            frontend_id=self.frontend_id, frontend_key=frontend_key, prompt_token_ids=prompt,
+            sampling=sampling_to_proto(params), priority=request.priority, trace_context=telemetry.to_proto(span)),
+            outbox, time_remaining, span)
+        finished = False
+        self.in_flight += 1
+        try:
+            await route.submit()
+            while True:
+                out = await outbox.get()
+                if out.error and not route.may_fail_over(out):
+                    # Not marked finished: closing the route stops it wherever it still runs.
+                    raise RequestError(Code.UNAVAILABLE, out.error)
+                finished = out.finished and not out.error
+                clock.observe(out, finished)
+                if finished and out.usage is not None:
+                    span.set_attributes({"gen_ai.usage.output_tokens": out.usage.completion_tokens,
+                                         "gen_ai.usage.cache_read.input_tokens": out.usage.cached_prompt_tokens,
+                                         "gen_ai.response.finish_reasons": [finish_name(out.finish_reason)]})
+                if not out.error or out.text or out.token_ids:
+                    yield frontend_pb2.GenerateResponse(
+                        request_id=request_id, text=out.text, token_ids=out.token_ids,
+                        logprobs=logprobs_to_public(out.logprobs), finish_reason=finish_to_proto(out.finish_reason),
+                        usage=usage_to_public(out.usage))
+                if finished:
+                    return
+                if out.lost:
+                    await route.fail_over(out, request_id)
+        finally:
+            self.in_flight -= 1
+            route.close(finished)
+
+    def serving(self) -> bool:
+        """Started, not draining, and at least one scheduler group and detokenizer to use."""
+        return (self.tokenizer is not None and self.limits is not None and not self.draining
+                and bool(self.schedulers.candidates()) and bool(self.listening()))
+
+    async def drain(self) -> None:
+        self.draining = True  # new requests are refused from here on; those in flight finish
+        await wait_until(lambda: not self.in_flight)
+
+
+def _admit(request: frontend_pb2.GenerateRequest, prompt: list[int], limits: ModelLimits,
+           span: trace.Span) -> SamplingParams:
+    """The request's sampling params with defaults filled (max_tokens: the context's room), once
+    the model can serve it: the form the frontend forwards, every field set, so that every
+    later door decodes the same settings."""
+    try:
+        check_model(request.model, limits)
+        params = sampling_from_proto(request.sampling, default_max_tokens=limits.max_model_len - len(prompt))
+        admit(prompt, params, limits)
+    except InvalidRequest as exc:
+        raise RequestError.invalid(exc) from exc
+    span.set_attributes({"gen_ai.request.max_tokens": params.max_tokens,
+                         "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
+                         "gen_ai.usage.input_tokens": len(prompt), "gen_ai.response.model": limits.name})
+    if params.top_k > 0:
+        span.set_attribute("gen_ai.request.top_k", params.top_k)
+    if params.seed is not None:
+        span.set_attribute("gen_ai.request.seed", params.seed)
+    return params
