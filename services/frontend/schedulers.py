@@ -21,7 +21,7 @@ from vmesh.services.common.runtime.stream import KeptStream
 from vmesh.services.common.runtime.tasks import TaskGroup
 from vmesh.services.common.types import ModelLimits
 from vmesh.services.frontend.prefix_routing import PrefixRouter
-from vmesh.services.frontend.settings import ROUTING_POLICIES
+from vmesh.services.frontend.settings import DEFAULT_ROUTING, ROUTING_POLICIES
 from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class SchedulerPool:
                                                       grpc.aio.Channel]] = connect,
                  on_lost: Callable[[SchedulerGroup], None] = lambda group: None,
                  health_stream: Callable[[SchedulerGroup], AsyncIterator[Any]] = health_stream,
-                 loss_grace_s: float = LOSS_GRACE_S, routing: str = "prefix",
+                 loss_grace_s: float = LOSS_GRACE_S, routing: str = DEFAULT_ROUTING,
                  join_retry: Backoff = JOIN_RETRY, watch_retry: Backoff = WATCH_RETRY):
         """`on_lost(group)`: the group's scheduler went away (its process died or restarted); what
         it held is gone, including requests still queued there that no detokenizer knows of.

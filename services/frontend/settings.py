@@ -16,6 +16,7 @@ DEFAULT_MAX_PROMPT_BYTES = 1 << 20
 DEFAULT_FAILOVER_TIMEOUT_S = 60.0
 # How a request picks among scheduler groups (data parallelism).
 ROUTING_POLICIES = ("prefix", "least-busy")
+DEFAULT_ROUTING = "prefix"
 
 HTTP_PORT_HELP = "serve the OpenAI-compatible HTTP API on --host at this port (0: any free port)"
 
@@ -38,7 +39,7 @@ class FrontendSettings:
         help="serve the public gRPC port and the HTTP API over TLS with this certificate (and --public-tls-key)")
     public_tls_key: str | None = setting(None, section="frontend")
     routing: str = setting(
-        "prefix", section="frontend", choices=ROUTING_POLICIES,
+        DEFAULT_ROUTING, section="frontend", choices=ROUTING_POLICIES,
         help="how a request picks among scheduler groups (data parallelism): prefix = the group most likely to "
              "hold its prompt's prefix in cache (load breaks ties; an overloaded group is passed over); "
              "least-busy = the fewest of this frontend's requests in flight")
