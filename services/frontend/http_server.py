@@ -270,12 +270,12 @@ class HttpServer:
         self.socket = bind(host, port)
         bound = self.socket.getsockname()
         self.address = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
-        from vmesh.services.common.grpc_server import OPTIONS
+        from vmesh.services.common.grpc_server import frontend_adapter
 
         config = uvicorn.Config(build_app(frontend, registry), log_config=None, access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5, limit_concurrency=LIMIT_CONCURRENCY,
-                                timeout_keep_alive=KEEP_ALIVE_S, ssl_certfile=OPTIONS.public_tls_cert,
-                                ssl_keyfile=OPTIONS.public_tls_key)
+                                timeout_keep_alive=KEEP_ALIVE_S, ssl_certfile=frontend_adapter.public.tls_cert,
+                                ssl_keyfile=frontend_adapter.public.tls_key)
         self.server = _Server(config)
         self.task: asyncio.Task | None = None
 

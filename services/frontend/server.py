@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vmesh.services.common.grpc_server import ServiceShell, channel
+from vmesh.services.common.grpc_server import channel, frontend_adapter
 from vmesh.services.common.metrics import FrontendMetrics
 from vmesh.services.common.runtime.discovery import DEFAULT_REFRESH_INTERVAL_S, AddressBook
 from vmesh.services.common.runtime.peers import Peer, PeerSet
@@ -221,12 +221,12 @@ async def serve(load_tokenizer, scheduler_specs: list[str], detokenizer_specs: l
                 routing: str = "prefix") -> None:
     """`http_port`: also serve the OpenAI-compatible HTTP API there (0: any free port; None: off),
     on this event loop, over the same request path; its address goes to `<ready_file>.http`."""
-    shell = ServiceShell("frontend", frontend_pb2.DESCRIPTOR.services_by_name["FrontendService"], host, port,
-                         public=True)
+    shell = frontend_adapter.shell(frontend_pb2.DESCRIPTOR.services_by_name["FrontendService"], host, port,
+                                   ready_file, metrics_port)
     servicer = FrontendServicer(None, scheduler_specs, detokenizer_specs, replica_refresh_interval_s, api_key,
                                 max_prompt_bytes, model_name, failover_timeout_s, routing)
     frontend_pb2_grpc.add_FrontendServiceServicer_to_server(servicer, shell.server)
-    registry = shell.metrics_registry(metrics_port, ready_file)
+    registry = shell.metrics_registry()
     if registry is None and http_port is not None:  # the HTTP API serves /metrics itself
         from prometheus_client import CollectorRegistry
 
@@ -248,7 +248,7 @@ async def serve(load_tokenizer, scheduler_specs: list[str], detokenizer_specs: l
         await servicer.connect()
 
     try:
-        await shell.run(warm_up, servicer.drain, ready_file)
+        await shell.run(warm_up, servicer.drain)
     finally:
         if http is not None:
             await http.stop()
