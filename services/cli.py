@@ -25,9 +25,11 @@ from vmesh.services.cli_commands import (
 )
 from vmesh.services.common.config_flags import BadEnvironmentValue, add_option, add_settings
 from vmesh.services.common.huge_pages import prefer_huge_pages
+from vmesh.services.common.model_loading import ModelLoadError
 from vmesh.services.common.types import SERVICE_ROLES
 from vmesh.services.flag_groups import SETTINGS_GROUPS
 from vmesh.services.frontend.settings import HTTP_PORT_HELP
+from vmesh.services.mesh_settings import MeshSettings
 from vmesh.services.worker.config import PER_WORKER_PROCESS
 
 DEFAULT_PUBLIC_PORT = 50051
@@ -81,17 +83,7 @@ def _service_args(port: int = 0) -> list[AddFlags]:
 
 def _serve_args(parser: argparse.ArgumentParser) -> None:
     add_server_args(parser, port=DEFAULT_PUBLIC_PORT)
-    add_option(parser, "--detokenizers", type=int, default=1, help="detokenizer replicas")
-    add_option(parser, "--data-parallel-size", type=int, default=1,
-               help="worker groups, each a worker and its scheduler; the frontend spreads requests over them")
-    add_option(parser, "--metrics", action="store_true",
-               help="every service serves Prometheus metrics on a free port")
-    add_option(parser, "--fail-fast", action="store_true",
-               help="stop the whole mesh when any service dies (default: restart it in place, with backoff; its "
-                    "requests fail over)")
-    add_option(parser, "--internal-tls", action="store_true",
-               help="mutual TLS between the services, from a private CA made for this run (its admin certificate "
-                    "is printed, for operator tools)")
+    add_settings(parser, MeshSettings, "mesh")  # the launcher's own: among the command's plain options
     add_frontend_args(parser, http_port=DEFAULT_HTTP_PORT)
     add_model_args(parser)
     add_worker_args(parser, skip=PER_WORKER_PROCESS)  # the launcher gives each rank its own
@@ -207,8 +199,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import grpc
-
-    from vmesh.services.common.model_loading import ModelLoadError
 
     try:
         return args.func(args)

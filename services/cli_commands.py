@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vmesh.services.common.config_flags import values_from_args
+from vmesh.services.common.model_loading import (
+    EMBEDDED_MODEL_NAME,
+    cache_dir_path,
+    load_tokenizer,
+    resolve_model_dir,
+)
 from vmesh.services.common.server_settings import PublicPort, ServerSettings
+from vmesh.services.common.types import SamplingParams
 from vmesh.services.scheduler.settings import SchedulerServiceSettings, SchedulerSettings
 from vmesh.services.worker.config import WorkerConfig
 
@@ -37,15 +44,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def _tokenizer_loader(args: argparse.Namespace):
     """The frontend's and detokenizers' tokenizer: without transformers, so without torch."""
-    from vmesh.services.common.model_loading import resolve_model_dir
     from vmesh.services.common.tokenizer import load_chat_tokenizer
 
     return lambda: load_chat_tokenizer(resolve_model_dir(args.model, args.cache_dir))
 
 
 def _model_name(args: argparse.Namespace) -> str:
-    from vmesh.services.common.model_loading import EMBEDDED_MODEL_NAME
-
     return os.path.basename(os.path.normpath(args.model)) if args.model else EMBEDDED_MODEL_NAME
 
 
@@ -137,13 +141,10 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 
 def cmd_warm_cache(args: argparse.Namespace) -> int:
-    from vmesh.services.common.model_loading import load_tokenizer, resolve_model_dir
-
     model_dir = resolve_model_dir(args.model, args.cache_dir)
     load_tokenizer(model_dir)
     print(f"model ready at {model_dir}")
     from vmesh.kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
-    from vmesh.services.common.model_loading import cache_dir_path
 
     try:
         load_cpu_kernels(cache_dir_path(args.cache_dir))
@@ -173,7 +174,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _generate_in_process(args: argparse.Namespace) -> int:
-    from vmesh.services.common.types import SamplingParams
     from vmesh.services.engine.llm import LLMEngine
 
     engine = LLMEngine.from_config(engine_config(args))

@@ -14,9 +14,11 @@ from dataclasses import replace
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from vmesh.services.common import telemetry, tls
 from vmesh.services.common.guards import ServerGuard
+from vmesh.services.common.metrics import serve_metrics
 from vmesh.services.common.runtime.readiness import Announcement, announce
 from vmesh.services.common.server_settings import PublicPort, ServerSettings
 
@@ -101,14 +103,10 @@ class ServiceShell:
             raise OSError(f"cannot bind {address}")
         return port
 
-    def metrics_registry(self):
+    def metrics_registry(self) -> CollectorRegistry | None:
         """A Prometheus registry served on the settings' metrics port, or None when metrics are off."""
         if self.settings.metrics_port is None:
             return None
-        from prometheus_client import CollectorRegistry
-
-        from vmesh.services.common.metrics import serve_metrics
-
         registry = CollectorRegistry()
         serve_metrics(registry, self.host, self.settings.metrics_port, self.settings.ready_file)
         return registry
