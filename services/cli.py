@@ -25,10 +25,11 @@ from vmesh.services.cli_commands import (
 )
 from vmesh.services.common.config_flags import BadEnvironmentValue, add_option, add_settings
 from vmesh.services.common.huge_pages import prefer_huge_pages
-from vmesh.services.common.runtime.discovery import DEFAULT_REFRESH_INTERVAL_S
+from vmesh.services.common.model_loading import ModelLoadError
 from vmesh.services.common.types import SERVICE_ROLES
 from vmesh.services.flag_groups import SETTINGS_GROUPS
 from vmesh.services.frontend.settings import HTTP_PORT_HELP
+from vmesh.services.mesh_settings import MeshSettings
 from vmesh.services.worker.config import PER_WORKER_PROCESS
 
 DEFAULT_PUBLIC_PORT = 50051
@@ -57,26 +58,11 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_server_args(parser: argparse.ArgumentParser, port: int = 0) -> None:
-    g = parser.add_argument_group("server")
-    add_option(g, "--host", default="127.0.0.1")
-    add_option(g, "--port", type=int, default=port, help="0: any free port")
-    add_option(g, "--ready-file", default=None, help="write the bound address here once listening")
-    add_option(g, "--metrics-port", type=int, default=None,
-               help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; default: off)")
+    add_settings_group(parser, "server", {"port": port})
 
 
 def add_security_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("security")
-    add_option(g, "--tls-cert", default=None,
-               help="mutual TLS between services: this service's certificate from the mesh CA, its common name "
-                    "its role (vmesh certs writes them); with --tls-key and --tls-ca")
-    add_option(g, "--tls-key", default=None, help="the certificate's private key")
-    add_option(g, "--tls-ca", default=None, help="the mesh CA: the only issuer trusted for calls between services")
-    add_option(g, "--health-port", type=int, default=None,
-               help="also serve the gRPC health service alone, in plaintext, on this port (for probes that cannot "
-                    "present a certificate, such as Kubernetes' gRPC probes; 0: any free port)")
-    add_option(g, "--reflection", action="store_true",
-               help="serve gRPC reflection (with mutual TLS: to the admin role)")
+    add_settings_group(parser, "security")
 
 
 def add_frontend_args(parser: argparse.ArgumentParser, http_port: int | None) -> None:
@@ -87,12 +73,7 @@ def add_frontend_args(parser: argparse.ArgumentParser, http_port: int | None) ->
 
 
 def add_detokenizer_discovery_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("detokenizer replicas")
-    add_option(g, "--detokenizer-addresses", default="",
-               help="comma-separated host:port entries, or dns:///name:port for every address of name")
-    add_option(g, "--replica-refresh-interval", type=float, default=DEFAULT_REFRESH_INTERVAL_S,
-               help="seconds between re-resolutions of dns:/// entries, so scaled-out replicas join and vanished "
-                    "ones leave")
+    add_settings_group(parser, "detokenizer replicas")
 
 
 def _service_args(port: int = 0) -> list[AddFlags]:
@@ -102,17 +83,7 @@ def _service_args(port: int = 0) -> list[AddFlags]:
 
 def _serve_args(parser: argparse.ArgumentParser) -> None:
     add_server_args(parser, port=DEFAULT_PUBLIC_PORT)
-    add_option(parser, "--detokenizers", type=int, default=1, help="detokenizer replicas")
-    add_option(parser, "--data-parallel-size", type=int, default=1,
-               help="worker groups, each a worker and its scheduler; the frontend spreads requests over them")
-    add_option(parser, "--metrics", action="store_true",
-               help="every service serves Prometheus metrics on a free port")
-    add_option(parser, "--fail-fast", action="store_true",
-               help="stop the whole mesh when any service dies (default: restart it in place, with backoff; its "
-                    "requests fail over)")
-    add_option(parser, "--internal-tls", action="store_true",
-               help="mutual TLS between the services, from a private CA made for this run (its admin certificate "
-                    "is printed, for operator tools)")
+    add_settings(parser, MeshSettings, "mesh")  # the launcher's own: among the command's plain options
     add_frontend_args(parser, http_port=DEFAULT_HTTP_PORT)
     add_model_args(parser)
     add_worker_args(parser, skip=PER_WORKER_PROCESS)  # the launcher gives each rank its own
@@ -120,7 +91,7 @@ def _serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _worker_addresses(parser: argparse.ArgumentParser) -> None:
-    add_option(parser, "--workers", required=False, default="", help="worker rank addresses, comma-separated")
+    add_settings_group(parser, "worker ranks")
 
 
 def _scheduler_addresses(parser: argparse.ArgumentParser) -> None:
@@ -228,8 +199,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import grpc
-
-    from vmesh.services.common.model_loading import ModelLoadError
 
     try:
         return args.func(args)

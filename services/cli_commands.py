@@ -1,5 +1,6 @@
 """What each `vmesh` subcommand does, given its parsed arguments (services/cli.py parses them).
-Each service's settings are rebuilt from the flags by the dataclasses that define them."""
+Each service's settings are rebuilt from the flags by the dataclasses that define them, once,
+and passed whole to its serve(): its own, and its ServerSettings (where it listens, who it is)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vmesh.services.common.config_flags import values_from_args
+from vmesh.services.common.model_loading import (
+    EMBEDDED_MODEL_NAME,
+    cache_dir_path,
+    load_tokenizer,
+    resolve_model_dir,
+)
+from vmesh.services.common.server_settings import PublicPort, ServerSettings
+from vmesh.services.common.types import SamplingParams
 from vmesh.services.scheduler.settings import SchedulerServiceSettings, SchedulerSettings
 from vmesh.services.worker.config import WorkerConfig
 
@@ -23,74 +32,57 @@ def _address_specs(text: str) -> list[str]:
     return [a.strip() for a in text.split(",") if a.strip()]
 
 
-def _addresses(text: str) -> list[str]:
-    """The specs resolved once: for a fixed group such as worker ranks."""
-    from vmesh.services.common.runtime.discovery import expand_addresses
-
-    return expand_addresses(_address_specs(text))
-
-
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(**values_from_args(WorkerConfig, args))
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    from vmesh.services.engine.llm import EngineConfig
+    from vmesh.services.engine.llm import EngineConfig  # torch: only for a command that runs the engine
 
-    if args.stateless_worker:
-        raise ValueError("--stateless-worker is a mode of the mesh's worker protocol; the in-process engine "
-                         "has no protocol to resend (drop --local or the flag)")
     return EngineConfig(worker=worker_config(args), **values_from_args(SchedulerSettings, args))
 
 
 def _tokenizer_loader(args: argparse.Namespace):
     """The frontend's and detokenizers' tokenizer: without transformers, so without torch."""
-    from vmesh.services.common.model_loading import resolve_model_dir
     from vmesh.services.common.tokenizer import load_chat_tokenizer
 
     return lambda: load_chat_tokenizer(resolve_model_dir(args.model, args.cache_dir))
 
 
 def _model_name(args: argparse.Namespace) -> str:
-    from vmesh.services.common.model_loading import EMBEDDED_MODEL_NAME
-
     return os.path.basename(os.path.normpath(args.model)) if args.model else EMBEDDED_MODEL_NAME
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    configure_security(args, "worker")
+    server = ServerSettings.from_args(args, "worker")
     from vmesh.services.worker.model_runner import ModelRunner
     from vmesh.services.worker.server import serve
 
     config = worker_config(args)
-    asyncio.run(serve(lambda: ModelRunner.load(config), _model_name(args), args.host, args.port, args.ready_file,
-                      args.metrics_port))
+    asyncio.run(serve(lambda: ModelRunner.load(config), _model_name(args), server))
     return 0
 
 
 def cmd_detokenizer(args: argparse.Namespace) -> int:
-    configure_security(args, "detokenizer")
+    server = ServerSettings.from_args(args, "detokenizer")
     from vmesh.services.detokenizer.server import serve
 
     loader = _tokenizer_loader(args)
-    asyncio.run(serve(lambda: loader().backend_tokenizer, args.host, args.port, args.ready_file, args.metrics_port,
-                      _model_name(args)))
+    asyncio.run(serve(lambda: loader().backend_tokenizer, _model_name(args), server))
     return 0
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
-    configure_security(args, "scheduler")
+    server = ServerSettings.from_args(args, "scheduler")
     from vmesh.services.scheduler.server import serve
 
-    settings = SchedulerServiceSettings(
-        worker_addresses=_addresses(args.workers), detokenizer_addresses=_address_specs(args.detokenizer_addresses),
-        replica_refresh_interval_s=args.replica_refresh_interval, **values_from_args(SchedulerSettings, args))
-    asyncio.run(serve(settings, args.host, args.port, args.ready_file, args.metrics_port))
+    asyncio.run(serve(SchedulerServiceSettings(**values_from_args(SchedulerServiceSettings, args)), server))
     return 0
 
 
 def cmd_frontend(args: argparse.Namespace) -> int:
-    configure_security(args, "frontend")
+    server = ServerSettings.from_args(args, "frontend")
+    public = PublicPort.for_prompts(args.public_tls_cert, args.public_tls_key, args.max_prompt_bytes)
     from vmesh.services.frontend.server import serve
     from vmesh.services.frontend.settings import FrontendServiceSettings, FrontendSettings
 
@@ -99,7 +91,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
         detokenizer_addresses=_address_specs(args.detokenizer_addresses),
         replica_refresh_interval_s=args.replica_refresh_interval, model_name=_model_name(args),
         **values_from_args(FrontendSettings, args))
-    asyncio.run(serve(settings, _tokenizer_loader(args), args.host, args.port, args.ready_file, args.metrics_port))
+    asyncio.run(serve(settings, _tokenizer_loader(args), server, public))
     return 0
 
 
@@ -109,39 +101,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve_mesh(args)
 
 
-def configure_security(args: argparse.Namespace, role: str | None) -> None:
-    """This process's mTLS identity and listening options, from its flags. `role`: the role its
-    certificate must carry (None: any, as for `vmesh health`)."""
-    from vmesh.services.common import grpc_server, tls
-
-    files = [getattr(args, name, None) for name in ("tls_cert", "tls_key", "tls_ca")]
-    if any(files):
-        if not all(files):
-            raise ValueError("--tls-cert, --tls-key and --tls-ca go together")
-        cert, key, ca = (str(f) for f in files)
-        identity = tls.Identity.from_files(cert, key, ca)
-        if role is not None and identity.role != role:
-            raise ValueError(f"--tls-cert is a {identity.role} certificate; this is the {role}")
-        tls.configure(identity)
-    public = [getattr(args, "public_tls_cert", None), getattr(args, "public_tls_key", None)]
-    if any(public) and not all(public):
-        raise ValueError("--public-tls-cert and --public-tls-key go together")
-    max_prompt_bytes = getattr(args, "max_prompt_bytes", None) or 0
-    grpc_server.OPTIONS = grpc_server.ShellOptions(reflection=getattr(args, "reflection", False),
-                                                   health_port=getattr(args, "health_port", None),
-                                                   public_tls_cert=public[0], public_tls_key=public[1],
-                                                   public_max_message_bytes=max(8 << 20, 2 * max_prompt_bytes))
-
-
 def cmd_health(args: argparse.Namespace) -> int:
     """Exit 0 when the service at the address reports SERVING (for container health checks)."""
     from vmesh.services.common.grpc_server import wait_until_serving
 
     try:
-        configure_security(args, None)
-        if args.tls_cert and args.role is None:
+        identity = ServerSettings.from_args(args, None).identity
+        if identity is not None and args.role is None:
             raise ValueError("--role names the role of the service checked over mutual TLS")
-        asyncio.run(wait_until_serving(args.address, args.timeout, args.role, secure=bool(args.tls_cert)))
+        asyncio.run(wait_until_serving(args.address, args.timeout, args.role, secure=identity is not None,
+                                       identity=identity))
     except TimeoutError as exc:
         print(f"vmesh: {exc}", file=sys.stderr)
         return 1
@@ -162,13 +131,10 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 
 def cmd_warm_cache(args: argparse.Namespace) -> int:
-    from vmesh.services.common.model_loading import load_tokenizer, resolve_model_dir
-
     model_dir = resolve_model_dir(args.model, args.cache_dir)
     load_tokenizer(model_dir)
     print(f"model ready at {model_dir}")
     from vmesh.kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
-    from vmesh.services.common.model_loading import cache_dir_path
 
     try:
         load_cpu_kernels(cache_dir_path(args.cache_dir))
@@ -198,7 +164,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _generate_in_process(args: argparse.Namespace) -> int:
-    from vmesh.services.common.types import SamplingParams
     from vmesh.services.engine.llm import LLMEngine
 
     engine = LLMEngine.from_config(engine_config(args))

@@ -1,7 +1,8 @@
 """The command line's settings groups, and which of `vmesh serve`'s flags reach which service.
 
-The model, worker, scheduler and frontend argument groups are each made of one settings
-dataclass's fields (services/common/config_flags.py). `vmesh serve` gives a service every flag
+Every settings argument group (model, worker, scheduler, frontend; and the per-process server,
+security and peer-address groups) is made of one settings dataclass's fields
+(services/common/config_flags.py). `vmesh serve` gives a service every flag
 of each group it owns, so a setting added to a dataclass can never be left behind. Two kinds of
 setting travel otherwise: the per-rank ones (PER_WORKER_PROCESS), which are not flags of `vmesh
 serve` at all, since the launcher sets them for each worker process itself; and secrets, which
@@ -12,12 +13,18 @@ from __future__ import annotations
 import argparse
 
 from vmesh.services.common.config_flags import env_name, forwarded_argv, section_flags
+from vmesh.services.common.runtime.discovery import DetokenizerReplicaSettings
+from vmesh.services.common.server_settings import ServerSettings
 from vmesh.services.frontend.settings import FrontendSettings
-from vmesh.services.scheduler.settings import SchedulerSettings
+from vmesh.services.scheduler.settings import SchedulerServiceSettings, SchedulerSettings
 from vmesh.services.worker.config import PER_WORKER_PROCESS, WorkerConfig
 
 SETTINGS_GROUPS: dict[str, type] = {"model": WorkerConfig, "worker": WorkerConfig, "scheduler": SchedulerSettings,
-                                    "frontend": FrontendSettings}
+                                    "frontend": FrontendSettings,
+                                    # Each process's own, set by the launcher per child rather than forwarded:
+                                    "server": ServerSettings, "security": ServerSettings,
+                                    "detokenizer replicas": DetokenizerReplicaSettings,
+                                    "worker ranks": SchedulerServiceSettings}
 SECRET_SETTINGS = ("api_key",)  # as VMESH_<FLAG>
 
 

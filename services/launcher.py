@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vmesh.services.common import tls
 from vmesh.services.common.grpc_server import wait_until_serving
 from vmesh.services.common.runtime.readiness import Announcement, ReadyFiles
 from vmesh.services.common.runtime.retry import Backoff
@@ -88,6 +89,7 @@ class Mesh:
         self.workdir = workdir
         self.children: list[Child] = []
         self.certificates: Path | None = None  # with --internal-tls: ca.crt and <role>.crt/.key
+        self.identity: tls.Identity | None = None  # with --internal-tls: the admin's, for its health checks
         self.start_deadline = time.monotonic() + START_TIMEOUT_S
         self.stop_requested = False
 
@@ -153,7 +155,8 @@ class Mesh:
         if child.health_address:
             healthy = asyncio.ensure_future(wait_until_serving(child.health_address, remaining, secure=False))
         else:
-            healthy = asyncio.ensure_future(wait_until_serving(child.address, remaining, child.service))
+            healthy = asyncio.ensure_future(wait_until_serving(child.address, remaining, child.service,
+                                                               identity=self.identity))
         try:
             while not healthy.done():
                 child.check_alive()
@@ -267,12 +270,11 @@ def die_with_launcher() -> None:
 
 def _make_certificates(mesh: Mesh) -> None:
     """A private CA for this run, a certificate per role; the launcher itself is the admin."""
-    from vmesh.services.common import tls
     from vmesh.services.common.certs import write_mesh_certificates
 
     mesh.certificates = write_mesh_certificates(mesh.workdir / "certs")
-    tls.configure(tls.Identity.from_files(mesh.certificates / "admin.crt", mesh.certificates / "admin.key",
-                                          mesh.certificates / "ca.crt"))
+    mesh.identity = tls.Identity.from_files(mesh.certificates / "admin.crt", mesh.certificates / "admin.key",
+                                            mesh.certificates / "ca.crt")
 
 
 async def _run(mesh: Mesh) -> int:

@@ -3,7 +3,7 @@ command-line flag, its VMESH_<FLAG> environment default (checked as the flag wou
 the dataclass rebuilt from parsed arguments, and the flags `vmesh serve` forwards to a child.
 
 A field becomes a setting through `setting(default, section=..., ...)`; its section is the
-argument group it appears in (model, worker, scheduler, frontend)."""
+argument group it appears in (model, worker, scheduler, frontend, server, security, ...)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ class Setting:
     to_field: Callable[[Any], Any] | None
     # A --no-X switch for a field that is on by default: the field is the switch's negation.
     negated: bool
+    # A list field, whose flag is its items comma-separated (`to_field` then maps the list).
+    is_list: bool = False
 
     @property
     def dest(self) -> str:
@@ -48,14 +50,26 @@ def setting(default: Any, *, section: str, help: str = "", flag: str | None = No
             to_field: Callable[[Any], Any] | None = None, negated: bool = False) -> Any:
     """A dataclass field that is also a flag. The flag is --<field-name> unless named; its text is
     parsed as the default's type (int, float, else str) unless `parse_flag` says otherwise; a bool
-    field is a switch (store_true), or with `negated` a --no-X switch that turns the field off."""
+    field is a switch (store_true), or with `negated` a --no-X switch that turns the field off; a
+    list field's flag takes its items comma-separated."""
+    is_list = isinstance(default, list)
     if isinstance(default, bool):
         parse_flag = None
     elif parse_flag is None:
         parse_flag = type(default) if isinstance(default, int | float) else str
     spec = {"section": section, "flag": flag, "help": help, "choices": tuple(choices) if choices else None,
-            "parse_flag": parse_flag, "to_field": to_field, "negated": negated}
+            "parse_flag": parse_flag, "to_field": to_field, "negated": negated, "is_list": is_list}
+    if is_list:
+        items = tuple(default)
+        return dataclasses.field(default_factory=lambda: list(items), metadata={_METADATA_KEY: spec})
     return dataclasses.field(default=default, metadata={_METADATA_KEY: spec})
+
+
+def _default_of(f: dataclasses.Field, spec: Setting) -> Any:
+    """The field's default as its flag's default: a list's items comma-separated."""
+    if spec.is_list:
+        return ",".join(map(str, f.default_factory()))  # type: ignore[operator]  # set by setting() for a list
+    return f.default
 
 
 def settings_of(config_class: type, section: str | None = None) -> Iterator[tuple[dataclasses.Field, Setting]]:
@@ -110,7 +124,7 @@ def add_settings(group: argparse._ActionsContainer, config_class: type, section:
         if spec.is_switch:
             add_option(group, spec.flag, action="store_true", help=help_text)
             continue
-        kwargs: dict[str, Any] = {"default": (defaults or {}).get(f.name, f.default), "help": help_text}
+        kwargs: dict[str, Any] = {"default": (defaults or {}).get(f.name, _default_of(f, spec)), "help": help_text}
         if spec.parse_flag is not str:
             kwargs["type"] = spec.parse_flag
         if spec.choices is not None:
@@ -127,6 +141,9 @@ def values_from_args(config_class: type, args: argparse.Namespace, section: str 
         value = getattr(args, spec.dest)
         if spec.negated:
             value = not value
+        elif spec.is_list:
+            value = [item.strip() for item in value.split(",") if item.strip()]
+            value = value if spec.to_field is None else spec.to_field(value)
         elif spec.to_field is not None and value is not None:
             value = spec.to_field(value)
         values[f.name] = value

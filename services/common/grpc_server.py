@@ -9,15 +9,17 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
-from vmesh.services.common import tls
+from vmesh.services.common import telemetry, tls
 from vmesh.services.common.guards import ServerGuard
+from vmesh.services.common.metrics import serve_metrics
 from vmesh.services.common.runtime.readiness import Announcement, announce
+from vmesh.services.common.server_settings import PublicPort, ServerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -43,67 +45,55 @@ SERVER_OPTIONS = [*_MESSAGE_LIMITS, ("grpc.so_reuseport", 0),
                   ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_ping_strikes", 0)]
 
 
-@dataclass
-class ShellOptions:
-    """How this process's server listens, set once from the command line (services/cli.py)."""
-    reflection: bool = False  # gRPC server reflection on internal ports (with mTLS, for the admin role only)
-    health_port: int | None = None  # also serve Health alone, in plaintext, here (for probes that cannot do TLS)
-    public_tls_cert: str | None = None  # the frontend's public port: TLS with this certificate...
-    public_tls_key: str | None = None  # ...and key
-    # What one client message may hold on the public port: prompts are capped far below the
-    # internal 64 MiB, and a message is parsed (and copied) before any check can see it.
-    public_max_message_bytes: int = 8 << 20
-
-
-OPTIONS = ShellOptions()
-
-
 class ServiceShell:
-    def __init__(self, service: str, descriptor, host: str, port: int, public: bool = False):
-        """`service`: the short name (worker, scheduler...); `descriptor`: its gRPC ServiceDescriptor.
-        `public`: the port clients use (the frontend): TLS without client certificates when a
-        public certificate is configured, the caller's role unchecked. Every other server uses
-        mutual TLS and checks roles once this process has an identity (services/common/tls.py)."""
-        from vmesh.services.common import telemetry
-
+    def __init__(self, service: str, descriptor, settings: ServerSettings, public: PublicPort | None = None):
+        """`service`: the short name (worker, scheduler...); `descriptor`: its gRPC ServiceDescriptor;
+        `settings`: where and how it listens, and this process's identity. `public`: this is the
+        port clients use (the frontend's): TLS without client certificates when it has a
+        certificate, the caller's role unchecked. Every other server uses mutual TLS and checks
+        roles when the process has an identity (services/common/tls.py)."""
         telemetry.setup_tracing(service)
         if service == "frontend":  # the only service that records GenAI metrics
             telemetry.setup_metrics(service)
-        self.host = host
-        identity = tls.current()
-        check_roles = identity is not None and not public
+        self.settings = settings
+        self.host = settings.host
+        check_roles = settings.identity is not None and public is None
         options = SERVER_OPTIONS
-        if public:
+        if public is not None:
             options = [*(o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"),
-                       ("grpc.max_receive_message_length", OPTIONS.public_max_message_bytes)]
+                       ("grpc.max_receive_message_length", public.max_message_bytes)]
         self.server = grpc.aio.server(options=options, interceptors=[ServerGuard(check_roles)])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = [descriptor.full_name]
-        if OPTIONS.reflection and not public:  # the public port describes only its own contract
+        if settings.reflection and public is None:  # the public port describes only its own contract
             reflection.enable_server_reflection([*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME],
                                                 self.server)
-        self.port = self._bind(self.server, f"{host}:{port}", public, identity)
-        self.address = f"{host}:{self.port}"
+        self.port = self._bind(self.server, f"{self.host}:{settings.port}", self._credentials(public))
+        self.address = f"{self.host}:{self.port}"
         self.health_server: grpc.aio.Server | None = None
         self.health_address = ""
-        if OPTIONS.health_port is not None:
+        if settings.health_port is not None:
             self.health_server = grpc.aio.server(options=SERVER_OPTIONS)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-            health_port = self._bind(self.health_server, f"{host}:{OPTIONS.health_port}", False, None)
-            self.health_address = f"{host}:{health_port}"
+            health_port = self._bind(self.health_server, f"{self.host}:{settings.health_port}", None)
+            self.health_address = f"{self.host}:{health_port}"
         self.stopping = asyncio.Event()
 
+    def _credentials(self, public: PublicPort | None) -> grpc.ServerCredentials | None:
+        """The main port's credentials; None: plaintext."""
+        if public is not None:
+            if public.tls_cert is None or public.tls_key is None:  # both or neither (PublicPort)
+                return None
+            return tls.public_server_credentials(public.tls_cert, public.tls_key)
+        identity = self.settings.identity
+        return tls.server_credentials(identity) if identity is not None else None
+
     @staticmethod
-    def _bind(server: grpc.aio.Server, address: str, public: bool, identity: tls.Identity | None) -> int:
+    def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
         try:
-            if public and OPTIONS.public_tls_cert:
-                if not OPTIONS.public_tls_key:
-                    raise ValueError("--public-tls-cert needs --public-tls-key")
-                port = server.add_secure_port(address, tls.public_server_credentials(OPTIONS.public_tls_cert,
-                                                                                     OPTIONS.public_tls_key))
-            elif not public and identity is not None:
-                port = server.add_secure_port(address, tls.server_credentials(identity))
+            if credentials is not None:
+                port = server.add_secure_port(address, credentials)
             else:
                 port = server.add_insecure_port(address)
         except RuntimeError as exc:  # newer gRPC raises where older returned 0
@@ -112,16 +102,12 @@ class ServiceShell:
             raise OSError(f"cannot bind {address}")
         return port
 
-    def metrics_registry(self, metrics_port: int | None, ready_file: str | None):
-        """A Prometheus registry served on `metrics_port`, or None when metrics are off."""
-        if metrics_port is None:
+    def metrics_registry(self) -> CollectorRegistry | None:
+        """A Prometheus registry served on the settings' metrics port, or None when metrics are off."""
+        if self.settings.metrics_port is None:
             return None
-        from prometheus_client import CollectorRegistry
-
-        from vmesh.services.common.metrics import serve_metrics
-
         registry = CollectorRegistry()
-        serve_metrics(registry, self.host, metrics_port, ready_file)
+        serve_metrics(registry, self.host, self.settings.metrics_port, self.settings.ready_file)
         return registry
 
     async def set_serving(self, serving: bool) -> None:
@@ -130,8 +116,10 @@ class ServiceShell:
             await self.health.set(name, status)
 
     async def run(self, warm_up: Callable[[], Awaitable[None]], drain: Callable[[], Awaitable[None]],
-                  ready_file: str | None = None, grace_seconds: float = 30.0) -> None:
-        """Start NOT_SERVING, warm up, serve until SIGTERM/SIGINT, then drain and stop."""
+                  grace_seconds: float = 30.0) -> None:
+        """Start NOT_SERVING, warm up, serve until SIGTERM/SIGINT, then drain and stop. The
+        addresses it binds go to the settings' ready file, for a launcher that asked for port 0."""
+        ready_file = self.settings.ready_file
         await self.set_serving(False)
         await self.server.start()
         if self.health_server is not None:
@@ -140,7 +128,7 @@ class ServiceShell:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
-        announce(ready_file, Announcement.ADDRESS, self.address)  # a launcher that asked for port 0 learns it
+        announce(ready_file, Announcement.ADDRESS, self.address)
         warming = asyncio.ensure_future(warm_up())
         stopped = asyncio.ensure_future(self.stopping.wait())
         await asyncio.wait({warming, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -164,18 +152,15 @@ class ServiceShell:
         await self.server.stop(grace=1.0)
         if self.health_server is not None:
             await self.health_server.stop(None)
-        from vmesh.services.common import telemetry
-
         telemetry.shutdown_tracing()
 
 
 def channel(address: str, peer: str | None = None, secure: bool = True,
             identity: tls.Identity | None = None) -> grpc.aio.Channel:
     """A channel to another vmesh service. `peer`: the role expected there (scheduler, worker,
-    detokenizer...); once this process has an identity (or one is given) the channel uses mutual
-    TLS and accepts only a certificate issued for that role. `secure=False`: plaintext whatever
-    the identity (a plaintext health port)."""
-    identity = identity or tls.current()
+    detokenizer...); with an `identity` (the caller's ServerSettings.identity) the channel uses
+    mutual TLS and accepts only a certificate issued for that role. `secure=False`: plaintext
+    whatever the identity (a plaintext health port)."""
     if identity is None or not secure:
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
     if peer is None:
@@ -184,12 +169,14 @@ def channel(address: str, peer: str | None = None, secure: bool = True,
     return grpc.aio.secure_channel(address, credentials, options=[*CHANNEL_OPTIONS, *options])
 
 
-async def wait_until_serving(address: str, timeout: float, peer: str | None = None, secure: bool = True) -> None:
+async def wait_until_serving(address: str, timeout: float, peer: str | None = None, secure: bool = True,
+                             identity: tls.Identity | None = None) -> None:
     """Block until `address` reports SERVING; raise TimeoutError otherwise. Each check is also
-    bounded on the event loop's clock, so the deadline holds even if gRPC never answers."""
+    bounded on the event loop's clock, so the deadline holds even if gRPC never answers.
+    `identity`: the caller's, for a service that requires mutual TLS."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    async with channel(address, peer, secure) as ch:
+    async with channel(address, peer, secure, identity) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             attempt = min(2.0, max(0.1, deadline - loop.time()))

@@ -93,7 +93,7 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int | None, read
     return address
 
 
-class Gauges(Collector):
+class ScrapedMetrics(Collector):
     """Gauges and counters computed at scrape time from a snapshot function."""
 
     def __init__(self, snapshot: Callable[[], dict[str, tuple[str, str, float]]], model_name: str):

@@ -5,6 +5,10 @@ Both are configured from the standard OTEL_* variables and exported over OTLP on
 endpoint is set (OTEL_EXPORTER_OTLP_ENDPOINT, or the ..._TRACES_ / ..._METRICS_ one); otherwise
 the API's no-op tracer and meter are used and cost next to nothing. Trace context crosses
 services inside the messages that first introduce a request (W3C traceparent/tracestate).
+
+The tracer and meter providers are OpenTelemetry's own process-wide globals, installed once per
+process by ServiceShell (setup_tracing, setup_metrics) when the service starts; vmesh keeps no
+state of its own about them: whether traces are exported is read back from the provider.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ if TYPE_CHECKING:  # the SDK is imported only when something is exported
 logger = logging.getLogger(__name__)
 
 _PROPAGATOR = TraceContextTextMapPropagator()
-_enabled = False
 
 
 def _otlp_endpoint(signal: str) -> str | None:
@@ -49,7 +52,6 @@ def _resource(service: str) -> Resource:
 
 def setup_tracing(service: str) -> bool:
     """Install an OTLP-exporting tracer provider if the environment asks for one."""
-    global _enabled
     if not (endpoint := _otlp_endpoint("traces")):
         return False
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -59,7 +61,6 @@ def setup_tracing(service: str) -> bool:
     provider = TracerProvider(resource=_resource(service))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
-    _enabled = True
     logger.info("exporting traces over OTLP to %s", endpoint)
     return True
 
@@ -80,7 +81,8 @@ def setup_metrics(service: str) -> bool:
 
 
 def tracing_enabled() -> bool:
-    return _enabled
+    """A tracer provider that records spans is installed (the API's default only proxies to none)."""
+    return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider | trace.NoOpTracerProvider)
 
 
 def shutdown_tracing() -> None:

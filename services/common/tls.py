@@ -1,11 +1,12 @@
 """Mutual TLS between vmesh services, and the roles it proves.
 
-Every process has at most one identity: a certificate from the mesh's private CA whose common
-name is its role (frontend, scheduler, worker, detokenizer or admin) and whose only DNS name is
-`<role>.vmesh.internal`. A client dialling a peer checks the peer's certificate against the
-role it expects (gRPC's target-name check, pointed at that DNS name), and a server learns the
-caller's role from its client certificate, which ServerGuard (services/common/guards.py) checks
-against the methods that role may call. Addresses play no part, so the same certificates work
+Every process has at most one identity (ServerSettings.identity, passed to its servers and
+channels): a certificate from the mesh's private CA whose common name is its role (frontend,
+scheduler, worker, detokenizer or admin) and whose only DNS name is `<role>.vmesh.internal`.
+A client dialling a peer checks the peer's certificate against the role it expects (gRPC's
+target-name check, pointed at that DNS name), and a server learns the caller's role from its
+client certificate, which ServerGuard (services/common/guards.py) checks against the methods
+that role may call. Addresses play no part, so the same certificates work
 on loopback, in compose and in Kubernetes.
 """
 
@@ -47,19 +48,6 @@ def role_of_certificate(cert_pem: bytes) -> str:
     if role not in ROLES:
         raise ValueError(f"certificate common name {role!r} is not a vmesh role ({', '.join(ROLES)})")
     return role
-
-
-_identity: Identity | None = None
-
-
-def configure(identity: Identity | None) -> None:
-    """Set this process's identity; from then on internal channels and servers use mTLS."""
-    global _identity
-    _identity = identity
-
-
-def current() -> Identity | None:
-    return _identity
 
 
 def server_credentials(identity: Identity) -> grpc.ServerCredentials:

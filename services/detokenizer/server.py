@@ -14,6 +14,7 @@ from vmesh.services.common import telemetry
 from vmesh.services.common.grpc_server import ServiceShell
 from vmesh.services.common.metrics import DetokenizerMetrics
 from vmesh.services.common.runtime.tasks import wait_until
+from vmesh.services.common.server_settings import ServerSettings
 from vmesh.services.common.types import FinishReason, OutputBatch, StreamOutput, TokenBatch, TokenLogprobs
 from vmesh.services.common.wire import outputs, tokens
 from vmesh.services.detokenizer.output_processor import OutputProcessor, RequestState
@@ -165,13 +166,12 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
             queue.put_nowait(outputs.to_proto(frontend_batch))
 
 
-async def serve(load_tokenizer, host: str, port: int, ready_file: str | None,
-                metrics_port: int | None = None, model_name: str = "") -> None:
+async def serve(load_tokenizer, model_name: str, server: ServerSettings) -> None:
     """`model_name`: the model whose tokenizer it loads, the label on its metrics."""
-    shell = ServiceShell("detokenizer", detokenizer_pb2.DESCRIPTOR.services_by_name["DetokenizerService"], host, port)
+    shell = ServiceShell("detokenizer", detokenizer_pb2.DESCRIPTOR.services_by_name["DetokenizerService"], server)
     servicer = DetokenizerServicer(None)
     detokenizer_pb2_grpc.add_DetokenizerServiceServicer_to_server(servicer, shell.server)
-    if registry := shell.metrics_registry(metrics_port, ready_file):
+    if registry := shell.metrics_registry():
         servicer.metrics = DetokenizerMetrics(registry, model_name)
 
     async def warm_up() -> None:
@@ -181,4 +181,4 @@ async def serve(load_tokenizer, host: str, port: int, ready_file: str | None,
         servicer.start_draining()
         await wait_until(lambda: not servicer.num_requests)
 
-    await shell.run(warm_up, drain, ready_file)
+    await shell.run(warm_up, drain)

@@ -36,8 +36,8 @@ class EngineConfig(SchedulerSettings):
 
     def __post_init__(self) -> None:
         if self.stateless_worker:
-            raise ValueError("stateless_worker is a mode of the mesh's worker protocol; the in-process engine "
-                             "has no protocol to resend")
+            raise ValueError("stateless_worker (--stateless-worker) is a mode of the mesh's worker protocol; the "
+                             "in-process engine has no protocol to resend")
 
 
 @dataclass

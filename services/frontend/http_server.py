@@ -281,16 +281,16 @@ def bind(host: str, port: int) -> socket.socket:
 class HttpServer:
     """uvicorn on the running event loop, bound at construction so that port 0 is known at once."""
 
-    def __init__(self, frontend: FrontendCore, registry: CollectorRegistry | None, host: str, port: int):
+    def __init__(self, frontend: FrontendCore, registry: CollectorRegistry | None, host: str, port: int,
+                 tls_cert: str | None = None, tls_key: str | None = None):
+        """`tls_cert`, `tls_key`: HTTPS with this certificate (the public port's), else HTTP."""
         self.socket = bind(host, port)
         bound = self.socket.getsockname()
         self.address = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
-        from vmesh.services.common.grpc_server import OPTIONS
-
         config = uvicorn.Config(build_app(frontend, registry), log_config=None, access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5, limit_concurrency=LIMIT_CONCURRENCY,
-                                timeout_keep_alive=KEEP_ALIVE_S, ssl_certfile=OPTIONS.public_tls_cert,
-                                ssl_keyfile=OPTIONS.public_tls_key)
+                                timeout_keep_alive=KEEP_ALIVE_S, ssl_certfile=tls_cert,
+                                ssl_keyfile=tls_key)
         self.server = _Server(config)
         self.task: asyncio.Task | None = None
 

@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from vmesh.services.common import tls
 from vmesh.services.common.grpc_server import channel
 from vmesh.services.common.runtime.peers import Peer, PeerSet
 from vmesh.services.common.runtime.retry import Backoff
@@ -50,8 +51,10 @@ def health_stream(group: SchedulerGroup) -> AsyncIterator[health_pb2.HealthCheck
                                                            wait_for_ready=True)
 
 
-def connect(address: str) -> tuple[scheduler_pb2_grpc.SchedulerServiceStub, grpc.aio.Channel]:
-    ch = channel(address, "scheduler")
+def connect(address: str, identity: tls.Identity | None = None,
+            ) -> tuple[scheduler_pb2_grpc.SchedulerServiceStub, grpc.aio.Channel]:
+    """`identity`: this frontend's, when the mesh uses mutual TLS."""
+    ch = channel(address, "scheduler", identity=identity)
     return scheduler_pb2_grpc.SchedulerServiceStub(ch), ch
 
 

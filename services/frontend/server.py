@@ -4,14 +4,18 @@ and the process that serves them (and, beside them, the HTTP shell: http_server.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from vmesh.services.common.grpc_server import ServiceShell
 from vmesh.services.common.metrics import FrontendMetrics
 from vmesh.services.common.runtime.readiness import Announcement, announce
+from vmesh.services.common.server_settings import PublicPort, ServerSettings
+from vmesh.services.frontend import schedulers
 from vmesh.services.frontend.core import FrontendCore
 from vmesh.services.frontend.errors import RequestError
 from vmesh.services.frontend.settings import FrontendServiceSettings
+from vmesh.services.frontend.subscriptions import subscribe_over_grpc
 from vmesh.v1 import frontend_pb2, frontend_pb2_grpc
 
 
@@ -55,13 +59,14 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
             await context.abort(exc.code, exc.message)
 
 
-async def serve(settings: FrontendServiceSettings, load_tokenizer: Callable[[], Any], host: str, port: int,
-                ready_file: str | None, metrics_port: int | None = None) -> None:
+async def serve(settings: FrontendServiceSettings, load_tokenizer: Callable[[], Any], server: ServerSettings,
+                public: PublicPort) -> None:
     """With `settings.http_api_port`, also serve the OpenAI-compatible HTTP API there (0: any free
-    port), on this event loop, over the same core; its address goes to `<ready_file>.http`."""
-    shell = ServiceShell("frontend", frontend_pb2.DESCRIPTOR.services_by_name["FrontendService"], host, port,
-                         public=True)
-    registry = shell.metrics_registry(metrics_port, ready_file)
+    port), on this event loop, over the same core; its address goes to `<ready_file>.http`.
+    `server`: where the public gRPC port listens and this process's mutual-TLS identity toward
+    the schedulers and detokenizers; `public`: the public ports' TLS and message cap."""
+    shell = ServiceShell("frontend", frontend_pb2.DESCRIPTOR.services_by_name["FrontendService"], server, public)
+    registry = shell.metrics_registry()
     http_port = settings.http_api_port
     if registry is None and http_port is not None:  # the HTTP API serves /metrics itself
         from prometheus_client import CollectorRegistry
@@ -69,18 +74,20 @@ async def serve(settings: FrontendServiceSettings, load_tokenizer: Callable[[], 
         registry = CollectorRegistry()
     # model_name is None only for embedders that skip the tokenizer check: an empty label is an absent one.
     metrics = FrontendMetrics(registry, settings.model_name or "") if registry is not None else None
-    core = FrontendCore(settings, metrics=metrics)
+    core = FrontendCore(settings, metrics=metrics,
+                        connect_scheduler=partial(schedulers.connect, identity=server.identity),
+                        subscribe=partial(subscribe_over_grpc, identity=server.identity))
     frontend_pb2_grpc.add_FrontendServiceServicer_to_server(FrontendServicer(core), shell.server)
     http = None
     if http_port is not None:
         from vmesh.services.frontend.http_server import HttpServer
 
         # Listening before warm-up, as gRPC does: requests meanwhile get 503, not a refused connection.
-        http = HttpServer(core, registry, host, http_port)
-        announce(ready_file, Announcement.HTTP, http.address)
+        http = HttpServer(core, registry, server.host, http_port, public.tls_cert, public.tls_key)
+        announce(server.ready_file, Announcement.HTTP, http.address)
         http.start()
     try:
-        await shell.run(lambda: core.start(load_tokenizer), core.drain, ready_file)
+        await shell.run(lambda: core.start(load_tokenizer), core.drain)
     finally:
         if http is not None:
             await http.stop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from vmesh.services.common import tls
 from vmesh.services.common.grpc_server import channel
 from vmesh.services.common.runtime.peers import Peer
 from vmesh.services.common.types import OutputBatch
@@ -25,9 +26,10 @@ class Subscription(Peer):
 
 
 async def subscribe_over_grpc(frontend_id: str, address: str, dispatch: Callable[[OutputBatch], None],
-                              opened: Callable[[], None]) -> None:
-    """One subscription to a replica, read until it breaks (its requests then fail over)."""
-    async with channel(address, "detokenizer") as ch:
+                              opened: Callable[[], None], identity: tls.Identity | None = None) -> None:
+    """One subscription to a replica, read until it breaks (its requests then fail over).
+    `identity`: this frontend's, when the mesh uses mutual TLS."""
+    async with channel(address, "detokenizer", identity=identity) as ch:
         stub = detokenizer_pb2_grpc.DetokenizerServiceStub(ch)
         call = stub.Subscribe(detokenizer_pb2.SubscribeRequest(frontend_id=frontend_id), wait_for_ready=True)
         # The replica sends metadata once it has registered us.

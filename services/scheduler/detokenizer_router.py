@@ -20,6 +20,7 @@ from vmesh.services.common.grpc_server import channel
 from vmesh.services.common.runtime.peers import Peer, PeerSet
 from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.common.runtime.stream import KeptStream
+from vmesh.services.common.tls import Identity
 from vmesh.services.common.types import FinishReason, StepTokens, StreamStart, TokenBatch
 from vmesh.services.common.wire import tokens
 from vmesh.services.scheduler.scheduler import RequestUpdate
@@ -32,8 +33,9 @@ RECONNECT = Backoff(1.0)
 OpenStream = Callable[[str], tuple[grpc.aio.StreamStreamCall, grpc.aio.Channel]]
 
 
-def open_stream(address: str) -> tuple[grpc.aio.StreamStreamCall, grpc.aio.Channel]:
-    ch = channel(address, "detokenizer")
+def open_stream(address: str, identity: Identity | None = None) -> tuple[grpc.aio.StreamStreamCall, grpc.aio.Channel]:
+    """`identity`: the scheduler's, with mutual TLS."""
+    ch = channel(address, "detokenizer", identity=identity)
     return detokenizer_pb2_grpc.DetokenizerServiceStub(ch).Detokenize(wait_for_ready=True), ch
 
 

@@ -18,13 +18,16 @@ from prometheus_client import CollectorRegistry
 from vmesh.services.common import telemetry
 from vmesh.services.common.admission import InvalidRequest, admit
 from vmesh.services.common.grpc_server import ServiceShell
-from vmesh.services.common.metrics import Gauges, SchedulerMetrics
+from vmesh.services.common.metrics import SchedulerMetrics, ScrapedMetrics
+from vmesh.services.common.server_settings import ServerSettings
 from vmesh.services.common.types import PROMPT_TAIL_TOKENS, RequestRef, SamplingParams, StreamStart, TraceContext
 from vmesh.services.common.wire.sampling import sampling_from_proto
+from vmesh.services.scheduler.detokenizer_router import open_stream
 from vmesh.services.scheduler.request import Request
 from vmesh.services.scheduler.scheduler import QueueFullError
 from vmesh.services.scheduler.session import SchedulerSession
 from vmesh.services.scheduler.settings import SchedulerServiceSettings
+from vmesh.services.scheduler.worker_ranks import open_worker
 from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -47,7 +50,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             # Only now is the model known: every series carries its name, as vLLM's do.
             self.session.set_metrics(SchedulerMetrics(self.metrics_registry, info.model_name, info.max_model_len,
                                                       self.session.settings.max_num_batched_tokens))
-            self.metrics_registry.register(Gauges(self.gauges, info.model_name))
+            self.metrics_registry.register(ScrapedMetrics(self.scraped_metrics, info.model_name))
         await self.session.start()
 
     async def SubmitRequest(self, request, context):
@@ -106,7 +109,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "not connected to a worker yet")
         return scheduler_pb2.ResetPrefixCacheResponse(num_dropped_blocks=self.session.scheduler.reset_prefix_cache())
 
-    def gauges(self) -> dict[str, tuple[str, str, float]]:
+    def scraped_metrics(self) -> dict[str, tuple[str, str, float]]:
         session = self.session
         if session.scheduler is None:
             return {}
@@ -139,13 +142,14 @@ def _introduction(request: scheduler_pb2.SubmitRequestRequest, sampling: Samplin
         resumed_text_length=request.resumed_text_length)
 
 
-async def serve(settings: SchedulerServiceSettings, host: str, port: int, ready_file: str | None,
-                metrics_port: int | None = None) -> None:
-    shell = ServiceShell("scheduler", scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"], host, port)
-    session = SchedulerSession(settings)
+async def serve(settings: SchedulerServiceSettings, server: ServerSettings) -> None:
+    shell = ServiceShell("scheduler", scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"], server)
+    identity = server.identity  # the scheduler's own certificate, presented to its workers and detokenizers
+    session = SchedulerSession(settings, open_detokenizer_stream=lambda address: open_stream(address, identity),
+                               open_worker_rank=lambda address: open_worker(address, identity))
     servicer = SchedulerServicer(session)
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, shell.server)
-    servicer.metrics_registry = shell.metrics_registry(metrics_port, ready_file)
+    servicer.metrics_registry = shell.metrics_registry()
 
     def on_serving(serving: bool) -> None:
         asyncio.get_running_loop().create_task(shell.set_serving(serving))
@@ -156,5 +160,5 @@ async def serve(settings: SchedulerServiceSettings, host: str, port: int, ready_
 
     session.on_serving = on_serving
     session.on_fatal = on_fatal
-    await shell.run(servicer.connect, session.drain, ready_file)
+    await shell.run(servicer.connect, session.drain)
     await session.close()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vmesh.services.common.config_flags import setting
-from vmesh.services.common.runtime.discovery import DEFAULT_REFRESH_INTERVAL_S
+from vmesh.services.common.runtime.discovery import DetokenizerReplicaSettings, expand_addresses
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PIPELINE_DEPTHS = (1, 2)  # step plans in flight: 1 synchronous, 2 async scheduling
@@ -32,10 +32,10 @@ class SchedulerSettings:
 
 
 @dataclass(kw_only=True)
-class SchedulerServiceSettings(SchedulerSettings):
+class SchedulerServiceSettings(SchedulerSettings, DetokenizerReplicaSettings):
     """One scheduler process's settings: the scheduler's own and where its peers are. (The peers'
     flags are the scheduler subcommand's own: `vmesh serve` sets them per group instead of
     forwarding them.)"""
-    worker_addresses: list[str]  # its worker group's ranks, rank 0 first
-    detokenizer_addresses: list[str]  # host:port or dns:///name:port specs, re-resolved periodically
-    replica_refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S
+    # Its worker group's ranks, rank 0 first: resolved once, for the group is fixed.
+    worker_addresses: list[str] = setting([], section="worker ranks", flag="--workers", to_field=expand_addresses,
+                                          help="worker rank addresses, comma-separated")

@@ -14,6 +14,7 @@ import grpc
 from vmesh.services.common.grpc_server import channel
 from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.common.step_types import NewRequest, StepPlan
+from vmesh.services.common.tls import Identity
 from vmesh.services.common.wire.step import plan_to_proto
 from vmesh.services.scheduler.scheduler import Scheduler, WorkerGeometry
 from vmesh.v1 import worker_pb2, worker_pb2_grpc
@@ -33,8 +34,9 @@ class WorkerStub(Protocol):
 OpenWorker = Callable[[str], tuple[WorkerStub, grpc.aio.Channel]]
 
 
-def open_worker(address: str) -> tuple[WorkerStub, grpc.aio.Channel]:
-    ch = channel(address, "worker")
+def open_worker(address: str, identity: Identity | None = None) -> tuple[WorkerStub, grpc.aio.Channel]:
+    """`identity`: the scheduler's, with mutual TLS."""
+    ch = channel(address, "worker", identity=identity)
     return worker_pb2_grpc.WorkerServiceStub(ch), ch
 
 

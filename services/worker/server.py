@@ -13,8 +13,10 @@ from opentelemetry import trace
 
 from vmesh.services.common import telemetry
 from vmesh.services.common.grpc_server import ServiceShell
-from vmesh.services.common.metrics import Gauges, WorkerMetrics
+from vmesh.services.common.metrics import ScrapedMetrics, WorkerMetrics
+from vmesh.services.common.server_settings import ServerSettings
 from vmesh.services.common.step_types import NewRequest, StepPlan
+from vmesh.services.common.types import SamplingParams
 from vmesh.services.common.wire.step import plan_from_proto, result_to_proto
 from vmesh.services.worker.model_runner import ModelRunner
 from vmesh.services.worker.persistent_batch import PlanError
@@ -66,7 +68,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         wall = self.wall_seconds()
         return self.busy_seconds / wall if wall else 0.0
 
-    def gauges(self) -> dict[str, tuple[str, str, float]]:
+    def scraped_metrics(self) -> dict[str, tuple[str, str, float]]:
         return {
             "vmesh:worker_duty_cycle": ("gauge", "Forward + sampling time over wall time since the first plan.",
                                         self.duty_cycle()),
@@ -170,14 +172,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         plan.new_requests = completed
 
 
-async def serve(load_runner: Callable[[], ModelRunner], model_name: str, host: str, port: int,
-                ready_file: str | None, metrics_port: int | None = None) -> None:
-    shell = ServiceShell("worker", worker_pb2.DESCRIPTOR.services_by_name["WorkerService"], host, port)
+async def serve(load_runner: Callable[[], ModelRunner], model_name: str, server: ServerSettings) -> None:
+    shell = ServiceShell("worker", worker_pb2.DESCRIPTOR.services_by_name["WorkerService"], server)
     servicer = WorkerServicer(None, model_name)  # type: ignore[arg-type]  # the runner is set once loaded
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, shell.server)
-    if registry := shell.metrics_registry(metrics_port, ready_file):
+    if registry := shell.metrics_registry():
         servicer.metrics = WorkerMetrics(registry, model_name)
-        registry.register(Gauges(servicer.gauges, model_name))
+        registry.register(ScrapedMetrics(servicer.scraped_metrics, model_name))
 
     async def warm_up() -> None:
         # Health stays NOT_SERVING while the model loads and runs one throwaway step.
@@ -191,15 +192,13 @@ async def serve(load_runner: Callable[[], ModelRunner], model_name: str, host: s
         if servicer.runner is not None and servicer.runner.model.parallel is not None:
             servicer.runner.model.parallel.leave()
 
-    await shell.run(warm_up, drain, ready_file)
+    await shell.run(warm_up, drain)
     servicer.executor.shutdown(wait=False, cancel_futures=True)
 
 
 def _warm_step(runner: ModelRunner) -> None:
     """Run one tiny request through the model so the first real step pays no first-call costs,
     then leave the runner as if nothing happened (step numbering restarts at 0)."""
-    from vmesh.services.common.types import SamplingParams
-
     handle = -1
     runner.execute(StepPlan(0, new_requests=[NewRequest(handle, [0, 1], 2, SamplingParams(temperature=0), [0])],
                             scheduled_handles=[handle], num_scheduled_tokens=[2]))

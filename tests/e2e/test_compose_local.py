@@ -266,13 +266,12 @@ def test_a_restarted_detokenizer_replica_is_reconnected(stack):
 def test_the_requests_of_a_killed_frontend_are_stopped(stack):
     """A frontend dies mid-stream: its detokenizer subscriptions end, the detokenizers tell the
     scheduler, and the scheduler stops computing for nobody and frees the request's KV blocks."""
-    from vmesh.services.common import tls
     from vmesh.services.common.grpc_server import channel
     from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
     async def main() -> scheduler_pb2.GetSchedulerStatsResponse:
         async with VmeshClient(stack.address("frontend")) as client, \
-                channel(stack.address("scheduler"), "scheduler") as ch:
+                channel(stack.address("scheduler"), "scheduler", identity=stack.admin()) as ch:
             scheduler = scheduler_pb2_grpc.SchedulerServiceStub(ch)
             stream = client.generate(text="Tell me a very long story.", max_tokens=1500, ignore_eos=True)
             await stream.__anext__()
@@ -288,12 +287,10 @@ def test_the_requests_of_a_killed_frontend_are_stopped(stack):
                 assert time.monotonic() < deadline, f"still computing for a dead frontend: {stats}"
                 await asyncio.sleep(0.2)
 
-    tls.configure(stack.admin())
     try:
         stats = asyncio.run(main())
         assert stats.num_used_blocks == 0
     finally:
-        tls.configure(None)
         stack.process_of["frontend", 0].wait(10)
         stack.start_instance("frontend", 0)
         stack.wait_healthy("frontend")

@@ -8,6 +8,7 @@ import grpc
 import pytest
 
 from vmesh.services.common.grpc_server import ServiceShell, channel
+from vmesh.services.common.server_settings import ServerSettings
 from vmesh.v1 import frontend_pb2, frontend_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 NOT_A_MESSAGE = b"\xff\xff\xff\xff"
@@ -24,7 +25,7 @@ class EchoFrontend(frontend_pb2_grpc.FrontendServiceServicer):
 
 
 async def _serve_and_call(method: str, payload: bytes, streaming: bool) -> grpc.StatusCode:
-    shell = ServiceShell("frontend", frontend_pb2.DESCRIPTOR.services_by_name["FrontendService"], "127.0.0.1", 0)
+    shell = ServiceShell("frontend", frontend_pb2.DESCRIPTOR.services_by_name["FrontendService"], ServerSettings())
     frontend_pb2_grpc.add_FrontendServiceServicer_to_server(EchoFrontend(), shell.server)
     await shell.server.start()
     try:
@@ -71,7 +72,7 @@ class EchoWorker(worker_pb2_grpc.WorkerServiceServicer):
 
 async def _stream_call(payloads: list[bytes]) -> tuple[grpc.StatusCode, int, bool]:
     servicer = EchoWorker()
-    shell = ServiceShell("worker", worker_pb2.DESCRIPTOR.services_by_name["WorkerService"], "127.0.0.1", 0)
+    shell = ServiceShell("worker", worker_pb2.DESCRIPTOR.services_by_name["WorkerService"], ServerSettings())
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, shell.server)
     await shell.server.start()
     answered = 0

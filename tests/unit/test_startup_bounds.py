@@ -14,6 +14,7 @@ import pytest
 
 from vmesh.services.bench.mesh import read_until_serving
 from vmesh.services.common.grpc_server import ServiceShell, wait_until_serving
+from vmesh.services.common.server_settings import ServerSettings
 from vmesh.v1 import frontend_pb2
 
 
@@ -54,11 +55,11 @@ def test_a_taken_port_is_refused():
     """Without SO_REUSEPORT a second server cannot bind the port and split the first's clients."""
     async def run() -> None:
         descriptor = frontend_pb2.DESCRIPTOR.services_by_name["FrontendService"]
-        first = ServiceShell("frontend", descriptor, "127.0.0.1", 0)
+        first = ServiceShell("frontend", descriptor, ServerSettings())
         await first.server.start()
         try:
             with pytest.raises((OSError, RuntimeError)):
-                ServiceShell("frontend", descriptor, "127.0.0.1", first.port)
+                ServiceShell("frontend", descriptor, ServerSettings(port=first.port))
         finally:
             await first.server.stop(None)
 

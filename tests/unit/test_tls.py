@@ -12,6 +12,7 @@ import pytest
 from vmesh.services.common import tls
 from vmesh.services.common.certs import issue_role, make_ca, write_mesh_certificates
 from vmesh.services.common.grpc_server import ServiceShell, channel
+from vmesh.services.common.server_settings import ServerSettings
 from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 
@@ -42,12 +43,8 @@ def client_channel(address: str, caller: tls.Identity | None, peer: str = "sched
 
 
 async def call(server_identity: tls.Identity, make_channel, method: str = "SubmitRequest") -> grpc.StatusCode:
-    tls.configure(server_identity)
-    try:
-        shell = ServiceShell("scheduler", scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"],
-                             "127.0.0.1", 0)
-    finally:
-        tls.configure(None)
+    shell = ServiceShell("scheduler", scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"],
+                         ServerSettings(identity=server_identity))
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(StubScheduler(), shell.server)
     await shell.server.start()
     try:

@@ -11,11 +11,27 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
+
+from vmesh.services.common.config_flags import setting
 
 logger = logging.getLogger(__name__)
 
 DNS_PREFIX = "dns:///"
 DEFAULT_REFRESH_INTERVAL_S = 10.0
+
+
+@dataclass(kw_only=True)
+class DetokenizerReplicaSettings:
+    """Where a service that dials the detokenizer tier (the scheduler, the frontend) finds its
+    replicas, and how often it looks again."""
+    detokenizer_addresses: list[str] = setting(
+        [], section="detokenizer replicas",
+        help="comma-separated host:port entries, or dns:///name:port for every address of name")
+    replica_refresh_interval_s: float = setting(
+        DEFAULT_REFRESH_INTERVAL_S, section="detokenizer replicas", flag="--replica-refresh-interval",
+        help="seconds between re-resolutions of dns:/// entries, so scaled-out replicas join and vanished ones "
+             "leave")
 
 
 def resolve_spec(spec: str) -> list[str]:
