@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TypeVar
 
+from vmesh.services.common.prefix_hash import chained_block_hashes
 from vmesh.services.common.runtime.peers import Member
 
 CHUNK_TOKENS = 32
@@ -31,12 +32,7 @@ G = TypeVar("G", bound=Member)
 
 def prefix_hashes(prompt: Sequence[int]) -> list[int]:
     """Chained hashes of the prompt's leading full chunks."""
-    hashes: list[int] = []
-    parent = 0
-    for start in range(0, min(len(prompt), MAX_CHUNKS * CHUNK_TOKENS) - CHUNK_TOKENS + 1, CHUNK_TOKENS):
-        parent = hash((parent, tuple(prompt[start:start + CHUNK_TOKENS])))
-        hashes.append(parent)
-    return hashes
+    return chained_block_hashes(prompt, CHUNK_TOKENS, parent=0, max_blocks=MAX_CHUNKS)
 
 
 class PrefixRouter:

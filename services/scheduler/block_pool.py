@@ -14,6 +14,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from vmesh.services.common.prefix_hash import chained_block_hashes
+
 
 @dataclass
 class PoolStats:
@@ -55,13 +57,8 @@ class BlockPool:
     def hash_blocks(self, token_ids: Sequence[int], parent: int | None = None, start_block: int = 0,
                     ) -> list[int]:
         """Hashes of the full blocks of `token_ids` from `start_block` on, chained from `parent`."""
-        hashes = []
-        parent = self.hash_seed if parent is None else parent
-        bs = self.block_size
-        for i in range(start_block, len(token_ids) // bs):
-            parent = hash((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
-            hashes.append(parent)
-        return hashes
+        return chained_block_hashes(token_ids, self.block_size, self.hash_seed if parent is None else parent,
+                                    start_block)
 
     def lookup_prefix(self, token_ids: Sequence[int], hashes: Sequence[int]) -> list[int]:
         """The cached blocks holding the longest prefix of `hashes`, each taken (ref += 1)."""
