@@ -33,7 +33,7 @@ from vmesh.services.common.wire.sampling import sampling_from_proto, sampling_to
 from vmesh.services.frontend import schedulers
 from vmesh.services.frontend.auth import check_api_key
 from vmesh.services.frontend.errors import Code, RequestError
-from vmesh.services.frontend.failover import DETOKENIZER_LOST, Route, TimeRemaining
+from vmesh.services.frontend.failover import DETOKENIZER_LOST, MeshPath, TimeRemaining
 from vmesh.services.frontend.inputs import encode_input, prompt_bytes
 from vmesh.services.frontend.outbox import LostService, Outbox, PendingOutput
 from vmesh.services.frontend.schedulers import SchedulerGroup, SchedulerPool
@@ -320,7 +320,7 @@ class FrontendCore:
         frontend_key = self.register(outbox)
         request_id = str(frontend_key)
         span.set_attribute("gen_ai.response.id", RequestRef(self.frontend_id, frontend_key).key)
-        route = Route(self, scheduler_pb2.SubmitRequestRequest(
+        route = MeshPath(self, scheduler_pb2.SubmitRequestRequest(
             frontend_id=self.frontend_id, frontend_key=frontend_key, prompt_token_ids=prompt,
             sampling=sampling_to_proto(params), priority=request.priority, trace_context=telemetry.to_proto(span)),
             outbox, time_remaining, span)

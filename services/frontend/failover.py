@@ -57,7 +57,7 @@ class Mesh(Protocol):
     def spawn(self, work: Coroutine[Any, Any, None]) -> None: ...
 
 
-class Route:
+class MeshPath:
     """One request's way through the mesh: the submission (under its current frontend key), the
     group that took it, and how often it failed over."""
 
