@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
 from tests.e2e.conftest import scheduler_stats, wait_idle
+from tests.support.eventually import BUDGET_S
 from tests.support.reference import assert_greedy_match
-from vmesh.services.bench.mesh import start_mesh
+from vmesh.services.bench.mesh import STOP_TIMEOUT_S, start_mesh
 from vmesh.services.client import VmeshClient
 
 
@@ -248,6 +253,28 @@ async def _health(address: str) -> int:
         return reply.status
 
 
+async def _first_status_besides(address: str, status: int) -> int:
+    """The server's overall health once it is other than `status`, as the server announces it: a
+    Watch, so no change is missed however briefly it lasts, and nothing is polled."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as ch:
+        async for reply in health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest()):
+            if reply.status != status:
+                return reply.status
+    raise AssertionError("the health stream ended")
+
+
+@contextlib.contextmanager
+def paused(pid: int) -> Iterator[None]:
+    """The process stopped (SIGSTOP) until the block ends, however it ends."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def test_sigterm_drains_in_flight_requests():
     from grpc_health.v1 import health_pb2
 
@@ -256,22 +283,29 @@ def test_sigterm_drains_in_flight_requests():
         async def main():
             assert await _health(mesh.address) == health_pb2.HealthCheckResponse.SERVING
             async with VmeshClient(mesh.address) as client:
-                # Signalled once tokens flow, with far more still to come than the 0.3 s health
-                # check takes however fast the worker is.
                 stream = client.generate(text="Tell me a story", max_tokens=200, ignore_eos=True)
                 outputs = [await stream.__anext__()]
-                mesh.process.send_signal(15)
-                await asyncio.sleep(0.3)
-                # Draining: health says NOT_SERVING while the request still streams to the end.
-                draining = await _health(mesh.address)
+                # Signalled late in the request, so that the drain's bounded grace (30 s) covers the
+                # rest even on a loaded machine, with the worker paused: the request is still in
+                # flight while health is asked however fast the model, and goes on when the worker does.
+                while sum(len(o.token_ids) for o in outputs) < 150:
+                    outputs.append(await stream.__anext__())
+                with paused(mesh.services["worker"][1]):
+                    stats = await asyncio.to_thread(scheduler_stats, mesh)
+                    mesh.process.send_signal(signal.SIGTERM)
+                    # Draining: health says NOT_SERVING while the request still streams to the end.
+                    draining = await asyncio.wait_for(
+                        _first_status_besides(mesh.address, health_pb2.HealthCheckResponse.SERVING), BUDGET_S)
                 outputs += [o async for o in stream]
-                return draining, outputs
+                return stats, draining, outputs
 
-        draining, outputs = asyncio.run(main())
+        stats, draining, outputs = asyncio.run(main())
+        assert stats.num_running == 1  # it was in flight when the mesh was told to stop
         assert draining == health_pb2.HealthCheckResponse.NOT_SERVING
         assert sum(len(o.token_ids) for o in outputs) == 200 and outputs[-1].finish_reason == 2
+        assert mesh.process.wait(STOP_TIMEOUT_S) == 0  # and then the mesh stops by itself
     finally:
-        assert mesh.stop() == 0
+        mesh.stop()  # whatever happened above: a failure there is the one reported
 
 
 def test_cli_generate_and_chat_stream_from_the_mesh(default_mesh):
