@@ -14,6 +14,7 @@ import pytest
 
 from tests.e2e.conftest import scheduler_stats, wait_idle
 from tests.support.eventually import BUDGET_S
+from tests.support.meshes import stops_cleanly
 from tests.support.reference import assert_greedy_match
 from vmesh.services.bench.mesh import STOP_TIMEOUT_S, start_mesh
 from vmesh.services.client import VmeshClient
@@ -46,17 +47,13 @@ def test_greedy_parity_16_concurrent(default_mesh, chat_prompt_ids, reference_ou
     ("--pipeline-depth", "1"),
 ], ids=["depth1-stateless-1detok", "depth2-stateless-2detok", "depth1-stateful-1detok"])
 def test_greedy_parity_in_every_mode(flags, chat_prompt_ids, reference_outputs):
-    mesh = start_mesh(*flags)
-    try:
+    with stops_cleanly(start_mesh(*flags)) as mesh:
         check_parity(mesh, chat_prompt_ids, reference_outputs)
-    finally:
-        assert mesh.stop() == 0
 
 
 def test_greedy_parity_across_two_worker_groups(chat_prompt_ids, reference_outputs):
     """Data parallelism: two worker groups (a worker and its scheduler each) behind one frontend."""
-    mesh = start_mesh("--data-parallel-size", "2", "--detokenizers", "2")
-    try:
+    with stops_cleanly(start_mesh("--data-parallel-size", "2", "--detokenizers", "2")) as mesh:
         outputs = asyncio.run(_greedy_all(mesh.address, chat_prompt_ids))
         for i, ids in enumerate(outputs):
             assert_greedy_match(ids, reference_outputs[i], label=f"data-parallel prompt {i}")
@@ -64,24 +61,19 @@ def test_greedy_parity_across_two_worker_groups(chat_prompt_ids, reference_outpu
             stats = wait_idle(mesh, name=name)
             assert stats.steps > 0, f"{name} served nothing"
             assert stats.num_used_blocks == 0
-    finally:
-        assert mesh.stop() == 0
 
 
 def test_greedy_parity_with_a_tensor_parallel_worker_group(chat_prompt_ids, reference_outputs):
     """Tensor parallelism: three worker processes (the embedded model's 9 query and 3 KV heads,
     3 each and 1 each) hold one model between them behind one scheduler; a rank that dies takes
     its group down."""
-    mesh = start_mesh("--tensor-parallel-size", "3")
-    try:
+    with stops_cleanly(start_mesh("--tensor-parallel-size", "3")) as mesh:
         assert {name for name in mesh.services if name.startswith("worker")} == {
             "worker-rank0", "worker-rank1", "worker-rank2"}
         outputs = asyncio.run(_greedy_all(mesh.address, chat_prompt_ids[:3]))
         for i, ids in enumerate(outputs):
             assert_greedy_match(ids, reference_outputs[i], label=f"tensor-parallel prompt {i}")
         assert wait_idle(mesh).num_used_blocks == 0
-    finally:
-        assert mesh.stop() == 0
 
 
 def test_64_concurrent_streams_complete_with_usage(default_mesh, embedded_tokenizer):
