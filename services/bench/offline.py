@@ -107,6 +107,34 @@ async def mesh_latency(mesh: RunningMesh, prompt: list[int], max_tokens: int,
 MESH_VARIANTS = {"mesh": (), "mesh-native": ("--weights", "native"), "mesh-bf16": ("--dtype", "bfloat16")}
 
 
+def start_meshes(args: argparse.Namespace, baselines: set[str], model_dir: Path, work: dict[str, Any],
+                 stack: contextlib.ExitStack, runs: dict[str, Callable[[], float]],
+                 ) -> tuple[dict[str, RunningMesh], dict[str, list[dict[str, float]]]]:
+    """A mesh per variant asked for (`mesh` always), stopped when `stack` closes; each one's timed
+    run joins `runs`, and every run's figures are kept in the second dict."""
+    meshes: dict[str, RunningMesh] = {}
+    mesh_runs: dict[str, list[dict[str, float]]] = {}
+    for variant, flags in MESH_VARIANTS.items():
+        if variant != "mesh" and variant not in baselines:
+            continue
+        model = str(model_dir)
+        if variant == "mesh-native":  # the GGUF file itself: its blocks are what this mode reads
+            if args.model is not None and not str(args.model).endswith(".gguf"):
+                raise SystemExit("the mesh-native baseline needs a GGUF model (--model FILE.gguf, or the "
+                                 "embedded one)")
+            model = str(args.model or embedded_model_file())
+        mesh = meshes[variant] = start_mesh("--model", model, "--kv-cache-memory", args.kv_cache_memory, *flags)
+        stack.callback(mesh.stop)
+        mesh_runs[variant] = []
+
+        def run_mesh(mesh: RunningMesh = mesh, variant: str = variant) -> float:
+            mesh_runs[variant].append(asyncio.run(mesh_generate(mesh, work["prompts"], work["max_tokens"])))
+            return mesh_runs[variant][-1]["tokens_per_s"]
+
+        runs[variant] = run_mesh
+    return meshes, mesh_runs
+
+
 def offline(args: argparse.Namespace) -> dict[str, Any]:
     """Each baseline loads once; then `--repeats` rounds run transformers, engine and mesh in
     turn, so that the machine's drift (runs here vary by ~10 %) reaches all three alike. The
@@ -132,26 +160,7 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
         peers = {name: stack.enter_context(contextlib.closing(start_peer(name, args, work, model_dir)))
                  for name in PEER_BASELINES if name in baselines}
         runs.update({name: peer.run for name, peer in peers.items()})
-        meshes: dict[str, RunningMesh] = {}
-        mesh_runs: dict[str, list[dict[str, float]]] = {}
-        for variant, flags in MESH_VARIANTS.items():
-            if variant != "mesh" and variant not in baselines:
-                continue
-            model = str(model_dir)
-            if variant == "mesh-native":  # the GGUF file itself: its blocks are what this mode reads
-                if args.model is not None and not str(args.model).endswith(".gguf"):
-                    raise SystemExit("the mesh-native baseline needs a GGUF model (--model FILE.gguf, or the "
-                                     "embedded one)")
-                model = str(args.model or embedded_model_file())
-            mesh = meshes[variant] = start_mesh("--model", model, "--kv-cache-memory", args.kv_cache_memory, *flags)
-            stack.callback(mesh.stop)
-            mesh_runs[variant] = []
-
-            def run_mesh(mesh: RunningMesh = mesh, variant: str = variant) -> float:
-                mesh_runs[variant].append(asyncio.run(mesh_generate(mesh, work["prompts"], work["max_tokens"])))
-                return mesh_runs[variant][-1]["tokens_per_s"]
-
-            runs[variant] = run_mesh
+        meshes, mesh_runs = start_meshes(args, baselines, model_dir, work, stack, runs)
         for name in runs:
             result["runs_tokens_per_s"][name] = []
         # Services by "<service>" for the float32 mesh, "<variant>/<service>" for the others.
@@ -175,12 +184,19 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
     result["prompt_tokens_per_s"] = {name: tps * per_output_token for name, tps in result["tokens_per_s"].items()}
     mesh_tps = result["tokens_per_s"]["mesh"]
     result["ratio_to_mesh"] = {k: v / mesh_tps for k, v in result["tokens_per_s"].items()}
-    label = "out tok/s" if args.repeats == 1 else "median"
-    print(f"workload {work['name']}: {len(work['prompts'])} prompts, {prompt_tokens} prompt tokens, "
+    print_report(result, work, args.repeats)
+    return result
+
+
+def print_report(result: dict[str, Any], work: dict[str, Any], repeats: int) -> None:
+    """`offline`'s result as a table of rates, then latency and memory lines."""
+    mesh_tps = result["tokens_per_s"]["mesh"]
+    label = "out tok/s" if repeats == 1 else "median"
+    print(f"workload {work['name']}: {len(work['prompts'])} prompts, {result['prompt_tokens']} prompt tokens, "
           f"{work['max_tokens']} output tokens each")
-    print(f"{'run':>14} {label:>9} {'prompt tok/s':>12} {'x mesh':>7}" + ("   every round" if args.repeats > 1 else ""))
+    print(f"{'run':>14} {label:>9} {'prompt tok/s':>12} {'x mesh':>7}" + ("   every round" if repeats > 1 else ""))
     for name, tps in result["tokens_per_s"].items():
-        rounds = "  ".join(f"{v:.1f}" for v in result["runs_tokens_per_s"][name]) if args.repeats > 1 else ""
+        rounds = "  ".join(f"{v:.1f}" for v in result["runs_tokens_per_s"][name]) if repeats > 1 else ""
         print(f"{name:>14} {tps:>9.1f} {result['prompt_tokens_per_s'][name]:>12.0f} {tps / mesh_tps:>7.2f}   {rounds}")
     lat = result["latency"]
     print(f"single request through the mesh: TTFT {lat['ttft_ms']:.0f} ms (its prompt not cached; "
@@ -199,4 +215,3 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
               + f"; all {sum(memory.values()):.0f} MiB")
     for name, mib in result["peer_peak_pss_mib"].items():
         print(f"{name} peak PSS (its processes together): {mib:.0f} MiB")
-    return result

@@ -26,6 +26,7 @@ import yaml
 
 from tests.support.checkout import ROOT
 from tests.support.deployment import VMESH_SERVICES
+from tests.support.prerequisites import missing
 from vmesh.services.client import VmeshClient
 
 CERT_VOLUME = "/var/lib/vmesh/certs"
@@ -181,9 +182,7 @@ def test_compose_commands_serve_a_request(stack):
 def test_prometheus_scrapes_every_service(stack, tmp_path):
     binary = shutil.which("prometheus")
     if binary is None:
-        if os.environ.get("CI"):
-            pytest.fail(".ci/run installs Debian's prometheus package; it is missing")
-        pytest.skip("no prometheus binary (apt-get install prometheus)")
+        missing("no prometheus binary (apt-get install prometheus)", ".ci/run installs Debian's prometheus package")
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(prometheus_config(stack)))
     port = free_port()
     server = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.checkout import ROOT
+from tests.support.meshes import stops_cleanly
 from vmesh.services.bench.mesh import start_mesh
 from vmesh.services.client import VmeshClient
 
@@ -57,8 +58,7 @@ def test_services_run_as_the_image_user_against_a_cache_built_by_root():
         model_dirs = [p for p in cache.iterdir() if p.is_dir() and p.name != "kernels"]
         assert model_dirs and all(p.stat().st_mode & 0o005 == 0o005 for p in model_dirs)
 
-        mesh = start_mesh("--cache-dir", str(cache), prefix=as_runtime_user(home))
-        try:
+        with stops_cleanly(start_mesh("--cache-dir", str(cache), prefix=as_runtime_user(home))) as mesh:
             for name, (_address, pid) in mesh.services.items():
                 uid = next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                            if line.startswith("Uid:"))
@@ -70,8 +70,6 @@ def test_services_run_as_the_image_user_against_a_cache_built_by_root():
 
             _text, ids, _last = asyncio.run(ask())
             assert len(ids) == 4
-        finally:
-            assert mesh.stop() == 0
     finally:
         shutil.rmtree(cache, ignore_errors=True)
         shutil.rmtree(home, ignore_errors=True)

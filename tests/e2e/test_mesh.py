@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
 from tests.e2e.conftest import scheduler_stats, wait_idle
+from tests.support.eventually import BUDGET_S
+from tests.support.meshes import stops_cleanly
 from tests.support.reference import assert_greedy_match
-from vmesh.services.bench.mesh import start_mesh
+from vmesh.services.bench.mesh import STOP_TIMEOUT_S, start_mesh
 from vmesh.services.client import VmeshClient
 
 
@@ -41,17 +47,13 @@ def test_greedy_parity_16_concurrent(default_mesh, chat_prompt_ids, reference_ou
     ("--pipeline-depth", "1"),
 ], ids=["depth1-stateless-1detok", "depth2-stateless-2detok", "depth1-stateful-1detok"])
 def test_greedy_parity_in_every_mode(flags, chat_prompt_ids, reference_outputs):
-    mesh = start_mesh(*flags)
-    try:
+    with stops_cleanly(start_mesh(*flags)) as mesh:
         check_parity(mesh, chat_prompt_ids, reference_outputs)
-    finally:
-        assert mesh.stop() == 0
 
 
 def test_greedy_parity_across_two_worker_groups(chat_prompt_ids, reference_outputs):
     """Data parallelism: two worker groups (a worker and its scheduler each) behind one frontend."""
-    mesh = start_mesh("--data-parallel-size", "2", "--detokenizers", "2")
-    try:
+    with stops_cleanly(start_mesh("--data-parallel-size", "2", "--detokenizers", "2")) as mesh:
         outputs = asyncio.run(_greedy_all(mesh.address, chat_prompt_ids))
         for i, ids in enumerate(outputs):
             assert_greedy_match(ids, reference_outputs[i], label=f"data-parallel prompt {i}")
@@ -59,24 +61,19 @@ def test_greedy_parity_across_two_worker_groups(chat_prompt_ids, reference_outpu
             stats = wait_idle(mesh, name=name)
             assert stats.steps > 0, f"{name} served nothing"
             assert stats.num_used_blocks == 0
-    finally:
-        assert mesh.stop() == 0
 
 
 def test_greedy_parity_with_a_tensor_parallel_worker_group(chat_prompt_ids, reference_outputs):
     """Tensor parallelism: three worker processes (the embedded model's 9 query and 3 KV heads,
     3 each and 1 each) hold one model between them behind one scheduler; a rank that dies takes
     its group down."""
-    mesh = start_mesh("--tensor-parallel-size", "3")
-    try:
+    with stops_cleanly(start_mesh("--tensor-parallel-size", "3")) as mesh:
         assert {name for name in mesh.services if name.startswith("worker")} == {
             "worker-rank0", "worker-rank1", "worker-rank2"}
         outputs = asyncio.run(_greedy_all(mesh.address, chat_prompt_ids[:3]))
         for i, ids in enumerate(outputs):
             assert_greedy_match(ids, reference_outputs[i], label=f"tensor-parallel prompt {i}")
         assert wait_idle(mesh).num_used_blocks == 0
-    finally:
-        assert mesh.stop() == 0
 
 
 def test_64_concurrent_streams_complete_with_usage(default_mesh, embedded_tokenizer):
@@ -248,6 +245,28 @@ async def _health(address: str) -> int:
         return reply.status
 
 
+async def _first_status_besides(address: str, status: int) -> int:
+    """The server's overall health once it is other than `status`, as the server announces it: a
+    Watch, so no change is missed however briefly it lasts, and nothing is polled."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as ch:
+        async for reply in health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest()):
+            if reply.status != status:
+                return reply.status
+    raise AssertionError("the health stream ended")
+
+
+@contextlib.contextmanager
+def paused(pid: int) -> Iterator[None]:
+    """The process stopped (SIGSTOP) until the block ends, however it ends."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def test_sigterm_drains_in_flight_requests():
     from grpc_health.v1 import health_pb2
 
@@ -256,22 +275,29 @@ def test_sigterm_drains_in_flight_requests():
         async def main():
             assert await _health(mesh.address) == health_pb2.HealthCheckResponse.SERVING
             async with VmeshClient(mesh.address) as client:
-                # Signalled once tokens flow, with far more still to come than the 0.3 s health
-                # check takes however fast the worker is.
                 stream = client.generate(text="Tell me a story", max_tokens=200, ignore_eos=True)
                 outputs = [await stream.__anext__()]
-                mesh.process.send_signal(15)
-                await asyncio.sleep(0.3)
-                # Draining: health says NOT_SERVING while the request still streams to the end.
-                draining = await _health(mesh.address)
+                # Signalled late in the request, so that the drain's bounded grace (30 s) covers the
+                # rest even on a loaded machine, with the worker paused: the request is still in
+                # flight while health is asked however fast the model, and goes on when the worker does.
+                while sum(len(o.token_ids) for o in outputs) < 150:
+                    outputs.append(await stream.__anext__())
+                with paused(mesh.services["worker"][1]):
+                    stats = await asyncio.to_thread(scheduler_stats, mesh)
+                    mesh.process.send_signal(signal.SIGTERM)
+                    # Draining: health says NOT_SERVING while the request still streams to the end.
+                    draining = await asyncio.wait_for(
+                        _first_status_besides(mesh.address, health_pb2.HealthCheckResponse.SERVING), BUDGET_S)
                 outputs += [o async for o in stream]
-                return draining, outputs
+                return stats, draining, outputs
 
-        draining, outputs = asyncio.run(main())
+        stats, draining, outputs = asyncio.run(main())
+        assert stats.num_running == 1  # it was in flight when the mesh was told to stop
         assert draining == health_pb2.HealthCheckResponse.NOT_SERVING
         assert sum(len(o.token_ids) for o in outputs) == 200 and outputs[-1].finish_reason == 2
+        assert mesh.process.wait(STOP_TIMEOUT_S) == 0  # and then the mesh stops by itself
     finally:
-        assert mesh.stop() == 0
+        mesh.stop()  # whatever happened above: a failure there is the one reported
 
 
 def test_cli_generate_and_chat_stream_from_the_mesh(default_mesh):

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.checkout import ROOT
+from tests.support.meshes import stops_cleanly
 from vmesh.services.bench.mesh import start_mesh
 from vmesh.services.client import VmeshClient
 
@@ -96,9 +97,9 @@ def test_installed_wheel_serves_a_request_from_outside_the_checkout(venv, tmp_pa
                                 capture_output=True, text=True)
     assert bench_help.returncode == 0 and "--baselines" in bench_help.stdout, bench_help.stderr
 
-    mesh = start_mesh("--kv-cache-memory", "64MiB", vmesh=[str(venv / "bin" / "vmesh")], cwd=tmp_path,
-                      env={"PYTHONPATH": ""})
-    try:
+    installed = start_mesh("--kv-cache-memory", "64MiB", vmesh=[str(venv / "bin" / "vmesh")], cwd=tmp_path,
+                           env={"PYTHONPATH": ""})
+    with stops_cleanly(installed) as mesh:
         async def ask() -> list[int]:
             async with VmeshClient(mesh.address) as client:
                 _text, ids, _last = await client.complete(text="The capital of France is", max_tokens=4,
@@ -109,5 +110,3 @@ def test_installed_wheel_serves_a_request_from_outside_the_checkout(venv, tmp_pa
         worker_pid = mesh.services["worker"][1]
         command = Path(f"/proc/{worker_pid}/cmdline").read_bytes().split(b"\0")
         assert command[0].decode().startswith(str(venv)), command  # the services run the venv's python
-    finally:
-        assert mesh.stop() == 0

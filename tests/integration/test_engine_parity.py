@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from tests.conftest import CHAT_PROMPTS
+from tests.support.eventually import eventually_blocking
 from tests.support.reference import assert_greedy_match, hf_greedy
 from vmesh.services.common.types import SamplingParams
 from vmesh.services.engine.llm import EngineConfig, LLMEngine
@@ -103,11 +104,7 @@ def test_async_stream_and_cancel_free_blocks(runner, embedded_tokenizer, chat_pr
 
     tokens = asyncio.run(main())
     assert_greedy_match(tokens, reference_outputs[0], label="streamed prompt 0")
-    for _ in range(50):  # let the driver thread drain the in-flight steps
-        if not engine.has_unfinished():
-            break
-        import time
-        time.sleep(0.05)
+    eventually_blocking(lambda: not engine.has_unfinished(), "the driver thread kept steps in flight")
     assert engine.scheduler.stats().num_running == 0
     assert engine.scheduler.pool.num_free == engine.scheduler.pool.num_blocks
     engine.shutdown()

@@ -22,13 +22,13 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support.checkout import ROOT
 from tests.support.plan_driver import DrivenRequest, drive
 from tests.support.tiny_models import TINY_VOCAB, save_tiny_llama, save_tiny_qwen2
 from vmesh.services.common.types import SamplingParams
 from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
 from vmesh.services.worker.tensor_parallel import GROUP_FAILED_EXIT_CODE
 
-ROOT = Path(__file__).resolve().parents[2]
 RANK_TIMEOUT_S = 240
 ENGINE_PROMPTS = ["What is the capital of France?", "List three prime numbers.", "Why is the sky blue?"]
 
@@ -70,7 +70,6 @@ def engine_scenario(runner: ModelRunner, model: str) -> dict[str, Any]:
 
     from vmesh.services.common.model_loading import load_tokenizer, resolve_model_dir
     from vmesh.services.engine.llm import EngineConfig, LLMEngine
-    from vmesh.services.worker.persistent_batch import PersistentBatch
 
     parallel = runner.model.parallel
     plans = dist.new_group(backend="gloo") if parallel is not None else None
@@ -98,9 +97,7 @@ def engine_scenario(runner: ModelRunner, model: str) -> dict[str, Any]:
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs = {}
     for depth in (1, 2):
-        runner.batch = PersistentBatch(runner.batch.max_num_reqs, runner.max_model_len, runner.kv_cache.block_size,
-                                       runner.model.device, runner.kv_cache.num_blocks)
-        runner.last_step = -1
+        runner.reset()  # each engine numbers its steps from 0
         if plans is not None:
             dist.broadcast_object_list(["reset"], src=0, group=plans)
         engine = LLMEngine(runner, tokenizer, EngineConfig(max_num_batched_tokens=32, pipeline_depth=depth))

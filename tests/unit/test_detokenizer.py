@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.eventually import eventually
 from tests.support.grpc_fakes import FakeContext
 from vmesh.services.common.types import OutputMode, SamplingParams
 from vmesh.services.detokenizer.incremental import IncrementalDetokenizer
@@ -140,8 +141,7 @@ def test_draining_tells_open_and_new_scheduler_streams():
         servicer = DetokenizerServicer(None)
         closed = asyncio.Event()
         open_stream = asyncio.create_task(first_reply(servicer, closed))
-        while not servicer.streams:
-            await asyncio.sleep(0)
+        await eventually(lambda: servicer.streams)
         servicer.start_draining()
         old, old_stream = await asyncio.wait_for(open_stream, 5)
         new, new_stream = await asyncio.wait_for(first_reply(servicer, closed), 5)
@@ -177,13 +177,12 @@ def test_a_frontend_whose_subscription_ends_has_its_requests_stopped(tok):
         subscriptions = {f: servicer.Subscribe(detokenizer_pb2.SubscribeRequest(frontend_id=f), FakeContext())
                          for f in ("gone", "staying")}
         pending = {f: asyncio.ensure_future(s.__anext__()) for f, s in subscriptions.items()}
-        await asyncio.sleep(0)
+        await eventually(lambda: len(servicer.subscribers) == 2)
         stream = servicer.Detokenize(scheduler(), FakeContext())
         reply = asyncio.ensure_future(stream.__anext__())
         for handle, frontend_id in ((1, "gone"), (2, "staying"), (3, "gone")):
             batches.put_nowait(introduce(handle, frontend_id))
-        while servicer.num_requests < 3:
-            await asyncio.sleep(0)
+        await eventually(lambda: servicer.num_requests >= 3)
         pending["gone"].cancel()  # the frontend's subscription breaks
         await asyncio.gather(pending["gone"], return_exceptions=True)
         response = await asyncio.wait_for(reply, 5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from tests.support.eventually import eventually
 from tests.support.grpc_fakes import FakeChannel, FakeStream
 from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.common.types import (
@@ -36,11 +37,6 @@ class Harness:
     def route(self, key: str, address: str, frontend_key: int = 0):
         return self.router.open_route(key, self.router.replicas.members[address],
                                       StreamStart(RequestRef("f", frontend_key), [], SamplingParams(), 3))
-
-
-async def turns(n: int = 20) -> None:
-    for _ in range(n):
-        await asyncio.sleep(0)
 
 
 def update(key: str, tokens: list[int], finish: FinishReason | None = None) -> RequestUpdate:
@@ -115,7 +111,7 @@ def test_stop_strings_and_orphans_release_their_requests():
         stopped, orphaned, kept = (h.route(f"f/{i}", "d:1") for i in range(3))
         h.streams["d:1"][0].responses.put_nowait(detokenizer_pb2.DetokenizeResponse(
             stopped_handles=[stopped.stream_handle], orphaned_handles=[orphaned.stream_handle, 999]))  # 999: unknown
-        await turns()
+        await eventually(lambda: len(h.released) == 2)
         assert h.released == [("f/0", FinishReason.STOP), ("f/1", FinishReason.ABORT)]
         assert set(h.router.routes) == {"f/2"} and h.router.request_key_of == {kept.stream_handle: "f/2"}
         assert h.router.replicas.members["d:1"].outstanding == 1
@@ -132,7 +128,7 @@ def test_a_lost_stream_releases_its_requests_and_reconnects():
         h.route("f/2", "d:2")
         first = h.streams["d:1"][0]
         first.responses.put_nowait(ConnectionError("reset by peer"))
-        await turns(50)
+        await eventually(lambda: first.cancelled and h.released and len(h.streams["d:1"]) == 2)
         assert first.cancelled and h.released == [("f/1", FinishReason.ABORT)]
         assert set(h.router.routes) == {"f/2"}
         assert len(h.streams["d:1"]) == 2  # reopened
@@ -147,11 +143,11 @@ def test_a_draining_replica_is_not_routable_until_it_restarts():
         h = Harness()
         await h.router.connect(["d:1", "d:2"])
         h.streams["d:1"][0].responses.put_nowait(detokenizer_pb2.DetokenizeResponse(draining=True))
-        await turns()
+        await eventually(lambda: [r.address for r in h.router.routable()] == ["d:2"])
         assert [r.address for r in h.router.routable()] == ["d:2"]
         assert [r.address for r in h.router.routable(["d:1"])] == []  # the frontend listens only there
         h.streams["d:1"][0].responses.put_nowait(ConnectionError("it exited"))  # ...and comes back
-        await turns(50)
+        await eventually(lambda: h.router.routable(["d:1"]))
         assert [r.address for r in h.router.routable(["d:1"])] == ["d:1"]
         h.router.close()
 
@@ -174,7 +170,7 @@ def test_a_leaving_replica_gets_its_last_outputs_out_and_is_let_go():
         await h.router.flush()  # ...and written before the replica is let go
         assert h.streams["d:1"][0].received == [[route.stream_handle]]
         assert "d:1" not in h.router.replicas and not leaving.alive
-        await asyncio.sleep(0)
+        await eventually(leaving.task.done)
         assert leaving.task.done()
         h.router.close()
 
@@ -182,8 +178,11 @@ def test_a_leaving_replica_gets_its_last_outputs_out_and_is_let_go():
 
 
 def test_start_up_does_not_wait_for_a_replica_that_left_before_it_answered():
+    asked = asyncio.Event()
+
     class NeverAnswers(FakeStream):
         async def wait_for_connection(self) -> None:
+            asked.set()
             await asyncio.Event().wait()
 
     async def main() -> None:
@@ -191,7 +190,7 @@ def test_start_up_does_not_wait_for_a_replica_that_left_before_it_answered():
         h._open = lambda address: (NeverAnswers(), FakeChannel())
         h.router = DetokenizerRouter(lambda key, reason: None, h._open, reconnect=Backoff.none())
         connecting = asyncio.create_task(h.router.connect(["d:1"]))
-        await turns()
+        await asked.wait()  # start-up waits on the replica's answer...
         assert not connecting.done()
         h.router.replicas.update([], ["d:1"])
         await asyncio.wait_for(connecting, 1)

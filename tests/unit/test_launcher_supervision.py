@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.eventually import eventually
 from vmesh.services import launcher
 from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.launcher import ChildDied, Mesh, StopRequested
@@ -51,8 +52,7 @@ def test_a_dead_service_is_restarted_on_its_ports_with_growing_backoff(tmp_path,
         for restarts in (1, 2, 3):
             child.process.kill()
             started = time.monotonic()
-            while child.restarts < restarts or child.restarting:
-                await asyncio.sleep(0.005)
+            await eventually(lambda restarts=restarts: child.restarts >= restarts and not child.restarting)
             delays.append(time.monotonic() - started)
         mesh.stop_requested = True
         with pytest.raises(StopRequested):

@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 import grpc
 import pytest
 
+from tests.support.eventually import eventually
 from tests.support.grpc_fakes import Aborted, FakeChannel, FakeContext, FakeStream, rpc_error
 from vmesh.services.common.admission import MAX_STOP_TOKEN_IDS
 from vmesh.services.common.runtime.retry import Backoff
@@ -128,7 +129,7 @@ def test_a_replica_that_leaves_finishes_its_requests_and_then_closes():
         await servicer.session.router.flush()  # ...and written before the replica is let go
         assert servicer.streams["127.0.0.1:1"][0].received == [[r0.stream_handle]]
         assert "127.0.0.1:1" not in servicer.session.router.replicas
-        await asyncio.sleep(0)
+        await eventually(leaving.task.done)
         assert leaving.task.done()
         await servicer.session.close()
 
@@ -143,8 +144,7 @@ def test_a_lost_stream_fails_its_requests_and_reconnects():
         await servicer.submit(0)
         first = servicer.streams["127.0.0.1:1"][0]
         first.responses.put_nowait(ConnectionError("reset by peer"))
-        for _ in range(50):
-            await asyncio.sleep(0)
+        await eventually(lambda: first.cancelled and len(servicer.streams["127.0.0.1:1"]) == 2)
         assert first.cancelled
         assert "f/0" not in servicer.session.router.routes and not servicer.session.scheduler.has_unfinished()
         assert len(servicer.streams["127.0.0.1:1"]) == 2  # reopened
@@ -162,13 +162,11 @@ def test_a_draining_replica_gets_no_new_requests_until_it_restarts():
         await connected(servicer)
         servicer.streams["127.0.0.1:1"][0].responses.put_nowait(detokenizer_pb2.DetokenizeResponse(
             draining=True))
-        for _ in range(10):
-            await asyncio.sleep(0)
+        await eventually(lambda: servicer.session.router.replicas.members["127.0.0.1:1"].draining)
         assert servicer.session.router.replicas.members["127.0.0.1:1"].draining
         assert {await servicer.submit(i) for i in range(3)} == {"127.0.0.1:2"}
         servicer.streams["127.0.0.1:1"][0].responses.put_nowait(ConnectionError("it exited"))  # ...and comes back
-        for _ in range(50):
-            await asyncio.sleep(0)
+        await eventually(lambda: len(servicer.streams["127.0.0.1:1"]) == 2)
         assert len(servicer.streams["127.0.0.1:1"]) == 2
         assert await servicer.submit(3) == "127.0.0.1:1"
         await servicer.session.close()
@@ -185,8 +183,7 @@ def test_requests_the_detokenizer_reports_orphaned_are_stopped():
         handle = servicer.session.router.routes["f/0"].stream_handle
         servicer.streams["127.0.0.1:1"][0].responses.put_nowait(detokenizer_pb2.DetokenizeResponse(
             orphaned_handles=[handle, 999]))  # 999: unknown, or already gone
-        for _ in range(10):
-            await asyncio.sleep(0)
+        await eventually(lambda: "f/0" not in servicer.session.router.routes)
         assert "f/0" not in servicer.session.router.routes and "f/1" in servicer.session.router.routes
         assert servicer.session.scheduler.stats().num_waiting == 1
         assert servicer.session.router.replicas.members["127.0.0.1:1"].outstanding == 1
@@ -254,19 +251,11 @@ def test_a_resumed_submission_is_checked_and_introduced_with_its_outputs():
     asyncio.run(main())
 
 
-async def settle(condition, limit: int = 2000) -> None:
-    for _ in range(limit):
-        if condition():
-            return
-        await asyncio.sleep(0.001)
-    raise AssertionError("the condition never held")
-
-
 async def fail_stream(worker: FakeWorker, session: int = 0, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
                       details: str = "") -> None:
     """Once the worker's `session`th Execute stream has a plan, it fails with `code` (UNAVAILABLE: the
     worker died with that step in flight)."""
-    await settle(lambda: len(worker.streams) > session and worker.streams[session].plans)
+    await eventually(lambda: len(worker.streams) > session and worker.streams[session].plans)
     worker.streams[session].responses.put_nowait(rpc_error(code, details))
 
 
@@ -283,21 +272,21 @@ def test_a_lost_worker_that_comes_back_gets_every_request_again():
             servicer.session.on_serving = serving.append
             await servicer.submit(0)
             first = worker.streams[0]
-            await settle(lambda: first.plans)
+            await eventually(lambda: first.plans)
             assert first.plans[0].step == 0
             handle = first.plans[0].new_requests[0].handle
             first.responses.put_nowait(result_to_proto(StepResult(0, [handle], [42])))
-            await settle(lambda: servicer.session.scheduler.requests["f/0"].output_token_ids == [42])
+            await eventually(lambda: servicer.session.scheduler.requests["f/0"].output_token_ids == [42])
             worker.down = True  # it dies with step 1 in flight...
             await fail_stream(worker, details="Socket closed")
-            await settle(lambda: serving == [False])
-            await settle(lambda: worker.refusals >= 3)  # asked again and again while it is away...
+            await eventually(lambda: serving == [False])
+            await eventually(lambda: worker.refusals >= 3)  # asked again and again while it is away...
             assert len(worker.streams) == 1 and first.cancelled  # ...and no stream opened meanwhile
             with pytest.raises(Aborted) as refused:  # new requests go to another group (or wait at the frontend)
                 await servicer.submit(1)
             assert refused.value.code == grpc.StatusCode.UNAVAILABLE
             worker.down = False  # ...and comes back
-            await settle(lambda: len(worker.streams) == 2 and worker.streams[1].plans)
+            await eventually(lambda: len(worker.streams) == 2 and worker.streams[1].plans)
             assert serving == [False, True] and servicer.session.worker_failovers == 1
             replay = worker.streams[1].plans[0]
             assert replay.step == 0 and not replay.removed_handles  # a new session, from step 0
@@ -317,7 +306,7 @@ def test_a_worker_gone_past_the_recovery_timeout_fails_its_requests_until_it_ret
             await servicer.submit(0)
             worker.down = True
             await fail_stream(worker)
-            await settle(lambda: errors_sent(servicer))
+            await eventually(lambda: errors_sent(servicer))
             ended = errors_sent(servicer)[0]
             assert "unavailable" in ended.errors[0] and ended.finish_reasons[0] == common_pb2.FINISH_REASON_ABORT
             assert not servicer.session.scheduler.has_unfinished() and not servicer.session.router.routes
@@ -325,7 +314,7 @@ def test_a_worker_gone_past_the_recovery_timeout_fails_its_requests_until_it_ret
                 await servicer.submit(1)
             assert refused.value.code == grpc.StatusCode.UNAVAILABLE
             worker.down = False
-            await settle(lambda: servicer.session.failure is None)
+            await eventually(lambda: servicer.session.failure is None)
             assert await servicer.submit(2)  # serving again
 
     asyncio.run(main())
@@ -342,7 +331,7 @@ def test_a_worker_that_refuses_a_plan_or_is_taken_over_is_not_retried(code):
         async with with_worker(worker) as servicer:
             await servicer.submit(0)
             await fail_stream(worker, code=code, details="refused")
-            await settle(servicer.session.engine_loop.done)
+            await eventually(servicer.session.engine_loop.done)
             assert servicer.session.failure and len(worker.streams) == 1 and not servicer.session.router.routes
 
     asyncio.run(main())
@@ -355,10 +344,10 @@ def test_a_request_the_worker_keeps_dying_on_is_failed_not_recomputed_forever():
             await servicer.submit(0)
             for attempt in range(3):  # each new session gets the request, and the worker dies on it
                 await fail_stream(worker, attempt)
-            await settle(lambda: errors_sent(servicer))
+            await eventually(lambda: errors_sent(servicer))
             assert "each time" in errors_sent(servicer)[0].errors[0]
             assert servicer.session.worker_failovers == 3 and not servicer.session.scheduler.has_unfinished()
-            await settle(lambda: servicer.session.failure is None and not servicer.session.recovering)
+            await eventually(lambda: servicer.session.failure is None and not servicer.session.recovering)
             assert await servicer.submit(1)  # the others are served
 
     asyncio.run(main())
@@ -380,7 +369,7 @@ def test_a_worker_that_comes_back_different_makes_the_scheduler_restart():
             worker.GetWorkerInfo = smaller_cache
             await servicer.submit(0)
             await fail_stream(worker)
-            await settle(servicer.session.engine_loop.done)
+            await eventually(servicer.session.engine_loop.done)
             assert fatal and "8 KV blocks" in fatal[0] and "16 KV blocks" in fatal[0]
 
     asyncio.run(main())
