@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vmesh.services.common import tls
-from vmesh.services.common.grpc_server import wait_until_serving
+from vmesh.services.common.grpc_server import DRAIN_GRACE_S, STOP_GRACE_S, wait_until_serving
 from vmesh.services.common.runtime.readiness import Announcement, ReadyFiles
 from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.flag_groups import forwarded_flags, forwarded_secrets
@@ -29,7 +29,8 @@ from vmesh.services.mesh_description import MeshDescription, ServiceEntry
 
 INTERNAL_HOST = "127.0.0.1"
 START_TIMEOUT_S = 900.0  # the first start converts the model
-STOP_TIMEOUT_S = 30.0
+# A service's drain and stop, and a margin (killed sooner, its clients see a cut connection).
+STOP_TIMEOUT_S = DRAIN_GRACE_S + STOP_GRACE_S + 5.0
 PARENT_PID_ENV = "VMESH_LAUNCHER_PID"
 RESTART_BACKOFF_S = 0.5  # before the first restart; doubled for each death soon after a restart
 RESTART_BACKOFF_MAX_S = 10.0

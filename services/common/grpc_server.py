@@ -29,6 +29,10 @@ OVERALL = ""  # the health service's name for the whole server
 # lost worker, a drain), which must take it out of rotation, not get it killed.
 LIVENESS = "liveness"
 MAX_MESSAGE_BYTES = 64 << 20
+# After SIGTERM: how long requests in flight may take to finish, then how long calls still open get
+# before the server ends them itself (with a status, not a cut connection).
+DRAIN_GRACE_S = 30.0
+STOP_GRACE_S = 1.0
 _MESSAGE_LIMITS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 # Long-lived internal streams detect a dead peer by keepalive pings...
@@ -116,7 +120,7 @@ class ServiceShell:
             await self.health.set(name, status)
 
     async def run(self, warm_up: Callable[[], Awaitable[None]], drain: Callable[[], Awaitable[None]],
-                  grace_seconds: float = 30.0) -> None:
+                  grace_seconds: float = DRAIN_GRACE_S) -> None:
         """Start NOT_SERVING, warm up, serve until SIGTERM/SIGINT, then drain and stop. The
         addresses it binds go to the settings' ready file, for a launcher that asked for port 0."""
         ready_file = self.settings.ready_file
@@ -149,7 +153,7 @@ class ServiceShell:
             await asyncio.wait_for(drain(), grace_seconds)
         except asyncio.TimeoutError:
             logger.warning("drain did not finish within %.0f s", grace_seconds)
-        await self.server.stop(grace=1.0)
+        await self.server.stop(grace=STOP_GRACE_S)
         if self.health_server is not None:
             await self.health_server.stop(None)
         telemetry.shutdown_tracing()

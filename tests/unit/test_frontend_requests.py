@@ -8,6 +8,7 @@ import grpc
 import httpx
 import pytest
 
+from tests.support.eventually import eventually
 from tests.support.fake_scheduler import FakeScheduler
 from tests.support.frontends import make_frontend, serving_frontend
 from tests.support.grpc_fakes import Aborted, FakeContext
@@ -189,14 +190,6 @@ def output(key: int, text: str, token_ids: list[int], finish: int = 0) -> Output
     return OutputBatch([StreamOutput(key, text, token_ids, finish_from_proto(finish), 3, 3, 0)])
 
 
-async def until(condition) -> None:
-    for _ in range(500):
-        if condition():
-            return
-        await asyncio.sleep(0.002)
-    raise AssertionError("the condition never held")
-
-
 def test_a_request_fails_over_with_what_the_client_has_and_ignores_its_old_key():
     """Its replica is lost, then its scheduler: each time it is submitted again under a new key
     with the tokens (and the length of text) that reached the client; outputs under an old key
@@ -207,20 +200,20 @@ def test_a_request_fails_over_with_what_the_client_has_and_ignores_its_old_key()
         request = frontend_pb2.GenerateRequest(token_ids=frontend_pb2.TokenIds(ids=[1, 2, 3]),
                                                sampling=common_pb2.SamplingParams(max_tokens=5))
         client = asyncio.create_task(drain(f.generate(request)))
-        await until(lambda: scheduler.submitted)
+        await eventually(lambda: scheduler.submitted)
         first = scheduler.submitted[0].frontend_key
         f.dispatch(output(first, "Hel", [5, 6]))
         f.replica_lost("d:1", "the detokenizer serving this request became unavailable")
-        await until(lambda: len(scheduler.submitted) == 2)
+        await eventually(lambda: len(scheduler.submitted) == 2)
         second = scheduler.submitted[1]
         assert second.frontend_key != first and list(second.prompt_token_ids) == [1, 2, 3]
         assert list(second.resumed_output_token_ids) == [5, 6] and second.resumed_text_length == 3
-        await until(lambda: scheduler.aborted == [first])  # the old group stops computing it
+        await eventually(lambda: scheduler.aborted == [first])  # the old group stops computing it
         f.dispatch(output(first, "STALE", [9]))  # a late output under the old key: ignored
         f.dispatch(output(second.frontend_key, "lo", [7]))
         group = f.schedulers.groups["s:1"]
         f.scheduler_lost(group)  # now its scheduler goes
-        await until(lambda: len(scheduler.submitted) == 3)
+        await eventually(lambda: len(scheduler.submitted) == 3)
         third = scheduler.submitted[2]
         assert list(third.resumed_output_token_ids) == [5, 6, 7] and third.resumed_text_length == 5
         f.dispatch(output(third.frontend_key, " you", [8, 9], common_pb2.FINISH_REASON_LENGTH))
@@ -228,7 +221,7 @@ def test_a_request_fails_over_with_what_the_client_has_and_ignores_its_old_key()
         assert "".join(r.text for r in responses) == "Hello you"
         assert [t for r in responses for t in r.token_ids] == [5, 6, 7, 8, 9]
         assert responses[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
-        await until(lambda: not f.background)
+        await eventually(lambda: not f.background)
         assert not f.outboxes and group.in_flight == 0
         await f.schedulers.close()
 
@@ -242,13 +235,13 @@ def test_a_failover_that_finds_no_taker_fails_unavailable_after_the_bounded_wait
         request = frontend_pb2.GenerateRequest(token_ids=frontend_pb2.TokenIds(ids=[1, 2, 3]),
                                                sampling=common_pb2.SamplingParams(max_tokens=5))
         client = asyncio.create_task(drain(f.generate(request)))
-        await until(lambda: scheduler.submitted)
+        await eventually(lambda: scheduler.submitted)
         scheduler.refuse = True
         f.replica_lost("d:1", "the detokenizer serving this request became unavailable")
         with pytest.raises(RequestError) as err:
             await client
         assert err.value.code == grpc.StatusCode.UNAVAILABLE
-        await until(lambda: not f.background)
+        await eventually(lambda: not f.background)
         assert not f.outboxes and f.schedulers.groups["s:1"].in_flight == 0
         await f.schedulers.close()
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.support.eventually import eventually
 from tests.support.frontends import make_frontend, serving_frontend
 from vmesh.services.common.wire.common import finish_from_proto
 from vmesh.services.frontend import openai_protocol as oai
@@ -47,16 +48,6 @@ class CharTokenizer:
     def decode(self, ids: list[int]) -> str:
         self.decodes += 1
         return "".join(map(chr, ids))
-
-
-async def settle(condition: Callable[[], bool], rounds: int = 10_000) -> None:
-    """Let the loop run until `condition` holds; only for work that needs no thread or timer, so
-    a bound on loop rounds (not on time) says it never will."""
-    for _ in range(rounds):
-        if condition():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("the condition never held")
 
 
 def emit(f: FrontendCore, text: str, finish: int = 0, keys: list[int] | None = None) -> None:
@@ -130,7 +121,7 @@ def test_a_stream_starts_with_its_first_choice_and_its_other_choices_follow():
         await scheduler.until_submitted(3)
         first, *others = sorted(f.outboxes)
         emit(f, "a", keys=[first])
-        await settle(lambda: call.status is not None)  # the others have sent nothing yet
+        await eventually(lambda: call.status is not None)  # the others have sent nothing yet
         assert call.status == 200
         emit(f, "b", LENGTH, keys=others)
         emit(f, "c", LENGTH, keys=[first])
@@ -155,7 +146,7 @@ def test_a_stream_whose_client_left_as_it_started_aborts_its_requests():
         await scheduler.until_submitted(2)
         emit(f, "a")
         await asyncio.gather(call.task, return_exceptions=True)
-        await settle(lambda: f.in_flight == 0 and not f.background)
+        await eventually(lambda: f.in_flight == 0 and not f.background)
         return sorted(scheduler.aborted), sorted(s.frontend_key for s in scheduler.submitted)
 
     aborted, submitted = asyncio.run(main())
@@ -170,7 +161,7 @@ def test_a_non_streaming_request_whose_client_left_aborts_its_requests():
         emit(f, "a")
         call.inbox.put_nowait({"type": "http.disconnect"})
         await call.task
-        await settle(lambda: f.in_flight == 0 and not f.background)
+        await eventually(lambda: f.in_flight == 0 and not f.background)
         return call.status, sorted(scheduler.aborted), sorted(s.frontend_key for s in scheduler.submitted)
 
     status, aborted, submitted = asyncio.run(main())
@@ -186,7 +177,7 @@ def test_an_aborted_request_is_an_error_not_an_abort_finish_reason(stream: bool)
         await scheduler.until_submitted(1)
         if stream:
             emit(f, "a")
-            await settle(lambda: call.status is not None)
+            await eventually(lambda: call.status is not None)
         emit(f, "", ABORT)
         await call.task
         return call
@@ -228,7 +219,7 @@ def test_a_slow_reader_holds_a_bounded_number_of_outputs():
         assert got == {i: [f"{i}.{k} " for k in range(300)] for i in range(3)}
 
         stalled = Fanout([stream(i, 300) for i in range(3)])
-        await settle(lambda: stalled.queue.full())
+        await eventually(lambda: stalled.queue.full())
         await stalled.close()
         assert closed == {0, 1, 2}
 
@@ -254,7 +245,7 @@ def test_until_disconnect_lets_its_own_cancellation_through():
 
         request = Connected()
         task = asyncio.create_task(until_disconnect(request, work()))  # type: ignore[arg-type]
-        await settle(lambda: request.messages._getters)  # type: ignore[attr-defined]
+        await eventually(lambda: request.messages._getters)  # type: ignore[attr-defined]
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
