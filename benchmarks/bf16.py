@@ -1,4 +1,4 @@
-"""bfloat16 against float32 on the CPU (issue 17): greedy agreement on the standard workload,
+"""bfloat16 against float32 on the CPU: greedy agreement on the standard workload,
 perplexity on a fixed text, and engine throughput, interleaved A/B.
 
     .venv/bin/python -m benchmarks.bf16                      # 64 requests x 128 tokens, 2 rounds

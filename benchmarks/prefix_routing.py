@@ -1,4 +1,4 @@
-"""Prefix-aware routing against least-busy routing, two worker groups (issue 18).
+"""Prefix-aware routing against least-busy routing, two worker groups.
 
     python -m benchmarks.prefix_routing [--prefixes 6] [--prefix-tokens 512] [--per-prefix 6] [--rounds 2]
 

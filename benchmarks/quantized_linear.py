@@ -1,4 +1,4 @@
-"""`--weights native` (issue 17): the quantized linear kernel against the float32 Linear path on the
+"""`--weights native`: the quantized linear kernel against the float32 Linear path on the
 embedded model's own layer shapes, all of the model's linears in a row (as a step runs them), and
 single-request decode of the in-process engine in both modes.
 

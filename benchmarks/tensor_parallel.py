@@ -1,4 +1,4 @@
-"""Tensor parallelism's cost: the mesh with one worker against a tensor-parallel group (issue 18).
+"""Tensor parallelism's cost: the mesh with one worker against a tensor-parallel group.
 
     python -m benchmarks.tensor_parallel [--sizes 1,3] [--model FILE] [--device cpu|cuda]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from vmesh.services.common.types import MAX_LOGPROBS, ModelLimits, SamplingParams
+from vmesh.services.common.types import FLOAT_SAMPLING_FIELDS, MAX_LOGPROBS, ModelLimits, SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -88,7 +88,7 @@ def _check_sampling(params: SamplingParams, num_prompt_tokens: int, limits: Mode
 
 def _check_ranges(params: SamplingParams) -> None:
     """Each setting within its own range (NaN and infinities refused), the first one outside named."""
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+    for name in FLOAT_SAMPLING_FIELDS:
         if not math.isfinite(getattr(params, name)):
             raise InvalidRequest(f"sampling.{name}", f"must be a finite number, got {getattr(params, name)}")
     ranges = [

@@ -66,6 +66,12 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE_EPS
 
 
+# SamplingParams' real-valued fields: finite by admission, one float32 column each in the
+# worker's persistent batch and sampling batch.
+FLOAT_SAMPLING_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                         "frequency_penalty")
+
+
 @dataclass
 class TokenLogprobs:
     """One generated token: its logprob and rank, and the request's top-N alternatives."""

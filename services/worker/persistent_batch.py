@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from vmesh.services.common.step_types import NewRequest, StepPlan
-from vmesh.services.common.types import SamplingParams
+from vmesh.services.common.types import FLOAT_SAMPLING_FIELDS, SamplingParams
 from vmesh.services.worker.attention import AttentionMetadata
 
 
@@ -33,9 +33,6 @@ class StepInputs:
 
 
 # Sampling parameters kept as columns, and the SamplingParams attribute each one mirrors.
-_FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-
-
 class PersistentBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device,
                  num_kv_blocks: int | None = None):
@@ -53,7 +50,7 @@ class PersistentBatch:
         self.num_computed_tokens = torch.zeros(max_num_reqs, dtype=torch.int64)
         self.block_table = torch.zeros((max_num_reqs, max_blocks), dtype=torch.int64)
         self.num_blocks = torch.zeros(max_num_reqs, dtype=torch.int64)
-        self.float_params = {name: torch.zeros(max_num_reqs, dtype=torch.float32) for name in _FLOAT_COLUMNS}
+        self.float_params = {name: torch.zeros(max_num_reqs, dtype=torch.float32) for name in FLOAT_SAMPLING_FIELDS}
         self.top_k = torch.zeros(max_num_reqs, dtype=torch.int64)
         self.min_tokens = torch.zeros(max_num_reqs, dtype=torch.int64)
         self.num_logprobs = torch.full((max_num_reqs,), -1, dtype=torch.int64)

@@ -1,4 +1,4 @@
-"""bfloat16 on the CPU (issue 17): the C kernels' bfloat16 variants against float32 torch references,
+"""bfloat16 on the CPU: the C kernels' bfloat16 variants against float32 torch references,
 and the mixed-precision model (bfloat16 linears and KV cache, float32 residual stream, norms, rotary and
 attention sums) against float32 greedy output."""
 

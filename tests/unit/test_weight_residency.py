@@ -1,4 +1,4 @@
-"""Each weight is held once, in the layout its kernels read (issue 20, "weights once"): no plain
+"""Each weight is held once, in the layout its kernels read: no plain
 float32 copy beside a packed one, the tied LM head sharing the embedding table, and the
 checkpoint's memory-mapped file let go once the model is built."""
 
