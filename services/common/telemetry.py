@@ -16,14 +16,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from vmesh.services.common.types import TraceContext
-from vmesh.v1 import common_pb2
 
 if TYPE_CHECKING:  # the SDK is imported only when something is exported
     from opentelemetry.sdk.resources import Resource
@@ -105,13 +104,13 @@ def trace_context(span_context_holder: trace.Span | otel_context.Context | None 
     return TraceContext(traceparent=carrier.get("traceparent", ""), tracestate=carrier.get("tracestate", ""))
 
 
-def to_proto(span_context_holder: trace.Span | otel_context.Context | None = None) -> common_pb2.TraceContext:
-    """The W3C context of a span (or of the current context) as a message field."""
-    context = trace_context(span_context_holder)
-    return common_pb2.TraceContext(traceparent=context.traceparent, tracestate=context.tracestate)
+class W3CContext(Protocol):
+    """A W3C trace context: the core TraceContext or the message field of the same name."""
+    traceparent: str
+    tracestate: str
 
 
-def from_proto(message: common_pb2.TraceContext | TraceContext) -> otel_context.Context | None:
+def from_message(message: W3CContext) -> otel_context.Context | None:
     if not message.traceparent:
         return None
     carrier = {"traceparent": message.traceparent}
@@ -129,8 +128,8 @@ def from_headers(headers: Mapping[str, str] | None) -> otel_context.Context | No
     return _PROPAGATOR.extract(carrier) if "traceparent" in carrier else None
 
 
-def span_context_of(message: common_pb2.TraceContext) -> trace.SpanContext | None:
-    ctx = from_proto(message)
+def span_context_of(message: W3CContext) -> trace.SpanContext | None:
+    ctx = from_message(message)
     if ctx is None:
         return None
     span_context = trace.get_current_span(ctx).get_span_context()

@@ -151,7 +151,7 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
                 # ended while the request was still queued, so `_orphan` could not name it).
                 orphaned.append(start.handle)
                 continue
-            span = TRACER.start_span("detokenizer.request", context=telemetry.from_proto(start.trace_context)) \
+            span = TRACER.start_span("detokenizer.request", context=telemetry.from_message(start.trace_context)) \
                 if telemetry.tracing_enabled() else trace.INVALID_SPAN
             requests.add_request(start.handle, start.sampling, start.prompt_tail, start.num_prompt_tokens,
                                  start.resumed_output_token_ids, start.resumed_text_length, start.ref, span)

@@ -27,7 +27,7 @@ from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.common.runtime.stream import KeptStream
 from vmesh.services.common.runtime.tasks import TaskGroup, wait_until
 from vmesh.services.common.types import ModelLimits, OutputBatch, OutputMode, RequestRef, SamplingParams, finish_name
-from vmesh.services.common.wire.common import finish_to_proto
+from vmesh.services.common.wire.common import finish_to_proto, trace_context_to_proto
 from vmesh.services.common.wire.public import logprobs_to_public, usage_to_public
 from vmesh.services.common.wire.sampling import sampling_from_proto, sampling_to_proto
 from vmesh.services.frontend import schedulers
@@ -322,7 +322,8 @@ class FrontendCore:
         span.set_attribute("gen_ai.response.id", RequestRef(self.frontend_id, frontend_key).key)
         route = MeshPath(self, scheduler_pb2.SubmitRequestRequest(
             frontend_id=self.frontend_id, frontend_key=frontend_key, prompt_token_ids=prompt,
-            sampling=sampling_to_proto(params), priority=request.priority, trace_context=telemetry.to_proto(span)),
+            sampling=sampling_to_proto(params), priority=request.priority,
+            trace_context=trace_context_to_proto(telemetry.trace_context(span))),
             outbox, time_remaining, span)
         finished = False
         self.in_flight += 1

@@ -68,7 +68,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         except InvalidRequest as exc:  # only the request's fault: any other error is the scheduler's
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         replica = min(replicas, key=lambda r: r.outstanding)
-        life = session.lifetimes.begin(key, len(request.prompt_token_ids), telemetry.from_proto(request.trace_context),
+        life = session.lifetimes.begin(key, len(request.prompt_token_ids),
+                                       telemetry.from_message(request.trace_context),
                                        {"vmesh.prompt_tokens": len(request.prompt_token_ids),
                                         "vmesh.detokenizer": replica.address,
                                         "vmesh.resumed_output_tokens": len(request.resumed_output_token_ids)})

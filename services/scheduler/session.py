@@ -21,6 +21,7 @@ from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.common.runtime.tasks import TaskGroup, wait_until
 from vmesh.services.common.step_types import StepPlan
 from vmesh.services.common.types import FinishReason, ModelLimits
+from vmesh.services.common.wire.common import trace_context_to_proto
 from vmesh.services.common.wire.step import result_from_proto
 from vmesh.services.scheduler.detokenizer_router import DetokenizerRouter, OpenStream, Route, open_stream
 from vmesh.services.scheduler.lifetimes import Lifetimes
@@ -203,7 +204,7 @@ class SchedulerSession:
         for new in message.new_requests:  # requests entering the worker carry their trace context
             life = self.lifetimes.admitted(self.core().by_handle[new.handle].request_id)  # by worker handle
             if life is not None and telemetry.tracing_enabled():
-                new.trace_context.CopyFrom(telemetry.to_proto(life.span))
+                new.trace_context.CopyFrom(trace_context_to_proto(telemetry.trace_context(life.span)))
         if self.metrics and plan.scheduled_handles:
             self.metrics.iteration_tokens.observe(plan.total_scheduled_tokens)
         await self.workers.send(plan, message)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from vmesh.services.common.types import FinishReason, OutputMode, TokenLogprobs
+from vmesh.services.common.types import FinishReason, OutputMode, TokenLogprobs, TraceContext
 from vmesh.v1 import common_pb2
 
 OUTPUT_MODES_PB = {
@@ -85,3 +85,7 @@ def unpack_owned(owners: Sequence[int], columns: common_pb2.LogprobColumns) -> d
 def owners_of_counts(counts: Iterable[int]) -> list[int]:
     """A row count per request as owners: each row owned by its request's index."""
     return [index for index, count in enumerate(counts) for _ in range(count)]
+
+
+def trace_context_to_proto(context: TraceContext) -> common_pb2.TraceContext:
+    return common_pb2.TraceContext(traceparent=context.traceparent, tracestate=context.tracestate)
