@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vmesh.services.common.admission import admit
-from vmesh.services.common.model_loading import load_tokenizer, resolve_model_dir
+from vmesh.services.common.model_loading import resolve_model_dir
 from vmesh.services.common.output_accumulator import OutputAccumulator
-from vmesh.services.common.tokenizer import encode_chat
+from vmesh.services.common.tokenizer import encode_chat, load_chat_tokenizer
 from vmesh.services.common.types import FinishReason, ModelLimits, SamplingParams, StepTokens, TokenLogprobs
 from vmesh.services.detokenizer.output_processor import OutputProcessor
 from vmesh.services.engine.core import EngineCore, model_thread
@@ -88,7 +88,7 @@ class LLMEngine:
         config = config or EngineConfig()
         model_dir = resolve_model_dir(config.worker.model, config.worker.cache_dir)
         config.worker.model = str(model_dir)
-        tokenizer = load_tokenizer(model_dir)
+        tokenizer = load_chat_tokenizer(model_dir)  # the frontend's tokenizer: the same ids at every door
         thread = model_thread()
         try:
             return cls(thread.submit(ModelRunner.load, config.worker).result(), tokenizer, config, thread)
