@@ -4,6 +4,7 @@
                          [--peers-dir DIR] [--requests 64] [--max-tokens 128] [--repeats 1]
     vmesh bench serving  [--address A] [--request-rate 4] [--max-concurrency 64] [--num-requests 64]
                          [--backend grpc|openai|grpc,openai] [--base-url http://HOST:PORT/v1] [--model NAME]
+                         [--workload structured [--arms constrained,unconstrained]]
     vmesh bench claims   [--models embedded,tiny]
     vmesh bench detokenizer [--replicas 1 2]
 

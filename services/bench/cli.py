@@ -14,6 +14,7 @@ from vmesh.services.bench.common import RESULTS, WORKLOADS, save
 from vmesh.services.bench.detokenizer import detokenizer
 from vmesh.services.bench.offline import offline
 from vmesh.services.bench.serving import serving
+from vmesh.services.bench.structured import ARMS, STRUCTURED_WORKLOAD, serving_structured
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--workload", default="standard",
                         help=f"{' or '.join(WORKLOADS)} (64 x 128 tokens after short prompts; 16 x 64 after "
-                             "2,000-token prompts), or a workload JSON file of the same form")
+                             "2,000-token prompts), or a workload JSON file of the same form; serving also takes "
+                             f"{STRUCTURED_WORKLOAD} (the standard prompts answered in JSON, with and without schemas)")
     common.add_argument("--model", default=None, help="default: the embedded model")
     common.add_argument("--max-tokens", type=int, default=None, help="default: the workload's")
     common.add_argument("--kv-cache-memory", default="1GiB")
@@ -39,8 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--repeats", type=int, default=1, help="rounds of every run, in turn; medians are reported")
     srv = sub.add_parser("serving", parents=[common])
     srv.add_argument("--address", default=None, help="a running mesh's gRPC address (default: start a mesh)")
-    srv.add_argument("--backend", default="grpc",
-                     help="grpc (vmesh's API), openai (/v1/completions of --base-url or of the started mesh), "
+    srv.add_argument("--backend", default=None,
+                     help="(default grpc; --workload structured: openai's chat API) grpc (vmesh's API), "
+                          "openai (/v1/completions of --base-url or of the started mesh), "
                           "or both: grpc,openai (in turn, or mixed with --interleave)")
     srv.add_argument("--interleave", action="store_true",
                      help="with several backends: one load, each request through one of them (balanced, "
@@ -54,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     srv.add_argument("--slo-tpot-ms", type=float, default=200.0)
     srv.add_argument("--seed", type=int, default=0)
+    srv.add_argument("--arms", default=",".join(ARMS),
+                     help="--workload structured: constrained (every request with its JSON schema as "
+                          "response_format), unconstrained (the same prompts without), or both, in turn, "
+                          "reporting the throughput ratio; after a constrained arm the unconstrained one "
+                          "decodes as many tokens per request")
     cl = sub.add_parser("claims", parents=[common])
     cl.add_argument("--requests", type=int, default=None)
     cl.add_argument("--models", default="embedded,tiny")
@@ -72,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.kv_cache_memory_bytes = parse_memory_size(args.kv_cache_memory)
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    result = MODES[args.mode](args)
+    if args.workload == STRUCTURED_WORKLOAD and args.mode != "serving":
+        raise SystemExit(f"vmesh bench {args.mode}: the {STRUCTURED_WORKLOAD} workload runs only in serving mode")
+    run = serving_structured if args.workload == STRUCTURED_WORKLOAD else MODES[args.mode]
+    result = run(args)
     result["command"] = "vmesh bench " + " ".join(argv if argv is not None else sys.argv[1:])
     name = args.mode if args.workload == "standard" else f"{args.mode}-{Path(args.workload).stem}"
     print(f"results: {save(name, result, args.out)}")

@@ -11,7 +11,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,24 +24,37 @@ from vmesh.services.common.model_loading import resolve_model_dir
 async def timed_openai_request(http: Any, base_url: str, model: str | None, prompt: list[int],
                                max_tokens: int) -> dict[str, Any]:
     """The same request as timed_request, through any OpenAI-compatible server's streamed
-    /v1/completions (token-id prompt; `ignore_eos` is vLLM's extra, which vmesh shares). Each
-    chunk counts as one arrival, as vLLM's benchmark counts them; the token total is the usage's."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    /v1/completions (token-id prompt; `ignore_eos` is vLLM's extra, which vmesh shares)."""
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+                            "stream": True, "stream_options": {"include_usage": True}}
     if model:
         body["model"] = model
+    return await timed_openai_stream(http, f"{base_url}/completions", body, lambda choice: choice.get("text"))
+
+
+async def timed_openai_stream(http: Any, url: str, body: dict[str, Any],
+                              text_of: Callable[[dict[str, Any]], str | None]) -> dict[str, Any]:
+    """Timings of one streamed OpenAI request (`text_of` reads a choice's text: completions' `text`,
+    chat's `delta.content`), with the text and finish reason it ended with. Each chunk with text
+    counts as one arrival, as vLLM's benchmark counts them; the token total is the usage's."""
     started = time.perf_counter()
     arrivals: list[float] = []
     tokens = 0
-    async with http.stream("POST", f"{base_url}/completions", json=body) as response:
+    pieces: list[str] = []
+    finish_reason = None
+    async with http.stream("POST", url, json=body) as response:
         if response.status_code != 200:
-            raise RuntimeError(f"{base_url}: HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+            raise RuntimeError(f"{url}: HTTP {response.status_code}: {(await response.aread())[:300]!r}")
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                arrivals.append(time.perf_counter())
+            if chunk.get("choices"):
+                choice = chunk["choices"][0]
+                if text := text_of(choice):
+                    arrivals.append(time.perf_counter())
+                    pieces.append(text)
+                finish_reason = choice.get("finish_reason") or finish_reason
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
     end = time.perf_counter()
@@ -49,7 +62,8 @@ async def timed_openai_request(http: Any, base_url: str, model: str | None, prom
     ttft = arrivals[0] - started if arrivals else end - started
     gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     tpot = (end - started - ttft) / max(tokens - 1, 1)
-    return {"ttft": ttft, "itl": gaps, "tpot": tpot, "e2e": end - started, "tokens": tokens}
+    return {"ttft": ttft, "itl": gaps, "tpot": tpot, "e2e": end - started, "tokens": tokens,
+            "text": "".join(pieces), "finish_reason": finish_reason}
 
 
 @contextlib.asynccontextmanager
@@ -68,9 +82,9 @@ async def request_sender(backend: str, address: str | None, base_url: str | None
         yield lambda prompt, max_tokens: timed_openai_request(http, base_url, model, prompt, max_tokens)
 
 
-async def _serve_load(senders: list[Callable[..., Any]], prompts: list[list[int]], max_tokens: int, rate: float,
-                      concurrency: int, seed: int) -> tuple[list[dict[str, Any]], float]:
-    """One Poisson schedule over `prompts`; request i goes through senders[i]."""
+async def serve_load(senders: list[Callable[..., Any]], prompts: Sequence[Any], max_tokens: int, rate: float,
+                     concurrency: int, seed: int) -> tuple[list[dict[str, Any]], float]:
+    """One Poisson schedule over `prompts`; request i goes through senders[i] as (prompt, max_tokens)."""
     rng = random.Random(seed)
     gate = asyncio.Semaphore(concurrency)
 
@@ -118,7 +132,7 @@ async def _serve_backends(backends: list[str], args: argparse.Namespace, work: d
         assignment = [backends[i % len(backends)] for i in range(len(prompts))]
         random.Random(args.seed + 1).shuffle(assignment)
         before = cpu_seconds(mesh)
-        results, elapsed = await _serve_load([senders[b] for b in assignment], prompts, work["max_tokens"],
+        results, elapsed = await serve_load([senders[b] for b in assignment], prompts, work["max_tokens"],
                                              args.request_rate, args.max_concurrency, args.seed)
         after = cpu_seconds(mesh)
     by_backend: dict[str, list[dict[str, Any]]] = {b: [] for b in backends}
@@ -127,7 +141,7 @@ async def _serve_backends(backends: list[str], args: argparse.Namespace, work: d
     return by_backend, elapsed, {name: after[name] - before[name] for name in before if name in after}
 
 
-def _summarize(results: list[dict[str, Any]], elapsed: float, args: argparse.Namespace) -> dict[str, Any]:
+def summarize(results: list[dict[str, Any]], elapsed: float, args: argparse.Namespace) -> dict[str, Any]:
     ms = 1e3
     good = [r for r in results if r["ttft"] * ms <= args.slo_ttft_ms and r["tpot"] * ms <= args.slo_tpot_ms]
     tokens = sum(r["tokens"] for r in results)
@@ -145,7 +159,7 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
     """The Poisson workload through each `--backend` in turn: vmesh's gRPC API, or any
     OpenAI-compatible server's /v1/completions (vmesh's own HTTP API, or vLLM's)."""
     work = load_workload(args.workload, args.num_requests, args.max_tokens)
-    backends = args.backend.split(",")
+    backends = (args.backend or "grpc").split(",")
     if unknown := set(backends) - {"grpc", "openai"}:
         raise SystemExit(f"vmesh bench serving: unknown --backend {', '.join(sorted(unknown))} (grpc, openai)")
     external = args.address or args.base_url
@@ -164,7 +178,7 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
         for run in runs:
             by_backend, elapsed, cpu = asyncio.run(_serve_backends(run, args, work, address, base_url, mesh))
             for backend, results in by_backend.items():
-                summaries[backend] = _summarize(results, elapsed, args)
+                summaries[backend] = summarize(results, elapsed, args)
                 if len(run) == 1:  # CPU cannot be told apart between interleaved backends
                     tokens = max(1, sum(r["tokens"] for r in results))
                     summaries[backend]["cpu_ms_per_token"] = {k: 1e3 * v / tokens for k, v in cpu.items()}
