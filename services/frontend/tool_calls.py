@@ -94,7 +94,7 @@ def _function(param: str, function: Any) -> dict[str, Any]:
 
 def check_tools(tools: list[Any] | None, param: str = "tools", legacy: bool = False) -> tuple[dict[str, Any], ...]:
     """OpenAI's tools, checked (`legacy`: the `functions` list, bare function objects)."""
-    out = []
+    out: list[dict[str, Any]] = []
     for i, tool in enumerate(tools or ()):
         where = f"{param}[{i}]"
         if legacy:
@@ -150,8 +150,6 @@ def tool_plan(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bo
         return ToolPlan(checked, _choice("function_call", function_call, names, legacy=True), parallel=False)
     checked = check_tools(tools)
     names = [t["function"]["name"] for t in checked]
-    if parallel_tool_calls is not None and not checked:
-        raise _invalid("parallel_tool_calls", "only allowed with tools")
     return ToolPlan(checked, _choice("tool_choice", tool_choice, names, legacy=False),
                     parallel=parallel_tool_calls is not False)
 

@@ -64,6 +64,19 @@ def _partial_tag(text: str, tag: str) -> int:
     return 0
 
 
+def _inside_string(text: str) -> bool:
+    """Whether JSON text ends inside a string (a closing tag there is the string's, not the call's)."""
+    in_string = escaped = False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif in_string and ch == "\\":
+            escaped = True
+        elif ch == '"':
+            in_string = not in_string
+    return in_string
+
+
 class HermesToolCallParser:
     def __init__(self, names: Iterable[str] | None = None, new_id: Callable[[], str] = new_call_id):
         """`names`: the tools' names (a call of another name stays content); None: any name."""
@@ -94,6 +107,8 @@ class HermesToolCallParser:
                 self._call_space, self._space = self._space, ""
             else:
                 at = self._pending.find(TOOL_CALL_CLOSE, max(0, self._scanned - len(TOOL_CALL_CLOSE) + 1))
+                while at >= 0 and _inside_string(self._pending[:at]):
+                    at = self._pending.find(TOOL_CALL_CLOSE, at + 1)
                 if at < 0:
                     self._scanned = len(self._pending)
                     return out
