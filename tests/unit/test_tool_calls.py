@@ -6,6 +6,7 @@ HTTP layer's streamed and non-streamed tool calls through the real `openai` clie
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from typing import Any
 
@@ -182,7 +183,7 @@ def test_forced_calls_schema_compiles_with_xgrammar():
 def split_feed(parser: Any, text: str, cuts: list[int]) -> list[Any]:
     deltas: list[Any] = []
     bounds = [0, *sorted(set(cuts)), len(text)]
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         deltas += parser.feed(text[a:b])
     return deltas + parser.finish()
 
