@@ -47,6 +47,8 @@ def encode_input(tokenizer: Any, which: str | None, message: Any) -> list[int]:
             tools = json.loads(message.chat.tools) if message.chat.tools else None
         except ValueError as exc:
             raise InvalidRequest("chat.tools", f"not JSON ({exc})") from exc
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise InvalidRequest("chat.tools", "must be a JSON array of tool objects")
         try:
             return encode_chat(tokenizer, messages, tools)
         except Exception as exc:  # the template rejects the conversation (roles, order)
