@@ -5,7 +5,11 @@ the worker and the in-process engine keep using transformers.
 Reads a model directory's `tokenizer.json` (the `tokenizers` library) and its chat template
 (`chat_template.jinja`, or `chat_template` in `tokenizer_config.json`), rendered the way
 transformers renders it: a sandboxed Jinja environment with the special tokens in scope, the
-result encoded without adding special tokens again."""
+result encoded without adding special tokens again.
+
+Tools (OpenAI's `tools` list) reach the template as its `tools` variable, as transformers passes
+them; a template that never references `tools` gets vmesh's built-in Hermes-style tool prompt
+instead (services/common/tool_prompt.py)."""
 
 from __future__ import annotations
 
@@ -17,9 +21,12 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from vmesh.services.common.tool_prompt import prepare_chat
 
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -57,18 +64,32 @@ class _GenerationBlocks(jinja2.ext.Extension):
         return caller()
 
 
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols", _GenerationBlocks])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def template_supports_tools(chat_template: str | None) -> bool:
+    """Whether the template reads the `tools` variable (else it would drop the tools silently)."""
+    if not chat_template:
+        return False
+    try:
+        return "tools" in jinja2.meta.find_undeclared_variables(_environment().parse(chat_template))
+    except jinja2.TemplateError:
+        return False
+
+
 class ChatTokenizer:
     def __init__(self, backend: tokenizers.Tokenizer, chat_template: str | None, special_tokens: dict[str, str]):
         self.backend_tokenizer = backend
         self.special_tokens = special_tokens
-        self._template = None
-        if chat_template:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols", _GenerationBlocks])
-            env.filters["tojson"] = _tojson
-            env.globals["raise_exception"] = _raise
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._template = env.from_string(chat_template)
+        self.chat_template = chat_template
+        self.supports_tools = template_supports_tools(chat_template)
+        self._template = _environment().from_string(chat_template) if chat_template else None
 
     @classmethod
     def load(cls, model_dir: Path) -> ChatTokenizer:
@@ -109,27 +130,37 @@ class ChatTokenizer:
     def added_tokens_decoder(self) -> dict[int, tokenizers.AddedToken]:
         return self.backend_tokenizer.get_added_tokens_decoder()
 
-    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[dict[str, Any]] | None = None) -> str:
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; send text or token ids")
+        messages, template_tools = prepare_chat(messages, tools, self.supports_tools)
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         tools=None, documents=None, **self.special_tokens)
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         tools=template_tools, documents=None, **self.special_tokens)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(str(exc)) from exc
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                            tokenize: bool = True, return_dict: bool = False) -> list[int] | str:
+                            tokenize: bool = True, return_dict: bool = False,
+                            tools: Sequence[dict[str, Any]] | None = None) -> list[int] | str:
         """transformers' call, for the frontend's use: ids (or the text when tokenize=False)."""
-        text = self.render_chat(messages, add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt, tools)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
-def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> list[int]:
+def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]],
+                tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
     """A conversation's prompt token ids, ready for the assistant's reply: the one call every
-    door makes, on a ChatTokenizer or on transformers' tokenizer (same arguments, same ids)."""
-    return list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
-                                              return_dict=False))
+    door makes, on a ChatTokenizer or on transformers' tokenizer (same arguments, same ids).
+    `tools`: OpenAI's tools list, for the template (or the built-in tool prompt)."""
+    if isinstance(tokenizer, ChatTokenizer):
+        return tokenizer.encode(tokenizer.render_chat(messages, True, tools), add_special_tokens=False)
+    messages, template_tools = prepare_chat(
+        messages, tools, template_supports_tools(getattr(tokenizer, "chat_template", None)))
+    extra = {"tools": template_tools} if template_tools else {}
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                              return_dict=False, **extra))
 
 
 def load_chat_tokenizer(model_dir: Path) -> Any:

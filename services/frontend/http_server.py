@@ -33,6 +33,8 @@ from vmesh.services.frontend.http_middleware import (
     error_response,
     request_error_response,
 )
+from vmesh.services.frontend.tool_calls import ToolPlan
+from vmesh.services.frontend.tool_parsers import ContentDelta, Delta, ToolCallParser, make_parser
 from vmesh.v1 import frontend_pb2
 
 if TYPE_CHECKING:  # a type only: /metrics imports prometheus_client when scraped
@@ -63,6 +65,7 @@ class Reply:
     include_usage: bool  # streamed: a last chunk with the usage
     want_logprobs: bool
     aliases: dict[str, str]  # the request's own names of fields (for errors' `param`)
+    tools: ToolPlan | None = None  # chat: what its tool fields asked for
     request_id: str = field(init=False)
     created: int = field(init=False)
     choices: list[render.Choice] = field(init=False)
@@ -75,6 +78,24 @@ class Reply:
     def chunk(self, choices: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
         return {"id": self.request_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, **fields}
+
+
+def tool_call_delta(delta: Delta) -> dict[str, Any]:
+    """One parser delta as OpenAI's chunk `delta`: a call's first chunk carries its id, type and
+    name (and arguments ""), later ones its index and a fragment of its arguments."""
+    if isinstance(delta, ContentDelta):
+        return {"content": delta.text}
+    if delta.id is not None:
+        return {"tool_calls": [{"index": delta.index, "id": delta.id, "type": "function",
+                                "function": {"name": delta.name, "arguments": delta.arguments}}]}
+    return {"tool_calls": [{"index": delta.index, "function": {"arguments": delta.arguments}}]}
+
+
+def _tool_deltas(parser: ToolCallParser, text: str, finished: bool, want_one: bool) -> list[dict[str, Any]]:
+    """The chunk deltas one output makes through `parser` (`finished`: its last, so the parser
+    lets go of what it holds); `want_one`: at least one delta, to carry the output's logprobs."""
+    deltas = [tool_call_delta(d) for d in [*parser.feed(text), *(parser.finish() if finished else ())]]
+    return deltas or ([{}] if want_one else [])
 
 
 class OpenAIRoutes:
@@ -118,13 +139,19 @@ class OpenAIRoutes:
             assert fanout is not None
             if not reply.stream:
                 await fanout.close()  # every stream has ended; closing leaves nothing to chance
-                build = render.chat_body if reply.chat else render.completion_body
                 tokens = self.tokens
+
+                def build() -> dict[str, Any]:
+                    if reply.chat:
+                        return render.chat_body(reply.request_id, reply.created, reply.model, reply.choices, reply.n,
+                                                reply.want_logprobs, tokens, reply.tools)
+                    return render.completion_body(reply.request_id, reply.created, reply.model, reply.choices,
+                                                  reply.n, reply.want_logprobs, tokens)
+
                 # Rendering n × max_tokens entries (with logprobs) is long work: a worker thread
                 # keeps the loop serving other requests meanwhile.
                 body = await asyncio.to_thread(lambda: json.dumps(
-                    build(reply.request_id, reply.created, reply.model, reply.choices, reply.n, reply.want_logprobs,
-                          tokens), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode())
+                    build(), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode())
                 return Response(body, media_type="application/json")
             events = self._chat_events if reply.chat else self._completion_events
             response = FanoutStreamingResponse(fanout, self._stream(fanout, events(fanout, reply), reply),
@@ -170,6 +197,7 @@ class OpenAIRoutes:
         def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> dict:
             return reply.chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
 
+        parsers = [make_parser(reply.tools) for _ in reply.choices]
         for index in range(len(reply.choices)):  # OpenAI opens every choice with the role
             yield chunk(index, {"role": "assistant", "content": ""})
         async for index, out in fanout.events():
@@ -178,8 +206,16 @@ class OpenAIRoutes:
                 continue
             logprobs = (render.chat_logprobs(list(out.logprobs), list(out.token_ids), self.tokens)
                         if reply.want_logprobs else None)
-            yield chunk(index, {"content": out.text} if out.text else {}, logprobs,
-                        render.finish_reason(out.finish_reason))
+            parser = parsers[index]
+            if parser is None:
+                yield chunk(index, {"content": out.text} if out.text else {}, logprobs,
+                            render.finish_reason(out.finish_reason))
+                continue
+            for delta in _tool_deltas(parser, out.text, bool(out.finish_reason), logprobs is not None):
+                yield chunk(index, delta, logprobs)
+                logprobs = None
+            if out.finish_reason:
+                yield chunk(index, {}, None, render.finish_reason(out.finish_reason, parser.calls > 0))
 
     async def completions(self, body: oai.CompletionRequest, request: Request) -> Response:
         model = self.served()
@@ -191,11 +227,12 @@ class OpenAIRoutes:
 
     async def chat_completions(self, body: oai.ChatCompletionRequest, request: Request) -> Response:
         model = self.served()
-        generate_request = oai.chat_request(body, model)
+        tools = oai.chat_tools(body)
+        generate_request = oai.chat_request(body, model, tools)
         return await self._run(request, [generate_request], Reply(
             model, chat=True, prompts=1, n=body.n, stream=body.stream,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
-            want_logprobs=body.logprobs, aliases=oai.param_aliases(body)))
+            want_logprobs=body.logprobs, aliases=oai.param_aliases(body), tools=tools))
 
     def models(self) -> dict[str, Any]:
         limits = self.frontend.loaded_limits()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from vmesh.services.common.admission import InvalidRequest
@@ -12,19 +13,44 @@ def prompt_bytes(which: str | None, message: Any) -> int:
     if which == "text":
         return len(message.text.encode())
     if which == "chat":
-        return sum(len(m.content.encode()) + len(m.role.encode()) for m in message.chat.messages)
+        calls = sum(len(c.name.encode()) + len(c.arguments.encode()) for m in message.chat.messages
+                    for c in m.tool_calls)
+        return calls + len(message.chat.tools.encode()) + sum(
+            len(m.content.encode()) + len(m.role.encode()) for m in message.chat.messages)
     return 0
+
+
+def chat_messages(chat: Any) -> list[dict[str, Any]]:
+    """A ChatMessages message as the chat template takes it (OpenAI's shape: an assistant's
+    `tool_calls`, a tool result's `tool_call_id`)."""
+    messages = []
+    for m in chat.messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
+            message["content"] = m.content or None
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        messages.append(message)
+    return messages
 
 
 def encode_input(tokenizer: Any, which: str | None, message: Any) -> list[int]:
     if which == "text":
         return tokenizer.encode(message.text) if message.text else []
     if which == "chat":
-        messages = [{"role": m.role, "content": m.content} for m in message.chat.messages]
+        messages = chat_messages(message.chat)
         if not messages:
             raise InvalidRequest("chat", "no messages")
         try:
-            return encode_chat(tokenizer, messages)
+            tools = json.loads(message.chat.tools) if message.chat.tools else None
+        except ValueError as exc:
+            raise InvalidRequest("chat.tools", f"not JSON ({exc})") from exc
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise InvalidRequest("chat.tools", "must be a JSON array of tool objects")
+        try:
+            return encode_chat(tokenizer, messages, tools)
         except Exception as exc:  # the template rejects the conversation (roles, order)
             raise InvalidRequest("chat", str(exc)) from exc
     if which == "token_ids":

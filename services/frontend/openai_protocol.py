@@ -10,6 +10,7 @@ import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
 from vmesh.services.common.types import DEFAULT_MAX_TOKENS, MAX_LOGPROBS
+from vmesh.services.frontend import tool_calls
 from vmesh.services.frontend.errors import Code, RequestError
 from vmesh.v1 import common_pb2, frontend_pb2
 
@@ -69,6 +70,9 @@ class ChatMessage(_Body):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="an assistant's calls (content may be null)")
+    tool_call_id: str | None = Field(None, description="role 'tool': the call it answers")
+    function_call: dict[str, Any] | None = Field(None, description="legacy: an assistant's one call")
 
 
 class ChatCompletionRequest(_SamplingBody):
@@ -76,12 +80,14 @@ class ChatCompletionRequest(_SamplingBody):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = Field(None, description="not supported: refused unless empty")
-    tool_choice: str | dict[str, Any] | None = Field(None, description="not supported: refused unless 'none'")
-    functions: list[dict[str, Any]] | None = Field(None, description="not supported: refused unless empty")
-    function_call: str | dict[str, Any] | None = Field(None, description="not supported: refused unless 'none'")
+    tools: list[Any] | None = Field(None, description="function tools: [{'type': 'function', 'function': {...}}]")
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description="'none', 'auto' (default with tools), 'required' or {'type': 'function', 'function': "
+                          "{'name': ...}}")
+    functions: list[Any] | None = Field(None, description="legacy form of tools")
+    function_call: str | dict[str, Any] | None = Field(None, description="legacy form of tool_choice")
     response_format: dict[str, Any] | None = Field(None, description="only {'type': 'text'}")
-    parallel_tool_calls: bool | None = Field(None, description="accepted and ignored")
+    parallel_tool_calls: bool | None = Field(None, description="false: one call at most")
 
 
 def invalid(param: str, message: str) -> RequestError:
@@ -99,12 +105,6 @@ def _refuse_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None
         if body.best_of is not None and body.best_of != 1:
             raise invalid("best_of", "not supported by vmesh (use n)")
         return
-    for name in ("tools", "functions"):
-        if getattr(body, name):
-            raise invalid(name, "tool calling is not supported by vmesh")
-    for name in ("tool_choice", "function_call"):
-        if getattr(body, name) not in (None, "none"):
-            raise invalid(name, "tool calling is not supported by vmesh")
     if body.response_format is not None and body.response_format.get("type", "text") != "text":
         raise invalid("response_format", "only {'type': 'text'} is supported by vmesh")
 
@@ -186,8 +186,10 @@ def completion_requests(body: CompletionRequest, served: str) -> list[frontend_p
     return out
 
 
-def _content_text(i: int, message: ChatMessage) -> str:
+def _content_text(i: int, message: ChatMessage, optional: bool = False) -> str:
     content = message.content
+    if content is None and optional:
+        return ""
     if content is None:
         raise invalid(f"messages[{i}].content", "required")
     if isinstance(content, str):
@@ -201,11 +203,60 @@ def _content_text(i: int, message: ChatMessage) -> str:
     return "\n".join(parts)
 
 
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool",
+              "function": "tool"}
 
 
-def chat_request(body: ChatCompletionRequest, served: str) -> frontend_pb2.GenerateRequest:
+def _tool_call(param: str, call: Any) -> frontend_pb2.ToolCall:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+        raise invalid(f"{param}.function.name", "required")
+    arguments = function.get("arguments", "{}")
+    if not isinstance(arguments, str):
+        raise invalid(f"{param}.function.arguments", "must be a string (the arguments as JSON text)")
+    call_id = call.get("id", "")
+    if not isinstance(call_id, str):
+        raise invalid(f"{param}.id", "must be a string")
+    return frontend_pb2.ToolCall(id=_text(f"{param}.id", call_id), name=_text(f"{param}.function.name",
+                                 function["name"]), arguments=_text(f"{param}.function.arguments", arguments))
+
+
+def _chat_message(i: int, m: ChatMessage) -> frontend_pb2.ChatMessage:
+    role = CHAT_ROLES.get(m.role)
+    if role is None:
+        raise invalid(f"messages[{i}].role", f"{m.role!r} is not supported (system, developer, user, assistant, tool)")
+    calls = list(m.tool_calls or ())
+    if m.function_call is not None:  # the legacy form of one call
+        calls.append({"id": "", "type": "function", "function": m.function_call})
+    if calls and role != "assistant":
+        raise invalid(f"messages[{i}].tool_calls", "only assistant messages make tool calls")
+    message = frontend_pb2.ChatMessage(role=role, content=_content_text(i, m, optional=bool(calls)))
+    message.tool_calls.extend(_tool_call(f"messages[{i}].tool_calls[{j}]", c) for j, c in enumerate(calls))
+    if role == "tool":
+        call_id = m.tool_call_id if m.role == "tool" else m.name  # legacy "function" results name the function
+        if not call_id:
+            raise invalid(f"messages[{i}].tool_call_id" if m.role == "tool" else f"messages[{i}].name", "required")
+        message.tool_call_id = _text(f"messages[{i}].tool_call_id", call_id)
+    return message
+
+
+def chat_tools(body: ChatCompletionRequest) -> tool_calls.ToolPlan:
+    """The request's tool fields, checked."""
+    plan = tool_calls.tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, body.functions,
+                                body.function_call)
+    if plan.forced:
+        # Forced calls are only served with their output held to tool_calls.plan_schema by a
+        # grammar; unconstrained, "required" would be a promise the model may break.
+        param = "function_call" if body.functions is not None else "tool_choice"
+        raise invalid(param, f"{plan.choice!r} is not supported by vmesh yet (only 'auto' and 'none')")
+    return plan
+
+
+def chat_request(body: ChatCompletionRequest, served: str,
+                 tools: tool_calls.ToolPlan | None = None) -> frontend_pb2.GenerateRequest:
+    """`tools`: chat_tools(body), when the caller has it already."""
     check_common(body, served)
+    tools = tools if tools is not None else chat_tools(body)
     if not body.messages:
         raise invalid("messages", "at least one message is required")
     if body.n > MAX_CHOICES:
@@ -219,11 +270,8 @@ def chat_request(body: ChatCompletionRequest, served: str) -> frontend_pb2.Gener
     request = frontend_pb2.GenerateRequest(sampling=_sampling(body, max_tokens, logprobs))
     _set(request, "priority", body.priority)
     request.chat.SetInParent()
-    for i, m in enumerate(body.messages):
-        role = CHAT_ROLES.get(m.role)
-        if role is None:
-            raise invalid(f"messages[{i}].role", f"{m.role!r} is not supported (system, developer, user, assistant)")
-        request.chat.messages.append(frontend_pb2.ChatMessage(role=role, content=_content_text(i, m)))
+    request.chat.messages.extend(_chat_message(i, m) for i, m in enumerate(body.messages))
+    request.chat.tools = _text("tools", tool_calls.tools_json(tools))
     return request
 
 

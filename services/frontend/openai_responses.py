@@ -12,6 +12,8 @@ from vmesh.services.common.output_accumulator import OutputAccumulator
 from vmesh.services.common.types import FinishReason
 from vmesh.services.common.wire.common import finish_from_proto
 from vmesh.services.frontend.errors import Code, RequestError
+from vmesh.services.frontend.tool_calls import ToolPlan
+from vmesh.services.frontend.tool_parsers import make_parser, parse_text
 from vmesh.v1 import frontend_pb2
 
 # JSON has no -inf: a logprob that underflowed is sent as this, as vLLM does.
@@ -151,9 +153,25 @@ def usage(choices: list[Choice], n: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def finish_reason(code: int) -> str | None:
+def finish_reason(code: int, made_calls: bool = False) -> str | None:
+    """`made_calls`: the choice's text held tool calls ("tool_calls" where the model stopped)."""
     reason = finish_from_proto(code)
+    if reason is FinishReason.STOP and made_calls:
+        return "tool_calls"
     return reason.value if reason in OPENAI_FINISH_REASONS else None
+
+
+def chat_message(choice: Choice, tools: ToolPlan | None) -> tuple[dict[str, Any], bool]:
+    """The assistant's message for a choice's whole text, and whether it made tool calls: the
+    text read by the same parser the streamed deltas go through (tool_parsers)."""
+    parser = make_parser(tools)
+    if parser is None:
+        return {"role": "assistant", "content": choice.text}, False
+    content, calls = parse_text(parser, choice.text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    return message, bool(calls)
 
 
 def completion_body(request_id: str, created: int, model: str, choices: list[Choice], n: int, want_logprobs: bool,
@@ -166,10 +184,11 @@ def completion_body(request_id: str, created: int, model: str, choices: list[Cho
 
 
 def chat_body(request_id: str, created: int, model: str, choices: list[Choice], n: int, want_logprobs: bool,
-              tokens: TokenTexts) -> dict[str, Any]:
+              tokens: TokenTexts, tools: ToolPlan | None = None) -> dict[str, Any]:
+    rendered = []
+    for i, c in enumerate(choices):
+        message, made_calls = chat_message(c, tools)
+        rendered.append({"index": i, "message": message, "finish_reason": finish_reason(c.finish_reason, made_calls),
+                         "logprobs": chat_logprobs(c.logprobs, c.token_ids, tokens) if want_logprobs else None})
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                         "finish_reason": finish_reason(c.finish_reason),
-                         "logprobs": chat_logprobs(c.logprobs, c.token_ids, tokens) if want_logprobs else None}
-                        for i, c in enumerate(choices)],
-            "usage": usage(choices, n)}
+            "choices": rendered, "usage": usage(choices, n)}

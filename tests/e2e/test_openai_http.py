@@ -230,10 +230,11 @@ BAD = [  # (endpoint, body, status, param)
     ("completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ("completions", {}, 400, "prompt"),
     ("chat/completions", {"messages": []}, 400, "messages"),
-    ("chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-     "tools"),
+    ("chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"description": "f"}}]},
+     400, "tools[0].function.name"),
     ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
-    ("chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+    ("chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].tool_call_id"),
+    ("chat/completions", {"messages": [{"role": "critic", "content": "x"}]}, 400, "messages[0].role"),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "messages[0].content[0]"),
     ("chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
@@ -393,3 +394,35 @@ def test_http_can_be_turned_off():
         assert mesh.http_url == ""
     finally:
         mesh.stop()
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_auto_tool_calls_streamed_and_not_read_the_models_text_alike(mesh, model, embedded_tokenizer):
+    """Whatever SmolLM2 answers (a call or not), the message is its text read by the Hermes
+    parser, and the streamed deltas (assembled by the openai client's own helper) say the same."""
+    from vmesh.services.common.tokenizer import encode_chat
+    from vmesh.services.frontend.tool_parsers import HermesToolCallParser, parse_text
+
+    client = sync_client(mesh)
+    messages = [{"role": "system", "content": "Answer with a tool call."},
+                {"role": "user", "content": "What is the weather in Paris?"}]
+    request = {"model": model, "messages": messages, "tools": [WEATHER_TOOL], "tool_choice": "auto",
+               "max_tokens": 48, "temperature": 0}
+    plain = client.chat.completions.create(**request)
+    with client.chat.completions.stream(**request) as stream:
+        streamed = stream.get_final_completion()
+    # the model's raw text for the same prompt, the tools prompt included
+    raw = client.completions.create(model=model, prompt=encode_chat(embedded_tokenizer, messages, [WEATHER_TOOL]),
+                                    max_tokens=48, temperature=0).choices[0]
+    content, calls = parse_text(HermesToolCallParser(["get_weather"]), raw.text)
+    for completion in (plain, streamed):
+        choice = completion.choices[0]
+        assert choice.message.content == content
+        got = [(c.type, c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
+        assert got == [("function", c["function"]["name"], c["function"]["arguments"]) for c in calls]
+        assert all(c.id.startswith("call_") for c in choice.message.tool_calls or ())
+        assert choice.finish_reason == ("tool_calls" if calls and raw.finish_reason == "stop" else raw.finish_reason)
