@@ -1,5 +1,5 @@
 """The frontend's HTTP shell: OpenAI's API (/v1/models, /v1/completions, /v1/chat/completions,
-streamed as Server-Sent Events) plus /health, /metrics and /openapi.json, served by uvicorn on
+/v1/responses, streamed as Server-Sent Events) plus /health, /metrics and /openapi.json, served by uvicorn on
 the frontend's own event loop over the same core as gRPC (core.py). A client that
 disconnects aborts its requests, as a cancelled gRPC stream does."""
 
@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vmesh.services.frontend import openai_protocol as oai
 from vmesh.services.frontend import openai_responses as render
+from vmesh.services.frontend import responses_api, responses_events
 from vmesh.services.frontend.core import FrontendCore
 from vmesh.services.frontend.errors import RequestError
 from vmesh.services.frontend.fanout import ClientGone, Fanout, FanoutStreamingResponse, until_disconnect
@@ -66,6 +67,7 @@ class Reply:
     want_logprobs: bool
     aliases: dict[str, str]  # the request's own names of fields (for errors' `param`)
     tools: ToolPlan | None = None  # chat: what its tool fields asked for
+    responses: responses_api.ResponsesView | None = None  # a Responses API reply, built over this chat one
     request_id: str = field(init=False)
     created: int = field(init=False)
     choices: list[render.Choice] = field(init=False)
@@ -148,14 +150,17 @@ class OpenAIRoutes:
                     return render.completion_body(reply.request_id, reply.created, reply.model, reply.choices,
                                                   reply.n, reply.want_logprobs, tokens)
 
+                view = reply.responses.from_chat if reply.responses is not None else None
                 # Rendering n × max_tokens entries (with logprobs) is long work: a worker thread
                 # keeps the loop serving other requests meanwhile.
                 body = await asyncio.to_thread(lambda: json.dumps(
-                    build(), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode())
+                    (view or dict)(build()), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode())
                 return Response(body, media_type="application/json")
             events = self._chat_events if reply.chat else self._completion_events
-            response = FanoutStreamingResponse(fanout, self._stream(fanout, events(fanout, reply), reply),
-                                               media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            sse = (self._stream(fanout, events(fanout, reply), reply) if reply.responses is None
+                   else self._responses_stream(fanout, events(fanout, reply), reply, reply.responses))
+            response = FanoutStreamingResponse(fanout, sse, media_type="text/event-stream",
+                                               headers={"Cache-Control": "no-cache"})
             handed_over = True
             return response
         except RequestError as exc:
@@ -180,6 +185,20 @@ class OpenAIRoutes:
         finally:
             await fanout.close()
         yield "data: [DONE]\n\n"
+
+    async def _responses_stream(self, fanout: Fanout, chunks: AsyncIterator[dict[str, Any]], reply: Reply,
+                                view: responses_api.ResponsesView) -> AsyncIterator[str]:
+        """The Responses API's events over the chat chunks, the usage chunk last."""
+        async def with_usage() -> AsyncIterator[dict[str, Any]]:
+            async for chunk in chunks:
+                yield chunk
+            yield reply.chunk([], usage=render.usage(reply.choices, reply.n))
+
+        try:
+            async for text in responses_events.stream(view, with_usage(), reply.aliases):
+                yield text
+        finally:
+            await fanout.close()
 
     async def _completion_events(self, fanout: Fanout, reply: Reply) -> AsyncIterator[dict[str, Any]]:
         async for index, out in fanout.events():
@@ -233,6 +252,13 @@ class OpenAIRoutes:
             model, chat=True, prompts=1, n=body.n, stream=body.stream,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             want_logprobs=body.logprobs, aliases=oai.param_aliases(body), tools=tools))
+
+    async def responses(self, body: responses_api.ResponsesRequest, request: Request) -> Response:
+        """Stateless: served as the chat completion it translates into."""
+        generate_request, view, tools = responses_api.translate(body, self.served())
+        return await self._run(request, [generate_request], Reply(
+            view.model, chat=True, prompts=1, n=1, stream=body.stream, include_usage=True, want_logprobs=False,
+            aliases=view.aliases, responses=view, tools=tools))
 
     def models(self) -> dict[str, Any]:
         limits = self.frontend.loaded_limits()
@@ -292,6 +318,10 @@ def build_app(frontend: FrontendCore, registry: CollectorRegistry | None) -> Fas
     @app.post("/v1/chat/completions")
     async def chat_completions(body: oai.ChatCompletionRequest, request: Request) -> Response:
         return await routes.chat_completions(body, request)
+
+    @app.post("/v1/responses")
+    async def responses(body: responses_api.ResponsesRequest, request: Request) -> Response:
+        return await routes.responses(body, request)
 
     # The last added runs first: the key is checked before any body byte is read.
     app.add_middleware(BodyLimitMiddleware, limit=body_limit(frontend.settings.max_prompt_bytes))
