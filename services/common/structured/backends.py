@@ -4,6 +4,7 @@ refusal. No caching or budgets here (GrammarCompiler adds them)."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import llguidance
@@ -122,6 +123,10 @@ def compile_llguidance(vocabulary: Vocabulary, kind: str, source: str) -> bytes:
     return grammar.encode()
 
 
+# xgrammar prefixes its C++ errors with "[hh:mm:ss] /path/file.cc:line: ".
+_SOURCE_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+
+
 def _first_line(error: object) -> str:
     lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
+    return _SOURCE_LOCATION.sub("", lines[0]) if lines else type(error).__name__

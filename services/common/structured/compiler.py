@@ -121,8 +121,8 @@ class GrammarCompiler:
         return ["xgrammar", "llguidance"]
 
     def compile_uncached(self, spec: StructuredOutput) -> CompiledGrammar:
-        """One compile, on the caller's thread, without budget or cache; GrammarRefused with the
-        last backend's reason when none can enforce it."""
+        """One compile, on the caller's thread, without budget or cache. When no backend can enforce
+        it: the first refusal that names a path (the most precise), else the first backend's."""
         refusal: GrammarRefused | None = None
         for backend in self.backends_for(spec):
             try:
@@ -131,7 +131,8 @@ class GrammarCompiler:
                 else:
                     payload = compile_llguidance(self.vocabulary, spec.kind, spec.source)
             except GrammarRefused as exc:
-                refusal = exc
+                if refusal is None or (exc.path and not refusal.path):
+                    refusal = exc
                 continue
             return CompiledGrammar(backend, grammar_key(backend, spec.kind, spec.source, self.vocabulary.identity),
                                    payload)

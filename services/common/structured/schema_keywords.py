@@ -10,18 +10,20 @@ Accepted by both backends (enforced):
   items (a schema or false), prefixItems, enum, const, anyOf, $ref / $defs / definitions
   (recursion included), pattern, minLength, maxLength, minItems, maxItems, minimum, maximum,
   exclusiveMinimum, exclusiveMaximum, multipleOf, minProperties, maxProperties, format (the
-  names in XGRAMMAR_FORMATS; llguidance refuses a format it lacks itself).
+  names in ENFORCED_FORMATS).
 Only xgrammar: oneOf, enforced as anyOf (an output may match more than one branch where the
-  branches overlap; llguidance refuses oneOf).
+  branches overlap; llguidance refuses oneOf); uniqueItems: false (a no-op llguidance refuses).
 Only llguidance (so "auto" compiles the schema with llguidance): allOf, patternProperties
   (xgrammar ignores allOf's constraints beyond the first branch and mis-enforces patternProperties).
 Annotations, accepted and without effect: title, description, default, examples, $schema, $id,
   $comment, deprecated, readOnly, writeOnly, discriminator (OpenAPI's; the oneOf branches it
-  annotates enforce their tags themselves); uniqueItems: false (a no-op).
+  annotates enforce their tags themselves).
 Refused everywhere (no backend enforces them): not, if / then / else, dependentRequired,
   dependentSchemas, uniqueItems: true, contains / minContains / maxContains, propertyNames,
   unevaluatedProperties, unevaluatedItems, contentEncoding, contentMediaType, additionalItems,
-  formats outside XGRAMMAR_FORMATS (xgrammar ignores them: idn-email, iri, regex, binary, ...).
+  formats outside ENFORCED_FORMATS (xgrammar ignores them: idn-email, iri, regex, binary, ...).
+xgrammar compiles schemas in strict mode: an object without additionalProperties takes no other
+keys and an array without items takes no items (a stricter output still validates).
 """
 
 from __future__ import annotations
@@ -35,14 +37,13 @@ _COMMON = frozenset({
     "type", "properties", "required", "additionalProperties", "items", "prefixItems", "enum", "const", "anyOf",
     "$ref", "$defs", "definitions", "pattern", "minLength", "maxLength", "minItems", "maxItems", "minimum",
     "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minProperties", "maxProperties", "format",
-    "uniqueItems",  # only false passes _refusal
 })
 ENFORCED: dict[str, frozenset[str]] = {
-    "xgrammar": _COMMON | {"oneOf"},
+    "xgrammar": _COMMON | {"oneOf", "uniqueItems"},  # uniqueItems: only false passes _refusal
     "llguidance": _COMMON | {"allOf", "patternProperties"},
 }
-# The string formats xgrammar enforces (others it ignores).
-XGRAMMAR_FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
+# The string formats xgrammar enforces (others it ignores); llguidance enforces them too.
+ENFORCED_FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
                               "uri-reference", "uri-template", "uuid", "json-pointer", "relative-json-pointer"})
 
 _ONE_SCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
@@ -73,7 +74,7 @@ def _refusal(schema: dict[str, Any], key: str, backend: str) -> str:
         return f"the JSON-schema keyword {key!r} is not supported by {backend}"
     if key == "uniqueItems" and schema[key] is not False:
         return f"the JSON-schema keyword {key!r} is not supported by {backend}"
-    if key == "format" and backend == "xgrammar" and schema[key] not in XGRAMMAR_FORMATS:
+    if key == "format" and schema[key] not in ENFORCED_FORMATS:
         return f"the string format {schema[key]!r} is not supported by {backend}"
     return ""
 
