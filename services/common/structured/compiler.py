@@ -73,12 +73,14 @@ class GrammarCompiler:
             if request_key in self._over_budget:
                 raise self._over_budget_refusal()
             future = self._in_flight.get(request_key)
+            started = future is None
             if future is None:  # concurrent asks for one grammar share one compile
                 future = self._pool.submit(self.compile_uncached, spec)
                 self._in_flight[request_key] = future
-                future.add_done_callback(lambda done: self._finished(request_key, done))
+        if started:  # outside the lock: a compile already done runs its callback here, at once
+            future.add_done_callback(lambda done: self._finished(request_key, done))
         try:
-            return future.result(timeout=self.time_budget_s)
+            return self._store(request_key, future.result(timeout=self.time_budget_s))
         except concurrent.futures.TimeoutError:
             with self._lock:
                 self._over_budget[request_key] = None
@@ -89,11 +91,20 @@ class GrammarCompiler:
     def _finished(self, request_key: str, future: concurrent.futures.Future[CompiledGrammar]) -> None:
         with self._lock:
             self._in_flight.pop(request_key, None)
-            if future.cancelled() or future.exception() is not None or request_key in self._over_budget:
-                return
-            self._cache[request_key] = future.result()
+        if not future.cancelled() and future.exception() is None:
+            self._store(request_key, future.result())
+
+    def _store(self, request_key: str, grammar: CompiledGrammar) -> CompiledGrammar:
+        """The cached object for the key (the first stored wins, so every caller gets the same one);
+        an over-budget key's late result is dropped."""
+        with self._lock:
+            if request_key in self._over_budget:
+                return grammar
+            cached = self._cache.setdefault(request_key, grammar)
+            self._cache.move_to_end(request_key)
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
+            return cached
 
     def _over_budget_refusal(self) -> GrammarRefused:
         return GrammarRefused("", f"compiling the grammar took longer than its {self.time_budget_s:g} s budget")
