@@ -150,3 +150,12 @@ def test_the_cache_evicts_least_recently_used(embedded_model_dir) -> None:
     tiny.compile(StructuredOutput("regex", "b"))
     again = tiny.compile(StructuredOutput("regex", "a"))
     assert again == first and again is not first
+
+
+def test_a_payload_over_its_limit_falls_back_to_llguidance_or_is_refused(embedded_model_dir) -> None:
+    limited = GrammarCompiler(embedded_model_dir / "tokenizer.json", VOCAB_SIZE, [EOS], max_payload_bytes=2000)
+    spec = SPECS["json_schema"]
+    assert len(limited.compile(StructuredOutput(spec.kind, spec.source, "llguidance")).payload) <= 2000
+    assert limited.compile(spec).backend == "llguidance"
+    with pytest.raises(GrammarRefused, match="over the 2000-byte limit on what reaches the worker"):
+        limited.compile(StructuredOutput(spec.kind, spec.source, "xgrammar"))

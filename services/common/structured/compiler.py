@@ -3,7 +3,8 @@ it, under a size and a time budget, and cached by its key.
 
 Backends: "auto" compiles with xgrammar, and falls back to llguidance only for what xgrammar
 cannot enforce but llguidance can (a Lark grammar, a schema with allOf or patternProperties, a
-regex only Rust's syntax takes); a backend the client named is used or the request is refused.
+regex only Rust's syntax takes, a grammar whose xgrammar payload is over max_payload_bytes);
+a backend the client named is used or the request is refused.
 Never unconstrained: every path ends in a grammar or a GrammarRefused.
 
 The "grammar" kind is EBNF (GBNF, xgrammar's dialect with `root ::= ...`) when its text has a
@@ -37,6 +38,10 @@ COMPILE_THREADS = 2
 # Requests that timed out, remembered (by request key) so a repeat is refused without compiling.
 MAX_REMEMBERED_OVER_BUDGET = 4096
 _XGRAMMAR_ONLY_KINDS = ("structural_tag",)
+# A compiled grammar travels inside the worker link's messages (gRPC's default limit: 4 MiB).
+# xgrammar's serialized token-mask cache grows with the schema (a 60-property object: ~17 MB);
+# over this, "auto" takes llguidance (whose payload is its small grammar text) instead.
+MAX_PAYLOAD_BYTES = 2 * 1024 * 1024
 
 
 def grammar_key(backend: str, kind: str, source: str, tokenizer_identity: str) -> str:
@@ -47,11 +52,13 @@ class GrammarCompiler:
     """Compiles StructuredOutputs for one model's tokenizer; `compile` is blocking and thread-safe."""
 
     def __init__(self, tokenizer_json: str | Path | bytes, vocab_size: int, stop_token_ids: list[int],
-                 time_budget_s: float = 5.0, max_source_bytes: int = 64 * 1024, cache_size: int = 256):
+                 time_budget_s: float = 5.0, max_source_bytes: int = 64 * 1024, cache_size: int = 256,
+                 max_payload_bytes: int = MAX_PAYLOAD_BYTES):
         self.vocabulary: Vocabulary = shared_vocabulary(tokenizer_json, vocab_size, stop_token_ids)
         self.time_budget_s = time_budget_s
         self.max_source_bytes = max_source_bytes
         self.cache_size = cache_size
+        self.max_payload_bytes = max_payload_bytes
         # Our own cache (by request) replaces xgrammar's, which would hold every grammar twice.
         self._xgrammar = xgrammar.GrammarCompiler(self.vocabulary.xgrammar_info, max_threads=COMPILE_THREADS,
                                                   cache_enabled=False)
@@ -141,6 +148,9 @@ class GrammarCompiler:
                     payload = compile_xgrammar(self._xgrammar, spec.kind, spec.source)
                 else:
                     payload = compile_llguidance(self.vocabulary, spec.kind, spec.source)
+                if len(payload) > self.max_payload_bytes:
+                    raise GrammarRefused("", f"the grammar {backend} compiled is {len(payload)} bytes, over the "
+                                             f"{self.max_payload_bytes}-byte limit on what reaches the worker")
             except GrammarRefused as exc:
                 if refusal is None or (exc.path and not refusal.path):
                     refusal = exc
