@@ -20,6 +20,10 @@ PROMPT_TAIL_TOKENS = 4
 # The roles a vmesh process plays; a TLS identity's common name is one of them.
 SERVICE_ROLES = ("frontend", "scheduler", "worker", "detokenizer")
 ROLES = (*SERVICE_ROLES, "admin")  # admin: operator tools, not a service
+# What a structured-output request may ask its output to match (StructuredOutput.kind).
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
+# The libraries that compile and enforce them; StructuredOutput.backend is one of these or "auto".
+GRAMMAR_BACKENDS = ("xgrammar", "llguidance")
 
 
 class OutputMode(Enum):
@@ -41,6 +45,24 @@ def finish_name(reason: FinishReason | None) -> str:
     return reason.value if reason else ""
 
 
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request asks its output to match, as the client wrote it (before compiling)."""
+    kind: str  # one of STRUCTURED_KINDS
+    # json_schema: the schema as JSON text; regex: the pattern; choice: a JSON array of strings;
+    # grammar: EBNF (GBNF) or Lark text; structural_tag: its JSON; json_object: "" (any JSON object)
+    source: str = ""
+    backend: str = "auto"  # "auto" or one of GRAMMAR_BACKENDS: what the client asked for
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A grammar compiled once by the frontend, carried with the request to the worker."""
+    backend: str  # the backend that compiled it (one of GRAMMAR_BACKENDS)
+    key: str  # hex sha256 over backend, kind, source and the tokenizer's identity: the cache key
+    payload: bytes  # xgrammar: its CompiledGrammar.serialize_json() (utf-8); llguidance: its grammar JSON
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0
@@ -60,6 +82,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: off; N >= 0: sampled token's logprob plus the top N
     output_mode: OutputMode = OutputMode.DELTA
+    structured: StructuredOutput | None = None  # what the client asked the output to match
+    grammar: CompiledGrammar | None = None  # `structured` compiled by the frontend; what the worker enforces
 
     @property
     def is_greedy(self) -> bool:

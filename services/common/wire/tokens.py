@@ -16,7 +16,7 @@ from vmesh.v1 import common_pb2, detokenizer_pb2
 def _start_to_proto(s: StreamStart) -> detokenizer_pb2.DetokenizerRequestInfo:
     return detokenizer_pb2.DetokenizerRequestInfo(
         handle=s.handle, frontend_id=s.ref.frontend_id, frontend_key=s.ref.frontend_key, prompt_tail=s.prompt_tail,
-        sampling=sampling_to_proto(s.sampling), num_prompt_tokens=s.num_prompt_tokens,
+        sampling=sampling_to_proto(s.sampling, with_grammar=False), num_prompt_tokens=s.num_prompt_tokens,
         trace_context=common_pb2.TraceContext(traceparent=s.trace_context.traceparent,
                                               tracestate=s.trace_context.tracestate)
         if s.trace_context.traceparent else None,
