@@ -350,8 +350,7 @@ class FrontendCore:
             route.close(finished)
 
     async def _compiled(self, params: SamplingParams, span: trace.Span) -> SamplingParams:
-        """`params` with its structured output compiled (on a waiting thread: the loop serves other
-        requests meanwhile), before anything is submitted; the backend goes on the trace."""
+        """`params` with its structured output compiled off the loop, before anything is submitted."""
         if params.structured is None:
             return params
         if self.grammar_compiler is None:
@@ -364,6 +363,7 @@ class FrontendCore:
             raise RequestError.invalid(exc) from exc
         span.set_attributes({"vmesh.structured_output.kind": params.structured.kind,
                              "vmesh.structured_output.backend": params.grammar.backend})
+        self.ready()  # a drain that began meanwhile counted no request in flight
         return params
 
     def serving(self) -> bool:

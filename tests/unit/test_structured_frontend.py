@@ -370,3 +370,33 @@ def test_a_compile_past_its_budget_is_a_400_naming_the_budget(embedded_model_dir
         assert scheduler.submitted == []
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_tool_choice_is_submitted_with_its_grammar_and_answered_as_tool_calls(compiler, stream: bool):
+    async def main() -> None:
+        f, scheduler = await frontend(compiler)
+        call = post(f, "/v1/chat/completions", {"messages": CHAT, "tools": [WEATHER], "tool_choice": "required",
+                                                "stream": stream})
+        await scheduler.until_submitted(1)
+        finish(f, '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]')
+        response = await call
+        assert response.status_code == 200 and response.headers[BACKEND_HEADER] == "xgrammar"
+        assert scheduler.submitted[0].sampling.grammar.backend == "xgrammar"
+        if stream:
+            chunks = [json.loads(line.removeprefix("data: ")) for line in response.text.splitlines()
+                      if line.startswith("data: {")]
+            deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+            names = [d["tool_calls"][0]["function"]["name"] for d in deltas if d.get("tool_calls")
+                     and "name" in d["tool_calls"][0]["function"]]
+            arguments = "".join(d["tool_calls"][0]["function"].get("arguments", "") for d in deltas
+                                if d.get("tool_calls"))
+            assert names == ["get_weather"] and json.loads(arguments) == {"city": "Oslo"}
+            assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        else:
+            [tool_call] = response.json()["choices"][0]["message"]["tool_calls"]
+            assert tool_call["function"]["name"] == "get_weather"
+            assert json.loads(tool_call["function"]["arguments"]) == {"city": "Oslo"}
+            assert response.json()["choices"][0]["finish_reason"] == "tool_calls"
+
+    asyncio.run(main())
