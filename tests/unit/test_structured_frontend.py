@@ -400,3 +400,24 @@ def test_a_forced_tool_choice_is_submitted_with_its_grammar_and_answered_as_tool
             assert response.json()["choices"][0]["finish_reason"] == "tool_calls"
 
     asyncio.run(main())
+
+
+def test_the_responses_api_text_format_is_compiled_and_its_refusals_name_text_format(compiler) -> None:
+    async def main() -> None:
+        f, scheduler = await frontend(compiler)
+        response = await post(f, "/v1/responses", {"input": "hi", "text": {"format": {
+            "type": "json_schema", "name": "t", "schema": UNSUPPORTED}}})
+        assert response.status_code == 400 and scheduler.submitted == []
+        assert response.json()["error"]["param"] == "text.format.schema"
+        assert response.json()["error"]["message"] == (
+            "text.format.schema: properties.tags.uniqueItems: the JSON-schema keyword 'uniqueItems' is not supported "
+            "by xgrammar")
+        call = post(f, "/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "c",
+                                                                            "schema": SCHEMA}}})
+        await scheduler.until_submitted(1)
+        finish(f)
+        assert (await call).status_code == 200
+        assert grammar_from_proto(scheduler.submitted[0].sampling.grammar) == compiler.compile(
+            StructuredOutput("json_schema", json.dumps(SCHEMA)))
+
+    asyncio.run(main())
