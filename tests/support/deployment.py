@@ -25,6 +25,15 @@ def load_compose() -> dict:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 
 
+def compose_services(compose: dict) -> dict[str, str]:
+    """Every compose service that runs a vmesh service, with the role it runs (its command's
+    first word), in start order: by role as VMESH_SERVICES orders them, in file order within one
+    (worker and worker-2, the two groups' workers, before the detokenizers, ...)."""
+    roles = {name: service["command"][0] for name, service in compose["services"].items()
+             if service.get("command") and service["command"][0] in VMESH_SERVICES}
+    return {name: roles[name] for role in VMESH_SERVICES for name in roles if roles[name] == role}
+
+
 def parse_cli(argv: list[str]):
     """The real parser; argparse exits on an unknown flag, which fails the test."""
     return build_parser().parse_args(argv)
