@@ -211,8 +211,10 @@ class ModelRunner:
             sampling.banned = self._banned_before_min_tokens(row_list, num_output.tolist())
         return sampling
 
-    def _banned_before_min_tokens(self, rows: list[int], num_output: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        banned_rows, banned_ids = [], []
+    def _banned_before_min_tokens(self, rows: list[int],
+                                  num_output: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        banned_rows: list[int] = []
+        banned_ids: list[int] = []
         for i, (row, produced) in enumerate(zip(rows, num_output)):
             params = self.batch.sampling[row]
             assert params is not None, "a row in the step holds a request"
@@ -222,6 +224,8 @@ class ModelRunner:
                 ids = list(params.stop_token_ids) + ([] if keeps_eos else list(self.spec.eos_token_ids))
                 banned_rows += [i] * len(ids)
                 banned_ids += ids
+        if not banned_ids:  # e.g. ignore_eos without stop ids: nothing to ban
+            return None
         device = self.model.device
         return torch.tensor(banned_rows, device=device), torch.tensor(banned_ids, device=device)
 
