@@ -156,9 +156,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                         "vmesh.scheduled_tokens": plan.total_scheduled_tokens})
 
     def _rebuild_batch(self, plan: StepPlan) -> None:
-        """Stateless (V0) mode: forget every row and rebuild the batch from the plan alone."""
+        """Stateless (V0) mode: forget every row and rebuild the batch from the plan alone. A
+        grammar matcher is the one thing kept (the plan cannot carry its state): a re-added
+        request's matcher is its own, advanced by the outputs it has not accepted yet, rather
+        than a new one replaying them all every step."""
         for handle in list(self.runner.batch.handle_of_row):
-            self.runner.batch.remove(handle)
+            self.runner.batch.remove(handle, keep_grammar=True)
         # A request left out of this plan has no token in flight that the scheduler has not
         # seen by the time it is scheduled again (two steps on at the earliest), so its history
         # can go.

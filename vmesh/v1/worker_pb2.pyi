@@ -70,7 +70,7 @@ class ExecuteRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., removed_handles: _Optional[_Iterable[int]] = ..., scheduled_handles: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., full_state: _Optional[bool] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
-    __slots__ = ("step", "handles", "sampled_token_ids", "logprobs_handles", "logprobs", "forward_seconds", "sampling_seconds")
+    __slots__ = ("step", "handles", "sampled_token_ids", "logprobs_handles", "logprobs", "forward_seconds", "sampling_seconds", "failed_handles", "failure_messages")
     STEP_FIELD_NUMBER: _ClassVar[int]
     HANDLES_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,8 @@ class ExecuteResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     step: int
     handles: _containers.RepeatedScalarFieldContainer[int]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -85,7 +87,9 @@ class ExecuteResponse(_message.Message):
     logprobs: _common_pb2.LogprobColumns
     forward_seconds: float
     sampling_seconds: float
-    def __init__(self, step: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs_handles: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., sampling_seconds: _Optional[float] = ...) -> None: ...
+    failed_handles: _containers.RepeatedScalarFieldContainer[int]
+    failure_messages: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs_handles: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., sampling_seconds: _Optional[float] = ..., failed_handles: _Optional[_Iterable[int]] = ..., failure_messages: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetWorkerStatsRequest(_message.Message):
     __slots__ = ()

@@ -34,7 +34,8 @@ def result_to_proto(r: StepResult) -> worker_pb2.ExecuteResponse:
     # StepResult keeps the wire's encoding of row ownership (a handle beside each row): rows go as they are.
     pb = worker_pb2.ExecuteResponse(
         step=r.step, handles=r.handles, sampled_token_ids=r.sampled_token_ids, logprobs_handles=r.logprobs_handles,
-        forward_seconds=r.forward_seconds, sampling_seconds=r.sampling_seconds)
+        forward_seconds=r.forward_seconds, sampling_seconds=r.sampling_seconds, failed_handles=r.failed_handles,
+        failure_messages=r.failure_messages)
     pack_logprobs(r.logprobs, pb.logprobs)
     return pb
 
@@ -43,4 +44,5 @@ def result_from_proto(pb: worker_pb2.ExecuteResponse) -> StepResult:
     return StepResult(
         step=pb.step, handles=list(pb.handles), sampled_token_ids=list(pb.sampled_token_ids),
         logprobs_handles=list(pb.logprobs_handles), logprobs=unpack_logprobs(pb.logprobs),
-        forward_seconds=pb.forward_seconds, sampling_seconds=pb.sampling_seconds)
+        forward_seconds=pb.forward_seconds, sampling_seconds=pb.sampling_seconds,
+        failed_handles=list(pb.failed_handles), failure_messages=list(pb.failure_messages))
