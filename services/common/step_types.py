@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vmesh.services.common.step_timeline import WorkerStepTiming
 from vmesh.services.common.types import SamplingParams, TokenLogprobs
 
 
@@ -54,3 +55,4 @@ class StepResult:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     forward_seconds: float = 0.0
     sampling_seconds: float = 0.0
+    timing: WorkerStepTiming | None = None  # the worker's account of the step (services/common/step_timeline.py)
