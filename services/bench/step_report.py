@@ -76,10 +76,10 @@ class TimedRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter()
         result = self._execute(plan)
-        self.timeline.executed(plan.step, len(plan.scheduled_handles), plan.total_scheduled_tokens, started,
-                               started, started, time.perf_counter(), result.forward_seconds,
-                               result.sampling_seconds)
-        self.timeline.sent(time.perf_counter(), 0.0)
+        timing = self.timeline.executed(plan.step, len(plan.scheduled_handles), plan.total_scheduled_tokens,
+                                        started, started, started, time.perf_counter(), result.forward_seconds,
+                                        result.sampling_seconds)
+        self.timeline.sent(timing, time.perf_counter(), 0.0)
         return result
 
 

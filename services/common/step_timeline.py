@@ -122,17 +122,17 @@ class WorkerTimeline:
         self._last_end = ended
         return timing
 
-    def sent(self, at: float, encode_seconds: float) -> None:
-        """The latest step's result was handed to the transport at `at`, after `encode_seconds`
-        of encoding."""
+    def sent(self, timing: WorkerStepTiming | None, at: float, encode_seconds: float) -> None:
+        """The result of the step `timing` describes was handed to the transport at `at`, after
+        `encode_seconds` of encoding. (The next step may have been executed meanwhile.)"""
         self._last_sent = at
-        if self._records:
-            self._records[-1][3].result_encode_seconds = encode_seconds
+        if timing is not None:
+            timing.result_encode_seconds = encode_seconds
 
     def summary(self, since: int = 0) -> TimelineSummary:
         """The steps counted from `since` on (a value of `steps` read earlier). The first of them
         has no idle gap: it followed whatever came before the mark."""
-        window = [r for r in self._records if r[0] >= since]
+        window = [r for r in list(self._records) if r[0] >= since]  # list(): one step, under the GIL
         if not window:
             return TimelineSummary()
         timings = [t for _n, _s, _e, t in window]

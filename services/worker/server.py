@@ -104,23 +104,46 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             logger.warning("a new scheduler stream took over; forgetting the previous session's requests")
         await loop.run_in_executor(self.executor, self._reset)  # after any step still running
         self.timeline.new_session()
-        async for request in request_iterator:
-            received = time.perf_counter()
-            if session != self.session:
-                await context.abort(grpc.StatusCode.ABORTED, "a newer scheduler stream took over this worker")
-            if self.first_plan_at is None:
-                self.first_plan_at = time.perf_counter()
-            self.bytes_received += request.ByteSize()
-            try:
-                result = await loop.run_in_executor(self.executor, self._execute, request, received)
-            except PlanError as exc:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"rejected plan: {exc}")
-            encoding = time.perf_counter()
-            yield result_to_proto(result)
-            sent = time.perf_counter()  # the transport took the message
-            self.timeline.sent(sent, sent - encoding)
-            if self.metrics:
-                self.metrics.result_encode.observe(sent - encoding)
+        # Each plan goes to the model thread as soon as it is read, not once the previous result
+        # is written: the thread starts step N+1 the moment step N ends, while this loop encodes
+        # and writes result N.
+        steps: asyncio.Queue[asyncio.Future | None] = asyncio.Queue()
+        reader = asyncio.ensure_future(self._submit_plans(request_iterator, session, steps))
+        try:
+            while (step := await steps.get()) is not None:
+                try:
+                    result = await step
+                except PlanError as exc:
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"rejected plan: {exc}")
+                except TakenOver:
+                    await context.abort(grpc.StatusCode.ABORTED, "a newer scheduler stream took over this worker")
+                encoding = time.perf_counter()
+                yield result_to_proto(result)
+                sent = time.perf_counter()  # the transport took the message
+                self.timeline.sent(result.timing, sent, sent - encoding)
+                if self.metrics:
+                    self.metrics.result_encode.observe(sent - encoding)
+        finally:
+            reader.cancel()
+
+    async def _submit_plans(self, request_iterator, session: int, steps: asyncio.Queue) -> None:
+        """Hand each plan of the stream to the model thread as it arrives; `steps` gets the
+        futures of their results, in order, then None. A failure to read ends `steps` with it."""
+        loop = asyncio.get_running_loop()
+        try:
+            async for request in request_iterator:
+                received = time.perf_counter()
+                if session != self.session:
+                    steps.put_nowait(_failed(loop, TakenOver()))
+                    return
+                if self.first_plan_at is None:
+                    self.first_plan_at = received
+                self.bytes_received += request.ByteSize()
+                steps.put_nowait(loop.run_in_executor(self.executor, self._execute, request, received))
+        except Exception as exc:
+            steps.put_nowait(_failed(loop, exc))
+            return
+        steps.put_nowait(None)
 
     def _reset(self) -> None:
         self.runner.reset()
@@ -199,6 +222,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             r.token_ids += self.sampled_history.get(r.handle, [])[known_outputs:]
             completed.append(r)
         plan.new_requests = completed
+
+
+class TakenOver(Exception):
+    """A newer scheduler stream took over the worker."""
+
+
+def _failed(loop: asyncio.AbstractEventLoop, exc: BaseException) -> asyncio.Future:
+    future = loop.create_future()
+    future.set_exception(exc)
+    return future
 
 
 async def serve(load_runner: Callable[[], ModelRunner], model_name: str, server: ServerSettings) -> None:
