@@ -199,8 +199,10 @@ def annotate_step(span: trace.Span, timing: WorkerStepTiming, ended: float, now:
                  "idle_before_s": timing.idle_before_seconds, "waited_for_plan_s": timing.waited_for_plan_seconds}
     span.set_attributes({STEP_ATTRIBUTE_PREFIX + k: v for k, v in intervals.items() if v is not None})
 
+    offset_ns = time.time_ns() - round(now * 1e9)  # read once: every event on the same offset
+
     def wall_ns(stamp: float) -> int:
-        return time.time_ns() - int((now - stamp) * 1e9)
+        return offset_ns + round(stamp * 1e9)
 
     sampling_start = ended - timing.sampling_seconds
     span.add_event(FORWARD_START_EVENT, timestamp=wall_ns(sampling_start - timing.forward_seconds))

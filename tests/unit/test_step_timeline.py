@@ -105,3 +105,53 @@ def test_the_wire_carries_the_worker_timing_and_the_summary():
     assert result_from_proto(result_to_proto(StepResult(step=0, handles=[], sampled_token_ids=[]))).timing is None
     summary = timeline.summary()
     assert summary_from_proto(summary_to_proto(summary)) == summary
+
+
+def test_the_engine_reference_times_its_runner_as_the_worker_times_itself():
+    from vmesh.services.bench.step_report import TimedRunner, step_report
+    from vmesh.services.common.step_types import StepPlan
+
+    def execute(plan: StepPlan) -> StepResult:
+        return StepResult(step=plan.step, handles=plan.scheduled_handles,
+                          sampled_token_ids=[0] * len(plan.scheduled_handles), forward_seconds=0.02,
+                          sampling_seconds=0.005)
+
+    runner = TimedRunner(execute)
+    for step in range(3):
+        runner.execute(StepPlan(step, scheduled_handles=[1, 2], num_scheduled_tokens=[1, 1]))
+    summary = runner.timeline.summary()
+    assert summary.steps == 3 and summary.idle_gap.count == 2 and summary.rows.mean == 2
+    report = step_report(summary, elapsed=0.1, cpu={"engine": 0.05})
+    assert report["worker_busy_fraction"] == pytest.approx(0.75)  # 3 x 25 ms of 100 ms
+    assert report["cores"] == {"engine": pytest.approx(0.5)}
+    assert report["worker_steps"] == 3
+
+
+def test_the_step_span_carries_the_intervals_and_the_forward_pass_bounds():
+    import time
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from vmesh.services.common import telemetry
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    timeline = WorkerTimeline()
+    run_step(timeline, 0, 1.0, 1.0, 1.05, 1.05)
+    timing = timeline.executed(1, 2, 2, received=1.06, started=1.061, decoded=1.062, ended=1.102,
+                               forward_seconds=0.03, sampling_seconds=0.01)
+    with provider.get_tracer("test").start_as_current_span("worker.step") as span:
+        telemetry.annotate_step(span, timing, ended=1.102, now=time.perf_counter())
+    (finished,) = exporter.get_finished_spans()
+    attributes = finished.attributes
+    assert attributes["vmesh.step.idle_before_s"] == pytest.approx(0.011)
+    assert attributes["vmesh.step.waited_for_plan_s"] == pytest.approx(0.01)
+    assert attributes["vmesh.step.plan_wait_s"] == pytest.approx(0.001)
+    assert attributes["vmesh.step.forward_s"] == 0.03
+    events = {e.name: e.timestamp for e in finished.events}
+    assert list(events) == [telemetry.FORWARD_START_EVENT, telemetry.FORWARD_END_EVENT, telemetry.SAMPLING_END_EVENT]
+    assert events[telemetry.FORWARD_END_EVENT] - events[telemetry.FORWARD_START_EVENT] == pytest.approx(3e7, abs=1e3)
+    assert events[telemetry.SAMPLING_END_EVENT] - events[telemetry.FORWARD_END_EVENT] == pytest.approx(1e7, abs=1e3)
