@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vmesh.services.common.step_timeline import WorkerStepTiming
 from vmesh.services.common.types import SamplingParams, TokenLogprobs
 
 
@@ -58,3 +59,4 @@ class StepResult:
     # or rejected a token), each with its message; their tokens are not among the sampled ones.
     failed_handles: list[int] = field(default_factory=list)
     failure_messages: list[str] = field(default_factory=list)
+    timing: WorkerStepTiming | None = None  # the worker's account of the step (services/common/step_timeline.py)
