@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,7 +28,6 @@ from vmesh.services.common.runtime.peers import PeerSet
 from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.common.runtime.stream import KeptStream
 from vmesh.services.common.runtime.tasks import TaskGroup, wait_until
-from vmesh.services.common.structured import GrammarCompiler
 from vmesh.services.common.types import ModelLimits, OutputBatch, OutputMode, RequestRef, SamplingParams, finish_name
 from vmesh.services.common.wire.common import finish_to_proto, trace_context_to_proto
 from vmesh.services.common.wire.public import logprobs_to_public, usage_to_public
@@ -41,7 +41,7 @@ from vmesh.services.frontend.outbox import LostService, Outbox, PendingOutput
 from vmesh.services.frontend.request_clock import RequestClock
 from vmesh.services.frontend.schedulers import SchedulerGroup, SchedulerPool
 from vmesh.services.frontend.settings import FrontendServiceSettings
-from vmesh.services.frontend.structured_requests import build_compiler, compile_spec
+from vmesh.services.frontend.structured_requests import LazyGrammarCompiler, SpecCompiler, build_compiler, compile_spec
 from vmesh.services.frontend.subscriptions import Subscribe, Subscription, subscribe_over_grpc
 from vmesh.v1 import frontend_pb2, scheduler_pb2
 
@@ -70,7 +70,7 @@ class FrontendCore:
                  scheduler_health: Callable[[SchedulerGroup], Any] = schedulers.health_stream,
                  subscribe: Subscribe = subscribe_over_grpc, resubscribe: Backoff = RESUBSCRIBE,
                  metrics: FrontendMetrics | None = None, genai_metrics: telemetry.GenAIServerMetrics | None = None,
-                 grammar_compiler: GrammarCompiler | None = None):
+                 grammar_compiler: SpecCompiler | None = None):
         """`tokenizer`, `limits`, `grammar_compiler`: when already loaded (else `start` loads the
         tokenizer, the limits are the schedulers' answer, and the compiler is built from both).
         `connect_scheduler`, `scheduler_health`: how a scheduler group is reached and watched
@@ -120,8 +120,8 @@ class FrontendCore:
     async def connect(self) -> None:
         await self.join_schedulers()
         if self.grammar_compiler is None and self.tokenizer is not None and self.limits is not None:
-            self.grammar_compiler = await asyncio.get_running_loop().run_in_executor(
-                None, build_compiler, self.tokenizer, self.limits, self.model_dir)
+            build = partial(build_compiler, self.tokenizer, self.limits, self.model_dir)
+            self.grammar_compiler = LazyGrammarCompiler(build)  # xgrammar (and torch) load on first use
         await asyncio.gather(*(self.replicas.add(address).joined.wait() for address in self.detokenizers.addresses))
         refresh_s = self.settings.replica_refresh_interval_s
         self._tasks.spawn(self.replicas.follow(self.detokenizers, refresh_s))

@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import jsonschema
 
 from vmesh.services.common.admission import InvalidRequest
-from vmesh.services.common.structured import GrammarCompiler, GrammarRefused
 from vmesh.services.common.types import GRAMMAR_BACKENDS, CompiledGrammar, ModelLimits, StructuredOutput
 from vmesh.services.frontend.errors import Code, RequestError
+
+if TYPE_CHECKING:  # xgrammar, under the compiler, imports torch: loaded by the first constrained request
+    from vmesh.services.common.structured import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -156,9 +160,35 @@ def check_schema(source: str) -> None:
                                            f"({exc.message})") from exc
 
 
-def compile_spec(compiler: GrammarCompiler, spec: StructuredOutput) -> CompiledGrammar:
+class LazyGrammarCompiler:
+    """The model's GrammarCompiler, built by the first constrained request on its compile thread:
+    xgrammar imports torch, which a frontend that never constrains an output does not load."""
+
+    def __init__(self, build: Callable[[], GrammarCompiler | None]):
+        self._build = build
+        self._lock = threading.Lock()
+        self._compiler: GrammarCompiler | None = None
+        self._built = False
+
+    def get(self) -> GrammarCompiler:
+        with self._lock:
+            if not self._built:
+                self._compiler, self._built = self._build(), True
+        if self._compiler is None:
+            raise InvalidRequest("sampling.structured", "this model's output cannot be constrained (no tokenizer.json)")
+        return self._compiler
+
+
+SpecCompiler: TypeAlias = "GrammarCompiler | LazyGrammarCompiler"
+
+
+def compile_spec(compiler: SpecCompiler, spec: StructuredOutput) -> CompiledGrammar:
     """The compiled grammar (blocking: call it on a worker thread), or an InvalidRequest naming
     sampling.structured.source, its detail prefixed with the path inside the source."""
+    from vmesh.services.common.structured import GrammarRefused
+
+    if isinstance(compiler, LazyGrammarCompiler):
+        compiler = compiler.get()
     if spec.kind == "json_schema" and len(spec.source.encode()) <= compiler.max_source_bytes:
         check_schema(spec.source)
     try:
@@ -196,6 +226,8 @@ def build_compiler(tokenizer: Any, limits: ModelLimits, model_dir: Path | None) 
         tokenizer_json = backend.to_str()
     else:
         return None
+    from vmesh.services.common.structured import GrammarCompiler
+
     try:
         return GrammarCompiler(tokenizer_json, limits.vocab_size, model_stop_token_ids(model_dir, tokenizer))
     except Exception:  # a tokenizer neither backend reads: serve everything else

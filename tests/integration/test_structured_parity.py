@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 
@@ -120,7 +121,8 @@ def stateless_outputs(runner, prompts: list[list[int]], params: list[SamplingPar
         tokens[f"r{i}"] = []
     in_flight = []
     while pipeline.has_work():
-        in_flight += [servicer._execute(plan_message(plan, scheduler, full_state=True)) for plan in pipeline.plans()]
+        in_flight += [servicer._execute(plan_message(plan, scheduler, full_state=True), time.perf_counter())
+                      for plan in pipeline.plans()]
         for update in pipeline.complete(result_from_proto(result_to_proto(in_flight.pop(0)))):
             assert not update.error, update.error
             tokens[update.request_id] += update.new_token_ids
