@@ -1,0 +1,23 @@
+"""Mistral: Llama's layer with every layer's attention restricted to `sliding_window` positions
+(when the config sets one), and Mixtral: the same attention over a top-k mixture of SwiGLU experts,
+its routing weights the softmax over the chosen experts (normalised)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vmesh.services.common.families.plan import Family, MlpPlan, ModelPlan, activation, dense_layers
+
+
+def plan(config: Any) -> ModelPlan:
+    return ModelPlan(dense_layers(config))
+
+
+def mixtral_plan(config: Any) -> ModelPlan:
+    experts = MlpPlan(config.intermediate_size, activation(config), num_experts=config.num_local_experts,
+                      experts_per_token=config.num_experts_per_tok, normalize_routing=True)
+    return ModelPlan(dense_layers(config, mlp=lambda _layer: experts))
+
+
+FAMILY = Family("MistralForCausalLM", "mistral", plan)
+MIXTRAL = Family("MixtralForCausalLM", "mixtral", mixtral_plan)
