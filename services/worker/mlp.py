@@ -71,11 +71,12 @@ class MixtureOfExperts:
             for e in range(plan.num_experts):
                 experts.append(DenseMlp(plan, linear(gate_up[e].contiguous()), linear(down[e].contiguous())))
         else:
+            gate_part, up_part, down_part = names.expert_parts
             for e in range(plan.num_experts):
                 def weight(*parts: str, e: int = e) -> torch.Tensor | QuantizedWeight:
-                    return weights.take_linear(*(f"{prefix}{names.expert.format(e, p)}.weight" for p in parts))
+                    return weights.take_linear(*(prefix + names.expert.format(e, p) for p in parts))
 
-                experts.append(DenseMlp(plan, linear(weight("gate", "up")), linear(weight("down"))))
+                experts.append(DenseMlp(plan, linear(weight(gate_part, up_part)), linear(weight(down_part))))
         return cls(plan, router, experts)
 
     def projections(self) -> list[Linear | QuantizedLinear]:

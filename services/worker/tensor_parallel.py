@@ -139,9 +139,9 @@ def shard_weights(tensors: Mapping[str, torch.Tensor | QuantizedWeight], spec: M
             out[name] = tensor[q_rows]
         elif module in ("k_proj", "v_proj"):
             out[name] = tensor[kv_rows]
-        elif module in ("gate_proj", "up_proj"):
+        elif module in COLUMN_PARALLEL_MLP:
             out[name] = tensor[mlp_rows(tensor.shape[0])]
-        elif module in ("o_proj", "down_proj"):
+        elif module in ("o_proj", *ROW_PARALLEL_MLP):
             columns = q_rows if module == "o_proj" else mlp_rows(tensor.shape[-1])
             if kind == "weight":
                 out[name] = tensor[:, columns]
@@ -150,6 +150,11 @@ def shard_weights(tensors: Mapping[str, torch.Tensor | QuantizedWeight], spec: M
         else:  # norms: every rank needs them whole
             out[name] = tensor
     return out
+
+
+# An MLP's (or one expert's) projections by module name: Llama's, and Mixtral's w1/w3 (gate/up), w2 (down).
+COLUMN_PARALLEL_MLP = ("gate_proj", "up_proj", "w1", "w3")
+ROW_PARALLEL_MLP = ("down_proj", "w2")
 
 
 def join_group(config: WorkerConfig, spec: ModelSpec, device: torch.device) -> TensorParallel | None:

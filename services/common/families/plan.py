@@ -80,11 +80,12 @@ class WeightNames:
     k_norm: str = "self_attn.k_norm.weight"
     mlp: str = "mlp.{}_proj"  # gate, up, down
     router: str = "mlp.gate.weight"
-    # Experts as transformers >= 5 saves them, stacked: gate_up [E, 2 * inter, hidden] and down
-    # [E, hidden, inter]; or one module per expert, as older checkpoints name them.
+    # Experts stacked, as transformers >= 5 holds them: gate_up [E, 2 * inter, hidden] and down
+    # [E, hidden, inter]; or one module per expert, as checkpoints on the hub name them.
     experts_gate_up: str = "mlp.experts.gate_up_proj"
     experts_down: str = "mlp.experts.down_proj"
-    expert: str = "mlp.experts.{}.{}_proj"  # expert index, gate/up/down
+    expert: str = "mlp.experts.{}.{}.weight"  # expert index, then one of expert_parts
+    expert_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
