@@ -14,7 +14,7 @@ import torch
 
 from tests.support.plan_driver import DrivenRequest, drive
 from tests.support.reference import ReferenceOutput, assert_greedy_match, hf_greedy
-from tests.support.tiny_models import TINY_FAMILIES, TINY_VOCAB, TINY_WINDOW
+from tests.support.tiny_models import TINY_FAMILIES, TINY_VOCAB, TINY_WINDOW, transplant
 from vmesh.services.common.model_loading import load_model_spec
 from vmesh.services.common.types import SamplingParams
 from vmesh.services.engine.llm import EngineConfig, LLMEngine
@@ -112,3 +112,81 @@ def test_the_window_matters_in_these_tests(tiny, tmp_path):
     long_ones = [i for i, p in enumerate(prompts) if len(p) > TINY_WINDOW]
     assert any(requests[i].output != references[i].token_ids for i in long_ones)
     assert requests[0].output[:3] == references[0].token_ids[:3], "a prompt inside the window is unchanged"
+
+
+# --- weight transplants -------------------------------------------------------------------------
+
+TRANSPLANT_PROMPTS = 3
+
+
+@pytest.fixture(scope="module")
+def smollm2_references(chat_prompt_ids, embedded_reference_model):
+    prompts = chat_prompt_ids[:TRANSPLANT_PROMPTS]
+    return prompts, [hf_greedy(embedded_reference_model, p, NEW_TOKENS) for p in prompts]
+
+
+def _vmesh_greedy(model_dir, prompts) -> list[list[int]]:
+    runner = ModelRunner.load(WorkerConfig(model=str(model_dir), kv_cache_memory=32 << 20, max_num_seqs=4))
+    requests = [DrivenRequest(p, NEW_TOKENS, join_step=i) for i, p in enumerate(prompts)]
+    drive(runner, requests, chunk=16)
+    return [r.output for r in requests]
+
+
+# Each: the family's architecture and model type, and what its layout adds to SmolLM2's config.
+# Windows at least the context (8,192) leave attention global; two experts, both chosen, copies of
+# the dense MLP: any routing weights that sum to one give the dense output.
+SMOLLM2_EQUIVALENTS = {
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", {"use_sliding_window": False}),
+    "mistral": ("MistralForCausalLM", "mistral", {"sliding_window": 8192}),
+    "mixtral": ("MixtralForCausalLM", "mixtral", {"sliding_window": 8192, "num_local_experts": 2,
+                                                  "num_experts_per_tok": 2}),
+}
+
+
+@pytest.mark.parametrize("kind", list(SMOLLM2_EQUIVALENTS))
+def test_smollm2_transplant_reproduces_smollm2(tmp_path, embedded_model_dir, smollm2_references, kind):
+    architecture, model_type, changes = SMOLLM2_EQUIVALENTS[kind]
+    experts = changes.get("num_local_experts", 0)
+    transplant(embedded_model_dir, tmp_path, architecture, model_type, experts=experts, **changes)
+    spec = load_model_spec(tmp_path)
+    assert spec.architecture == architecture
+    prompts, references = smollm2_references
+    for i, output in enumerate(_vmesh_greedy(tmp_path, prompts)):
+        assert_greedy_match(output, references[i], label=f"SmolLM2 as {kind}, prompt {i}")
+
+
+def _transformers_greedy(model_dir, prompts) -> list:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
+
+
+def test_smollm2_as_qwen3_matches_transformers_on_the_same_weights(tmp_path, embedded_model_dir, smollm2_references):
+    """QK-norm weights of one still normalise each head (RMSNorm is not the identity): the oracle is
+    transformers' Qwen3 on the transplanted weights, and the output differs from SmolLM2's."""
+    transplant(embedded_model_dir, tmp_path, "Qwen3ForCausalLM", "qwen3")
+    prompts, smollm2 = smollm2_references
+    references = _transformers_greedy(tmp_path, prompts)
+    outputs = _vmesh_greedy(tmp_path, prompts)
+    for i, output in enumerate(outputs):
+        assert_greedy_match(output, references[i], label=f"SmolLM2 as Qwen3, prompt {i}")
+    assert any(output != s.token_ids for output, s in zip(outputs, smollm2))
+
+
+def test_smollm2_with_a_short_window_matches_transformers_mistral(tmp_path, embedded_model_dir, embedded_tokenizer,
+                                                                  smollm2_references):
+    """A real model's weights under a 24-token window, shorter than the prompts: through the engine,
+    prefill chunks of 16 tokens cross the window's edge."""
+    transplant(embedded_model_dir, tmp_path, "MistralForCausalLM", "mistral", sliding_window=24)
+    prompts, _smollm2 = smollm2_references
+    assert all(len(p) > 24 for p in prompts)
+    references = _transformers_greedy(tmp_path, prompts)
+    runner = ModelRunner.load(WorkerConfig(model=str(tmp_path), kv_cache_memory=32 << 20, max_num_seqs=4))
+    engine = LLMEngine(runner, embedded_tokenizer, EngineConfig(max_num_batched_tokens=16, pipeline_depth=2))
+    try:
+        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    finally:
+        engine.shutdown()
+    for i, out in enumerate(outs):
+        assert_greedy_match(out.token_ids, references[i], label=f"SmolLM2 windowed, prompt {i}")
