@@ -7,6 +7,7 @@ transplanted weights, where the new layout changes the function: Qwen3's QK-norm
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 
 import pytest
@@ -190,3 +191,42 @@ def test_smollm2_with_a_short_window_matches_transformers_mistral(tmp_path, embe
         engine.shutdown()
     for i, out in enumerate(outs):
         assert_greedy_match(out.token_ids, references[i], label=f"SmolLM2 windowed, prompt {i}")
+
+
+# --- tensor parallelism and a real mesh ---------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_mixture_of_experts_tp2_matches_tp1(tiny, tmp_path, kind):
+    """Two ranks, each holding half of every expert's features (and of the heads): the harness of
+    test_tensor_parallel.py, greedy and seeded sampling equal to one unsharded worker."""
+    from tests.integration.test_tensor_parallel import run_group, run_unsharded
+
+    path = tiny[kind][0]
+    expected = run_unsharded(str(path), "tiny")
+    _codes, results = run_group(tmp_path, str(path), 2, "tiny")
+    rank0, rank1 = results
+    assert rank0 is not None and rank1 == rank0
+    assert rank0["greedy"] == expected["greedy"]
+    assert rank0["seeded"] == expected["seeded"]
+
+
+def test_sliding_window_experts_through_a_tensor_parallel_mesh(tiny):
+    """Mixtral (window and experts) served by `vmesh serve` with two tensor-parallel worker ranks,
+    over gRPC: greedy tokens equal to transformers'."""
+    from tests.support.meshes import stops_cleanly
+    from vmesh.services.bench.mesh import start_mesh
+    from vmesh.services.client import VmeshClient
+
+    path, _model, prompts, references = tiny["mixtral"]
+
+    async def greedy_all(address: str) -> list[list[int]]:
+        async with VmeshClient(address) as client:
+            results = await asyncio.gather(*(client.complete(token_ids=p, max_tokens=NEW_TOKENS, temperature=0.0,
+                                                             ignore_eos=True) for p in prompts))
+        return [ids for _text, ids, _last in results]
+
+    with stops_cleanly(start_mesh("--model", str(path), "--tensor-parallel-size", "2",
+                                  "--max-num-batched-tokens", "10")) as mesh:
+        outputs = asyncio.run(greedy_all(mesh.address))
+    for i, ids in enumerate(outputs):
+        assert_greedy_match(ids, references[i], label=f"mixtral mesh prompt {i}")
