@@ -1,5 +1,5 @@
 """Every model family against transformers float32, greedy, token for token: seeded random tiny
-models from transformers' own config classes (Qwen3, Mistral, Qwen3-MoE, Mixtral) through the
+models from transformers' own config classes (Qwen3, Mistral, Qwen3-MoE, Mixtral, Gemma 3) through the
 worker (C kernels and torch attention), the in-process engine at pipeline depth 1 and 2 with
 chunked prefill, tensor parallelism and a real mesh; and weight transplants, SmolLM2's weights
 re-declared as other families, which must reproduce SmolLM2's own tokens (or transformers' on the
@@ -50,7 +50,11 @@ def test_each_family_declares_its_plan(tiny):
     moe = [(layer.mlp.num_experts, layer.mlp.experts_per_token) for kind in ("qwen3_moe", "mixtral")
            for layer in plans[kind]]
     assert set(moe) == {(4, 2)}
-    assert not any(layer.mlp.is_moe for kind in ("qwen3", "mistral") for layer in plans[kind])
+    assert not any(layer.mlp.is_moe for kind in ("qwen3", "mistral", "gemma3") for layer in plans[kind])
+    gemma = plans["gemma3"]
+    assert [layer.attention.window for layer in gemma] == [TINY_WINDOW, None, TINY_WINDOW]
+    assert gemma[0].attention.rope_theta != gemma[1].attention.rope_theta  # local and global RoPE bases
+    assert all(layer.norms == "sandwich" and layer.mlp.activation == "gelu_tanh" for layer in gemma)
 
 
 @pytest.mark.parametrize("kind", list(TINY_FAMILIES))

@@ -103,8 +103,28 @@ def save_tiny_mixtral(path: Path, **overrides):
     return model
 
 
+def save_tiny_gemma3(path: Path, **overrides):
+    """Local layers (window 12) around a global one, each with its own RoPE base; 16-wide heads."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(6)
+    config = Gemma3TextConfig(**_common(num_hidden_layers=3, head_dim=16, sliding_window=TINY_WINDOW,
+                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                        query_pre_attn_scalar=16, **overrides))
+    model = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        # Scaled by sqrt(hidden) on lookup, the wide init would swamp every layer (one token
+        # repeated); and Gemma's norm weights are offsets from one that start at zero.
+        model.model.embed_tokens.weight /= config.hidden_size ** 0.5
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0.0, 1.0)
+    model.save_pretrained(path)
+    return model
+
+
 TINY_FAMILIES = {"qwen3": save_tiny_qwen3, "mistral": save_tiny_mistral, "qwen3_moe": save_tiny_qwen3_moe,
-                 "mixtral": save_tiny_mixtral}
+                 "mixtral": save_tiny_mixtral, "gemma3": save_tiny_gemma3}
 
 
 # --- weight transplants: a real model's weights in another family's layout -----------------------

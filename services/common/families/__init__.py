@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from vmesh.services.common.families import llama, mistral, qwen2, qwen3, qwen3_moe
+from vmesh.services.common.families import gemma3, llama, mistral, qwen2, qwen3, qwen3_moe
 from vmesh.services.common.families.plan import Family, UnsupportedModelError
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, mistral.FAMILY, mistral.MIXTRAL,
-                                qwen3_moe.FAMILY)
+                                qwen3_moe.FAMILY, gemma3.FAMILY)
 SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES)
 _BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}
 _BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES}
