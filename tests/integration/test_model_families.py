@@ -121,7 +121,7 @@ def test_the_window_matters_in_these_tests(tiny, tmp_path):
 
 # --- weight transplants -------------------------------------------------------------------------
 
-TRANSPLANT_PROMPTS = 3
+TRANSPLANT_PROMPTS = 2
 
 
 @pytest.fixture(scope="module")
