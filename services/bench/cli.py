@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     srv.add_argument("--slo-tpot-ms", type=float, default=200.0)
     srv.add_argument("--seed", type=int, default=0)
+    srv.add_argument("--engine-reference", action="store_true",
+                     help="after the mesh, the same schedule through the in-process engine, whose worker "
+                          "thread's busy fraction and idle gaps are the reference for the mesh's worker")
     srv.add_argument("--arms", default=",".join(ARMS),
                      help="--workload structured: constrained (every request with its JSON schema as "
                           "response_format), unconstrained (the same prompts without), or both, in turn, "

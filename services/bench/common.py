@@ -9,6 +9,7 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,11 +65,17 @@ def save(mode: str, result: dict[str, Any], out_dir: Path = RESULTS) -> Path:
 
 async def timed_request(client: VmeshClient, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     """One streamed greedy request: TTFT, inter-token gaps, end-to-end, tokens."""
+    return await timed_outputs(client.generate(token_ids=prompt, max_tokens=max_tokens, temperature=0.0,
+                                               ignore_eos=True), lambda out: len(out.token_ids))
+
+
+async def timed_outputs(outputs: AsyncIterator[Any], tokens_of: Callable[[Any], int]) -> dict[str, Any]:
+    """timed_request's figures for a stream of outputs, each carrying `tokens_of(output)` new tokens."""
     started = time.perf_counter()
     arrivals: list[tuple[float, int]] = []
-    async for out in client.generate(token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
-        if out.token_ids:
-            arrivals.append((time.perf_counter(), len(out.token_ids)))
+    async for out in outputs:
+        if n := tokens_of(out):
+            arrivals.append((time.perf_counter(), n))
     end = time.perf_counter()
     tokens = sum(n for _, n in arrivals)
     ttft = arrivals[0][0] - started if arrivals else end - started

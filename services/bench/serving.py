@@ -17,6 +17,7 @@ from typing import Any
 
 from vmesh.services.bench.common import load_workload, machine, percentiles, reset_prefix_cache, timed_request
 from vmesh.services.bench.mesh import RunningMesh, start_mesh
+from vmesh.services.bench.step_report import engine_sender, print_step_report, step_report, worker_timeline
 from vmesh.services.client import VmeshClient
 from vmesh.services.common.model_loading import resolve_model_dir
 
@@ -116,11 +117,11 @@ def cpu_seconds(mesh: RunningMesh | None) -> dict[str, float]:
 
 async def _serve_backends(backends: list[str], args: argparse.Namespace, work: dict[str, Any],
                           address: str | None, base_url: str | None,
-                          mesh: RunningMesh | None) -> tuple[dict[str, list[dict[str, Any]]], float, dict[str, float]]:
+                          mesh: RunningMesh | None) -> tuple[dict[str, list[dict[str, Any]]], float, dict[str, Any]]:
     """Each request of the one schedule goes through one of `backends`, balanced and shuffled
     (seeded): with more than one, they share every moment of the load, so what differs between
     their latencies is the path, not the machine's mood. Returns the results per backend, the
-    elapsed time and the CPU seconds each process spent."""
+    elapsed time and, for a mesh we started, its step report (step_report)."""
     async with contextlib.AsyncExitStack() as stack:
         senders = {b: await stack.enter_async_context(request_sender(b, address, base_url, args.served_model))
                    for b in backends}
@@ -131,14 +132,34 @@ async def _serve_backends(backends: list[str], args: argparse.Namespace, work: d
         prompts = work["prompts"]
         assignment = [backends[i % len(backends)] for i in range(len(prompts))]
         random.Random(args.seed + 1).shuffle(assignment)
+        mark = (await worker_timeline(mesh))[0] if mesh is not None else 0
         before = cpu_seconds(mesh)
         results, elapsed = await serve_load([senders[b] for b in assignment], prompts, work["max_tokens"],
                                              args.request_rate, args.max_concurrency, args.seed)
         after = cpu_seconds(mesh)
+        cpu = {name: after[name] - before[name] for name in before if name in after}
+        report = step_report((await worker_timeline(mesh, mark))[1], elapsed, cpu) if mesh is not None else {}
     by_backend: dict[str, list[dict[str, Any]]] = {b: [] for b in backends}
     for backend, result in zip(assignment, results):
         by_backend[backend].append(result)
-    return by_backend, elapsed, {name: after[name] - before[name] for name in before if name in after}
+    return by_backend, elapsed, {"cpu": cpu, **report}
+
+
+async def _serve_engine(args: argparse.Namespace, work: dict[str, Any]) -> tuple[list[dict[str, Any]], float,
+                                                                                  dict[str, Any]]:
+    """The same schedule through the in-process engine: the reference for the mesh's worker."""
+    with engine_sender(resolve_model_dir(args.model), args.kv_cache_memory_bytes) as (send, timed):
+        await send(work["prompts"][0], 2)
+        mark = timed.timeline.steps
+        before = sum(os.times()[:2])
+        results, elapsed = await serve_load([send] * len(work["prompts"]), work["prompts"], work["max_tokens"],
+                                            args.request_rate, args.max_concurrency, args.seed)
+        cpu = {"engine": sum(os.times()[:2]) - before}
+        report = step_report(timed.timeline.summary(mark), elapsed, cpu)
+        for name in ("worker_waited_for_plan_ms", "worker_plan_wait_ms", "worker_plan_decode_ms",
+                     "worker_result_encode_ms"):
+            del report[name]  # its plans reach the thread as objects, with no transport between
+        return results, elapsed, report
 
 
 def summarize(results: list[dict[str, Any]], elapsed: float, args: argparse.Namespace) -> dict[str, Any]:
@@ -176,15 +197,22 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
     summaries: dict[str, dict[str, Any]] = {}
     try:
         for run in runs:
-            by_backend, elapsed, cpu = asyncio.run(_serve_backends(run, args, work, address, base_url, mesh))
+            by_backend, elapsed, report = asyncio.run(_serve_backends(run, args, work, address, base_url, mesh))
+            cpu = report.pop("cpu")
             for backend, results in by_backend.items():
                 summaries[backend] = summarize(results, elapsed, args)
+                if report:
+                    summaries[backend]["steps"] = report
                 if len(run) == 1:  # CPU cannot be told apart between interleaved backends
                     tokens = max(1, sum(r["tokens"] for r in results))
                     summaries[backend]["cpu_ms_per_token"] = {k: 1e3 * v / tokens for k, v in cpu.items()}
     finally:
         if mesh is not None:
             mesh.stop()
+    if getattr(args, "engine_reference", False):  # after the mesh has stopped: the cores are the engine's
+        results, elapsed, report = asyncio.run(_serve_engine(args, work))
+        summaries["engine"] = {**summarize(results, elapsed, args), "steps": report}
+        backends = [*backends, "engine"]
     result: dict[str, Any] = {"mode": "serving", **machine(), "request_rate": args.request_rate,
                               "interleaved": bool(args.interleave and len(backends) > 1),
                               "max_concurrency": args.max_concurrency, "max_tokens": work["max_tokens"],
@@ -202,4 +230,6 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{name:>8}: p50 {p['p50']:8.1f}  p90 {p['p90']:8.1f}  p99 {p['p99']:8.1f}")
         if cpu_per_token := summary.get("cpu_ms_per_token"):
             print("  CPU ms/token: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(cpu_per_token.items())))
+        if steps := summary.get("steps"):
+            print_step_report(backend, steps)
     return result

@@ -12,7 +12,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from vmesh.services.common.types import FLOAT_SAMPLING_FIELDS, MAX_LOGPROBS, ModelLimits, SamplingParams
+from vmesh.services.common.types import (
+    FLOAT_SAMPLING_FIELDS,
+    GRAMMAR_BACKENDS,
+    MAX_LOGPROBS,
+    STRUCTURED_KINDS,
+    ModelLimits,
+    SamplingParams,
+)
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -84,6 +91,23 @@ def _check_sampling(params: SamplingParams, num_prompt_tokens: int, limits: Mode
         raise InvalidRequest("sampling.stop_token_ids", f"{len(params.stop_token_ids)} ids; "
                                                         f"at most {MAX_STOP_TOKEN_IDS}")
     _check_vocabulary("sampling.stop_token_ids", params.stop_token_ids, limits)
+    _check_structured(params)
+
+
+def _check_structured(params: SamplingParams) -> None:
+    """A structured output of a known kind and backend (the wire reads an unspecified kind as "");
+    a compiled grammar from a backend the worker has. Whether the source compiles is the
+    frontend's GrammarCompiler's to say."""
+    if params.structured is not None:
+        if params.structured.kind not in STRUCTURED_KINDS:
+            raise InvalidRequest("sampling.structured.kind",
+                                 f"unspecified or unknown; one of {', '.join(STRUCTURED_KINDS)}")
+        if params.structured.backend != "auto" and params.structured.backend not in GRAMMAR_BACKENDS:
+            raise InvalidRequest("sampling.structured.backend", f"{params.structured.backend!r} is not one of auto, "
+                                                                f"{', '.join(GRAMMAR_BACKENDS)}")
+    if params.grammar is not None and params.grammar.backend not in GRAMMAR_BACKENDS:
+        raise InvalidRequest("sampling.grammar.backend", f"{params.grammar.backend!r} is not one of "
+                                                         f"{', '.join(GRAMMAR_BACKENDS)}")
 
 
 def _check_ranges(params: SamplingParams) -> None:

@@ -36,6 +36,10 @@ disable_created_metrics()
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
                    20.0, 40.0, 80.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
+# The intervals between and around steps: tens of microseconds when the pipeline is full, up to a
+# step's length when the worker waits for its plan, seconds when it has nothing to do.
+GAP_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+               5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 MODEL = ["model_name"]
 
@@ -162,6 +166,28 @@ class SchedulerMetrics:
                                           iteration_buckets(max_num_batched_tokens))
         self.prompt_tokens = counter("vmesh:prompt_tokens", "Prompt tokens admitted.")
         self.generation_tokens = counter("vmesh:generation_tokens", "Tokens generated.")
+        self.step = SchedulerStepMetrics(histogram)
+
+
+class SchedulerStepMetrics:
+    """The scheduler's side of the step timeline (services/common/step_timeline.py)."""
+
+    def __init__(self, histogram: Callable[[str, str, Sequence[float]], Histogram]):
+        self.planning = histogram("vmesh:scheduler_planning_seconds", "Time to plan one step.", GAP_BUCKETS)
+        self.plan_encode = histogram("vmesh:scheduler_plan_encode_seconds",
+                                     "Time to turn a plan into its message and write it to the worker ranks.",
+                                     GAP_BUCKETS)
+        self.round_trip = histogram("vmesh:scheduler_step_round_trip_seconds",
+                                    "Plan sent to its result read, on the scheduler's clock.", STEP_BUCKETS)
+        self.outside_worker = histogram(
+            "vmesh:scheduler_step_outside_worker_seconds",
+            "A step's round trip less the worker's plan-read to execution-end interval: transport, the plan "
+            "queued behind the step before it, the result's encoding.", GAP_BUCKETS)
+        self.result_wait = histogram("vmesh:scheduler_result_wait_seconds",
+                                     "Time the engine loop blocked on a step's result (near 0: the result "
+                                     "waited for the loop).", GAP_BUCKETS)
+        self.result_handling = histogram("vmesh:scheduler_result_handling_seconds",
+                                         "Time to decode, apply and route a step's result.", GAP_BUCKETS)
 
 
 class WorkerMetrics:
@@ -172,6 +198,19 @@ class WorkerMetrics:
                                     registry=registry).labels(model_name)
         self.scheduled_tokens = Counter("vmesh:worker_scheduled_tokens", "Tokens computed.", MODEL,
                                         registry=registry).labels(model_name)
+
+        def gap(name: str, help_text: str) -> Histogram:
+            return Histogram(name, help_text, MODEL, buckets=GAP_BUCKETS, registry=registry).labels(model_name)
+
+        # The worker's side of the step timeline (services/common/step_timeline.py).
+        self.idle_gap = gap("vmesh:worker_idle_gap_seconds",
+                            "Time the model thread stood idle between the end of one step and the start of the next.")
+        self.waited_for_plan = gap("vmesh:worker_waited_for_plan_seconds",
+                                   "Time from a result handed to the transport to the next plan read.")
+        self.plan_wait = gap("vmesh:worker_plan_wait_seconds", "Time from a plan read to its execution's start.")
+        self.plan_decode = gap("vmesh:worker_plan_decode_seconds", "Time to turn a plan message into a plan.")
+        self.result_encode = gap("vmesh:worker_result_encode_seconds",
+                                 "Time to turn a result into its message and hand it to the transport.")
 
 
 class DetokenizerMetrics:

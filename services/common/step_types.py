@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vmesh.services.common.step_timeline import WorkerStepTiming
 from vmesh.services.common.types import SamplingParams, TokenLogprobs
 
 
@@ -54,3 +55,8 @@ class StepResult:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     forward_seconds: float = 0.0
     sampling_seconds: float = 0.0
+    # Requests this step failed on their own (their grammar matcher failed: it would not load,
+    # or rejected a token), each with its message; their tokens are not among the sampled ones.
+    failed_handles: list[int] = field(default_factory=list)
+    failure_messages: list[str] = field(default_factory=list)
+    timing: WorkerStepTiming | None = None  # the worker's account of the step (services/common/step_timeline.py)

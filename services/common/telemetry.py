@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
@@ -22,6 +23,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from vmesh.services.common.step_timeline import WorkerStepTiming
 from vmesh.services.common.types import TraceContext
 
 if TYPE_CHECKING:  # the SDK is imported only when something is exported
@@ -176,3 +178,33 @@ class GenAIServerMetrics:
             self.time_to_first_token.record(first_token_at - started, attributes)
             if output_tokens > 1:
                 self.time_per_output_token.record((ended - first_token_at) / (output_tokens - 1), attributes)
+
+
+# --- the step timeline on the worker's per-step span -------------------------------------------
+# Intervals as attributes (seconds, `vmesh.step.*`), and the forward pass's bounds as events, so a
+# trace viewer shows where inside the span the model ran and how long the worker waited before it.
+STEP_ATTRIBUTE_PREFIX = "vmesh.step."
+FORWARD_START_EVENT = "vmesh.forward.start"
+FORWARD_END_EVENT = "vmesh.forward.end"
+SAMPLING_END_EVENT = "vmesh.sampling.end"
+
+
+def annotate_step(span: trace.Span, timing: WorkerStepTiming, ended: float, now: float) -> None:
+    """Add `timing` to the step's span; `ended` (execution end) and `now` are perf_counter stamps,
+    placed on the span's wall clock through the current offset between the two clocks."""
+    if not span.is_recording():
+        return
+    intervals = {"plan_wait_s": timing.plan_wait_seconds, "plan_decode_s": timing.plan_decode_seconds,
+                 "forward_s": timing.forward_seconds, "sampling_s": timing.sampling_seconds,
+                 "idle_before_s": timing.idle_before_seconds, "waited_for_plan_s": timing.waited_for_plan_seconds}
+    span.set_attributes({STEP_ATTRIBUTE_PREFIX + k: v for k, v in intervals.items() if v is not None})
+
+    offset_ns = time.time_ns() - round(now * 1e9)  # read once: every event on the same offset
+
+    def wall_ns(stamp: float) -> int:
+        return offset_ns + round(stamp * 1e9)
+
+    sampling_start = ended - timing.sampling_seconds
+    span.add_event(FORWARD_START_EVENT, timestamp=wall_ns(sampling_start - timing.forward_seconds))
+    span.add_event(FORWARD_END_EVENT, timestamp=wall_ns(sampling_start))
+    span.add_event(SAMPLING_END_EVENT, timestamp=wall_ns(ended))

@@ -7,6 +7,7 @@ same step plans the mesh carries.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import threading
 from collections.abc import AsyncIterator, Sequence
@@ -14,9 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from vmesh.services.common.admission import admit
+from vmesh.services.common.admission import InvalidRequest, admit
 from vmesh.services.common.model_loading import resolve_model_dir
 from vmesh.services.common.output_accumulator import OutputAccumulator
+from vmesh.services.common.structured import GrammarCompiler, GrammarRefused
 from vmesh.services.common.tokenizer import encode_chat, load_chat_tokenizer
 from vmesh.services.common.types import FinishReason, ModelLimits, SamplingParams, StepTokens, TokenLogprobs
 from vmesh.services.detokenizer.output_processor import OutputProcessor
@@ -51,6 +53,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_prompt_tokens: int
+    error: str = ""  # non-empty: the request failed alone (finish_reason ABORT), e.g. its grammar matcher
 
 
 @dataclass
@@ -62,6 +65,7 @@ class CompletionOutput:
     num_prompt_tokens: int
     num_cached_prompt_tokens: int
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    error: str = ""  # non-empty: the request failed alone (finish_reason ABORT)
 
 
 class LLMEngine:
@@ -82,6 +86,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._driver: _AsyncDriver | None = None
+        self._grammar_compiler: GrammarCompiler | None = None  # built by the first structured request
 
     @classmethod
     def from_config(cls, config: EngineConfig | None = None) -> LLMEngine:
@@ -109,7 +114,7 @@ class LLMEngine:
                     request_id: str | None = None, priority: int = 0) -> str:
         """Raises admission.InvalidRequest (a ValueError naming the field) for a request the
         model cannot serve, by the rules of the mesh's doors."""
-        params = params or SamplingParams()
+        params = self._compiled(params or SamplingParams())
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         admit(token_ids, params, self.limits)
         request_id = request_id or f"req-{next(self._ids)}"
@@ -118,6 +123,28 @@ class LLMEngine:
             self.scheduler.add_request(request)
             self.outputs.add_request(request_id, params, token_ids, len(token_ids))
         return request_id
+
+    def _compiled(self, params: SamplingParams) -> SamplingParams:
+        """`params` with its structured output compiled (as the mesh's frontend compiles it), by
+        the compiler of the worker's own tokenizer; the caller's object is left as it was."""
+        if params.grammar is not None:
+            raise InvalidRequest("sampling.grammar", "is compiled from sampling.structured; set structured instead")
+        if params.structured is None:
+            return params
+        grammar_tokenizer = self.runner.batch.grammar_tokenizer
+        if grammar_tokenizer is None:
+            raise InvalidRequest("sampling.structured", "this model has no tokenizer.json to compile grammars with")
+        with self._lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(grammar_tokenizer.tokenizer_json, grammar_tokenizer.vocab_size,
+                                                         list(grammar_tokenizer.stop_token_ids))
+            compiler = self._grammar_compiler
+        try:
+            grammar = compiler.compile(params.structured)
+        except GrammarRefused as exc:
+            field_name = f"sampling.structured.{exc.path}" if exc.path else "sampling.structured"
+            raise InvalidRequest(field_name, exc.detail) from exc
+        return dataclasses.replace(params, grammar=grammar)
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
@@ -138,12 +165,12 @@ class LLMEngine:
         updates = self.core.step()
         with self._lock:
             processed, stopped = self.outputs.process(
-                StepTokens(u.request_id, u.new_token_ids, u.finish_reason, u.num_cached_prompt_tokens, u.logprobs)
-                for u in updates)
+                StepTokens(u.request_id, u.new_token_ids, u.finish_reason, u.num_cached_prompt_tokens, u.logprobs,
+                           u.error) for u in updates)
             for request_id in stopped:  # a stop string ended it: the core would compute it on
                 self.scheduler.abort(request_id, FinishReason.STOP)
         return [RequestOutput(p.handle, p.text, p.token_ids, p.finished, p.finish_reason, p.logprobs,
-                              p.state.num_prompt_tokens, p.state.num_output_tokens, p.num_cached_prompt_tokens)
+                              p.state.num_prompt_tokens, p.state.num_output_tokens, p.num_cached_prompt_tokens, p.error)
                 for p in processed]
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
@@ -163,6 +190,7 @@ class LLMEngine:
                 result.num_cached_prompt_tokens = out.num_cached_prompt_tokens
                 if out.finished:
                     result.finish_reason = out.finish_reason
+                    result.error = out.error
         for i, output in outputs.items():
             # Stop strings cut text; token ids after the cut were already generated and stay listed.
             results[i].text, results[i].token_ids, results[i].logprobs = output.text, output.token_ids, output.logprobs

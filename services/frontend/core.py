@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 from opentelemetry import trace
@@ -26,6 +27,7 @@ from vmesh.services.common.runtime.peers import PeerSet
 from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.common.runtime.stream import KeptStream
 from vmesh.services.common.runtime.tasks import TaskGroup, wait_until
+from vmesh.services.common.structured import GrammarCompiler
 from vmesh.services.common.types import ModelLimits, OutputBatch, OutputMode, RequestRef, SamplingParams, finish_name
 from vmesh.services.common.wire.common import finish_to_proto, trace_context_to_proto
 from vmesh.services.common.wire.public import logprobs_to_public, usage_to_public
@@ -36,8 +38,10 @@ from vmesh.services.frontend.errors import Code, RequestError
 from vmesh.services.frontend.failover import DETOKENIZER_LOST, MeshPath, TimeRemaining
 from vmesh.services.frontend.inputs import encode_input, prompt_bytes
 from vmesh.services.frontend.outbox import LostService, Outbox, PendingOutput
+from vmesh.services.frontend.request_clock import RequestClock
 from vmesh.services.frontend.schedulers import SchedulerGroup, SchedulerPool
 from vmesh.services.frontend.settings import FrontendServiceSettings
+from vmesh.services.frontend.structured_requests import build_compiler, compile_spec
 from vmesh.services.frontend.subscriptions import Subscribe, Subscription, subscribe_over_grpc
 from vmesh.v1 import frontend_pb2, scheduler_pb2
 
@@ -47,6 +51,8 @@ RESUBSCRIBE = Backoff(1.0)
 TRACER = telemetry.tracer("vmesh.frontend")
 # Tokenizers release the GIL; two threads keep a core for everything else on a small machine.
 TOKENIZER_THREADS = 2
+# Threads that wait on grammar compiles (the compiler bounds compiling and each wait): never the tokenizers'.
+GRAMMAR_WAITERS = 8
 Loaded = TypeVar("Loaded")
 
 
@@ -58,42 +64,19 @@ def _loaded(value: Loaded | None) -> Loaded:
     return value
 
 
-class RequestClock:
-    """One request's times, measured once for both the Prometheus series (FrontendMetrics) and
-    OpenTelemetry's GenAI metrics: from its arrival to its first token, between tokens, to its end."""
-
-    def __init__(self, metrics: FrontendMetrics | None):
-        self.metrics = metrics
-        self.started = self.last_token_at = time.monotonic()
-        self.first_token_at: float | None = None
-
-    def observe(self, out: PendingOutput, finished: bool) -> None:
-        if out.token_ids:
-            now = time.monotonic()
-            if self.first_token_at is None:
-                self.first_token_at = now
-                if self.metrics:
-                    self.metrics.ttft.observe(now - self.started)
-            elif self.metrics:  # merged outputs spread their gap over their tokens
-                for _ in out.token_ids:
-                    self.metrics.itl.observe((now - self.last_token_at) / len(out.token_ids))
-            self.last_token_at = now
-        if self.metrics and finished:
-            self.metrics.e2e.observe(time.monotonic() - self.started)
-            self.metrics.request_finished(finish_name(out.finish_reason))
-
-
 class FrontendCore:
     def __init__(self, settings: FrontendServiceSettings, *, tokenizer: Any = None, limits: ModelLimits | None = None,
                  connect_scheduler: Callable[[str], tuple[Any, Any]] = schedulers.connect,
                  scheduler_health: Callable[[SchedulerGroup], Any] = schedulers.health_stream,
                  subscribe: Subscribe = subscribe_over_grpc, resubscribe: Backoff = RESUBSCRIBE,
-                 metrics: FrontendMetrics | None = None, genai_metrics: telemetry.GenAIServerMetrics | None = None):
-        """`tokenizer`, `limits`: when already loaded (else `start` loads the tokenizer, and the
-        limits are the schedulers' answer). `connect_scheduler`, `scheduler_health`: how a
-        scheduler group is reached and watched (SchedulerPool's). `subscribe(frontend_id, address,
-        dispatch, opened)`: one subscription to a detokenizer replica, read until it breaks;
-        `resubscribe`: the wait before subscribing again to a replica whose subscription broke."""
+                 metrics: FrontendMetrics | None = None, genai_metrics: telemetry.GenAIServerMetrics | None = None,
+                 grammar_compiler: GrammarCompiler | None = None):
+        """`tokenizer`, `limits`, `grammar_compiler`: when already loaded (else `start` loads the
+        tokenizer, the limits are the schedulers' answer, and the compiler is built from both).
+        `connect_scheduler`, `scheduler_health`: how a scheduler group is reached and watched
+        (SchedulerPool's). `subscribe(frontend_id, address, dispatch, opened)`: one subscription to
+        a detokenizer replica, read until it breaks; `resubscribe`: the wait before subscribing
+        again to a replica whose subscription broke."""
         self.settings = settings
         self.tokenizer = tokenizer
         self.limits = limits
@@ -117,18 +100,28 @@ class FrontendCore:
         self.genai_metrics = genai_metrics or telemetry.GenAIServerMetrics()
         # Its own pool: a queue of long prompts never delays DNS look-ups or other default-pool work.
         self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+        self.grammar_compiler = grammar_compiler
+        self.grammar_pool = concurrent.futures.ThreadPoolExecutor(GRAMMAR_WAITERS, thread_name_prefix="grammar")
+        self.model_dir: Path | None = None
 
     @property
     def failover_timeout_s(self) -> float:
         return self.settings.failover_timeout_s
 
-    async def start(self, load_tokenizer: Callable[[], Any]) -> None:
-        """Load the tokenizer (off the loop), then join the schedulers and subscribe to the detokenizers."""
-        self.tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer)
+    async def start(self, load_tokenizer: Callable[[], Any], locate_model: Callable[[], Path] | None = None) -> None:
+        """Load the tokenizer (off the loop), then join the schedulers and subscribe to the detokenizers.
+        `locate_model`: the model directory (the grammar compiler's tokenizer.json and EOS ids)."""
+        loop = asyncio.get_running_loop()
+        self.tokenizer = await loop.run_in_executor(None, load_tokenizer)
+        if locate_model is not None:
+            self.model_dir = await loop.run_in_executor(None, locate_model)
         await self.connect()
 
     async def connect(self) -> None:
         await self.join_schedulers()
+        if self.grammar_compiler is None and self.tokenizer is not None and self.limits is not None:
+            self.grammar_compiler = await asyncio.get_running_loop().run_in_executor(
+                None, build_compiler, self.tokenizer, self.limits, self.model_dir)
         await asyncio.gather(*(self.replicas.add(address).joined.wait() for address in self.detokenizers.addresses))
         refresh_s = self.settings.replica_refresh_interval_s
         self._tasks.spawn(self.replicas.follow(self.detokenizers, refresh_s))
@@ -156,6 +149,7 @@ class FrontendCore:
             subscription.stop()
         await self.schedulers.close()
         self.tokenizer_pool.shutdown(wait=False)
+        self.grammar_pool.shutdown(wait=False)
 
     # --- subscriptions and the outputs they deliver --------------------------------------------
 
@@ -313,7 +307,7 @@ class FrontendCore:
         self.ready()
         prompt = await self.encode(request)
         self.ready()  # a drain that began while this prompt was tokenizing counted no request in flight
-        params = _admit(request, prompt, self.loaded_limits(), span)
+        params = await self._compiled(_admit(request, prompt, self.loaded_limits(), span), span)
         outbox = Outbox(delta_text=params.output_mode is OutputMode.DELTA)
         # The frontend key names the request inside the mesh (with this frontend's id); the client
         # sees it as the request id.
@@ -326,6 +320,7 @@ class FrontendCore:
             trace_context=trace_context_to_proto(telemetry.trace_context(span))),
             outbox, time_remaining, span)
         finished = False
+        backend = params.grammar.backend if params.grammar is not None else ""
         self.in_flight += 1
         try:
             await route.submit()
@@ -344,7 +339,8 @@ class FrontendCore:
                     yield frontend_pb2.GenerateResponse(
                         request_id=request_id, text=out.text, token_ids=out.token_ids,
                         logprobs=logprobs_to_public(out.logprobs), finish_reason=finish_to_proto(out.finish_reason),
-                        usage=usage_to_public(out.usage))
+                        usage=usage_to_public(out.usage), structured_output_backend=backend)
+                    backend = ""  # the first response says it
                 if finished:
                     return
                 if out.lost:
@@ -352,6 +348,23 @@ class FrontendCore:
         finally:
             self.in_flight -= 1
             route.close(finished)
+
+    async def _compiled(self, params: SamplingParams, span: trace.Span) -> SamplingParams:
+        """`params` with its structured output compiled off the loop, before anything is submitted."""
+        if params.structured is None:
+            return params
+        if self.grammar_compiler is None:
+            raise RequestError.invalid(InvalidRequest("sampling.structured", "this model's output cannot be "
+                                                                             "constrained (no tokenizer.json)"))
+        try:
+            params.grammar = await asyncio.get_running_loop().run_in_executor(
+                self.grammar_pool, compile_spec, self.grammar_compiler, params.structured)
+        except InvalidRequest as exc:
+            raise RequestError.invalid(exc) from exc
+        span.set_attributes({"vmesh.structured_output.kind": params.structured.kind,
+                             "vmesh.structured_output.backend": params.grammar.backend})
+        self.ready()  # a drain that began meanwhile counted no request in flight
+        return params
 
     def serving(self) -> bool:
         """Started, not draining, and at least one scheduler group and detokenizer to use."""
@@ -371,6 +384,9 @@ def _admit(request: frontend_pb2.GenerateRequest, prompt: list[int], limits: Mod
     try:
         check_model(request.model, limits)
         params = sampling_from_proto(request.sampling, default_max_tokens=limits.max_model_len - len(prompt))
+        if params.grammar is not None:  # the frontend's to compile, so that what reaches the worker is checked
+            raise InvalidRequest("sampling.grammar", "set by the frontend from sampling.structured; a client may not "
+                                                     "send a compiled grammar")
         admit(prompt, params, limits)
     except InvalidRequest as exc:
         raise RequestError.invalid(exc) from exc

@@ -34,6 +34,7 @@ from vmesh.services.frontend.http_middleware import (
     error_response,
     request_error_response,
 )
+from vmesh.services.frontend.structured_requests import BACKEND_HEADER
 from vmesh.services.frontend.tool_calls import ToolPlan
 from vmesh.services.frontend.tool_parsers import ContentDelta, Delta, ToolCallParser, make_parser
 from vmesh.v1 import frontend_pb2
@@ -68,6 +69,7 @@ class Reply:
     aliases: dict[str, str]  # the request's own names of fields (for errors' `param`)
     tools: ToolPlan | None = None  # chat: what its tool fields asked for
     responses: responses_api.ResponsesView | None = None  # a Responses API reply, built over this chat one
+    structured_backend: str = ""  # the grammar backend that constrains the output ("": none)
     request_id: str = field(init=False)
     created: int = field(init=False)
     choices: list[render.Choice] = field(init=False)
@@ -76,6 +78,13 @@ class Reply:
         self.request_id = render.new_id("chatcmpl" if self.chat else "cmpl")
         self.created = render.now()
         self.choices = [render.Choice() for _ in range(prompts * self.n)]
+
+    def note(self, out: frontend_pb2.GenerateResponse) -> None:
+        self.structured_backend = self.structured_backend or out.structured_output_backend
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {BACKEND_HEADER: self.structured_backend} if self.structured_backend else {}
 
     def chunk(self, choices: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
         return {"id": self.request_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -131,8 +140,11 @@ class OpenAIRoutes:
                              for r in oai.fan_out(generate_requests, reply.n, prompts)])
             if reply.stream:
                 await fanout.started()
+                for _, out in fanout.pending:
+                    reply.note(out)
                 return
             async for index, out in fanout.events():
+                reply.note(out)
                 reply.choices[index].add(out)
 
         handed_over = False  # a streaming response closes the fan-out itself, when it ends
@@ -155,12 +167,12 @@ class OpenAIRoutes:
                 # keeps the loop serving other requests meanwhile.
                 body = await asyncio.to_thread(lambda: json.dumps(
                     (view or dict)(build()), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode())
-                return Response(body, media_type="application/json")
+                return Response(body, media_type="application/json", headers=reply.headers)
             events = self._chat_events if reply.chat else self._completion_events
             sse = (self._stream(fanout, events(fanout, reply), reply) if reply.responses is None
                    else self._responses_stream(fanout, events(fanout, reply), reply, reply.responses))
             response = FanoutStreamingResponse(fanout, sse, media_type="text/event-stream",
-                                               headers={"Cache-Control": "no-cache"})
+                                               headers={"Cache-Control": "no-cache", **reply.headers})
             handed_over = True
             return response
         except RequestError as exc:
@@ -251,7 +263,7 @@ class OpenAIRoutes:
         return await self._run(request, [generate_request], Reply(
             model, chat=True, prompts=1, n=body.n, stream=body.stream,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
-            want_logprobs=body.logprobs, aliases=oai.param_aliases(body), tools=tools))
+            want_logprobs=body.logprobs, aliases=oai.param_aliases(body, tools), tools=tools))
 
     async def responses(self, body: responses_api.ResponsesRequest, request: Request) -> Response:
         """Stateless: served as the chat completion it translates into."""

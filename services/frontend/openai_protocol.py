@@ -9,9 +9,11 @@ from typing import Any, Literal, cast
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
-from vmesh.services.common.types import DEFAULT_MAX_TOKENS, MAX_LOGPROBS
+from vmesh.services.common.types import DEFAULT_MAX_TOKENS, MAX_LOGPROBS, StructuredOutput
+from vmesh.services.common.wire.sampling import structured_to_proto
 from vmesh.services.frontend import tool_calls
 from vmesh.services.frontend.errors import Code, RequestError
+from vmesh.services.frontend.structured_requests import request_spec, structured_aliases
 from vmesh.v1 import common_pb2, frontend_pb2
 
 MAX_CHOICES = 64  # n × prompts per HTTP request: each is a request in the scheduler
@@ -56,6 +58,12 @@ class _SamplingBody(_Body):
     include_stop_str_in_output: bool | None = None
     stop_token_ids: list[int] | None = None
     priority: int | None = None
+    response_format: dict[str, Any] | None = Field(
+        None, description="{'type': 'text'} | {'type': 'json_object'} | {'type': 'json_schema', 'json_schema': "
+                          "{'name', 'schema', 'strict', 'description'}}; the schema is enforced, strict or not")
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM's: exactly one of json, regex, choice, grammar, structural_tag, json_object: true; "
+                          "vmesh's backend: auto, xgrammar or llguidance")
 
 
 class CompletionRequest(_SamplingBody):
@@ -86,7 +94,6 @@ class ChatCompletionRequest(_SamplingBody):
                           "{'name': ...}}")
     functions: list[Any] | None = Field(None, description="legacy form of tools")
     function_call: str | dict[str, Any] | None = Field(None, description="legacy form of tool_choice")
-    response_format: dict[str, Any] | None = Field(None, description="only {'type': 'text'}")
     parallel_tool_calls: bool | None = Field(None, description="false: one call at most")
 
 
@@ -105,8 +112,6 @@ def _refuse_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None
         if body.best_of is not None and body.best_of != 1:
             raise invalid("best_of", "not supported by vmesh (use n)")
         return
-    if body.response_format is not None and body.response_format.get("type", "text") != "text":
-        raise invalid("response_format", "only {'type': 'text'} is supported by vmesh")
 
 
 def _text(param: str, value: str) -> str:
@@ -133,8 +138,10 @@ def _set(message: Any, name: str, value: Any, param: str | None = None) -> None:
 
 
 def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-              logprobs: int | None) -> common_pb2.SamplingParams:
+              logprobs: int | None, structured: StructuredOutput | None = None) -> common_pb2.SamplingParams:
     pb = common_pb2.SamplingParams(output_mode=common_pb2.OUTPUT_MODE_DELTA)
+    if structured is not None:
+        pb.structured.CopyFrom(structured_to_proto(structured))
     _set(pb, "max_tokens", max_tokens, "max_completion_tokens" if getattr(body, "max_completion_tokens", None)
          is not None else "max_tokens")
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
@@ -172,7 +179,9 @@ def completion_requests(body: CompletionRequest, served: str) -> list[frontend_p
         raise invalid("n", f"{len(prompts)} prompts × n={body.n} choices; at most {MAX_CHOICES} per request")
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
         raise invalid("logprobs", f"must be in [0, {MAX_COMPLETION_LOGPROBS}], got {body.logprobs}")
-    sampling = _sampling(body, body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS, body.logprobs)
+    spec = request_spec(body.response_format, body.structured_outputs)
+    sampling = _sampling(body, body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS, body.logprobs,
+                         spec[0] if spec else None)
     out = []
     for p in prompts:
         request = frontend_pb2.GenerateRequest(sampling=sampling)
@@ -241,15 +250,16 @@ def _chat_message(i: int, m: ChatMessage) -> frontend_pb2.ChatMessage:
 
 
 def chat_tools(body: ChatCompletionRequest) -> tool_calls.ToolPlan:
-    """The request's tool fields, checked."""
-    plan = tool_calls.tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, body.functions,
+    """The request's tool fields, checked. A forced choice ("required", a named function) is served
+    with its output held to tool_calls.plan_schema (chat_spec)."""
+    return tool_calls.tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, body.functions,
                                 body.function_call)
-    if plan.forced:
-        # Forced calls are only served with their output held to tool_calls.plan_schema by a
-        # grammar; unconstrained, "required" would be a promise the model may break.
-        param = "function_call" if body.functions is not None else "tool_choice"
-        raise invalid(param, f"{plan.choice!r} is not supported by vmesh yet (only 'auto' and 'none')")
-    return plan
+
+
+def chat_spec(body: ChatCompletionRequest, tools: tool_calls.ToolPlan) -> tuple[StructuredOutput, str] | None:
+    """The structured output a chat request asks for (response_format, structured_outputs or a
+    forced tool choice: one at most) and the field it came from."""
+    return request_spec(body.response_format, body.structured_outputs, tool_calls.plan_schema(tools))
 
 
 def chat_request(body: ChatCompletionRequest, served: str,
@@ -267,7 +277,8 @@ def chat_request(body: ChatCompletionRequest, served: str,
         raise invalid("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    request = frontend_pb2.GenerateRequest(sampling=_sampling(body, max_tokens, logprobs))
+    spec = chat_spec(body, tools)
+    request = frontend_pb2.GenerateRequest(sampling=_sampling(body, max_tokens, logprobs, spec[0] if spec else None))
     _set(request, "priority", body.priority)
     request.chat.SetInParent()
     request.chat.messages.extend(_chat_message(i, m) for i, m in enumerate(body.messages))
@@ -312,14 +323,28 @@ def error_body(message: str, error_type: str, param: str | None = None, code: st
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def param_aliases(body: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
-    """The gRPC API's field names (sampling's without their `sampling.`) as this HTTP body spells them."""
+def param_aliases(body: CompletionRequest | ChatCompletionRequest,
+                  tools: tool_calls.ToolPlan | None = None) -> dict[str, str]:
+    """The gRPC API's field names (sampling's without their `sampling.`) as this HTTP body spells
+    them (`tools`: a chat body's plan, whose forced choice is its structured output)."""
     if isinstance(body, CompletionRequest):
-        return {"token_ids": "prompt", "input": "prompt"}
+        spec = request_spec(body.response_format, body.structured_outputs)
+        return {"token_ids": "prompt", "input": "prompt", **structured_aliases(spec[1] if spec else None)}
     aliases = {"prompt": "messages", "chat": "messages", "input": "messages"}
     if body.max_completion_tokens is not None:
         aliases["max_tokens"] = "max_completion_tokens"
-    return aliases
+    spec = chat_spec(body, tools) if tools is not None else request_spec(body.response_format, body.structured_outputs)
+    return {**aliases, **structured_aliases(spec[1] if spec else None)}
+
+
+def _aliased(name: str, aliases: dict[str, str]) -> str:
+    """`name` (a.b.c) renamed by its longest aliased prefix."""
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        head = ".".join(parts[:end])
+        if head in aliases:
+            return ".".join([aliases[head], *parts[end:]])
+    return name
 
 
 def request_error_body(exc: RequestError, aliases: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
@@ -327,7 +352,10 @@ def request_error_body(exc: RequestError, aliases: dict[str, str] | None = None)
     status, error_type = HTTP_STATUS.get(exc.code, (500, "internal_error"))
     code = {Code.UNAUTHENTICATED: "invalid_api_key", Code.NOT_FOUND: "model_not_found"}.get(exc.code)
     param = None
+    message = exc.message
     if exc.field is not None:
-        param = exc.field.removeprefix("sampling.")
-        param = (aliases or {}).get(param, param)
-    return status, error_body(exc.message, error_type, param, code)
+        name = exc.field.removeprefix("sampling.")
+        param = _aliased(name, aliases or {})
+        if param != name and message.startswith(f"{exc.field}: "):  # the message names it as the body does
+            message = f"{param}{message[len(exc.field):]}"
+    return status, error_body(message, error_type, param, code)

@@ -229,7 +229,7 @@ def chat_body(body: ResponsesRequest) -> tuple[dict[str, Any], list[Source]]:
 # Chat's names of fields -> the Responses API's (messages[k] goes by `Source`).
 RENAMED = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
            "response_format": "text.format", "prompt": "input", "chat": "input", "input": "input",
-           "token_ids": "input"}
+           "token_ids": "input", "structured": "text.format", "structured.source": "text.format.schema"}
 
 
 def responses_name(chat_field: str, sources: list[Source]) -> str:

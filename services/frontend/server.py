@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from vmesh.services.common.grpc_server import ServiceShell
@@ -60,11 +61,12 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
 
 
 async def serve(settings: FrontendServiceSettings, load_tokenizer: Callable[[], Any], server: ServerSettings,
-                public: PublicPort) -> None:
+                public: PublicPort, locate_model: Callable[[], Path] | None = None) -> None:
     """With `settings.http_api_port`, also serve the OpenAI-compatible HTTP API there (0: any free
     port), on this event loop, over the same core; its address goes to `<ready_file>.http`.
     `server`: where the public gRPC port listens and this process's mutual-TLS identity toward
-    the schedulers and detokenizers; `public`: the public ports' TLS and message cap."""
+    the schedulers and detokenizers; `public`: the public ports' TLS and message cap; `locate_model`:
+    the model directory, whose tokenizer.json and EOS ids the grammar compiler takes."""
     shell = ServiceShell("frontend", frontend_pb2.DESCRIPTOR.services_by_name["FrontendService"], server, public)
     registry = shell.metrics_registry()
     http_port = settings.http_api_port
@@ -87,7 +89,7 @@ async def serve(settings: FrontendServiceSettings, load_tokenizer: Callable[[], 
         announce(server.ready_file, Announcement.HTTP, http.address)
         http.start()
     try:
-        await shell.run(lambda: core.start(load_tokenizer), core.drain)
+        await shell.run(lambda: core.start(load_tokenizer, locate_model), core.drain)
     finally:
         if http is not None:
             await http.stop()

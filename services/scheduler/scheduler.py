@@ -22,6 +22,12 @@ from vmesh.services.scheduler.block_pool import BlockPool
 from vmesh.services.scheduler.request import Request, RequestStatus
 from vmesh.services.scheduler.settings import SCHEDULING_POLICIES, SchedulerSettings
 
+# Compiled grammars travel inside the plan that admits their requests (up to 2 MiB each, the
+# compiler's cap): a plan admits new constrained requests only while their payloads stay under
+# this, a quarter of the internal links' message cap (grpc_server.MAX_MESSAGE_BYTES, 64 MiB); the
+# rest wait a step. A plan's first new request is always admitted.
+MAX_PLAN_GRAMMAR_BYTES = 16 << 20
+
 
 class QueueFullError(RuntimeError):
     pass
@@ -68,6 +74,7 @@ class RequestUpdate:
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_cached_prompt_tokens: int = 0
+    error: str = ""  # non-empty: the worker failed this request alone (finish_reason is ABORT)
 
 
 @dataclass
@@ -195,11 +202,15 @@ class Scheduler:
             scheduled.add(id(request))
             budget -= n
 
+        grammar_bytes = 0
         for request in list(self.waiting):
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if request.num_placeholders:  # preempted with a result still in flight
                 continue
+            grammar_bytes += len(request.sampling.grammar.payload) if request.sampling.grammar else 0
+            if grammar_bytes > MAX_PLAN_GRAMMAR_BYTES and plan.new_requests:
+                break
             if not self._admit(plan, request, budget):
                 break
             scheduled.add(id(request))
@@ -313,11 +324,19 @@ class Scheduler:
             update = updates.get(handle)
             if update is not None:
                 update.logprobs.append(row)
+        for handle, message in zip(result.failed_handles, result.failure_messages):
+            request = self.by_handle.get(handle)
+            if request is not None and not request.is_finished:
+                updates[handle] = RequestUpdate(request.request_id, [], FinishReason.ABORT, error=message,
+                                                num_cached_prompt_tokens=request.num_cached_prompt_tokens)
+                self._finish(request, FinishReason.ABORT)
         return list(updates.values())
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.sampling
         num_output = len(request.output_token_ids)
+        if params.grammar is not None and token in self.eos_token_ids:
+            return FinishReason.STOP  # the worker allows EOS only where the grammar is complete: it ended
         stop_token = (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids
         if stop_token and num_output >= params.min_tokens:
             return FinishReason.STOP

@@ -19,6 +19,7 @@ from vmesh.services.common.metrics import SchedulerMetrics
 from vmesh.services.common.runtime.discovery import AddressBook
 from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.common.runtime.tasks import TaskGroup, wait_until
+from vmesh.services.common.step_timeline import SchedulerStepTiming, SchedulerTimeline, WorkerStepTiming
 from vmesh.services.common.step_types import StepPlan
 from vmesh.services.common.types import FinishReason, ModelLimits
 from vmesh.services.common.wire.common import trace_context_to_proto
@@ -58,6 +59,7 @@ class SchedulerSession:
         self.limits: ModelLimits | None = None  # the workers' model, known once they answered
         self.scheduler: Scheduler | None = None  # the core, which exists once the workers answered
         self.pipeline: StepPipeline | None = None
+        self.timeline = SchedulerTimeline()
         self.detokenizers = AddressBook(settings.detokenizer_addresses)
         self.router = DetokenizerRouter(self._released_by_router, open_detokenizer_stream)
         self.lifetimes = Lifetimes()
@@ -184,22 +186,32 @@ class SchedulerSession:
     async def _run_steps(self) -> None:
         pipeline = self._pipeline()
         while True:
+            planning = time.perf_counter()
             for plan in pipeline.plans():
-                await self._send(plan)
+                await self._send(plan, time.perf_counter() - planning)
+                planning = time.perf_counter()
             if pipeline.idle:
                 self.wake.clear()
                 await self.wake.wait()
                 continue
-            result = await self.workers.receive()
-            self._route(pipeline.complete(result_from_proto(result)))
+            read_started = time.perf_counter()
+            message = await self.workers.receive()
+            read_at = time.perf_counter()
+            result = result_from_proto(message)
+            step = self.timeline.read(result.step, read_started, read_at, time.perf_counter(), result.timing)
+            self._route(pipeline.complete(result))
             await self.router.flush()
+            if step is not None:
+                step.result_handling_seconds = time.perf_counter() - read_at
+                self._observe(step, result.timing)
 
     def _pipeline(self) -> StepPipeline:
         if self.pipeline is None:
             raise RuntimeError("the engine loop started before the workers answered")
         return self.pipeline
 
-    async def _send(self, plan: StepPlan) -> None:
+    async def _send(self, plan: StepPlan, planning_seconds: float) -> None:
+        encoding = time.perf_counter()
         message = plan_message(plan, self.core(), full_state=self.settings.stateless_worker)
         for new in message.new_requests:  # requests entering the worker carry their trace context
             life = self.lifetimes.admitted(self.core().by_handle[new.handle].request_id)  # by worker handle
@@ -207,7 +219,21 @@ class SchedulerSession:
                 new.trace_context.CopyFrom(trace_context_to_proto(telemetry.trace_context(life.span)))
         if self.metrics and plan.scheduled_handles:
             self.metrics.iteration_tokens.observe(plan.total_scheduled_tokens)
+        sending = time.perf_counter()
         await self.workers.send(plan, message)
+        self.timeline.sent(plan.step, planning_seconds, sending - encoding, sending, time.perf_counter())
+
+    def _observe(self, step: SchedulerStepTiming, worker: WorkerStepTiming | None) -> None:
+        if self.metrics is None:
+            return
+        metrics = self.metrics.step
+        metrics.planning.observe(step.planning_seconds)
+        metrics.plan_encode.observe(step.encode_seconds + step.send_seconds)
+        metrics.round_trip.observe(step.round_trip_seconds)
+        if worker is not None:
+            metrics.outside_worker.observe(step.outside_worker_seconds)
+        metrics.result_wait.observe(step.result_wait_seconds)
+        metrics.result_handling.observe(step.result_handling_seconds)
 
     def _route(self, updates: list[RequestUpdate]) -> None:
         """One step's tokens to the requests' detokenizer replicas."""
@@ -254,6 +280,7 @@ class SchedulerSession:
         the worker was computing each of the last MAX_WORKER_LOSSES times it was lost, which fails."""
         self.workers.drop()
         self._pipeline().abandon_all()
+        self.timeline.forget()
         core = self.core()
         was_computing = {r.request_id for r in core.running}
         affected = core.recompute_all()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -21,6 +22,7 @@ from vmesh.services.common.step_types import StepPlan, StepResult
 from vmesh.services.common.types import TokenLogprobs
 from vmesh.services.worker.attention import AttentionBackend, make_attention_backend
 from vmesh.services.worker.config import DTYPE_NAMES, WorkerConfig
+from vmesh.services.worker.grammar_rows import GrammarMask, GrammarTokenizer, RowGrammar
 from vmesh.services.worker.kv_cache import KVCache, kv_cache_budget
 from vmesh.services.worker.model import DecoderModel, MissingWeightError
 from vmesh.services.worker.persistent_batch import PersistentBatch, PlanError, StepInputs
@@ -52,15 +54,20 @@ def release_freed_heap() -> None:
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, kv_cache: KVCache, backend: AttentionBackend,
-                 max_num_seqs: int, max_model_len: int):
+                 max_num_seqs: int, max_model_len: int, grammar_tokenizer: GrammarTokenizer | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
         self.max_model_len = max_model_len
         self.batch = PersistentBatch(max_num_seqs, max_model_len, kv_cache.block_size, model.device,
-                                     kv_cache.num_blocks)
+                                     kv_cache.num_blocks, grammar_tokenizer)
         self.sampler = Sampler()
         self.last_step = -1
+        self.grammar_mask = GrammarMask(model.spec.vocab_size)
+        # Fills the grammar rows' token bitmask while the model computes (both backends release
+        # the GIL); started on the first step that has a grammar.
+        self.overlap_grammar_fill = True
+        self._mask_thread: ThreadPoolExecutor | None = None
 
     @property
     def spec(self) -> ModelSpec:
@@ -104,7 +111,8 @@ class ModelRunner:
         placement = model.describe_placement(backend, dtype)
         # Said once, and loudly where the bfloat16 model lost its C kernels: no silent slow path.
         logger.log(logging.WARNING if model.mixed and backend.name != "cpu" else logging.INFO, "%s", placement)
-        runner = cls(model, kv_cache, backend, config.max_num_seqs, max_model_len)
+        runner = cls(model, kv_cache, backend, config.max_num_seqs, max_model_len,
+                     GrammarTokenizer.for_model(model_dir, spec))
         release_freed_heap()
         return runner
 
@@ -125,15 +133,63 @@ class ModelRunner:
             return StepResult(step=plan.step, handles=[], sampled_token_ids=[])
         started = time.perf_counter()
         inputs = self.batch.prepare_inputs(plan)
+        grammars = self._grammars_sampling(inputs) if self.batch.num_grammars else []
+        mask = self._start_mask(len(plan.scheduled_handles), grammars) if grammars else None
         logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.attention, self.kv_cache,
                                     self.backend, inputs.logits_indices)
         forward_done = time.perf_counter()
-        sampled = self.sampler(logits, self._sampling_batch(inputs))
-        produced = self.batch.finish_step(inputs, sampled.token_ids.cpu())
+        sampling = self._sampling_batch(inputs)
+        if mask is not None:
+            sampling.token_bitmask, sampling.bitmask_rows = mask.result(), [i for i, _ in grammars]
+        sampled = self.sampler(logits, sampling)
+        token_ids = sampled.token_ids.cpu()
+        produced = self.batch.finish_step(inputs, token_ids)
+        for i, grammar in grammars:
+            if grammar.active:  # not failed filling its mask
+                grammar.advance(int(token_ids[i]))
+        if self.batch.num_grammars:  # a failed request's tokens are not reported: it is ending
+            produced &= ~self._grammar_failures(inputs)
         result = self._result(plan, inputs, produced, sampled)
+        self._report_failures(plan, inputs, result)
         result.forward_seconds = forward_done - started
         result.sampling_seconds = time.perf_counter() - forward_done
         return result
+
+    def _grammars_sampling(self, inputs: StepInputs) -> list[tuple[int, RowGrammar]]:
+        """(index in the step, grammar) of the scheduled rows that sample a token this step with
+        an active grammar (a prefill chunk short of its prompt's end samples nothing)."""
+        b = self.batch
+        rows = inputs.rows.tolist()
+        samples = (b.num_computed_tokens[inputs.rows] + inputs.num_scheduled == b.num_tokens[inputs.rows]).tolist()
+        return [(i, grammar) for i, (row, sample) in enumerate(zip(rows, samples))
+                if sample and (grammar := b.grammars[row]) is not None and grammar.active]
+
+    def _start_mask(self, num_rows: int, grammars: list[tuple[int, RowGrammar]]) -> Future[torch.Tensor]:
+        if not self.overlap_grammar_fill:
+            done: Future[torch.Tensor] = Future()
+            done.set_result(self.grammar_mask.fill(num_rows, grammars))
+            return done
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vmesh-grammar-mask")
+        return self._mask_thread.submit(self.grammar_mask.fill, num_rows, grammars)
+
+    def _grammar_failures(self, inputs: StepInputs) -> torch.Tensor:
+        """[num_reqs] bool: the scheduled requests whose grammar failed (now or earlier)."""
+        grammars = self.batch.grammars
+        return torch.tensor([(g := grammars[row]) is not None and bool(g.error) for row in inputs.rows.tolist()],
+                            dtype=torch.bool)
+
+    def _report_failures(self, plan: StepPlan, inputs: StepInputs, result: StepResult) -> None:
+        """Each failed grammar's request, once: the scheduler ends it with the message."""
+        if not self.batch.num_grammars:
+            return
+        for handle, row in zip(plan.scheduled_handles, inputs.rows.tolist()):
+            grammar = self.batch.grammars[row]
+            if grammar is not None and grammar.error and not grammar.error_reported:
+                grammar.error_reported = True
+                result.failed_handles.append(handle)
+                result.failure_messages.append(grammar.error)
+                logger.warning("request handle %d failed: %s", handle, grammar.error)
 
     def _sampling_batch(self, inputs: StepInputs) -> SamplingBatch:
         b, rows = self.batch, inputs.rows
@@ -155,15 +211,21 @@ class ModelRunner:
             sampling.banned = self._banned_before_min_tokens(row_list, num_output.tolist())
         return sampling
 
-    def _banned_before_min_tokens(self, rows: list[int], num_output: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        banned_rows, banned_ids = [], []
+    def _banned_before_min_tokens(self, rows: list[int],
+                                  num_output: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        banned_rows: list[int] = []
+        banned_ids: list[int] = []
         for i, (row, produced) in enumerate(zip(rows, num_output)):
             params = self.batch.sampling[row]
             assert params is not None, "a row in the step holds a request"
             if produced < params.min_tokens:
-                ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.spec.eos_token_ids))
+                # A grammar decides where its output ends: EOS stays where it accepts (or it could allow nothing).
+                keeps_eos = params.ignore_eos or self.batch.grammars[row] is not None
+                ids = list(params.stop_token_ids) + ([] if keeps_eos else list(self.spec.eos_token_ids))
                 banned_rows += [i] * len(ids)
                 banned_ids += ids
+        if not banned_ids:  # e.g. ignore_eos without stop ids: nothing to ban
+            return None
         device = self.model.device
         return torch.tensor(banned_rows, device=device), torch.tensor(banned_ids, device=device)
 

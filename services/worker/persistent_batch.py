@@ -4,7 +4,8 @@ Rows live in fixed preallocated tensors (token ids, computed-token counts, block
 sampling parameters). A plan removes rows (the last row moves into the hole, so rows stay
 dense), adds rows for new requests, appends block ids, and names the tokens to compute.
 The step's input tensors are gathered from the rows in the plan's order, so they depend
-only on the requests' states, never on where their rows happen to sit.
+only on the requests' states, never on where their rows happen to sit. A row whose request
+carries a grammar holds its matcher (services/worker/grammar_rows.py), which moves with it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from vmesh.services.common.step_types import NewRequest, StepPlan
 from vmesh.services.common.types import FLOAT_SAMPLING_FIELDS, SamplingParams
 from vmesh.services.worker.attention import AttentionMetadata
+from vmesh.services.worker.grammar_rows import GrammarTokenizer, RowGrammar, row_grammar
 
 
 class PlanError(ValueError):
@@ -35,7 +37,7 @@ class StepInputs:
 # Sampling parameters kept as columns, and the SamplingParams attribute each one mirrors.
 class PersistentBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device,
-                 num_kv_blocks: int | None = None):
+                 num_kv_blocks: int | None = None, grammar_tokenizer: GrammarTokenizer | None = None):
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -57,6 +59,12 @@ class PersistentBatch:
         self.seeds: list[int | None] = [None] * max_num_reqs
         self.generators: list[torch.Generator | None] = [None] * max_num_reqs
         self.sampling: list[SamplingParams | None] = [None] * max_num_reqs
+        self.grammar_tokenizer = grammar_tokenizer
+        self.grammars: list[RowGrammar | None] = [None] * max_num_reqs
+        self.num_grammars = 0  # rows holding a grammar: none, and a step costs nothing for them
+        # Matchers of rows removed with keep_grammar (the stateless worker's rebuild), by handle,
+        # taken back by the handle's next add and dropped after the plan's adds.
+        self.spare_grammars: dict[int, RowGrammar] = {}
         self.handle_of_row: list[int] = []
         self.row_of_handle: dict[int, int] = {}
 
@@ -73,6 +81,7 @@ class PersistentBatch:
             self.remove(handle)
         for request in plan.new_requests:
             self.add(request)
+        self.spare_grammars.clear()
         if len(plan.num_scheduled_tokens) != len(plan.scheduled_handles) or (
             plan.num_new_blocks and len(plan.num_new_blocks) != len(plan.scheduled_handles)
         ):
@@ -117,14 +126,25 @@ class PersistentBatch:
         self.seeds[row] = params.seed
         self.generators[row] = torch.Generator() if params.seed is not None else None
         self.sampling[row] = params
+        grammar = self.spare_grammars.pop(request.handle, None) or row_grammar(params, self.grammar_tokenizer)
+        if grammar is not None:
+            grammar.sync(request.token_ids[request.num_prompt_tokens:])  # the outputs it must have seen
+            self.num_grammars += 1
+        self.grammars[row] = grammar
 
     def append_blocks(self, handle: int, block_ids: list[int]) -> None:
         self._write_blocks(self._row(handle), block_ids)
 
-    def remove(self, handle: int) -> None:
+    def remove(self, handle: int, keep_grammar: bool = False) -> None:
+        """keep_grammar: the row's matcher waits in spare_grammars for the handle's next add."""
         row = self.row_of_handle.pop(handle, None)
         if row is None:
             raise PlanError(f"cannot remove unknown request handle {handle}")
+        grammar = self.grammars[row]
+        if grammar is not None:
+            self.num_grammars -= 1
+            if keep_grammar:
+                self.spare_grammars[handle] = grammar
         last = len(self.handle_of_row) - 1
         if row != last:
             self._move_row(last, row)
@@ -132,7 +152,7 @@ class PersistentBatch:
             self.handle_of_row[row] = moved
             self.row_of_handle[moved] = row
         self.handle_of_row.pop()
-        self.seeds[last] = self.generators[last] = self.sampling[last] = None
+        self.seeds[last] = self.generators[last] = self.sampling[last] = self.grammars[last] = None
 
     def _row(self, handle: int) -> int:
         row = self.row_of_handle.get(handle)
@@ -159,8 +179,8 @@ class PersistentBatch:
         for column in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, self.num_blocks,
                        self.top_k, self.min_tokens, self.num_logprobs, *self.float_params.values()):
             column[dst] = column[src]
-        self.seeds[dst], self.generators[dst], self.sampling[dst] = (
-            self.seeds[src], self.generators[src], self.sampling[src])
+        self.seeds[dst], self.generators[dst], self.sampling[dst], self.grammars[dst] = (
+            self.seeds[src], self.generators[src], self.sampling[src], self.grammars[src])
 
     # --- per-step inputs -------------------------------------------------------------------
 

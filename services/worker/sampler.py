@@ -1,11 +1,14 @@
 """Vectorised sampling over a batch of logits rows.
 
-Order: penalties on the raw logits; greedy rows take the argmax; other rows are divided
+Order: the grammar's token mask (rows with structured output) on the raw logits; penalties;
+min-tokens bans; greedy rows take the argmax; other rows are divided
 by their temperature, restricted by top-k, top-p and min-p, and drawn with the
 exponential-race trick (argmax of p / q, q ~ Exp(1)), which needs no cumulative sum.
 A seeded row draws q from its own generator, reseeded from (seed, position), so its token
 depends only on its own logits, never on its batch neighbours, on preemption or on how
-many steps it waited. Logprobs always come from the raw logits.
+many steps it waited. Logprobs always come from the raw logits, before the grammar's mask.
+A masked token is never drawn: its logit is -inf before top-k, top-p and min-p, and its
+exponential-race score is forced below every allowed token's.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vmesh.services.common.structured import apply_token_bitmask
 from vmesh.services.common.types import GREEDY_TEMPERATURE_EPS
 
 _MASKED = float("-inf")
@@ -39,6 +43,10 @@ class SamplingBatch:
     output_token_ids: torch.Tensor | None = None
     # (rows, token ids) that may not be sampled yet: EOS and stop ids before min_tokens.
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Only when some row has a grammar: the packed allowed-token bitmask (int32 [B, ceil(vocab / 32)],
+    # CPU), applied to the rows listed in bitmask_rows (None: every row).
+    token_bitmask: torch.Tensor | None = None
+    bitmask_rows: list[int] | None = None
 
 
 @dataclass
@@ -110,6 +118,9 @@ def restrict_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raw = logits
+        if batch.token_bitmask is not None:
+            logits = logits.clone() if bool((batch.num_logprobs >= 0).any()) else logits
+            apply_token_bitmask(logits, batch.token_bitmask, batch.bitmask_rows)
         if batch.seen_token_ids is not None or batch.output_token_ids is not None:
             logits = apply_penalties(logits, batch)
         if batch.banned is not None:
@@ -135,6 +146,8 @@ class Sampler:
                 seed = (row_seed * _SEED_MIX + batch.positions[row]) & 0x7FFFFFFFFFFFFFFF
                 generator.manual_seed(seed)
                 race[row].exponential_(generator=generator)
+        if batch.token_bitmask is not None:  # a masked token's p / q (p = 0) could be 0 / 0 = nan, which argmax takes
+            race.masked_fill_(probs == 0, float("inf"))
         return (probs / race).argmax(dim=-1)
 
     @staticmethod

@@ -15,9 +15,10 @@ from vmesh.services.common import telemetry
 from vmesh.services.common.grpc_server import ServiceShell
 from vmesh.services.common.metrics import ScrapedMetrics, WorkerMetrics
 from vmesh.services.common.server_settings import ServerSettings
-from vmesh.services.common.step_types import NewRequest, StepPlan
+from vmesh.services.common.step_timeline import WorkerStepTiming, WorkerTimeline
+from vmesh.services.common.step_types import NewRequest, StepPlan, StepResult
 from vmesh.services.common.types import SamplingParams
-from vmesh.services.common.wire.step import plan_from_proto, result_to_proto
+from vmesh.services.common.wire.step import plan_from_proto, result_to_proto, summary_to_proto
 from vmesh.services.worker.model_runner import ModelRunner
 from vmesh.services.worker.persistent_batch import PlanError
 from vmesh.v1 import worker_pb2, worker_pb2_grpc
@@ -42,6 +43,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.span_contexts: dict[int, trace.SpanContext] = {}  # per handle, when tracing
         self.metrics: WorkerMetrics | None = None
         self.session = 0  # Execute streams opened so far; the newest one drives the worker
+        self.timeline = WorkerTimeline()
 
     async def _loaded(self, context) -> ModelRunner:
         """The model runner; UNAVAILABLE while the model loads (the port is open before it is)."""
@@ -83,7 +85,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return worker_pb2.GetWorkerStatsResponse(
             steps=self.steps, busy_seconds=self.busy_seconds, wall_seconds=self.wall_seconds(),
             duty_cycle=self.duty_cycle(), bytes_received=self.bytes_received,
-            num_rows=len(runner.batch))
+            num_rows=len(runner.batch), timeline=summary_to_proto(self.timeline.summary(request.timeline_from_step)))
 
     async def Execute(self, request_iterator, context):
         """One stream is one scheduler's session. A new stream (a restarted scheduler) takes
@@ -101,32 +103,68 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 parallel.fail("a new scheduler session began; the group restarts to begin it in step")
             logger.warning("a new scheduler stream took over; forgetting the previous session's requests")
         await loop.run_in_executor(self.executor, self._reset)  # after any step still running
-        async for request in request_iterator:
-            if session != self.session:
-                await context.abort(grpc.StatusCode.ABORTED, "a newer scheduler stream took over this worker")
-            if self.first_plan_at is None:
-                self.first_plan_at = time.perf_counter()
-            self.bytes_received += request.ByteSize()
-            try:
-                result = await loop.run_in_executor(self.executor, self._execute, request)
-            except PlanError as exc:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"rejected plan: {exc}")
-            yield result_to_proto(result)
+        self.timeline.new_session()
+        # Each plan goes to the model thread as soon as it is read, not once the previous result
+        # is written: the thread starts step N+1 the moment step N ends, while this loop encodes
+        # and writes result N.
+        steps: asyncio.Queue[asyncio.Future | None] = asyncio.Queue()
+        reader = asyncio.ensure_future(self._submit_plans(request_iterator, session, steps))
+        try:
+            while (step := await steps.get()) is not None:
+                try:
+                    result = await step
+                except PlanError as exc:
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"rejected plan: {exc}")
+                except TakenOver:
+                    await context.abort(grpc.StatusCode.ABORTED, "a newer scheduler stream took over this worker")
+                encoding = time.perf_counter()
+                yield result_to_proto(result)
+                sent = time.perf_counter()  # the transport took the message
+                self.timeline.sent(result.timing, sent, sent - encoding)
+                if self.metrics:
+                    self.metrics.result_encode.observe(sent - encoding)
+        finally:
+            reader.cancel()
+
+    async def _submit_plans(self, request_iterator, session: int, steps: asyncio.Queue) -> None:
+        """Hand each plan of the stream to the model thread as it arrives; `steps` gets the
+        futures of their results, in order, then None. A failure to read ends `steps` with it."""
+        loop = asyncio.get_running_loop()
+        try:
+            async for request in request_iterator:
+                received = time.perf_counter()
+                if session != self.session:
+                    steps.put_nowait(_failed(loop, TakenOver()))
+                    return
+                if self.first_plan_at is None:
+                    self.first_plan_at = received
+                self.bytes_received += request.ByteSize()
+                steps.put_nowait(loop.run_in_executor(self.executor, self._execute, request, received))
+        except Exception as exc:
+            steps.put_nowait(_failed(loop, exc))
+            return
+        steps.put_nowait(None)
 
     def _reset(self) -> None:
         self.runner.reset()
         self.sampled_history.clear()
         self.span_contexts.clear()
 
-    def _execute(self, request: worker_pb2.ExecuteRequest):
+    def _execute(self, request: worker_pb2.ExecuteRequest, received: float):
+        started = time.perf_counter()
         plan = plan_from_proto(request)
         if request.full_state:
             self._rebuild_batch(plan)
+        decoded = time.perf_counter()
         if telemetry.tracing_enabled():
-            with self._step_span(request, plan):
+            with self._step_span(request, plan) as span:
                 result = self.runner.execute(plan)
+                result.timing = self._timed(plan, result, received, started, decoded)
+                telemetry.annotate_step(span, result.timing, started + result.timing.plan_decode_seconds
+                                        + result.timing.execute_seconds, time.perf_counter())
         else:
             result = self.runner.execute(plan)
+            result.timing = self._timed(plan, result, received, started, decoded)
         self.steps += 1
         busy = result.forward_seconds + result.sampling_seconds
         self.busy_seconds += busy
@@ -138,6 +176,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             for handle, token in zip(result.handles, result.sampled_token_ids):
                 self.sampled_history.setdefault(handle, []).append(token)
         return result
+
+    def _timed(self, plan: StepPlan, result: StepResult, received: float, started: float,
+               decoded: float) -> WorkerStepTiming:
+        """The step's place on the timeline, also observed in the metrics."""
+        timing = self.timeline.executed(plan.step, len(plan.scheduled_handles), plan.total_scheduled_tokens,
+                                        received, started, decoded, time.perf_counter(), result.forward_seconds,
+                                        result.sampling_seconds)
+        if self.metrics:
+            if timing.idle_before_seconds is not None and timing.waited_for_plan_seconds is not None:
+                self.metrics.idle_gap.observe(timing.idle_before_seconds)
+                self.metrics.waited_for_plan.observe(timing.waited_for_plan_seconds)
+            self.metrics.plan_wait.observe(timing.plan_wait_seconds)
+            self.metrics.plan_decode.observe(timing.plan_decode_seconds)
+        return timing
 
     def _step_span(self, request: worker_pb2.ExecuteRequest, plan: StepPlan):
         """One span per step, linked to every request it served (and parented by the first,
@@ -156,9 +208,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                         "vmesh.scheduled_tokens": plan.total_scheduled_tokens})
 
     def _rebuild_batch(self, plan: StepPlan) -> None:
-        """Stateless (V0) mode: forget every row and rebuild the batch from the plan alone."""
+        """Stateless (V0) mode: forget every row and rebuild the batch from the plan alone. A
+        grammar matcher is the one thing kept (the plan cannot carry its state): a re-added
+        request's matcher is its own, advanced by the outputs it has not accepted yet, rather
+        than a new one replaying them all every step."""
         for handle in list(self.runner.batch.handle_of_row):
-            self.runner.batch.remove(handle)
+            self.runner.batch.remove(handle, keep_grammar=True)
         # A request left out of this plan has no token in flight that the scheduler has not
         # seen by the time it is scheduled again (two steps on at the earliest), so its history
         # can go.
@@ -170,6 +225,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             r.token_ids += self.sampled_history.get(r.handle, [])[known_outputs:]
             completed.append(r)
         plan.new_requests = completed
+
+
+class TakenOver(Exception):
+    """A newer scheduler stream took over the worker."""
+
+
+def _failed(loop: asyncio.AbstractEventLoop, exc: BaseException) -> asyncio.Future:
+    future = loop.create_future()
+    future.set_exception(exc)
+    return future
 
 
 async def serve(load_runner: Callable[[], ModelRunner], model_name: str, server: ServerSettings) -> None:

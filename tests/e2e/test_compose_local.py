@@ -1,13 +1,15 @@
 """The docker-compose stack without Docker: each vmesh service's compose command runs as a
 local process (service host names mapped to 127.0.0.1 ports, the certificate volume to a
 directory the compose `certs` job fills), started in depends_on order and gated on the
-compose healthcheck command; one request is served end to end over the stack's mutual TLS;
-then a real Prometheus server, with the compose scrape configuration mapped the same way,
-scrapes every service and the key series must have moved."""
+compose healthcheck command; one request is served end to end over the stack's mutual TLS, and
+both worker groups serve requests; then a real Prometheus server, with the compose scrape
+configuration mapped the same way, scrapes every service, the key series must have moved, and
+the KEDA overlay's scaling queries must be answered from the schedulers' series."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -25,7 +27,7 @@ import pytest
 import yaml
 
 from tests.support.checkout import ROOT
-from tests.support.deployment import VMESH_SERVICES
+from tests.support.deployment import K8S_SETS, VMESH_SERVICES, by_kind, compose_services, render
 from tests.support.prerequisites import missing
 from vmesh.services.client import VmeshClient
 
@@ -54,7 +56,8 @@ class LocalStack:
         self.compose = compose
         self.certs = certs  # where the certificate volume lives on this host
         self.instances: dict[str, list[dict]] = {}  # service -> [{grpc, metrics, health, http}]
-        counts = {name: compose["services"][name].get("deploy", {}).get("replicas", 1) for name in VMESH_SERVICES}
+        self.services = compose_services(compose)  # compose service -> the vmesh service it runs
+        counts = {name: compose["services"][name].get("deploy", {}).get("replicas", 1) for name in self.services}
         ports = iter(free_ports(len(PORTS) * sum(counts.values())))
         for name, replicas in counts.items():
             self.instances[name] = [{key: next(ports) for key in PORTS} for _ in range(replicas)]
@@ -65,6 +68,8 @@ class LocalStack:
         return f"127.0.0.1:{self.instances[name][i]['grpc']}"
 
     def map_arg(self, arg: str, instance: dict) -> str:
+        if "," in arg:  # a list of addresses
+            return ",".join(self.map_arg(a, instance) for a in arg.split(","))
         if arg.startswith("dns:///"):
             name = arg[len("dns:///"):].split(":")[0]
             return ",".join(self.address(name, i) for i in range(len(self.instances[name])))
@@ -105,7 +110,7 @@ class LocalStack:
 
     def start(self) -> None:
         self.make_certificates()
-        for name in VMESH_SERVICES:
+        for name in self.services:
             for i in range(len(self.instances[name])):
                 self.start_instance(name, i)
             self.wait_healthy(name)
@@ -147,9 +152,10 @@ def prometheus_config(stack: LocalStack) -> dict:
     config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     config["global"]["scrape_interval"] = "1s"
     for job in config["scrape_configs"]:
-        name = job["job_name"].removeprefix("vmesh-")
-        job.pop("dns_sd_configs", None)
-        job["static_configs"] = [{"targets": [f"127.0.0.1:{inst['metrics']}" for inst in stack.instances[name]]}]
+        hosts = [t.partition(":")[0] for sc in job.pop("static_configs", []) for t in sc["targets"]]
+        hosts += [n for sd in job.pop("dns_sd_configs", []) for n in sd["names"]]
+        job["static_configs"] = [{"targets": [f"127.0.0.1:{inst['metrics']}" for host in hosts
+                                              for inst in stack.instances[host]]}]
     return config
 
 
@@ -198,7 +204,7 @@ def test_prometheus_scrapes_every_service(stack, tmp_path):
         while True:
             try:
                 up = query(port, "up")
-                if len(up) == 5 and all(r["value"][1] == "1" for r in up):
+                if len(up) == sum(map(len, stack.instances.values())) and all(r["value"][1] == "1" for r in up):
                     break
             except OSError:
                 pass
@@ -220,9 +226,48 @@ def test_prometheus_scrapes_every_service(stack, tmp_path):
             time.sleep(0.5)
         assert query(port, "vmesh:kv_cache_usage_perc")
         assert query(port, "vmesh:worker_duty_cycle")
+        # What KEDA would ask this Prometheus to scale worker groups: one finite value each.
+        scaled = by_kind(render(ROOT / K8S_SETS["keda"]), "ScaledObject")["vmesh-group"]
+        for trigger in scaled["spec"]["triggers"]:
+            [sample] = query(port, trigger["metadata"]["query"])
+            assert float(sample["value"][1]) >= 0, trigger["name"]
     finally:
         server.terminate()
         server.wait(10)
+
+
+def scheduler_stats(stack: LocalStack, name: str):
+    """GetSchedulerStats of one compose scheduler service, asked as the mesh's admin."""
+    from vmesh.services.common.grpc_server import channel
+    from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+    async def ask():
+        async with channel(stack.address(name), "scheduler", identity=stack.admin()) as ch:
+            return await scheduler_pb2_grpc.SchedulerServiceStub(ch).GetSchedulerStats(
+                scheduler_pb2.GetSchedulerStatsRequest(), timeout=5)
+
+    return asyncio.run(ask())
+
+
+def schedulers(stack: LocalStack) -> list[str]:
+    return [name for name, role in stack.services.items() if role == "scheduler"]
+
+
+def test_the_frontend_uses_both_worker_groups(stack):
+    """Concurrent requests with different prompts spread over the two groups: each scheduler
+    computes some of them (its step count moves)."""
+    before = {name: scheduler_stats(stack, name).steps for name in schedulers(stack)}
+    assert len(before) == 2
+
+    async def burst(n: int) -> None:
+        async with VmeshClient(stack.address("frontend")) as client:
+            results = await asyncio.gather(*(client.complete(text=f"Question {i}: what is {i} squared?",
+                                                             max_tokens=4, ignore_eos=True) for i in range(n)))
+            assert all(len(ids) == 4 for _, ids, _ in results)
+
+    asyncio.run(burst(8))
+    after = {name: scheduler_stats(stack, name).steps for name in schedulers(stack)}
+    assert all(after[name] > before[name] for name in before), f"a group took no request: {before} -> {after}"
 
 
 def detokenized_tokens(stack: LocalStack, i: int) -> float:
@@ -269,11 +314,15 @@ def test_the_requests_of_a_killed_frontend_are_stopped(stack):
     from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
     async def main() -> scheduler_pb2.GetSchedulerStatsResponse:
-        async with VmeshClient(stack.address("frontend")) as client, \
-                channel(stack.address("scheduler"), "scheduler", identity=stack.admin()) as ch:
-            scheduler = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+        async with VmeshClient(stack.address("frontend")) as client, contextlib.AsyncExitStack() as channels:
+            stubs = [scheduler_pb2_grpc.SchedulerServiceStub(await channels.enter_async_context(
+                channel(stack.address(name), "scheduler", identity=stack.admin()))) for name in schedulers(stack)]
             stream = client.generate(text="Tell me a very long story.", max_tokens=1500, ignore_eos=True)
             await stream.__anext__()
+            # The group computing it (this test runs alone on the stack).
+            running = [(await s.GetSchedulerStats(scheduler_pb2.GetSchedulerStatsRequest(), timeout=5)).num_running
+                       for s in stubs]
+            [scheduler] = [s for s, n in zip(stubs, running) if n == 1]
             stack.process_of["frontend", 0].kill()
             with pytest.raises(grpc.aio.AioRpcError):
                 async for _ in stream:
@@ -322,4 +371,13 @@ def test_a_restarted_scheduler_takes_over_its_workers(stack):
     # frontend wait ~27 s after a restart.
     back_at = time.monotonic()
     assert asyncio.run(complete_when_back("The capital of France is", time.monotonic() + 60)) == before
-    assert time.monotonic() - back_at < 15, "the frontend took too long to reconnect to the restarted scheduler"
+    # The other group may have served that: the restarted one must take requests too (a fresh
+    # process, whose step count starts at zero).
+    async def burst() -> None:
+        async with VmeshClient(stack.address("frontend")) as client:
+            await asyncio.gather(*(client.complete(text=f"Name {i} colours.", max_tokens=2, ignore_eos=True)
+                                   for i in range(4)))
+
+    while scheduler_stats(stack, "scheduler").steps == 0:
+        assert time.monotonic() - back_at < 15, "the frontend took too long to reconnect to the restarted scheduler"
+        asyncio.run(burst())

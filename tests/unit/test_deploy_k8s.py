@@ -4,7 +4,6 @@ policies, pod security, disruption budgets, tracing, autoscaling and tensor para
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -15,12 +14,13 @@ from tests.support.deployment import (
     VMESH_SERVICES,
     all_containers,
     by_kind,
-    env_flags,
     k8s_documents,
     parse_cli,
     pod_templates,
+    selects,
     split_image,
     vmesh_role,
+    workload_templates,
 )
 from vmesh.services.common.grpc_server import LIVENESS
 
@@ -33,78 +33,103 @@ def test_k8s_manifests_match_kubernetes_schemas(version):
     for _path, doc in k8s_documents():
         kubernetes_validate.validate(doc, version, strict=True)
         kinds.add(doc["kind"])
-    assert {"Deployment", "StatefulSet", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget",
-            "ConfigMap", "NetworkPolicy"} <= kinds
+    assert {"Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget", "ConfigMap",
+            "NetworkPolicy"} <= kinds
 
 
-def test_k8s_container_args_parse_and_probes_are_grpc():
+def health_port(container: dict, config: dict[str, str]) -> int:
+    """The plaintext health-only port a container's service binds: its --health-port, else the ConfigMap's."""
+    port = parse_cli(container["args"]).health_port
+    return int(port if port is not None else config["VMESH_HEALTH_PORT"])
+
+
+def test_k8s_container_args_parse_and_probes_are_grpc(rendered):
     config = yaml.safe_load((ROOT / "k8s/base/configmap.yaml").read_text())["data"]
     assert config["VMESH_TLS_CA"] == "/etc/vmesh/certs/ca.crt"
     resources = yaml.safe_load((ROOT / "k8s/base/kustomization.yaml").read_text())["resources"]
     assert sorted(resources) == sorted(p.name for p in (ROOT / "k8s/base").glob("*.yaml")
                                        if p.name != "kustomization.yaml")
-    seen = set()
-    for _path, doc in k8s_documents():
-        if doc["kind"] not in ("Deployment", "StatefulSet"):
-            continue
-        for container in doc["spec"]["template"]["spec"]["containers"]:
-            args = parse_cli(container["args"])
-            seen.add(args.command)
-            env = {e["name"]: e["value"] for e in container["env"]}
-            # mutual TLS: this role's certificate, from the vmesh-certs Secret, and nothing else of it
-            assert env["VMESH_TLS_CERT"] == f"/etc/vmesh/certs/{args.command}.crt"
-            assert env["VMESH_TLS_KEY"] == f"/etc/vmesh/certs/{args.command}.key"
-            volume = next(v for v in doc["spec"]["template"]["spec"]["volumes"] if v["name"] == "certs")
-            assert volume["secret"]["secretName"] == "vmesh-certs"
-            assert {i["key"] for i in volume["secret"]["items"]} == {"ca.crt", f"{args.command}.crt",
-                                                                     f"{args.command}.key"}
-            assert container["volumeMounts"][0]["mountPath"] == "/etc/vmesh/certs"
-            # gRPC probes present no certificate: they use the plaintext health-only port
-            for probe in ("readinessProbe", "livenessProbe"):
-                assert container[probe]["grpc"]["port"] == int(config["VMESH_HEALTH_PORT"])
-            # Readiness follows the overall status (NOT_SERVING while recovering a worker or
-            # draining); liveness a name that stays SERVING, or the kubelet kills a recovery.
-            assert "service" not in container["readinessProbe"]["grpc"]
-            assert container["livenessProbe"]["grpc"]["service"] == LIVENESS
-            if args.command == "worker":
-                assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
-                assert container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"] >= 600
-                assert doc["kind"] == "StatefulSet"
-    assert seen == set(VMESH_SERVICES)
-    overlay = yaml.safe_load((ROOT / "k8s/overlays/cpu/worker-cpu.yaml").read_text())
-    worker = overlay["spec"]["template"]["spec"]["containers"][0]
-    assert parse_cli(worker["args"]).device == "cpu"
-    assert worker["resources"]["limits"]["nvidia.com/gpu"] is None  # removed by the strategic merge
+    for name, docs in rendered.items():
+        seen = set()
+        for _doc, pod in pod_templates(docs):
+            for c in all_containers(pod):
+                if not vmesh_role(c):
+                    continue
+                args = parse_cli(c["args"])
+                seen.add(args.command)
+                env = {e["name"]: e for e in c["env"]}
+                # mutual TLS: this role's certificate, from the vmesh-certs Secret, and nothing else of it
+                assert env["VMESH_TLS_CERT"]["value"] == f"/etc/vmesh/certs/{args.command}.crt"
+                assert env["VMESH_TLS_KEY"]["value"] == f"/etc/vmesh/certs/{args.command}.key"
+                mount = next(m for m in c["volumeMounts"] if m["mountPath"] == "/etc/vmesh/certs")
+                volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+                assert volume["secret"]["secretName"] == "vmesh-certs"
+                assert {i["key"] for i in volume["secret"]["items"]} == {"ca.crt", f"{args.command}.crt",
+                                                                         f"{args.command}.key"}
+                # gRPC probes present no certificate: they use the plaintext health-only port
+                for probe in ("readinessProbe", "livenessProbe"):
+                    assert c[probe]["grpc"]["port"] == health_port(c, config), f"{name}: {c['name']}"
+                # Readiness follows the overall status (NOT_SERVING while recovering a worker or
+                # draining); liveness a name that stays SERVING, or the kubelet kills a recovery.
+                assert "service" not in c["readinessProbe"]["grpc"]
+                assert c["livenessProbe"]["grpc"]["service"] == LIVENESS
+                if args.command == "worker":
+                    gpu = c["resources"]["limits"].get("nvidia.com/gpu")
+                    assert gpu == ("1" if args.device == "cuda" else None), f"{name}: {args.device} worker, GPU {gpu}"
+                    startup = c["startupProbe"]
+                    assert startup["failureThreshold"] * startup["periodSeconds"] >= 600
+        assert seen == set(VMESH_SERVICES), name
+    cpu_workers = [c for _d, pod in pod_templates(rendered["cpu"]) for c in all_containers(pod)
+                   if vmesh_role(c) == "worker"]
+    assert cpu_workers and all(parse_cli(c["args"]).device == "cpu" for c in cpu_workers)
 
 
 def test_k8s_network_policies_admit_only_each_port_s_callers():
     """Each internal gRPC port admits only the pods of the role that calls it (as guards.CALLERS
     does for certificates); the frontend's public ports are open."""
     policies = {d["metadata"]["name"]: d for _p, d in k8s_documents() if d["kind"] == "NetworkPolicy"}
-    callers = {"vmesh-scheduler": ({"vmesh-frontend"}, 50052), "vmesh-worker": ({"vmesh-scheduler"}, 50053),
-               "vmesh-detokenizer": ({"vmesh-scheduler", "vmesh-frontend"}, 50054)}
-    for name, (expected, port) in callers.items():
+    callers = {"vmesh-group": ({"vmesh-frontend"}, 50052, {9400, 8081, 9401, 8082}),
+               "vmesh-detokenizer": ({"vmesh-group", "vmesh-frontend"}, 50054, {9400, 8081})}
+    for name, (expected, port, metrics_and_health) in callers.items():
         rules = policies[name]["spec"]["ingress"]
         grpc_rules = [r for r in rules if {"port": port} in r.get("ports", [])]
         assert len(grpc_rules) == 1 and grpc_rules[0]["from"], name
         allowed = {f["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for f in grpc_rules[0]["from"]}
         assert allowed == expected, name
         open_ports = {p["port"] for r in rules if "from" not in r for p in r["ports"]}
-        assert open_ports == {9400, 8081}, name
+        assert open_ports == metrics_and_health, name
+    # The group's worker is reached over its pod's loopback only: no rule admits anyone to it.
+    assert not any({"port": 50053} in r.get("ports", []) for r in policies["vmesh-group"]["spec"]["ingress"])
     public = policies["vmesh-frontend"]["spec"]["ingress"]
     assert {p["port"] for r in public for p in r["ports"]} >= {50051, 8000}
 
 
+CUSTOM_RESOURCES = {"keda.sh/v1alpha1": "ScaledObject", "leaderworkerset.x-k8s.io/v1": "LeaderWorkerSet"}
+
+
 @pytest.mark.parametrize("version", ["1.30.0", "1.33.0"])
 def test_k8s_rendered_sets_match_kubernetes_schemas(rendered, version):
-    """Base and every overlay, rendered, against the Kubernetes schemas (custom resources, which
-    kubernetes-validate has no schema for, are checked by their own tests)."""
+    """Base and every overlay, rendered, against the Kubernetes schemas. kubernetes-validate has
+    no schema for the custom resources: their pod templates are validated as Pods and the
+    ScaledObject's autoscaling behaviour as an HPA's, their own fields by their tests."""
     import kubernetes_validate
 
     for name, docs in rendered.items():
         for doc in docs:
-            if doc["apiVersion"].startswith("keda.sh/"):
-                assert name == "keda" and doc["kind"] == "ScaledObject", doc["kind"]
+            if doc["apiVersion"] in CUSTOM_RESOURCES:
+                assert doc["kind"] == CUSTOM_RESOURCES[doc["apiVersion"]], f"{name}: {doc['kind']}"
+                for template in ([t for _d, t in workload_templates([doc])]):
+                    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "template", **template["metadata"]},
+                           "spec": template["spec"]}
+                    kubernetes_validate.validate(pod, version, strict=True)
+                if doc["kind"] == "ScaledObject":
+                    spec = doc["spec"]
+                    hpa = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+                           "metadata": {"name": doc["metadata"]["name"]},
+                           "spec": {"scaleTargetRef": spec["scaleTargetRef"], "minReplicas": spec["minReplicaCount"],
+                                    "maxReplicas": spec["maxReplicaCount"],
+                                    **spec["advanced"]["horizontalPodAutoscalerConfig"]}}
+                    kubernetes_validate.validate(hpa, version, strict=True)
                 continue
             kubernetes_validate.validate(doc, version, strict=True)
 
@@ -185,11 +210,11 @@ def test_k8s_disruption_budgets_allow_a_drain(rendered):
     replica count, would block `kubectl drain` forever)."""
     for name, docs in rendered.items():
         budgets = by_kind(docs, "PodDisruptionBudget")
-        assert {"vmesh-worker", "vmesh-frontend", "vmesh-detokenizer"} <= set(budgets), name
+        assert {"vmesh-group", "vmesh-frontend", "vmesh-detokenizer"} <= set(budgets), name
         for budget in budgets.values():
             selector = budget["spec"]["selector"]["matchLabels"]
-            workloads = [d for d, _pod in pod_templates(docs)
-                         if selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+            workloads = list({id(d): d for d, template in workload_templates(docs) if selects(selector, template)}
+                             .values())
             assert len(workloads) == 1, f"{name}: {budget['metadata']['name']} selects {len(workloads)} workloads"
             replicas = replicas_floor(docs, workloads[0])
             spec = budget["spec"]
@@ -226,8 +251,7 @@ def test_k8s_otel_endpoints_resolve_to_a_service_in_the_same_set(rendered, compo
             service = services.get(url.hostname.split(".")[0])
             assert service, f"{name}: {endpoint} names no Service of this set"
             assert url.port in {p["port"] for p in service["spec"]["ports"]}, f"{name}: {endpoint}"
-            backends = [d for d, _pod in pod_templates(docs)
-                        if service["spec"]["selector"].items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+            backends = [d for d, template in workload_templates(docs) if selects(service["spec"]["selector"], template)]
             assert backends, f"{name}: Service {service['metadata']['name']} selects no pods"
     docs = rendered["tracing"]
     collector = by_kind(docs, "Deployment")["otel-collector"]["spec"]["template"]["spec"]
@@ -243,73 +267,10 @@ def test_k8s_otel_endpoints_resolve_to_a_service_in_the_same_set(rendered, compo
     assert "debug" in config["exporters"]
     policy = by_kind(docs, "NetworkPolicy")["otel-collector"]["spec"]["ingress"][0]
     allowed = policy["from"][0]["podSelector"]["matchExpressions"][0]["values"]
-    assert set(allowed) == {f"vmesh-{s}" for s in VMESH_SERVICES} and policy["ports"] == [{"port": 4317}]
+    vmesh_pods = {template["metadata"]["labels"]["app.kubernetes.io/name"] for _d, template in workload_templates(docs)
+                  if any(vmesh_role(c) for c in all_containers(template["spec"]))}
+    assert set(allowed) == vmesh_pods and policy["ports"] == [{"port": 4317}]
     endpoint = urlsplit(compose["x-vmesh"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"])
     assert endpoint.hostname in compose["services"] and endpoint.port == 4317
     assert compose["services"][endpoint.hostname]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
     assert compose["x-vmesh"]["environment"]["OTEL_METRICS_EXPORTER"] == "none"  # Jaeger has no metrics
-
-
-def scheduler_gauges() -> set[str]:
-    source = (ROOT / "services/scheduler/server.py").read_text()
-    return set(re.findall(r'"(vmesh:[a-z_]+)": \("gauge"', source))
-
-
-def test_keda_scaled_object_scales_the_workers_on_queue_depth(rendered):
-    """The ScaledObject (a CRD, so plain asserts): it targets the worker StatefulSet of its set, its
-    Prometheus query reads a gauge the scheduler exports, and it never creates a worker that no
-    scheduler dials (each new worker needs a scheduler group of its own, which is not wired)."""
-    docs = rendered["keda"]
-    scaled = by_kind(docs, "ScaledObject")["vmesh-worker"]
-    assert scaled["apiVersion"] == "keda.sh/v1alpha1"
-    spec = scaled["spec"]
-    target = spec["scaleTargetRef"]
-    assert target["apiVersion"] == "apps/v1" and target["kind"] == "StatefulSet"
-    workers = by_kind(docs, "StatefulSet")[target["name"]]
-    assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
-    [trigger] = spec["triggers"]
-    assert trigger["type"] == "prometheus"
-    metrics = set(re.findall(r"vmesh:[a-z_]+", trigger["metadata"]["query"]))
-    assert metrics == {"vmesh:num_requests_waiting"} and metrics <= scheduler_gauges()
-    assert trigger["metadata"]["query"] == "sum(vmesh:num_requests_waiting)"
-    assert float(trigger["metadata"]["threshold"]) > 0
-    assert trigger["metadata"]["serverAddress"].startswith(("http://", "https://"))
-    # Worker pods a scheduler dials: StatefulSet pods are <name>-<ordinal>.<serviceName>.
-    dialled = set()
-    for _doc, pod in pod_templates(docs):
-        for container in pod["containers"]:
-            if vmesh_role(container) == "scheduler":
-                dialled |= {a.split(".")[0] for a in parse_cli(container["args"]).workers.split(",") if a}
-    for ordinal in range(spec["maxReplicaCount"]):
-        assert f"{workers['metadata']['name']}-{ordinal}" in dialled, \
-            f"maxReplicaCount {spec['maxReplicaCount']} would start worker {ordinal}, which no scheduler dials"
-
-
-def test_tensor_parallel_overlay_makes_one_group_of_the_worker_pods(rendered):
-    """Every rank's settings are the worker's own flags; the ranks are the StatefulSet's ordinals,
-    meet at rank 0's pod by a DNS name published before they are Ready, reach each other through
-    the network policy, and are all dialled by the scheduler."""
-    docs = rendered["tensor-parallel"]
-    worker = by_kind(docs, "StatefulSet")["vmesh-worker"]
-    container = worker["spec"]["template"]["spec"]["containers"][0]
-    env = {e["name"]: e for e in container["env"]}
-    size = int(env["VMESH_TENSOR_PARALLEL_SIZE"]["value"])
-    assert worker["spec"]["replicas"] == size and worker["spec"]["podManagementPolicy"] == "Parallel"
-    assert env["VMESH_TENSOR_PARALLEL_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == \
-        "metadata.labels['apps.kubernetes.io/pod-index']"
-    host, _, port = env["VMESH_TENSOR_PARALLEL_INIT"]["value"].partition(":")
-    service = worker["spec"]["serviceName"]
-    assert host == f"{worker['metadata']['name']}-0.{service}"
-    assert {"name": "rendezvous", "containerPort": int(port)} in container["ports"]
-    assert by_kind(docs, "Service")[service]["spec"]["publishNotReadyAddresses"] is True
-    args = parse_cli(container["args"])  # the env names are the worker's flags, defaults checked
-    for name in ("VMESH_TENSOR_PARALLEL_SIZE", "VMESH_TENSOR_PARALLEL_RANK", "VMESH_TENSOR_PARALLEL_INIT"):
-        assert name in env_flags(), name
-    assert args.command == "worker"
-    scheduler = parse_cli(by_kind(docs, "Deployment")["vmesh-scheduler"]["spec"]["template"]["spec"]
-                          ["containers"][0]["args"])
-    assert scheduler.workers.split(",") == [f"{worker['metadata']['name']}-{r}.{service}:50053" for r in range(size)]
-    ingress = by_kind(docs, "NetworkPolicy")["vmesh-worker"]["spec"]["ingress"]
-    peers = [r for r in ingress if r.get("from") == [{"podSelector": {"matchLabels":
-                                                                      {"app.kubernetes.io/name": "vmesh-worker"}}}]]
-    assert len(peers) == 1 and "ports" not in peers[0]

@@ -156,7 +156,8 @@ def test_refused_completion_fields_are_named(body, param):
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"tools": [{"type": "function"}]}, "tools[0].function"), ({"tool_choice": "auto"}, "tool_choice"),
-    ({"response_format": {"type": "json_schema"}}, "response_format"), ({"top_logprobs": 1}, "top_logprobs"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"top_logprobs": 1}, "top_logprobs"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
     ({"messages": [{"role": "critic", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),

@@ -85,12 +85,23 @@ def test_unenforced_keywords_are_refused_naming_their_path(compiler: GrammarComp
 def test_enforced_keywords_and_annotations_compile(compiler: GrammarCompiler) -> None:
     schema = {"title": "t", "description": "d", "type": "object", "additionalProperties": False,
               "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9, "multipleOf": 3},
-                             "s": {"type": "string", "pattern": "^[a-z]+$", "minLength": 1},
+                             "s": {"type": "string", "pattern": "^[a-z]+$"}, "t": {"type": "string", "minLength": 1},
                              "e": {"type": "string", "format": "email"}, "u": {"type": "array", "uniqueItems": False,
                                                                                  "items": {"type": "integer"},
                                                                                  "minItems": 1, "maxItems": 2}},
               "required": ["n"]}
     assert compiler.compile(StructuredOutput("json_schema", json.dumps(schema))).backend == "xgrammar"
+
+
+@pytest.mark.parametrize("shape", [{"pattern": "^[a-z]+$"}, {"format": "email"}])
+def test_string_lengths_beside_a_pattern_or_format_go_to_llguidance(compiler: GrammarCompiler, shape: dict) -> None:
+    # xgrammar drops the length bounds of a string that a pattern or format shapes.
+    schema = json.dumps({"type": "object", "properties": {"s": {"type": "string", "maxLength": 8, **shape}},
+                         "required": ["s"], "additionalProperties": False})
+    assert compiler.compile(StructuredOutput("json_schema", schema)).backend == "llguidance"
+    with pytest.raises(GrammarRefused) as refused:
+        compiler.compile(StructuredOutput("json_schema", schema, "xgrammar"))
+    assert refused.value.path == "properties.s.maxLength"
 
 
 @pytest.mark.parametrize(("spec", "detail"), [

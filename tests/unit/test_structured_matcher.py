@@ -173,3 +173,14 @@ def test_apply_masks_exactly_the_disallowed_logits(compiler, tokenizer_json) -> 
     assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
     assert torch.equal(logits[1, allowed], before[1, allowed])
     assert torch.isinf(logits[1]).sum() == VOCAB_SIZE - len(allowed) and 0 < len(allowed) < 100
+
+
+def test_string_lengths_beside_a_pattern_hold_under_auto(compiler, tokenizer_json, tokenizer) -> None:
+    # xgrammar would drop these bounds; "auto" compiles them with llguidance, which keeps them.
+    schema = {"type": "string", "pattern": "^[a-z]+$", "minLength": 2, "maxLength": 3}
+    grammar = compiler.compile(StructuredOutput("json_schema", json.dumps(schema)))
+    for seed in range(8):
+        tokens, terminated = random_walk(compiler, tokenizer_json,
+                                         StructuredOutput("json_schema", json.dumps(schema), grammar.backend), seed)
+        assert terminated
+        jsonschema.validate(json.loads(tokenizer.decode(tokens)), schema)

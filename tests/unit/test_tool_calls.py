@@ -73,10 +73,6 @@ def refused_param(**fields: Any) -> str | None:
      "tool_choice.function.name"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
-    # Forced calls wait for their grammar: refused rather than served unconstrained.
-    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
-    ({"functions": [WEATHER["function"]], "function_call": {"name": "get_weather"}}, "function_call"),
     ({"functions": [{"name": "f"}], "tools": [WEATHER]}, "functions"),
     ({"functions": [{"name": "f"}], "function_call": {"name": "g"}}, "function_call.name"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1", "function": {}}]}]},

@@ -70,7 +70,7 @@ class ExecuteRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., removed_handles: _Optional[_Iterable[int]] = ..., scheduled_handles: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., full_state: _Optional[bool] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
-    __slots__ = ("step", "handles", "sampled_token_ids", "logprobs_handles", "logprobs", "forward_seconds", "sampling_seconds")
+    __slots__ = ("step", "handles", "sampled_token_ids", "logprobs_handles", "logprobs", "forward_seconds", "sampling_seconds", "failed_handles", "failure_messages", "timing")
     STEP_FIELD_NUMBER: _ClassVar[int]
     HANDLES_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,9 @@ class ExecuteResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     step: int
     handles: _containers.RepeatedScalarFieldContainer[int]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -85,24 +88,91 @@ class ExecuteResponse(_message.Message):
     logprobs: _common_pb2.LogprobColumns
     forward_seconds: float
     sampling_seconds: float
-    def __init__(self, step: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs_handles: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., sampling_seconds: _Optional[float] = ...) -> None: ...
+    failed_handles: _containers.RepeatedScalarFieldContainer[int]
+    failure_messages: _containers.RepeatedScalarFieldContainer[str]
+    timing: StepTiming
+    def __init__(self, step: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs_handles: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., sampling_seconds: _Optional[float] = ..., failed_handles: _Optional[_Iterable[int]] = ..., failure_messages: _Optional[_Iterable[str]] = ..., timing: _Optional[_Union[StepTiming, _Mapping]] = ...) -> None: ...
+
+class StepTiming(_message.Message):
+    __slots__ = ("plan_wait_seconds", "plan_decode_seconds", "execute_seconds", "received_to_done_seconds", "has_previous", "idle_before_seconds", "waited_for_plan_seconds", "rows", "tokens")
+    PLAN_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_TO_DONE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HAS_PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_BEFORE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WAITED_FOR_PLAN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    plan_wait_seconds: float
+    plan_decode_seconds: float
+    execute_seconds: float
+    received_to_done_seconds: float
+    has_previous: bool
+    idle_before_seconds: float
+    waited_for_plan_seconds: float
+    rows: int
+    tokens: int
+    def __init__(self, plan_wait_seconds: _Optional[float] = ..., plan_decode_seconds: _Optional[float] = ..., execute_seconds: _Optional[float] = ..., received_to_done_seconds: _Optional[float] = ..., has_previous: _Optional[bool] = ..., idle_before_seconds: _Optional[float] = ..., waited_for_plan_seconds: _Optional[float] = ..., rows: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class GetWorkerStatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("timeline_from_step",)
+    TIMELINE_FROM_STEP_FIELD_NUMBER: _ClassVar[int]
+    timeline_from_step: int
+    def __init__(self, timeline_from_step: _Optional[int] = ...) -> None: ...
+
+class Distribution(_message.Message):
+    __slots__ = ("p50", "p90", "p99", "max", "mean", "count")
+    P50_FIELD_NUMBER: _ClassVar[int]
+    P90_FIELD_NUMBER: _ClassVar[int]
+    P99_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    MEAN_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    p50: float
+    p90: float
+    p99: float
+    max: float
+    mean: float
+    count: int
+    def __init__(self, p50: _Optional[float] = ..., p90: _Optional[float] = ..., p99: _Optional[float] = ..., max: _Optional[float] = ..., mean: _Optional[float] = ..., count: _Optional[int] = ...) -> None: ...
+
+class StepTimelineSummary(_message.Message):
+    __slots__ = ("steps", "busy_seconds", "span_seconds", "idle_gap", "waited_for_plan", "plan_wait", "plan_decode", "result_encode", "rows")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SPAN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_GAP_FIELD_NUMBER: _ClassVar[int]
+    WAITED_FOR_PLAN_FIELD_NUMBER: _ClassVar[int]
+    PLAN_WAIT_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DECODE_FIELD_NUMBER: _ClassVar[int]
+    RESULT_ENCODE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    busy_seconds: float
+    span_seconds: float
+    idle_gap: Distribution
+    waited_for_plan: Distribution
+    plan_wait: Distribution
+    plan_decode: Distribution
+    result_encode: Distribution
+    rows: Distribution
+    def __init__(self, steps: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., span_seconds: _Optional[float] = ..., idle_gap: _Optional[_Union[Distribution, _Mapping]] = ..., waited_for_plan: _Optional[_Union[Distribution, _Mapping]] = ..., plan_wait: _Optional[_Union[Distribution, _Mapping]] = ..., plan_decode: _Optional[_Union[Distribution, _Mapping]] = ..., result_encode: _Optional[_Union[Distribution, _Mapping]] = ..., rows: _Optional[_Union[Distribution, _Mapping]] = ...) -> None: ...
 
 class GetWorkerStatsResponse(_message.Message):
-    __slots__ = ("steps", "busy_seconds", "wall_seconds", "duty_cycle", "bytes_received", "num_rows")
+    __slots__ = ("steps", "busy_seconds", "wall_seconds", "duty_cycle", "bytes_received", "num_rows", "timeline")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DUTY_CYCLE_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    TIMELINE_FIELD_NUMBER: _ClassVar[int]
     steps: int
     busy_seconds: float
     wall_seconds: float
     duty_cycle: float
     bytes_received: int
     num_rows: int
-    def __init__(self, steps: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., duty_cycle: _Optional[float] = ..., bytes_received: _Optional[int] = ..., num_rows: _Optional[int] = ...) -> None: ...
+    timeline: StepTimelineSummary
+    def __init__(self, steps: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., duty_cycle: _Optional[float] = ..., bytes_received: _Optional[int] = ..., num_rows: _Optional[int] = ..., timeline: _Optional[_Union[StepTimelineSummary, _Mapping]] = ...) -> None: ...

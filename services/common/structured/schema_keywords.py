@@ -14,7 +14,9 @@ Accepted by both backends (enforced):
 Only xgrammar: oneOf, enforced as anyOf (an output may match more than one branch where the
   branches overlap; llguidance refuses oneOf); uniqueItems: false (a no-op llguidance refuses).
 Only llguidance (so "auto" compiles the schema with llguidance): allOf, patternProperties
-  (xgrammar ignores allOf's constraints beyond the first branch and mis-enforces patternProperties).
+  (xgrammar ignores allOf's constraints beyond the first branch and mis-enforces patternProperties),
+  and minLength / maxLength on a string that also has a pattern or a format (xgrammar drops the
+  length bounds there).
 Annotations, accepted and without effect: title, description, default, examples, $schema, $id,
   $comment, deprecated, readOnly, writeOnly, discriminator (OpenAPI's; the oneOf branches it
   annotates enforce their tags themselves).
@@ -46,6 +48,7 @@ ENFORCED: dict[str, frozenset[str]] = {
 ENFORCED_FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
                               "uri-reference", "uri-template", "uuid", "json-pointer", "relative-json-pointer"})
 
+_LENGTHS = ("minLength", "maxLength")
 _ONE_SCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
                "unevaluatedProperties", "unevaluatedItems", "additionalItems")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -76,6 +79,10 @@ def _refusal(schema: dict[str, Any], key: str, backend: str) -> str:
         return f"the JSON-schema keyword {key!r} is not supported by {backend}"
     if key == "format" and schema[key] not in ENFORCED_FORMATS:
         return f"the string format {schema[key]!r} is not supported by {backend}"
+    if backend == "xgrammar" and key in _LENGTHS and ("pattern" in schema or "format" in schema):
+        # xgrammar 0.2.9 drops a string's length bounds when a pattern or format shapes it (it
+        # logs so, and enforces neither bound): llguidance enforces both together.
+        return f"{key!r} together with 'pattern' or 'format' is not enforced by {backend}"
     return ""
 
 
