@@ -88,8 +88,8 @@ def _build(cache_dir: Path) -> Path:
 # Each C kernel's arguments before its trailing `int num_threads`, and its result (an int status,
 # 0 when done, or None): the signatures in kernels/cpu/*.c, which ctypes cannot read. P: a pointer.
 P, I64, F32, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-_ATTENTION = [P, I64, P, P, P, I64, P, P, P, I64, I64, I64, I64, I64, F32, P]
-_PREFILL = [P, I64, P, P, P, I64, P, P, P, P, I64, I64, I64, I64, I64, F32, P]
+_ATTENTION = [P, I64, P, P, P, I64, P, P, P, I64, I64, I64, I64, I64, F32, I64, P]
+_PREFILL = [P, I64, P, P, P, I64, P, P, P, P, I64, I64, I64, I64, I64, F32, I64, P]
 _NORM, _SILU, _ROTARY = [P, P, P, P, I64, I64, F32], [P, P, I64, I64], [P, I64, I64, I64, I64, I64, P, P, P, P, P]
 _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "paged_attention_f32": (_ATTENTION, INT), "paged_attention_bf16": (_ATTENTION, INT),
@@ -300,9 +300,10 @@ class CpuKernels:
                              *reach(block_tables, requests, starts + lengths, seq_lens))
 
     def prefill_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                          chunks: PrefillChunks, scale: float, out: torch.Tensor) -> None:
+                          chunks: PrefillChunks, scale: float, out: torch.Tensor, window: int | None = None) -> None:
         """For each chunk, causal attention of its query rows over its request's cached context
-        (the chunk's own keys included), written to the same rows of out. Shapes and layouts:
+        (the chunk's own keys included; with `window`, only the last `window` positions up to each
+        token's own), written to the same rows of out. Shapes and layouts:
         see kernels/cpu/prefill_attention.c; head_dim must be a multiple of prefill_head_dim_multiple.
         The caches may be bfloat16 (the query and out stay float32)."""
         block_size, kv_heads, head_dim, group = attention_shape(query, key_cache, value_cache, out, chunks)
@@ -310,17 +311,18 @@ class CpuKernels:
         status = kernel(query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
                         chunks.block_tables.data_ptr(), chunks.block_tables.shape[1], chunks.requests.data_ptr(),
                         chunks.starts.data_ptr(), chunks.lengths.data_ptr(), chunks.seq_lens.data_ptr(),
-                        chunks.requests.numel(), kv_heads, group, head_dim, block_size, scale, out.data_ptr(),
-                        torch.get_num_threads())
+                        chunks.requests.numel(), kv_heads, group, head_dim, block_size, scale, _window(window),
+                        out.data_ptr(), torch.get_num_threads())
         if status == 1:
             raise ValueError(f"unsupported prefill attention shape: group {group}, head_dim {head_dim}")
         if status == 2:
             raise MemoryError("prefill_attention: out of memory for its tiles")
 
     def paged_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                        items: AttentionItems, scale: float, out: torch.Tensor) -> None:
+                        items: AttentionItems, scale: float, out: torch.Tensor, window: int | None = None) -> None:
         """For each item i, writes out[token_rows[i]] = attention of query[token_rows[i]] over the
-        first context_lens[i] cached tokens of block_tables[request_rows[i]]. Shapes and
+        first context_lens[i] cached tokens of block_tables[request_rows[i]] (with `window`, the
+        last `window` of them). Shapes and
         layouts: see kernels/cpu/paged_attention.c. The caches may be bfloat16 (the query and out
         stay float32)."""
         block_size, kv_heads, head_dim, group = attention_shape(query, key_cache, value_cache, out, items)
@@ -328,11 +330,19 @@ class CpuKernels:
         status = kernel(query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
                         items.block_tables.data_ptr(), items.block_tables.shape[1], items.request_rows.data_ptr(),
                         items.token_rows.data_ptr(), items.context_lens.data_ptr(), items.token_rows.numel(),
-                        kv_heads, group, head_dim, block_size, scale, out.data_ptr(), torch.get_num_threads())
+                        kv_heads, group, head_dim, block_size, scale, _window(window), out.data_ptr(),
+                        torch.get_num_threads())
         if status == 1:
             raise ValueError(f"unsupported attention shape: group {group}, head_dim {head_dim}")
         if status == 2:
             raise MemoryError("paged_attention: out of memory for the score buffer")
+
+
+def _window(window: int | None) -> int:
+    """A sliding window as the attention kernels take it: 0 for none."""
+    if window is not None and window < 1:
+        raise ValueError(f"a sliding window must be at least 1 token, got {window}")
+    return window or 0
 
 
 def _bind(fn: Any, argtypes: list[Any], restype: Any = None) -> Any:

@@ -6,6 +6,9 @@ KV head, with all the query heads that share that KV head stacked as rows (GQA: 
 block is loaded once for the whole group). Keys are visited one cache block at a time through
 the block table, with an online softmax.
 
+A sliding window (`window`) masks keys more than window - 1 positions behind each query and
+skips the cache blocks wholly before a tile's first window.
+
 `split_kv_decode_attention` serves decode-only batches whose contexts are long next to their
 count: each request's context is split into segments handled by separate programs, whose
 partial results are merged by their log-sum-exp.
@@ -26,7 +29,7 @@ def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, scale,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_c_block, stride_c_slot, stride_c_head, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, WINDOW: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -54,7 +57,10 @@ def _unified_attention_kernel(
     # This tile's last query sees keys up to its own position; later blocks are not needed.
     kv_end = tl.minimum(seq_len, context_len + (m_tile + 1) * BLOCK_M)
     slots = tl.arange(0, BLOCK_SIZE)
-    for j in range(0, tl.cdiv(kv_end, BLOCK_SIZE)):
+    first_block = 0
+    if WINDOW > 0:  # the tile's first query sees keys from its position - WINDOW + 1 on
+        first_block = tl.maximum(context_len + m_tile * BLOCK_M - WINDOW + 1, 0) // BLOCK_SIZE
+    for j in range(first_block, tl.cdiv(kv_end, BLOCK_SIZE)):
         block = tl.load(block_tables_ptr + req * stride_bt + j).to(tl.int64)
         kv_offsets = block * stride_c_block + slots[:, None] * stride_c_slot + kv_head * stride_c_head + dims[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=dim_valid[None, :], other=0.0).to(tl.float32)
@@ -62,6 +68,8 @@ def _unified_attention_kernel(
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         k_pos = j * BLOCK_SIZE + slots
         visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
+        if WINDOW > 0:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - WINDOW)
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
@@ -77,7 +85,8 @@ def _unified_attention_kernel(
 
 def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                      max_query_len: int, out: torch.Tensor | None = None, block_m: int = 16) -> torch.Tensor:
+                      max_query_len: int, out: torch.Tensor | None = None, block_m: int = 16,
+                      window: int | None = None) -> torch.Tensor:
     """Same contract as kernels.reference.paged_attention_ref."""
     _, heads, head_dim = query.shape
     _, block_size, kv_heads, _ = key_cache.shape
@@ -92,7 +101,7 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), key_cache.stride(0), key_cache.stride(1),
         key_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size)
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, WINDOW=window or 0)
     return out
 
 

@@ -19,10 +19,11 @@ def write_kv_ref(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor
 
 def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                        scale: float) -> torch.Tensor:
+                        scale: float, window: int | None = None) -> torch.Tensor:
     """Causal attention for a ragged batch over a paged cache, one request at a time, in float32.
     query [tokens, heads, d]; request i owns query rows query_start_loc[i]:[i+1], the last of which
-    sits at position seq_lens[i] - 1."""
+    sits at position seq_lens[i] - 1. window: a query at position p sees only positions
+    p - window + 1 ..= p (transformers' sliding window); None: all up to p."""
     out = torch.empty_like(query)
     heads = query.shape[1]
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -38,6 +39,8 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         q_pos = torch.arange(seq_len - n, seq_len)
         causal = torch.arange(seq_len)[None, :] <= q_pos[:, None]
+        if window is not None:
+            causal &= torch.arange(seq_len)[None, :] > q_pos[:, None] - window
         scores = scores.masked_fill(~causal, float("-inf"))
         out[starts[i]:starts[i + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(query.dtype)
     return out

@@ -4,51 +4,50 @@
  * each function for that type) defined. Queries, scores and sums are float32 in every variant. */
 
 /* One request: the query heads of `part_kv_heads` consecutive KV heads (groups of `group`)
- * attend to seq_len cached tokens; q, o and the caches point at the first of those heads.
- * Every slot of a block holds all KV heads side by side, and a block is contiguous, so
- * walking token by token over all heads streams whole blocks. Inlined into a switch on
- * head_dim so that the common sizes get fully unrolled inner loops. */
+ * attend to cached tokens first .. seq_len - 1 (first > 0 under a sliding window); q, o and the
+ * caches point at the first of those heads. Every slot of a block holds all KV heads side by
+ * side, and a block is contiguous, so walking token by token over all heads streams whole
+ * blocks. Inlined into a switch on head_dim so that the common sizes get fully unrolled inner
+ * loops. Scores are indexed from `first`. */
 static inline __attribute__((always_inline)) void KV_FN(attend_request)(
-    const float *q, const KV_T *key_cache, const KV_T *value_cache, const int32_t *table, int64_t seq_len,
-    int64_t block_size, int64_t kv_heads, int64_t part_kv_heads, int64_t group, const int64_t head_dim,
-    float scale, float *scores /* [heads][seq_len] */, float *acc /* [heads][head_dim] */, float *o) {
-    const int64_t heads = part_kv_heads * group;
+    const float *q, const KV_T *key_cache, const KV_T *value_cache, const int32_t *table, int64_t first,
+    int64_t seq_len, int64_t block_size, int64_t kv_heads, int64_t part_kv_heads, int64_t group,
+    const int64_t head_dim, float scale, float *scores /* [heads][seq_len - first] */,
+    float *acc /* [heads][head_dim] */, float *o) {
+    const int64_t heads = part_kv_heads * group, len = seq_len - first;
     const int64_t token_stride = kv_heads * head_dim;
     const int64_t block_stride = block_size * token_stride;
-    for (int64_t start = 0, b = 0; start < seq_len; start += block_size, ++b) {
-        const KV_T *k = key_cache + (int64_t)table[b] * block_stride;
-        const KV_T *next = start + block_size < seq_len ? key_cache + (int64_t)table[b + 1] * block_stride : k;
-        const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
-        for (int64_t t = 0; t < n; ++t, k += token_stride) {
-            KV_PREFETCH(next + t * token_stride, token_stride);
-            for (int64_t h = 0, hq = 0; h < part_kv_heads; ++h) {
-                const KV_T *kh = k + h * head_dim;
-                for (int64_t g = 0; g < group; ++g, ++hq) {
-                    const float *qh = q + hq * head_dim;
-                    float dot = 0.0f;
+    for (int64_t t = first; t < seq_len; ++t) {
+        const int64_t b = t / block_size, slot = t % block_size;
+        const KV_T *k = key_cache + (int64_t)table[b] * block_stride + slot * token_stride;
+        /* The same slot of the next block, fetched while this one is read. */
+        if (t + block_size < seq_len)
+            KV_PREFETCH(key_cache + (int64_t)table[b + 1] * block_stride + slot * token_stride, token_stride);
+        for (int64_t h = 0, hq = 0; h < part_kv_heads; ++h) {
+            const KV_T *kh = k + h * head_dim;
+            for (int64_t g = 0; g < group; ++g, ++hq) {
+                const float *qh = q + hq * head_dim;
+                float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * KV_LOAD(kh + d);
-                    scores[hq * seq_len + start + t] = dot * scale;
-                }
+                for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * KV_LOAD(kh + d);
+                scores[hq * len + t - first] = dot * scale;
             }
         }
     }
-    softmax_rows(scores, heads, seq_len);
+    softmax_rows(scores, heads, len);
     memset(acc, 0, sizeof(float) * (size_t)(heads * head_dim));
-    for (int64_t start = 0, b = 0; start < seq_len; start += block_size, ++b) {
-        const KV_T *v = value_cache + (int64_t)table[b] * block_stride;
-        const KV_T *next = start + block_size < seq_len ? value_cache + (int64_t)table[b + 1] * block_stride : v;
-        const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
-        for (int64_t t = 0; t < n; ++t, v += token_stride) {
-            KV_PREFETCH(next + t * token_stride, token_stride);
-            for (int64_t h = 0, hq = 0; h < part_kv_heads; ++h) {
-                const KV_T *vh = v + h * head_dim;
-                for (int64_t g = 0; g < group; ++g, ++hq) {
-                    const float p = scores[hq * seq_len + start + t];
-                    float *a = acc + hq * head_dim;
+    for (int64_t t = first; t < seq_len; ++t) {
+        const int64_t b = t / block_size, slot = t % block_size;
+        const KV_T *v = value_cache + (int64_t)table[b] * block_stride + slot * token_stride;
+        if (t + block_size < seq_len)
+            KV_PREFETCH(value_cache + (int64_t)table[b + 1] * block_stride + slot * token_stride, token_stride);
+        for (int64_t h = 0, hq = 0; h < part_kv_heads; ++h) {
+            const KV_T *vh = v + h * head_dim;
+            for (int64_t g = 0; g < group; ++g, ++hq) {
+                const float p = scores[hq * len + t - first];
+                float *a = acc + hq * head_dim;
 #pragma omp simd
-                    for (int64_t d = 0; d < head_dim; ++d) a[d] += p * KV_LOAD(vh + d);
-                }
+                for (int64_t d = 0; d < head_dim; ++d) a[d] += p * KV_LOAD(vh + d);
             }
         }
     }
@@ -68,20 +67,20 @@ static inline int64_t KV_FN(tile_slots)(const KV_T *cache, const int32_t *table,
     return n;
 }
 
-/* As attend_request, for head_dim = 16 * chunks. Tiles of 16 context tokens: each tile's slots
- * (all KV heads) are read once, while in L1, for every query head. Inlined per head_dim. */
+/* As attend_request, for head_dim = 16 * chunks. Tiles of 16 context tokens from `first`: each
+ * tile's slots (all KV heads) are read once, while in L1, for every query head. Inlined per head_dim. */
 static inline __attribute__((always_inline)) void KV_FN(attend_request_vec)(
-    const float *q, const KV_T *key_cache, const KV_T *value_cache, const int32_t *table, int64_t seq_len,
-    int64_t block_size, int64_t kv_heads, int64_t part_kv_heads, int64_t group, const int64_t head_dim,
-    float scale, float *scores /* [heads][seq_len] */, float *acc /* [heads][head_dim] */, vec16 *partial,
-    float *o) {
-    const int64_t heads = part_kv_heads * group, chunks = head_dim / LANES;
+    const float *q, const KV_T *key_cache, const KV_T *value_cache, const int32_t *table, int64_t first,
+    int64_t seq_len, int64_t block_size, int64_t kv_heads, int64_t part_kv_heads, int64_t group,
+    const int64_t head_dim, float scale, float *scores /* [heads][seq_len - first] */,
+    float *acc /* [heads][head_dim] */, vec16 *partial, float *o) {
+    const int64_t heads = part_kv_heads * group, chunks = head_dim / LANES, len = seq_len - first;
     const int64_t token_stride = kv_heads * head_dim, block_stride = block_size * token_stride;
     /* Blocks sit at random places in the pool, and the hardware prefetcher stops at each
      * block's end: while a tile is computed, the next one is fetched, a slot at a time. */
     const KV_T *slots[LANES], *next[LANES];
-    int64_t n = KV_FN(tile_slots)(key_cache, table, 0, seq_len, block_size, block_stride, token_stride, slots);
-    for (int64_t t0 = 0; t0 < seq_len; t0 += LANES) {
+    int64_t n = KV_FN(tile_slots)(key_cache, table, first, seq_len, block_size, block_stride, token_stride, slots);
+    for (int64_t t0 = first; t0 < seq_len; t0 += LANES) {
         const int64_t n_next = KV_FN(tile_slots)(key_cache, table, t0 + LANES, seq_len, block_size, block_stride,
                                           token_stride, next);
         /* Token by token, every head: memory is read in order, as the prefetchers like it. */
@@ -100,23 +99,23 @@ static inline __attribute__((always_inline)) void KV_FN(attend_request_vec)(
                 for (int64_t j = n; j < LANES; ++j) partial[hq * LANES + j] = (vec16){0};
         for (int64_t hq = 0; hq < heads; ++hq) {
             const vec16 tile = fold16(partial + hq * LANES) * scale;
-            if (n == LANES) store16(scores + hq * seq_len + t0, tile);
-            else memcpy(scores + hq * seq_len + t0, &tile, sizeof(float) * (size_t)n);
+            if (n == LANES) store16(scores + hq * len + t0 - first, tile);
+            else memcpy(scores + hq * len + t0 - first, &tile, sizeof(float) * (size_t)n);
         }
         memcpy(slots, next, sizeof slots);
         n = n_next;
     }
-    n = KV_FN(tile_slots)(value_cache, table, 0, seq_len, block_size, block_stride, token_stride, slots);
+    n = KV_FN(tile_slots)(value_cache, table, first, seq_len, block_size, block_stride, token_stride, slots);
     for (int64_t j = 0; j < n; ++j) KV_PREFETCH(slots[j], token_stride);
-    softmax_rows(scores, heads, seq_len);
+    softmax_rows(scores, heads, len);
     memset(acc, 0, sizeof(float) * (size_t)(heads * head_dim));
-    for (int64_t t0 = 0; t0 < seq_len; t0 += LANES) {
+    for (int64_t t0 = first; t0 < seq_len; t0 += LANES) {
         const int64_t n_next = KV_FN(tile_slots)(value_cache, table, t0 + LANES, seq_len, block_size, block_stride,
                                           token_stride, next);
         for (int64_t j = 0; j < n; ++j) {
             if (j < n_next) KV_PREFETCH(next[j], token_stride);
             for (int64_t hq = 0; hq < heads; ++hq) {
-                const float p = scores[hq * seq_len + t0 + j];
+                const float p = scores[hq * len + t0 - first + j];
                 const KV_T *v = slots[j] + (hq / group) * head_dim;
                 float *a = acc + hq * head_dim;
                 for (int64_t c = 0; c < chunks; ++c) store16(a + c * LANES, load16(a + c * LANES) + p * KV_LOAD16(v + c * LANES));
@@ -128,12 +127,13 @@ static inline __attribute__((always_inline)) void KV_FN(attend_request_vec)(
     memcpy(o, acc, sizeof(float) * (size_t)(heads * head_dim));
 }
 
-/* Returns 0 on success, 1 if a size is out of the supported range, 2 if memory ran out. */
+/* Returns 0 on success, 1 if a size is out of the supported range, 2 if memory ran out.
+ * window > 0: each item sees only its last `window` context tokens (a sliding window); 0: all. */
 int KV_FN(paged_attention)(const float *query, int64_t query_stride, const KV_T *key_cache,
                            const KV_T *value_cache, const int32_t *block_tables, int64_t table_width,
                            const int64_t *request_rows, const int64_t *token_rows, const int32_t *context_lens,
                            int64_t num_items, int64_t kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
-                           float scale, float *out, int num_threads) {
+                           float scale, int64_t window, float *out, int num_threads) {
     if (group < 1 || kv_heads * group > MAX_HEADS || head_dim < 1 || head_dim > MAX_HEAD_DIM) return 1;
     const int64_t heads = kv_heads * group;
     int failed = 0;
@@ -147,13 +147,14 @@ int KV_FN(paged_attention)(const float *query, int64_t query_stride, const KV_T 
     for (int64_t work = 0; work < num_items * parts; ++work) {
         const int64_t item = work / parts, h0 = (work % parts) * heads_per_part;
         const int64_t seq_len = context_lens[item];
+        const int64_t first = window > 0 && seq_len > window ? seq_len - window : 0;
         const int32_t *table = block_tables + request_rows[item] * table_width;
         const float *q = query + token_rows[item] * query_stride + h0 * group * head_dim;
         float *o = out + (token_rows[item] * heads + h0 * group) * head_dim;
         const KV_T *k = key_cache + h0 * head_dim, *v = value_cache + h0 * head_dim;
         const int64_t part_heads = heads_per_part * group;
         /* Per head: 16 vectors of partial dot products, then head_dim sums, then seq_len scores. */
-        const size_t floats = (size_t)part_heads * (size_t)(LANES * LANES + head_dim + seq_len);
+        const size_t floats = (size_t)part_heads * (size_t)(LANES * LANES + head_dim + seq_len - first);
         float *scratch = aligned_alloc(sizeof(vec16), (floats * sizeof(float) + sizeof(vec16) - 1) /
                                                           sizeof(vec16) * sizeof(vec16));
         if (scratch == NULL) {
@@ -164,14 +165,14 @@ int KV_FN(paged_attention)(const float *query, int64_t query_stride, const KV_T 
         vec16 *partial = (vec16 *)scratch;
         float *acc = scratch + part_heads * LANES * LANES, *scores = acc + part_heads * head_dim;
 #define ATTEND_VEC(dim)                                                                                              \
-    KV_FN(attend_request_vec)(q, k, v, table, seq_len, block_size, kv_heads, heads_per_part, group, dim, scale, scores, acc, \
+    KV_FN(attend_request_vec)(q, k, v, table, first, seq_len, block_size, kv_heads, heads_per_part, group, dim, scale, scores, acc, \
                        partial, o)
         switch (head_dim) {
         case 64: ATTEND_VEC(64); break;
         case 128: ATTEND_VEC(128); break;
         default:
             if (head_dim % LANES == 0) ATTEND_VEC(head_dim);
-            else KV_FN(attend_request)(q, k, v, table, seq_len, block_size, kv_heads, heads_per_part, group, head_dim, scale,
+            else KV_FN(attend_request)(q, k, v, table, first, seq_len, block_size, kv_heads, heads_per_part, group, head_dim, scale,
                                 scores, acc, o);
         }
 #undef ATTEND_VEC

@@ -25,12 +25,14 @@ static inline __attribute__((always_inline)) void KV_FN(accumulate_rows)(
         for (int64_t c = 0; c < width; ++c) store16(acc + r * head_dim + (c0 + c) * LANES, a[r][c]);
 }
 
-/* One work item: query tokens [i0, i1) of a chunk, the `group` query heads of KV head h. */
+/* One work item: query tokens [i0, i1) of a chunk, the `group` query heads of KV head h. Under a
+ * sliding window (window > 0) a token at position p sees keys p - window + 1 ..= p only: keys
+ * before the first token's window are never read. */
 static inline __attribute__((always_inline)) void KV_FN(attend_tile)(
     const float *query, int64_t query_stride, const KV_T *key_cache, const KV_T *value_cache,
     const int32_t *table, int64_t first_row, int64_t first_position, int64_t i0, int64_t i1, int64_t h,
-    int64_t kv_heads, int64_t group, const int64_t head_dim, int64_t block_size, float scale, float *out,
-    float *scratch) {
+    int64_t kv_heads, int64_t group, const int64_t head_dim, int64_t block_size, float scale, int64_t window,
+    float *out, float *scratch) {
     const int64_t rows = (i1 - i0) * group, chunks = head_dim / LANES, heads = kv_heads * group;
     const int64_t token_stride = kv_heads * head_dim, block_stride = block_size * token_stride;
     float *q = scratch;                       /* [rows][head_dim], scaled */
@@ -49,8 +51,9 @@ static inline __attribute__((always_inline)) void KV_FN(attend_tile)(
     for (int64_t r = 0; r < rows; ++r) row_max[r] = -INFINITY, row_sum[r] = 0.0f;
 
     const int64_t key_end = first_position + i1; /* the last token sees up to here */
+    const int64_t key_begin = window > 0 && first_position + i0 >= window ? first_position + i0 - window + 1 : 0;
     const KV_T *v_slots[KEY_TILE];
-    for (int64_t t0 = 0; t0 < key_end; t0 += KEY_TILE) {
+    for (int64_t t0 = key_begin; t0 < key_end; t0 += KEY_TILE) {
         const int64_t n = key_end - t0 < KEY_TILE ? key_end - t0 : KEY_TILE;
         for (int64_t j = 0; j < n; ++j) {
             const int64_t t = t0 + j;
@@ -72,14 +75,17 @@ static inline __attribute__((always_inline)) void KV_FN(attend_tile)(
             const int64_t position = first_position + i0 + r / group;
             float *s = scores + r * KEY_TILE;
             const int64_t visible = position - t0 + 1 < n ? position - t0 + 1 : n; /* keys this row sees */
-            if (visible <= 0) {
+            /* The tile's first key this row sees (its window's start, when that falls in the tile). */
+            const int64_t lowest = window > 0 && position - window + 1 > t0 ? position - window + 1 - t0 : 0;
+            if (visible <= 0 || lowest >= visible) {
                 memset(s, 0, sizeof(float) * KEY_TILE);
                 continue;
             }
             idx16 seen[KEY_VECS];
             vec16 v[KEY_VECS], most = splat16(-INFINITY);
             for (int64_t c = 0; c < KEY_VECS; ++c) {
-                seen[c] = lane_index + (int32_t)(c * LANES) < (int32_t)visible;
+                seen[c] = (lane_index + (int32_t)(c * LANES) < (int32_t)visible) &
+                          (lane_index + (int32_t)(c * LANES) >= (int32_t)lowest);
                 v[c] = select16(seen[c], load16(s + c * LANES), splat16(-INFINITY));
                 most = select16(v[c] > most, v[c], most);
             }
@@ -117,12 +123,13 @@ static inline __attribute__((always_inline)) void KV_FN(attend_tile)(
 }
 
 /* Returns 0 on success, 1 if a size is out of the supported range (head_dim must be a
- * multiple of 16), 2 if memory ran out. */
+ * multiple of 16), 2 if memory ran out. window > 0: a sliding window of that many positions. */
 int KV_FN(prefill_attention)(const float *query, int64_t query_stride, const KV_T *key_cache,
                              const KV_T *value_cache, const int32_t *block_tables, int64_t table_width,
                              const int64_t *chunk_requests, const int64_t *chunk_starts, const int32_t *chunk_lens,
                              const int32_t *chunk_seq_lens, int64_t num_chunks, int64_t kv_heads, int64_t group,
-                             int64_t head_dim, int64_t block_size, float scale, float *out, int num_threads) {
+                             int64_t head_dim, int64_t block_size, float scale, int64_t window, float *out,
+                             int num_threads) {
     if (group < 1 || kv_heads * group > MAX_HEADS || head_dim < LANES || head_dim > MAX_HEAD_DIM ||
         head_dim % LANES)
         return 1;
@@ -159,7 +166,7 @@ int KV_FN(prefill_attention)(const float *query, int64_t query_stride, const KV_
             const int64_t first_position = chunk_seq_lens[c] - len;
 #define ATTEND_TILE(dim)                                                                                          \
     KV_FN(attend_tile)(query, query_stride, key_cache, value_cache, table, chunk_starts[c], first_position, i0, i1, h,   \
-                kv_heads, group, dim, block_size, scale, out, scratch)
+                kv_heads, group, dim, block_size, scale, window, out, scratch)
             switch (head_dim) {
             case 64: ATTEND_TILE(64); break;
             case 128: ATTEND_TILE(128); break;

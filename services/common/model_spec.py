@@ -1,17 +1,24 @@
-"""The shape of a supported decoder, read once from a Hugging Face config."""
+"""The shape of a supported decoder, read once from a Hugging Face config: the sizes every layer
+shares, and the family's layer plan (services/common/families/) for what each layer computes."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
-MODEL_TYPE_TO_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from vmesh.services.common.families import SUPPORTED_ARCHITECTURES, family_of
+from vmesh.services.common.families.plan import (
+    SUPPORTED_ROPE_TYPES,
+    AttentionPlan,
+    LayerPlan,
+    MlpPlan,
+    ModelPlan,
+    UnsupportedModelError,
+    head_dim,
+)
 
-
-class UnsupportedModelError(ValueError):
-    pass
+__all__ = ["SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "ModelSpec", "UnsupportedModelError", "architecture_of"]
 
 
 @dataclass(frozen=True)
@@ -32,65 +39,59 @@ class ModelSpec:
     qkv_bias: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    # None: every layer the Llama layer the fields above describe (specs built by hand in tests).
+    plan: ModelPlan | None = None
+
+    def __post_init__(self) -> None:
+        if self.plan is None:
+            layer = LayerPlan(AttentionPlan(self.rope_theta, self.rope_scaling, qkv_bias=self.qkv_bias),
+                              MlpPlan(self.intermediate_size))
+            object.__setattr__(self, "plan", ModelPlan((layer,) * self.num_layers))
+        if len(self.layers) != self.num_layers:
+            raise UnsupportedModelError(f"the layer plan has {len(self.layers)} layers for {self.num_layers}")
+
+    @property
+    def layers(self) -> tuple[LayerPlan, ...]:
+        assert self.plan is not None, "set in __post_init__"
+        return self.plan.layers
+
+    @property
+    def model_plan(self) -> ModelPlan:
+        assert self.plan is not None, "set in __post_init__"
+        return self.plan
+
+    def with_layers(self, layers: tuple[LayerPlan, ...], **changes: Any) -> ModelSpec:
+        """This spec with another layer plan (a tensor-parallel rank's narrower MLPs)."""
+        return dataclasses.replace(self, plan=dataclasses.replace(self.model_plan, layers=layers), **changes)
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
-        architecture = architecture_of(config)
-        if getattr(config, "use_sliding_window", False):
-            raise UnsupportedModelError("sliding-window attention is not supported")
-        rope = _rope_parameters(config)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise UnsupportedModelError(
-                f"rope scaling type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
-            )
-        num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        family = family_of(config)
+        plan = family.plan(config)
+        first = plan.layers[0].attention
         eos = config.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        num_heads = config.num_attention_heads
         return cls(
-            architecture=architecture,
+            architecture=family.architecture,
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
             num_layers=config.num_hidden_layers,
             num_heads=num_heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
+            head_dim=head_dim(config),
             intermediate_size=config.intermediate_size,
             rms_norm_eps=config.rms_norm_eps,
-            rope_theta=float(rope.get("rope_theta", 10000.0)),
-            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            rope_theta=first.rope_theta,
+            rope_scaling=dict(first.rope_scaling) if first.rope_scaling else None,
             max_position_embeddings=config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=architecture == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False)),
+            qkv_bias=first.qkv_bias,
             eos_token_ids=eos_ids,
             bos_token_id=getattr(config, "bos_token_id", None),
+            plan=plan,
         )
 
 
 def architecture_of(config: Any) -> str:
-    architectures = getattr(config, "architectures", None) or []
-    if architectures:
-        name = architectures[0]
-    else:
-        name = MODEL_TYPE_TO_ARCHITECTURE.get(getattr(config, "model_type", ""), "")
-        if not name:
-            raise UnsupportedModelError(
-                f"model type {getattr(config, 'model_type', None)!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
-    if name not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"architecture {name!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-    return name
-
-
-def _rope_parameters(config: Any) -> dict[str, Any]:
-    # transformers >= 5 folds rope_theta and rope_scaling into rope_parameters.
-    params = getattr(config, "rope_parameters", None)
-    if params:
-        return dict(params)
-    scaling = dict(getattr(config, "rope_scaling", None) or {})
-    scaling.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    return scaling
+    return family_of(config).architecture

@@ -49,8 +49,9 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """query: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim]."""
+               meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+        """query: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim]. window: a sliding
+        window (a query at position p sees p - window + 1 ..= p); None: every earlier position."""
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -62,20 +63,20 @@ class TorchAttentionBackend(AttentionBackend):
     def write_kv(self, key, value, key_cache, value_cache, slot_mapping):
         write_kv_ref(key.to(key_cache.dtype), value.to(value_cache.dtype), key_cache, value_cache, slot_mapping)
 
-    def attend(self, query, key_cache, value_cache, meta, scale):
+    def attend(self, query, key_cache, value_cache, meta, scale, window=None):
         out = torch.empty_like(query)
         if "decodes" not in meta.backend_cache:
             meta.backend_cache["decodes"] = self._find_decodes(meta)
         decodes = meta.backend_cache["decodes"]
         if decodes is not None:
-            self._attend_decodes(query, key_cache, value_cache, meta, scale, decodes, out)
+            self._attend_decodes(query, key_cache, value_cache, meta, scale, decodes, out, window)
         if decodes is None or len(decodes[0]) < meta.num_reqs:
             starts = meta.query_start_loc.tolist()
             for i, n in enumerate(meta.query_lens_cpu):
                 if n > 1:
                     s = starts[i]
                     out[s:s + n] = self._attend_chunk(query[s:s + n], key_cache, value_cache,
-                                                      meta.block_tables[i], meta.seq_lens_cpu[i], scale)
+                                                      meta.block_tables[i], meta.seq_lens_cpu[i], scale, window)
         return out
 
     @staticmethod
@@ -98,19 +99,22 @@ class TorchAttentionBackend(AttentionBackend):
         return blocks.transpose(-3, -2)
 
     @staticmethod
-    def _plan_padded(meta: AttentionMetadata, rows: torch.Tensor, block_size: int):
+    def _plan_padded(meta: AttentionMetadata, rows: torch.Tensor, block_size: int, window: int | None):
         longest = max(seq for seq, n in zip(meta.seq_lens_cpu, meta.query_lens_cpu) if n == 1)  # host, no sync
         num_blocks = -(-longest // block_size)
         positions = torch.arange(num_blocks * block_size, device=meta.seq_lens.device)
-        mask = (positions[None, :] < meta.seq_lens[rows].to(positions.dtype)[:, None])[:, None, None, :]
-        return meta.block_tables[rows], num_blocks, mask
+        seq_lens = meta.seq_lens[rows].to(positions.dtype)[:, None]
+        visible = positions[None, :] < seq_lens
+        if window is not None:  # the query sits at seq_len - 1
+            visible &= positions[None, :] >= seq_lens - window
+        return meta.block_tables[rows], num_blocks, visible[:, None, None, :]
 
-    def _attend_decodes(self, query, key_cache, value_cache, meta, scale, decodes, out):
+    def _attend_decodes(self, query, key_cache, value_cache, meta, scale, decodes, out, window=None):
         """All single-token queries at once: their contexts gathered into one padded batch."""
         rows, token_index = decodes
-        if "padded" not in meta.backend_cache:
-            meta.backend_cache["padded"] = self._plan_padded(meta, rows, key_cache.shape[1])
-        tables, num_blocks, mask = meta.backend_cache["padded"]
+        if ("padded", window) not in meta.backend_cache:
+            meta.backend_cache["padded", window] = self._plan_padded(meta, rows, key_cache.shape[1], window)
+        tables, num_blocks, mask = meta.backend_cache["padded", window]
         head_dim = key_cache.shape[3]
         keys = self._gather_context(key_cache, tables, num_blocks, query.dtype)  # [B, kvh, L, d]
         values = self._gather_context(value_cache, tables, num_blocks, query.dtype)
@@ -119,7 +123,7 @@ class TorchAttentionBackend(AttentionBackend):
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
         out[token_index] = attn.reshape(len(rows), -1, head_dim)
 
-    def _attend_chunk(self, query, key_cache, value_cache, block_table, seq_len, scale):
+    def _attend_chunk(self, query, key_cache, value_cache, block_table, seq_len, scale, window=None):
         n, heads, _ = query.shape
         num_blocks = -(-seq_len // key_cache.shape[1])
         keys = self._gather_context(key_cache, block_table, num_blocks, query.dtype)[:, :seq_len]
@@ -129,11 +133,14 @@ class TorchAttentionBackend(AttentionBackend):
         if kv_heads != heads:
             keys = keys.repeat_interleave(heads // kv_heads, dim=0)
             values = values.repeat_interleave(heads // kv_heads, dim=0)
-        if n == seq_len:
+        if n == seq_len and window is None:
             attn = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
         else:  # the chunk starts after cached tokens: query j sits at position seq_len - n + j
             q_pos = torch.arange(seq_len - n, seq_len, device=query.device)
-            mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
+            k_pos = torch.arange(seq_len, device=query.device)[None, :]
+            mask = k_pos <= q_pos[:, None]
+            if window is not None:
+                mask &= k_pos > q_pos[:, None] - window
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
         return attn.transpose(0, 1)
 
@@ -157,17 +164,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
         self.kernels = load_cpu_kernels(cache_dir_path(cache_dir))
 
-    def attend(self, query, key_cache, value_cache, meta, scale):
+    def attend(self, query, key_cache, value_cache, meta, scale, window=None):
         if not self.kernels.supports(query, key_cache):
-            return super().attend(query, key_cache, value_cache, meta, scale)
+            return super().attend(query, key_cache, value_cache, meta, scale, window)
         if "cpu_plan" not in meta.backend_cache:
             meta.backend_cache["cpu_plan"] = self._plan(meta, tiled=self.kernels.supports_prefill(key_cache))
         items, chunks = meta.backend_cache["cpu_plan"]
         out = torch.empty_like(query)
         if items is not None:
-            self.kernels.paged_attention(query, key_cache, value_cache, items, scale, out)
+            self.kernels.paged_attention(query, key_cache, value_cache, items, scale, out, window)
         if chunks is not None:
-            self.kernels.prefill_attention(query, key_cache, value_cache, chunks, scale, out)
+            self.kernels.prefill_attention(query, key_cache, value_cache, chunks, scale, out, window)
         return out
 
     def _plan(self, meta: AttentionMetadata, tiled: bool):
@@ -215,20 +222,23 @@ class TritonAttentionBackend(AttentionBackend):
     def write_kv(self, key, value, key_cache, value_cache, slot_mapping):
         self._write_kv(key, value, key_cache, value_cache, slot_mapping)
 
-    def num_splits(self, meta: AttentionMetadata, kv_heads: int) -> int:
-        if max(meta.query_lens_cpu) != 1 or meta.num_reqs * kv_heads >= self.SPLIT_BELOW_PROGRAMS:
+    def num_splits(self, meta: AttentionMetadata, kv_heads: int, window: int | None = None) -> int:
+        """1 (the unified kernel) under a sliding window too: the window bounds the context the
+        split path exists for."""
+        if (max(meta.query_lens_cpu) != 1 or meta.num_reqs * kv_heads >= self.SPLIT_BELOW_PROGRAMS
+                or window is not None):
             return 1
         longest = max(meta.seq_lens_cpu)
         if longest < self.SPLIT_MIN_CONTEXT:
             return 1
         return min(self.MAX_SPLITS, -(-longest // self.TOKENS_PER_SPLIT))
 
-    def attend(self, query, key_cache, value_cache, meta, scale):
-        splits = self.num_splits(meta, key_cache.shape[2])
+    def attend(self, query, key_cache, value_cache, meta, scale, window=None):
+        splits = self.num_splits(meta, key_cache.shape[2], window)
         if splits > 1:
             return self._split(query, key_cache, value_cache, meta.seq_lens, meta.block_tables, scale, splits)
         return self._unified(query, key_cache, value_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                             scale, max_query_len=max(meta.query_lens_cpu))
+                             scale, max_query_len=max(meta.query_lens_cpu), window=window)
 
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend, "cpu": CpuAttentionBackend,

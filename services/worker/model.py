@@ -1,4 +1,6 @@
-"""Llama / Qwen2 decoder over one flattened ragged batch.
+"""The decoder over one flattened ragged batch, executing a family's layer plan
+(services/common/families/): per layer its attention (global or sliding window, QK-norm, RoPE
+base), norm placement and MLP kind (services/worker/mlp.py).
 
 Every scheduled token of every request is one row of the input: prefill chunks and decodes
 share a forward pass. Logits are computed only at each request's last scheduled token.
@@ -21,10 +23,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from vmesh.kernels.reference import rms_norm_ref, silu_and_mul_ref
+from vmesh.services.common.families.plan import LayerPlan
 from vmesh.services.common.model_spec import ModelSpec
 from vmesh.services.worker.attention import AttentionBackend, AttentionMetadata, CpuAttentionBackend
 from vmesh.services.worker.kv_cache import KVCache
 from vmesh.services.worker.linear import Linear
+from vmesh.services.worker.mlp import load_mlp
 from vmesh.services.worker.quantized_linear import QuantizedLinear, QuantizedWeight, log_placement
 from vmesh.services.worker.rotary import RotaryEmbedding
 
@@ -146,36 +150,65 @@ class WeightSource:
         return self.take(name) if name in self.tensors else None
 
 
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """QK-norm: RMSNorm over each head's last dimension, in float32, as transformers computes it."""
+    xf = x.float()
+    return (weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
 class DecoderLayer:
-    def __init__(self, spec: ModelSpec, weights: WeightSource, prefix: str,
+    """One layer as its plan (services/common/families/plan.py) describes it."""
+
+    def __init__(self, spec: ModelSpec, plan: LayerPlan, weights: WeightSource, prefix: str,
                  linear: Callable[..., Linear | QuantizedLinear] = Linear, parallel: TensorParallel | None = None):
         self.parallel = parallel  # tensor parallelism: spec and weights are this rank's share
-        def norm(name: str) -> torch.Tensor:  # float32 in the mixed bfloat16 model: the norms compute in it
-            return weights.take(prefix + name, torch.float32 if float32_residual(weights.device, weights.dtype)
-                                else None)
+        names, offset = spec.model_plan.names, spec.model_plan.norm_weight_offset
+        norm_dtype = torch.float32 if float32_residual(weights.device, weights.dtype) else None
 
-        def weight(*names: str) -> torch.Tensor | QuantizedWeight:
-            return weights.take_linear(*(f"{prefix}{name}.weight" for name in names))
+        def norm(name: str) -> torch.Tensor:  # float32 in the mixed bfloat16 model: the norms compute in it
+            taken = weights.take(prefix + name, norm_dtype)
+            return taken + offset if offset else taken
 
         def optional(name: str) -> torch.Tensor | None:
             return weights.optional(prefix + name)
 
         self.spec = spec
-        self.input_norm = norm("input_layernorm.weight")
-        self.post_attention_norm = norm("post_attention_layernorm.weight")
-        # q, k and v in one matmul; gate and up in another.
-        biases = [b for p in "qkv" if (b := optional(f"self_attn.{p}_proj.bias")) is not None]
-        self.qkv_proj = linear(weight(*(f"self_attn.{p}_proj" for p in "qkv")),
+        self.plan = plan
+        self.input_norm = norm(names.input_norm)
+        self.post_attention_norm = norm(names.post_attention_norm)
+        sandwich = plan.norms == "sandwich"
+        self.pre_mlp_norm = norm(names.pre_mlp_norm) if sandwich else None
+        self.post_mlp_norm = norm(names.post_mlp_norm) if sandwich else None
+        self.q_norm = norm(names.q_norm) if plan.attention.qk_norm else None
+        self.k_norm = norm(names.k_norm) if plan.attention.qk_norm else None
+        # q, k and v in one matmul.
+        projection = prefix + names.attention
+        biases = [b for p in "qkv" if (b := weights.optional(f"{projection.format(p)}.bias")) is not None]
+        self.qkv_proj = linear(weights.take_linear(*(f"{projection.format(p)}.weight" for p in "qkv")),
                                torch.cat(biases) if len(biases) == 3 else None)
-        self.o_proj = linear(weight("self_attn.o_proj"), optional("self_attn.o_proj.bias"))
-        self.gate_up_proj = linear(weight("mlp.gate_proj", "mlp.up_proj"))
-        self.down_proj = linear(weight("mlp.down_proj"))
+        self.o_proj = linear(weights.take_linear(f"{projection.format('o')}.weight"),
+                             optional(f"{names.attention.format('o')}.bias"))
+        self.mlp = load_mlp(plan.mlp, weights, prefix, names, linear)
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.scale = spec.head_dim ** -0.5
+        self.scale = plan.attention.scale or spec.head_dim ** -0.5
 
     def projections(self) -> list[Linear | QuantizedLinear]:
-        return [self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj]
+        return [self.qkv_proj, self.o_proj, *self.mlp.projections()]
+
+    def norms(self) -> list[torch.Tensor]:
+        return [n for n in (self.input_norm, self.post_attention_norm, self.pre_mlp_norm, self.post_mlp_norm,
+                            self.q_norm, self.k_norm) if n is not None]
+
+    def _qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
+        assert self.q_norm is not None and self.k_norm is not None, "only for plans with QK-norm"
+        spec, eps = self.spec, self.spec.rms_norm_eps
+        tokens = qkv.shape[0]
+        q = qkv[:, :self.q_size].view(tokens, spec.num_heads, spec.head_dim)
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(tokens, spec.num_kv_heads, spec.head_dim)
+        q.copy_(head_rms_norm(q, self.q_norm, eps))
+        k.copy_(head_rms_norm(k, self.k_norm, eps))
+        return qkv
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
@@ -189,6 +222,8 @@ class DecoderLayer:
         else:
             x, residual = ops.rms_norm(hidden, self.input_norm, eps, residual)
         qkv = self.qkv_proj(x)
+        if self.q_norm is not None:
+            qkv = self._qk_norm(qkv)
         if ops.rotary_write_kv is not None:
             q = ops.rotary_write_kv(qkv, spec.num_heads, spec.num_kv_heads, *rope, key_cache, value_cache,
                                     meta.slot_mapping)
@@ -200,14 +235,20 @@ class DecoderLayer:
             v = v.reshape(-1, spec.num_kv_heads, spec.head_dim)
             # (In the mixed bfloat16 model float32 tables promote q and k to float32; the cache rounds.)
             backend.write_kv(k.to(key_cache.dtype), v, key_cache, value_cache, meta.slot_mapping)
-        attn = backend.attend(q, key_cache, value_cache, meta, self.scale)
+        attn = backend.attend(q, key_cache, value_cache, meta, self.scale, self.plan.attention.window)
         attn_out = self.o_proj(attn.reshape(-1, self.q_size))
         if self.parallel is not None:  # row-parallel: each rank's product is a partial sum
             attn_out = self.parallel.all_reduce(attn_out)
-        x, residual = ops.rms_norm(attn_out, self.post_attention_norm, eps, residual)
-        mlp_out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        if self.pre_mlp_norm is not None:  # sandwich: the branch's output is normed before it joins
+            attn_out = ops.rms_norm(attn_out.float().contiguous(), self.post_attention_norm, eps)
+            x, residual = ops.rms_norm(attn_out, self.pre_mlp_norm, eps, residual)
+        else:
+            x, residual = ops.rms_norm(attn_out, self.post_attention_norm, eps, residual)
+        mlp_out = self.mlp(x, ops)
         if self.parallel is not None:
             mlp_out = self.parallel.all_reduce(mlp_out)
+        if self.post_mlp_norm is not None:
+            mlp_out = ops.rms_norm(mlp_out.float().contiguous(), self.post_mlp_norm, eps)
         return mlp_out, residual
 
 
@@ -222,8 +263,8 @@ class DecoderModel:
         self.dtype = dtype
         self.mixed = float32_residual(device, dtype)
         self.parallel = parallel
-        embed_name = "model.embed_tokens.weight"
-        embed = source.take_linear(embed_name) if spec.tie_word_embeddings else source.take(embed_name)
+        names = spec.model_plan.names
+        embed = source.take_linear(names.embed) if spec.tie_word_embeddings else source.take(names.embed)
         plain_linear = functools.partial(Linear, small_batch_kernels=cpu_kernels)
 
         def linear(weight: torch.Tensor | QuantizedWeight,
@@ -233,19 +274,25 @@ class DecoderModel:
                 return QuantizedLinear(weight, bias, quantized_kernels)
             return plain_linear(weight, bias)
 
-        self.layers = [DecoderLayer(spec, source, f"model.layers.{i}.", linear, parallel)
-                       for i in range(spec.num_layers)]
-        self.final_norm = source.take("model.norm.weight", torch.float32 if self.mixed else None)
+        self.layers = [DecoderLayer(spec, plan, source, names.layer.format(i), linear, parallel)
+                       for i, plan in enumerate(spec.layers)]
+        self.final_norm = source.take(names.final_norm, torch.float32 if self.mixed else None)
+        if spec.model_plan.norm_weight_offset:
+            self.final_norm += spec.model_plan.norm_weight_offset
         # A fifth of all FLOPs for small models, so it is packed like every linear. A tied
         # head also serves the embedding lookups when its rows can be read back, so that the
         # table is held once; otherwise the plain table stays for them.
-        self.lm_head = linear(embed if spec.tie_word_embeddings else source.take_linear("lm_head.weight"))
+        self.lm_head = linear(embed if spec.tie_word_embeddings else source.take_linear(names.lm_head))
         lookups_from_head = spec.tie_word_embeddings and self.lm_head.weight is None and self.lm_head.rows_readable
         self.embed: torch.Tensor | None = None
         if not lookups_from_head:
             assert isinstance(embed, torch.Tensor), "a quantized table serves the lookups from the head"
             self.embed = embed
-        self.rotary = RotaryEmbedding(spec, max_positions, device, torch.float32 if self.mixed else dtype)
+        # One table per distinct RoPE base and scaling (Gemma 3's local and global layers differ).
+        rope_dtype = torch.float32 if self.mixed else dtype
+        self.rotaries = {plan.attention.rope_key: RotaryEmbedding(plan.attention, spec.head_dim, max_positions, device,
+                                                                  rope_dtype) for plan in spec.layers}
+        self.rotary = self.rotaries[spec.layers[0].attention.rope_key]  # the first layer's (of most models, all's)
         if source.keep_quantized:
             log_placement(self.linears(), source.dequantized)
         logger.info("weights: %s", ", ".join(f"{name} {size / (1 << 20):.1f} MiB"
@@ -268,7 +315,7 @@ class DecoderModel:
                     continue  # the embedding table, counted once
                 held[kinds[representation]] += size
             held["norms and biases"] += layer.bias.nbytes if layer.bias is not None else 0
-        norms = [self.final_norm] + [n for layer in self.layers for n in (layer.input_norm, layer.post_attention_norm)]
+        norms = [self.final_norm] + [n for layer in self.layers for n in layer.norms()]
         held["norms and biases"] += sum(n.nbytes for n in norms)
         return held
 
@@ -278,6 +325,9 @@ class DecoderModel:
         rows = self.embed[ids] if self.embed is not None else self.lm_head.weight_rows(ids)
         if self.parallel is not None:  # vocab-parallel: the rank holding each token's row supplies it
             rows = self.parallel.reduce_embedding(rows, input_ids)
+        scale = self.spec.model_plan.embedding_scale
+        if scale is not None:  # rounded to the table's dtype first, as transformers' Gemma does
+            rows = rows * torch.tensor(scale, dtype=rows.dtype)
         return rows.float() if self.mixed else rows
 
     def fused_ops(self, backend: AttentionBackend) -> FusedOps:
@@ -301,9 +351,10 @@ class DecoderModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache, backend: AttentionBackend, logits_indices: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        rope = self.rotary.tables(positions)
+        ropes = {key: rotary.tables(positions) for key, rotary in self.rotaries.items()}
         ops = self.fused_ops(backend)
         for i, layer in enumerate(self.layers):
+            rope = ropes[layer.plan.attention.rope_key]
             hidden, residual = layer.forward(hidden, residual, rope, kv_cache.key_caches[i],
                                              kv_cache.value_caches[i], meta, backend, ops)
         assert residual is not None, "the model has at least one layer"

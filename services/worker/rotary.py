@@ -1,18 +1,21 @@
-"""Rotary position embeddings (non-interleaved halves, as Llama and Qwen2 use them)."""
+"""Rotary position embeddings (non-interleaved halves, as the Llama lineage uses them). Each
+layer's plan names its base and scaling (Gemma 3's local and global layers differ)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
-from vmesh.services.common.model_spec import ModelSpec
+from vmesh.services.common.families.plan import AttentionPlan
 
 
-def inverse_frequencies(spec: ModelSpec) -> torch.Tensor:
-    dim = spec.head_dim
-    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = spec.rope_scaling or {}
+def inverse_frequencies(attention: AttentionPlan, head_dim: int) -> torch.Tensor:
+    dim = head_dim
+    inv_freq = 1.0 / (attention.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = attention.rope_scaling or {}
     kind = scaling.get("rope_type", "default")
     if kind == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
@@ -21,7 +24,7 @@ def inverse_frequencies(spec: ModelSpec) -> torch.Tensor:
     return inv_freq
 
 
-def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+def _llama3_scaled(inv_freq: torch.Tensor, scaling: Mapping[str, Any]) -> torch.Tensor:
     # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
     factor = float(scaling["factor"])
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -35,8 +38,9 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    def __init__(self, spec: ModelSpec, max_positions: int, device: torch.device, dtype: torch.dtype):
-        inv_freq = inverse_frequencies(spec)
+    def __init__(self, attention: AttentionPlan, head_dim: int, max_positions: int, device: torch.device,
+                 dtype: torch.dtype):
+        inv_freq = inverse_frequencies(attention, head_dim)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -71,14 +71,18 @@ def shard_spec(spec: ModelSpec, size: int) -> ModelSpec:
         raise TensorParallelError(
             f"tensor parallel size {size} cannot share the model's {kv} KV heads ({spec.num_heads} attention "
             f"heads): it must divide them, or be a multiple of them (each KV head replicated)")
-    if spec.intermediate_size % size:
+    widths = {spec.intermediate_size} | {layer.mlp.intermediate_size for layer in spec.layers}
+    if indivisible := sorted(width for width in widths if width % size):
         raise TensorParallelError(
-            f"tensor parallel size {size} does not divide the model's MLP width {spec.intermediate_size}")
+            f"tensor parallel size {size} does not divide the model's MLP width {', '.join(map(str, indivisible))} "
+            "(an expert's MLP is split across the ranks as a dense one is)")
     if vocab_range(spec.vocab_size, size - 1, size)[0] >= spec.vocab_size:
         raise TensorParallelError(
             f"tensor parallel size {size} leaves the last rank none of the model's {spec.vocab_size} token ids")
-    return dataclasses.replace(spec, num_heads=spec.num_heads // size, num_kv_heads=max(1, kv // size),
-                               intermediate_size=spec.intermediate_size // size)
+    layers = tuple(dataclasses.replace(layer, mlp=dataclasses.replace(
+        layer.mlp, intermediate_size=layer.mlp.intermediate_size // size)) for layer in spec.layers)
+    return spec.with_layers(layers, num_heads=spec.num_heads // size, num_kv_heads=max(1, kv // size),
+                            intermediate_size=spec.intermediate_size // size)
 
 
 def vocab_range(vocab_size: int, rank: int, size: int) -> tuple[int, int]:
@@ -111,8 +115,10 @@ def shard_weights(tensors: Mapping[str, torch.Tensor | QuantizedWeight], spec: M
     q_rows = slice(rank * q_heads * head_dim, (rank + 1) * q_heads * head_dim)
     kv_start, kv_end = kv_head_range(spec, rank, size)
     kv_rows = slice(kv_start * head_dim, kv_end * head_dim)
-    features = spec.intermediate_size // size
-    mlp_rows = slice(rank * features, (rank + 1) * features)
+
+    def mlp_rows(width: int) -> slice:  # this rank's share of an MLP (or an expert's) features
+        return slice(rank * (width // size), (rank + 1) * (width // size))
+
     vocab = slice(*vocab_range(spec.vocab_size, rank, size))
     out: dict[str, torch.Tensor | QuantizedWeight] = {}
     for name, tensor in tensors.items():
@@ -123,14 +129,20 @@ def shard_weights(tensors: Mapping[str, torch.Tensor | QuantizedWeight], spec: M
         module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             out[name] = tensor[vocab]
+        elif name.endswith(".experts.gate_up_proj"):  # [experts, gate rows + up rows, hidden]
+            half = tensor.shape[1] // 2
+            rows = mlp_rows(half)
+            out[name] = torch.cat([tensor[:, rows], tensor[:, half:][:, rows]], dim=1)
+        elif name.endswith(".experts.down_proj"):  # [experts, hidden, features]: row-parallel
+            out[name] = tensor[:, :, mlp_rows(tensor.shape[2])]
         elif module == "q_proj":
             out[name] = tensor[q_rows]
         elif module in ("k_proj", "v_proj"):
             out[name] = tensor[kv_rows]
-        elif module in ("gate_proj", "up_proj"):
-            out[name] = tensor[mlp_rows]
-        elif module in ("o_proj", "down_proj"):
-            columns = q_rows if module == "o_proj" else mlp_rows
+        elif module in COLUMN_PARALLEL_MLP:
+            out[name] = tensor[mlp_rows(tensor.shape[0])]
+        elif module in ("o_proj", *ROW_PARALLEL_MLP):
+            columns = q_rows if module == "o_proj" else mlp_rows(tensor.shape[-1])
             if kind == "weight":
                 out[name] = tensor[:, columns]
             elif rank == 0:
@@ -138,6 +150,11 @@ def shard_weights(tensors: Mapping[str, torch.Tensor | QuantizedWeight], spec: M
         else:  # norms: every rank needs them whole
             out[name] = tensor
     return out
+
+
+# An MLP's (or one expert's) projections by module name: Llama's, and Mixtral's w1/w3 (gate/up), w2 (down).
+COLUMN_PARALLEL_MLP = ("gate_proj", "up_proj", "w1", "w3")
+ROW_PARALLEL_MLP = ("down_proj", "w2")
 
 
 def join_group(config: WorkerConfig, spec: ModelSpec, device: torch.device) -> TensorParallel | None:
