@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import torch
+
 from vmesh.services.scheduler.scheduler import Scheduler, WorkerGeometry
 from vmesh.services.scheduler.settings import SchedulerSettings
+from vmesh.services.worker.sampler import SamplingBatch
 
 
 def make_scheduler(*, num_blocks: int, block_size: int = 4, max_model_len: int = 256, max_num_seqs: int = 8,
@@ -15,3 +18,13 @@ def make_scheduler(*, num_blocks: int, block_size: int = 4, max_model_len: int =
     worker = WorkerGeometry(max_model_len=max_model_len, max_num_seqs=max_num_seqs, num_kv_blocks=num_blocks,
                             block_size=block_size, eos_token_ids=eos_token_ids)
     return Scheduler.for_worker(settings, worker, hash_seed=hash_seed)
+
+
+def make_sampling_batch(n: int, **columns) -> SamplingBatch:
+    """A sampler batch of `n` rows with every parameter at its neutral value, but for `columns`."""
+    base = dict(temperature=torch.ones(n), top_k=torch.zeros(n, dtype=torch.int64), top_p=torch.ones(n),
+                min_p=torch.zeros(n), repetition_penalty=torch.ones(n), presence_penalty=torch.zeros(n),
+                frequency_penalty=torch.zeros(n), num_logprobs=torch.full((n,), -1),
+                generators=[None] * n, seeds=[None] * n, positions=[0] * n)
+    base.update(columns)
+    return SamplingBatch(**base)

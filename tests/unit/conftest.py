@@ -7,6 +7,11 @@ import pytest
 from tests.support.deployment import load_compose, render_all
 from tests.support.prerequisites import missing
 from vmesh.kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
+from vmesh.services.common.structured import GrammarCompiler
+from vmesh.services.worker.grammar_rows import GrammarTokenizer
+
+EMBEDDED_VOCAB_SIZE = 49152  # the embedded model's logits width
+EMBEDDED_EOS = 2
 
 
 @pytest.fixture(scope="module")
@@ -29,3 +34,15 @@ def compose() -> dict:
 def rendered() -> dict[str, list[dict]]:
     """The Kubernetes base and each overlay, rendered as kustomize would (the test_deploy_* modules)."""
     return render_all()
+
+
+@pytest.fixture(scope="module")
+def grammar_tokenizer(embedded_model_dir) -> GrammarTokenizer:
+    """The embedded model's vocabulary as the worker's grammar matchers see it."""
+    return GrammarTokenizer(embedded_model_dir / "tokenizer.json", EMBEDDED_VOCAB_SIZE, (EMBEDDED_EOS,))
+
+
+@pytest.fixture(scope="module")
+def compiler(grammar_tokenizer) -> GrammarCompiler:
+    """A grammar compiler for the embedded model (modules with their own settings define theirs)."""
+    return GrammarCompiler(grammar_tokenizer.tokenizer_json, EMBEDDED_VOCAB_SIZE, [EMBEDDED_EOS])

@@ -2,23 +2,17 @@ from __future__ import annotations
 
 import torch
 
-from vmesh.services.worker.sampler import Sampler, SamplingBatch, apply_penalties, restrict_logits
+from tests.support.factories import make_sampling_batch
+from vmesh.services.worker.sampler import Sampler, apply_penalties, restrict_logits
 
 VOCAB = 50
 
 
-def make_batch(n: int, **columns) -> SamplingBatch:
-    base = dict(temperature=torch.ones(n), top_k=torch.zeros(n, dtype=torch.int64), top_p=torch.ones(n),
-                min_p=torch.zeros(n), repetition_penalty=torch.ones(n), presence_penalty=torch.zeros(n),
-                frequency_penalty=torch.zeros(n), num_logprobs=torch.full((n,), -1),
-                generators=[None] * n, seeds=[None] * n, positions=[0] * n)
-    base.update(columns)
-    return SamplingBatch(**base)
 
 
 def test_greedy_and_zero_temperature_take_argmax_without_nan():
     logits = torch.randn(4, VOCAB)
-    out = Sampler()(logits, make_batch(4, temperature=torch.zeros(4)))
+    out = Sampler()(logits, make_sampling_batch(4, temperature=torch.zeros(4)))
     assert torch.equal(out.token_ids, logits.argmax(-1))
 
 
@@ -33,7 +27,7 @@ def test_seeded_rows_do_not_depend_on_batch_neighbours():
         generators = [torch.Generator() if i == at else None for i in range(batch_size)]
         seeds = [42 if i == at else None for i in range(batch_size)]
         positions = [position] * batch_size
-        batch = make_batch(batch_size, temperature=torch.full((batch_size,), 0.9), generators=generators,
+        batch = make_sampling_batch(batch_size, temperature=torch.full((batch_size,), 0.9), generators=generators,
                            seeds=seeds, positions=positions)
         return int(sampler(logits, batch).token_ids[at])
 
@@ -60,7 +54,7 @@ def test_top_k_top_p_min_p_restrict_support_exactly():
 
     # Sampling many times never leaves the support.
     sampler = Sampler()
-    batch = make_batch(4, top_k=top_k, top_p=top_p, min_p=min_p)
+    batch = make_sampling_batch(4, top_k=top_k, top_p=top_p, min_p=min_p)
     seen = torch.zeros(4, 6, dtype=torch.bool)
     for _ in range(300):
         tokens = sampler(logits, batch).token_ids
@@ -74,7 +68,7 @@ def test_penalties_change_logits_as_defined():
     # prompt has token 0; outputs are tokens 1, 1 and 2.
     seen = torch.tensor([[0, 1, 1, 2]])
     output = torch.tensor([[-1, 1, 1, 2]])
-    batch = make_batch(1, repetition_penalty=torch.tensor([2.0]), presence_penalty=torch.tensor([0.5]),
+    batch = make_sampling_batch(1, repetition_penalty=torch.tensor([2.0]), presence_penalty=torch.tensor([0.5]),
                        frequency_penalty=torch.tensor([0.25]))
     batch.seen_token_ids, batch.output_token_ids = seen, output
     got = apply_penalties(logits, batch)
@@ -85,7 +79,7 @@ def test_penalties_change_logits_as_defined():
 def test_logprobs_come_from_raw_logits():
     torch.manual_seed(1)
     logits = torch.randn(3, VOCAB)
-    batch = make_batch(3, temperature=torch.tensor([0.0, 0.5, 0.0]), num_logprobs=torch.tensor([3, -1, 0]),
+    batch = make_sampling_batch(3, temperature=torch.tensor([0.0, 0.5, 0.0]), num_logprobs=torch.tensor([3, -1, 0]),
                        repetition_penalty=torch.tensor([1.5, 1.0, 1.0]))
     batch.seen_token_ids = torch.tensor([[int(logits[0].argmax())], [-1], [-1]])
     batch.output_token_ids = torch.full((3, 1), -1)

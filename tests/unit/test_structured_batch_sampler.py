@@ -9,28 +9,18 @@ import pytest
 import tokenizers
 import torch
 
+from tests.support.factories import make_sampling_batch
 from vmesh.services.common.step_types import NewRequest, StepPlan
-from vmesh.services.common.structured import GrammarCompiler, allocate_token_bitmask, load_matcher
+from vmesh.services.common.structured import allocate_token_bitmask, load_matcher
 from vmesh.services.common.types import SamplingParams, StructuredOutput
-from vmesh.services.worker.grammar_rows import GrammarTokenizer
 from vmesh.services.worker.persistent_batch import PersistentBatch
-from vmesh.services.worker.sampler import Sampler, SamplingBatch
+from vmesh.services.worker.sampler import Sampler
 
 VOCAB_SIZE = 49152
 EOS = 2
 SCHEMA = ('{"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"], '
           '"additionalProperties": false}')
 PROMPT = [1, 5, 9]
-
-
-@pytest.fixture(scope="module")
-def grammar_tokenizer(embedded_model_dir) -> GrammarTokenizer:
-    return GrammarTokenizer(embedded_model_dir / "tokenizer.json", VOCAB_SIZE, (EOS,))
-
-
-@pytest.fixture(scope="module")
-def compiler(grammar_tokenizer) -> GrammarCompiler:
-    return GrammarCompiler(grammar_tokenizer.tokenizer_json, VOCAB_SIZE, [EOS])
 
 
 @pytest.fixture(scope="module")
@@ -119,13 +109,6 @@ def test_replaying_an_output_the_grammar_rejects_fails_the_row_not_the_batch(com
 # --- the sampler under a mask ----------------------------------------------------------------
 
 
-def sampling_batch(n: int, **columns) -> SamplingBatch:
-    base = dict(temperature=torch.ones(n), top_k=torch.zeros(n, dtype=torch.int64), top_p=torch.ones(n),
-                min_p=torch.zeros(n), repetition_penalty=torch.ones(n), presence_penalty=torch.zeros(n),
-                frequency_penalty=torch.zeros(n), num_logprobs=torch.full((n,), -1),
-                generators=[None] * n, seeds=[None] * n, positions=[0] * n)
-    base.update(columns)
-    return SamplingBatch(**base)
 
 
 def random_bitmask(rows: int, vocab: int, generator: torch.Generator, allowed: int) -> torch.Tensor:
@@ -159,7 +142,7 @@ def test_no_masked_token_is_ever_sampled(mode: str) -> None:
             columns["top_p"] = torch.full((rows,), 0.5)
         if mode == "min-p":
             columns["min_p"] = torch.full((rows,), 0.2)
-        batch = sampling_batch(rows, **columns, token_bitmask=bitmask, bitmask_rows=list(range(rows)))
+        batch = make_sampling_batch(rows, **columns, token_bitmask=bitmask, bitmask_rows=list(range(rows)))
         if mode == "penalties":
             batch.repetition_penalty = torch.full((rows,), 1.3)
             batch.frequency_penalty = torch.full((rows,), 0.5)
@@ -177,7 +160,7 @@ def test_rows_outside_the_mask_and_logprobs_see_the_raw_logits() -> None:
     generator = torch.Generator().manual_seed(1)
     logits = torch.randn(3, vocab, generator=generator)
     bitmask = random_bitmask(3, vocab, generator, allowed=2)
-    batch = sampling_batch(3, temperature=torch.zeros(3), num_logprobs=torch.full((3,), 2), token_bitmask=bitmask,
+    batch = make_sampling_batch(3, temperature=torch.zeros(3), num_logprobs=torch.full((3,), 2), token_bitmask=bitmask,
                            bitmask_rows=[1])
     out = Sampler()(logits.clone(), batch)
     assert out.token_ids[0] == logits[0].argmax() and out.token_ids[2] == logits[2].argmax()

@@ -16,7 +16,6 @@ import tokenizers
 import torch
 
 from vmesh.services.common.step_types import StepResult
-from vmesh.services.common.structured import GrammarCompiler
 from vmesh.services.common.types import CompiledGrammar, FinishReason, SamplingParams, StructuredOutput
 from vmesh.services.common.wire.step import result_from_proto, result_to_proto
 from vmesh.services.engine.core import EngineCore
@@ -24,7 +23,6 @@ from vmesh.services.scheduler.request import Request
 from vmesh.services.scheduler.scheduler import MAX_PLAN_GRAMMAR_BYTES, Scheduler, WorkerGeometry
 from vmesh.services.scheduler.settings import SchedulerSettings
 from vmesh.services.worker import grammar_rows
-from vmesh.services.worker.grammar_rows import GrammarTokenizer
 from vmesh.services.worker.model_runner import ModelRunner
 
 VOCAB_SIZE = 49152
@@ -47,16 +45,6 @@ class RandomLogitsModel:
 
     def forward(self, input_ids, positions, attention, kv_cache, backend, logits_indices):
         return torch.randn(len(logits_indices), VOCAB_SIZE, generator=self.generator) * 3
-
-
-@pytest.fixture(scope="module")
-def grammar_tokenizer(embedded_model_dir) -> GrammarTokenizer:
-    return GrammarTokenizer(embedded_model_dir / "tokenizer.json", VOCAB_SIZE, (EOS,))
-
-
-@pytest.fixture(scope="module")
-def compiler(grammar_tokenizer) -> GrammarCompiler:
-    return GrammarCompiler(grammar_tokenizer.tokenizer_json, VOCAB_SIZE, [EOS])
 
 
 @pytest.fixture(scope="module")
