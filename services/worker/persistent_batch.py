@@ -18,6 +18,7 @@ from vmesh.services.common.step_types import NewRequest, StepPlan
 from vmesh.services.common.types import FLOAT_SAMPLING_FIELDS, SamplingParams
 from vmesh.services.worker.attention import AttentionMetadata
 from vmesh.services.worker.grammar_rows import GrammarTokenizer, RowGrammar, row_grammar
+from vmesh.services.worker.sampler import NO_LOGPROBS
 
 
 class PlanError(ValueError):
@@ -53,9 +54,9 @@ class PersistentBatch:
         self.block_table = torch.zeros((max_num_reqs, max_blocks), dtype=torch.int64)
         self.num_blocks = torch.zeros(max_num_reqs, dtype=torch.int64)
         self.float_params = {name: torch.zeros(max_num_reqs, dtype=torch.float32) for name in FLOAT_SAMPLING_FIELDS}
-        self.top_k = torch.zeros(max_num_reqs, dtype=torch.int64)
+        self.top_k = torch.full((max_num_reqs,), -1, dtype=torch.int64)
         self.min_tokens = torch.zeros(max_num_reqs, dtype=torch.int64)
-        self.num_logprobs = torch.full((max_num_reqs,), -1, dtype=torch.int64)
+        self.num_logprobs = torch.full((max_num_reqs,), NO_LOGPROBS, dtype=torch.int64)
         self.seeds: list[int | None] = [None] * max_num_reqs
         self.generators: list[torch.Generator | None] = [None] * max_num_reqs
         self.sampling: list[SamplingParams | None] = [None] * max_num_reqs
@@ -120,9 +121,9 @@ class PersistentBatch:
         params = request.sampling
         for name, column in self.float_params.items():
             column[row] = getattr(params, name)
-        self.top_k[row] = params.top_k if params.top_k > 0 else 0
+        self.top_k[row] = params.top_k
         self.min_tokens[row] = params.min_tokens
-        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.num_logprobs[row] = NO_LOGPROBS if params.logprobs is None else params.logprobs
         self.seeds[row] = params.seed
         self.generators[row] = torch.Generator() if params.seed is not None else None
         self.sampling[row] = params

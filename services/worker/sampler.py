@@ -21,19 +21,21 @@ from vmesh.services.common.structured import apply_token_bitmask
 from vmesh.services.common.types import GREEDY_TEMPERATURE_EPS
 
 _MASKED = float("-inf")
+# SamplingParams.logprobs None in an integer column: the row asks for no logprobs.
+NO_LOGPROBS = -1
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct positions give distinct seeds
 
 
 @dataclass
 class SamplingBatch:
     temperature: torch.Tensor  # [B] float32
-    top_k: torch.Tensor  # [B] int64, 0 = disabled
+    top_k: torch.Tensor  # [B] int64, as SamplingParams.top_k: <= 0 disables
     top_p: torch.Tensor  # [B] float32
     min_p: torch.Tensor  # [B] float32
     repetition_penalty: torch.Tensor  # [B]
     presence_penalty: torch.Tensor  # [B]
     frequency_penalty: torch.Tensor  # [B]
-    num_logprobs: torch.Tensor  # [B] int64, -1 = none
+    num_logprobs: torch.Tensor  # [B] int64, NO_LOGPROBS for SamplingParams.logprobs None
     generators: list[torch.Generator | None]  # per row; None = the global generator
     seeds: list[int | None]
     positions: list[int]  # index of the token being sampled, for reseeding

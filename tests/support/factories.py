@@ -6,7 +6,7 @@ import torch
 
 from vmesh.services.scheduler.scheduler import Scheduler, WorkerGeometry
 from vmesh.services.scheduler.settings import SchedulerSettings
-from vmesh.services.worker.sampler import SamplingBatch
+from vmesh.services.worker.sampler import NO_LOGPROBS, SamplingBatch
 
 
 def make_scheduler(*, num_blocks: int, block_size: int = 4, max_model_len: int = 256, max_num_seqs: int = 8,
@@ -22,9 +22,9 @@ def make_scheduler(*, num_blocks: int, block_size: int = 4, max_model_len: int =
 
 def make_sampling_batch(n: int, **columns) -> SamplingBatch:
     """A sampler batch of `n` rows with every parameter at its neutral value, but for `columns`."""
-    base = dict(temperature=torch.ones(n), top_k=torch.zeros(n, dtype=torch.int64), top_p=torch.ones(n),
+    base = dict(temperature=torch.ones(n), top_k=torch.full((n,), -1, dtype=torch.int64), top_p=torch.ones(n),
                 min_p=torch.zeros(n), repetition_penalty=torch.ones(n), presence_penalty=torch.zeros(n),
-                frequency_penalty=torch.zeros(n), num_logprobs=torch.full((n,), -1),
+                frequency_penalty=torch.zeros(n), num_logprobs=torch.full((n,), NO_LOGPROBS),
                 generators=[None] * n, seeds=[None] * n, positions=[0] * n)
     base.update(columns)
     return SamplingBatch(**base)
