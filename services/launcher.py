@@ -331,7 +331,7 @@ def _start_worker_group(mesh: Mesh, name: str, argv: list[str], group: int = 0) 
     size = mesh.args.tensor_parallel_size
     if size == 1:
         return [mesh.start(name, "worker", argv)]
-    rendezvous = f"{INTERNAL_HOST}:{_free_port()}"
+    rendezvous = f"{INTERNAL_HOST}:{free_port()}"
     # The ranks share this machine's cores: each gets its share of threads (unless told otherwise), or
     # their OpenMP teams would spin against each other at every collective.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -349,7 +349,8 @@ def _start_worker_group(mesh: Mesh, name: str, argv: list[str], group: int = 0) 
     return ranks
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port nobody holds now (for a peer that cannot bind port 0 and report it)."""
     with socket.socket() as probe:
         probe.bind((INTERNAL_HOST, 0))
         return probe.getsockname()[1]

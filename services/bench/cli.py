@@ -13,6 +13,8 @@ from vmesh.services.bench.claims import claims
 from vmesh.services.bench.common import RESULTS, WORKLOADS, save
 from vmesh.services.bench.detokenizer import detokenizer
 from vmesh.services.bench.offline import offline
+from vmesh.services.bench.online_peers import add_arguments as add_online_arguments
+from vmesh.services.bench.online_peers import online
 from vmesh.services.bench.serving import serving
 from vmesh.services.bench.structured import ARMS, STRUCTURED_WORKLOAD, serving_structured
 
@@ -20,15 +22,16 @@ from vmesh.services.bench.structured import ARMS, STRUCTURED_WORKLOAD, serving_s
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vmesh bench", description=bench_doc.split("\n\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)
-    common = argparse.ArgumentParser(add_help=False)
+    base = argparse.ArgumentParser(add_help=False)
+    base.add_argument("--model", default=None, help="default: the embedded model")
+    base.add_argument("--kv-cache-memory", default="1GiB")
+    base.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
+    common = argparse.ArgumentParser(add_help=False, parents=[base])
     common.add_argument("--workload", default="standard",
                         help=f"{' or '.join(WORKLOADS)} (64 x 128 tokens after short prompts; 16 x 64 after "
                              "2,000-token prompts), or a workload JSON file of the same form; serving also takes "
                              f"{STRUCTURED_WORKLOAD} (the standard prompts answered in JSON, with and without schemas)")
-    common.add_argument("--model", default=None, help="default: the embedded model")
     common.add_argument("--max-tokens", type=int, default=None, help="default: the workload's")
-    common.add_argument("--kv-cache-memory", default="1GiB")
-    common.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
     off = sub.add_parser("offline", parents=[common])
     off.add_argument("--requests", type=int, default=None)
     off.add_argument("--baselines", default="transformers,engine,mesh",
@@ -68,13 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
     cl = sub.add_parser("claims", parents=[common])
     cl.add_argument("--requests", type=int, default=None)
     cl.add_argument("--models", default="embedded,tiny")
+    onl = sub.add_parser("online", parents=[base],
+                         help="vLLM's own serving benchmark client against vmesh serve and vLLM's OpenAI server")
+    add_online_arguments(onl)
+    onl.set_defaults(workload="standard")
     det = sub.add_parser("detokenizer", parents=[common])
     det.add_argument("--requests", type=int, default=None)
     det.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
     return parser
 
 
-MODES = {"offline": offline, "serving": serving, "claims": claims, "detokenizer": detokenizer}
+MODES = {"offline": offline, "serving": serving, "claims": claims, "detokenizer": detokenizer, "online": online}
 
 
 def main(argv: list[str] | None = None) -> int:

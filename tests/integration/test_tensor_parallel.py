@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,17 +25,12 @@ from tests.support.checkout import ROOT
 from tests.support.plan_driver import DrivenRequest, drive
 from tests.support.tiny_models import TINY_VOCAB, save_tiny_llama, save_tiny_qwen2
 from vmesh.services.common.types import SamplingParams, StructuredOutput
+from vmesh.services.launcher import free_port
 from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
 from vmesh.services.worker.tensor_parallel import GROUP_FAILED_EXIT_CODE
 
 RANK_TIMEOUT_S = 240
 ENGINE_PROMPTS = ["What is the capital of France?", "List three prime numbers.", "Why is the sky blue?"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(model: str, size: int = 1, rank: int = 0, port: int = 0, kv_cache_memory: int = 4 << 20) -> WorkerConfig:
@@ -136,7 +130,7 @@ def run_group(tmp_path: Path, model: str, size: int, scenario: str, kv: int = 4 
               timeout: float = RANK_TIMEOUT_S) -> tuple[list[int | None], list[dict[str, Any] | None]]:
     """Start `size` rank processes, wait for them all, and return their exit codes and results;
     every process is killed on the way out, whatever happened."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     outs = [tmp_path / f"{scenario}-rank{r}.json" for r in range(size)]
     procs = []

@@ -1,0 +1,179 @@
+"""`vmesh bench online`: vLLM's own serving benchmark client (`vllm bench serve`, run from the
+peers' vLLM environment) against `vmesh serve` and against vLLM's OpenAI server, on the same
+converted weights, in the same precision, under the same loads. Both servers are started once
+and stay up; each round sends every load to each of them, the order of the servers swapped from
+round to round, so that the machine's drift (±20 % between sittings here) falls on both alike.
+Medians over the rounds are reported, with vmesh's figures over vLLM's."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vmesh.services.bench.common import machine
+from vmesh.services.bench.mesh import start_mesh
+from vmesh.services.bench.peers import READY_TIMEOUT_S, PeerError, default_peers_dir, peer_environment, peer_python
+from vmesh.services.common.model_loading import resolve_model_dir
+from vmesh.services.launcher import free_port
+
+CLIENT = Path(__file__).resolve().parent / "vllm_client.py"
+SERVERS = ("vmesh", "vllm")
+# What the client reports that the comparison reads: throughput, and latency means and percentiles.
+FIGURES = ("completed", "output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
+           "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms")
+# Figure -> whether more is better, for the ratios of vmesh over vLLM.
+RATIOS = {"output_throughput": True, "median_ttft_ms": False, "mean_tpot_ms": False, "p99_itl_ms": False}
+CLIENT_TIMEOUT_S = 1800.0
+
+
+@dataclass(frozen=True)
+class Load:
+    """`burst:N`: every request at once, N in flight at most; `rate:R`: Poisson arrivals, R per second."""
+    name: str
+    request_rate: float
+    max_concurrency: int | None
+
+    @classmethod
+    def parse(cls, text: str) -> Load:
+        kind, _, value = text.partition(":")
+        if kind == "burst" and value.isdigit():
+            return cls(text, math.inf, int(value))
+        if kind == "rate":
+            with contextlib.suppress(ValueError):
+                return cls(text, float(value), None)
+        raise SystemExit(f"--loads: {text!r} is neither burst:N nor rate:R")
+
+    def client_flags(self) -> list[str]:
+        flags = ["--request-rate", "inf" if math.isinf(self.request_rate) else str(self.request_rate)]
+        return flags + (["--max-concurrency", str(self.max_concurrency)] if self.max_concurrency else [])
+
+
+def _served_model(base_url: str) -> str:
+    with urllib.request.urlopen(f"{base_url}/models", timeout=10) as reply:
+        return json.load(reply)["data"][0]["id"]
+
+
+class VllmServer:
+    """vLLM's OpenAI server on loopback, in a session of its own (its engine runs in children)."""
+
+    def __init__(self, python: Path, model_dir: Path, dtype: str, port: int, max_model_len: int,
+                 kv_cache_bytes: int):
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="vmesh-bench-vllm-server-", suffix=".log",  # noqa: SIM115
+                                               delete=False)
+        self.base_url = f"http://127.0.0.1:{port}/v1"
+        baseline = "vllm-bf16" if dtype == "bfloat16" else "vllm"
+        command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                   "--dtype", dtype, "--max-model-len", str(max_model_len), "--host", "127.0.0.1",
+                   "--port", str(port), "--seed", "0"]
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                        env=peer_environment(baseline, python, torch.get_num_threads(),
+                                                             kv_cache_bytes))
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            with contextlib.suppress(OSError):
+                self.model = _served_model(self.base_url)
+                return
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise PeerError(f"vLLM's server did not start (log {self.log.name})")
+            time.sleep(1.0)
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        self.log.close()
+
+
+def run_client(python: Path, base_url: str, model: str, tokenizer: Path, load: Load,
+               args: argparse.Namespace) -> dict[str, float]:
+    """One load against one server: vLLM's client on random prompts of fixed lengths, EOS ignored."""
+    with tempfile.TemporaryDirectory(prefix="vmesh-bench-vllm-client-") as out:
+        command = [str(python), str(CLIENT), "--backend", "openai", "--base-url", base_url.removesuffix("/v1"),
+                   "--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(tokenizer),
+                   "--dataset-name", "random", "--random-input-len", str(args.input_len),
+                   "--random-output-len", str(args.output_len), "--ignore-eos", "--num-prompts",
+                   str(args.num_prompts), "--seed", str(args.seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
+                   "--metric-percentiles", "50,99", "--disable-tqdm", "--save-result", "--result-dir", out,
+                   "--result-filename", "result.json", *load.client_flags()]
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=CLIENT_TIMEOUT_S)
+        if done.returncode != 0:
+            raise PeerError(f"vLLM's benchmark client failed against {base_url}:\n{done.stderr[-3000:]}")
+        result = json.loads((Path(out) / "result.json").read_text())
+    figures = {name: float(result[name]) for name in FIGURES if name in result}
+    if figures.get("completed") != args.num_prompts:
+        raise PeerError(f"{base_url}: {figures.get('completed')} of {args.num_prompts} requests completed")
+    return figures
+
+
+def _medians(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {name: statistics.median(r[name] for r in runs) for name in runs[0]}
+
+
+def online(args: argparse.Namespace) -> dict[str, Any]:
+    peers_dir = Path(args.peers_dir) if args.peers_dir else default_peers_dir()
+    loads = [Load.parse(text) for text in args.loads.split(",")]
+    model_dir = resolve_model_dir(args.model)
+    try:
+        python = peer_python(peers_dir, "vllm")
+    except PeerError as exc:
+        raise SystemExit(str(exc)) from exc
+    runs: dict[str, dict[str, list[dict[str, float]]]] = {s: {load.name: [] for load in loads} for s in SERVERS}
+    with contextlib.ExitStack() as stack:
+        mesh = start_mesh("--model", str(model_dir), "--kv-cache-memory", args.kv_cache_memory, "--dtype", args.dtype)
+        stack.callback(mesh.stop)
+        vllm = VllmServer(python, model_dir, args.dtype, free_port(), args.input_len + args.output_len + 64,
+                          args.kv_cache_memory_bytes)
+        stack.callback(vllm.close)
+        urls = {"vmesh": mesh.http_url, "vllm": vllm.base_url}
+        models = {"vmesh": _served_model(mesh.http_url), "vllm": vllm.model}
+        for round_index in range(args.rounds):
+            order = SERVERS if round_index % 2 == 0 else SERVERS[::-1]
+            for load in loads:
+                for server in order:
+                    figures = run_client(python, urls[server], models[server], model_dir, load, args)
+                    runs[server][load.name].append(figures)
+                    print(f"round {round_index + 1} {load.name} {server}: {figures['output_throughput']:.1f} tok/s, "
+                          f"TTFT p50 {figures['median_ttft_ms']:.0f} ms, TPOT {figures['mean_tpot_ms']:.1f} ms, "
+                          f"ITL p99 {figures['p99_itl_ms']:.0f} ms", flush=True)
+    medians = {s: {load: _medians(r) for load, r in per_load.items()} for s, per_load in runs.items()}
+    ratios = {load.name: {name: medians["vmesh"][load.name][name] / medians["vllm"][load.name][name]
+                          for name in RATIOS} for load in loads}
+    return {"machine": machine(), "dtype": args.dtype, "rounds": args.rounds, "num_prompts": args.num_prompts,
+            "input_len": args.input_len, "output_len": args.output_len, "runs": runs, "medians": medians,
+            "vmesh_over_vllm": ratios}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--peers-dir", default=None,
+                        help="where benchmarks/peers/setup.sh built the peers' environments "
+                             "(default: $VMESH_PEERS_DIR, else ~/.cache/vmesh-peers)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="both servers' precision (default: bfloat16, both servers' best mode here)")
+    parser.add_argument("--loads", default="burst:32,rate:2",
+                        help="comma-separated: burst:N (all at once, N in flight) and rate:R (Poisson, R/s)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
