@@ -133,11 +133,11 @@ def _medians(runs: list[dict[str, float]]) -> dict[str, float]:
 def online(args: argparse.Namespace) -> dict[str, Any]:
     peers_dir = Path(args.peers_dir) if args.peers_dir else default_peers_dir()
     loads = [Load.parse(text) for text in args.loads.split(",")]
-    model_dir = resolve_model_dir(args.model)
     try:
         python = peer_python(peers_dir, "vllm")
     except PeerError as exc:
         raise SystemExit(str(exc)) from exc
+    model_dir = resolve_model_dir(args.model)
     runs: dict[str, dict[str, list[dict[str, float]]]] = {s: {load.name: [] for load in loads} for s in SERVERS}
     with contextlib.ExitStack() as stack:
         mesh = start_mesh("--model", str(model_dir), "--kv-cache-memory", args.kv_cache_memory, "--dtype", args.dtype)
