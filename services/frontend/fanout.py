@@ -19,7 +19,7 @@ T = TypeVar("T")
 
 class Fanout:
     """Several request streams (n choices, several prompts) merged into one sequence of
-    (choice index, GenerateResponse).
+    (choice index, GenerationOutput).
 
     The queue is bounded: a stream whose output the reader has not taken yet stops pulling, so
     outputs that arrive meanwhile merge in the request's one-slot Outbox rather than pile up

@@ -127,17 +127,17 @@ class OpenAIRoutes:
             self._tokens = render.TokenTable(self.frontend.tokenizer)
         return self._tokens
 
-    async def _run(self, http_request: Request, generate_requests: list[GenerationRequest],
+    async def _run(self, http_request: Request, requests: list[GenerationRequest],
                    reply: Reply) -> Response:
         fanout: Fanout | None = None
 
         async def start() -> None:
             nonlocal fanout
             # Each prompt is tokenized once (off the loop); its n copies carry the token ids.
-            prompts = [await self.frontend.encode(r.prompt) for r in generate_requests]
+            prompts = [await self.frontend.encode(r.prompt) for r in requests]
             operation = "chat" if reply.chat else "text_completion"
             fanout = Fanout([self.frontend.generate(r, trace_headers=http_request.headers, operation=operation)
-                             for r in oai.fan_out(generate_requests, reply.n, prompts)])
+                             for r in oai.fan_out(requests, reply.n, prompts)])
             if reply.stream:
                 await fanout.started()
                 for _, out in fanout.pending:
@@ -250,25 +250,25 @@ class OpenAIRoutes:
 
     async def completions(self, body: oai.CompletionRequest, request: Request) -> Response:
         model = self.served()
-        generate_requests = oai.completion_requests(body, model)
-        return await self._run(request, generate_requests, Reply(
-            model, chat=False, prompts=len(generate_requests), n=body.n, stream=body.stream,
+        requests = oai.completion_requests(body, model)
+        return await self._run(request, requests, Reply(
+            model, chat=False, prompts=len(requests), n=body.n, stream=body.stream,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             want_logprobs=body.logprobs is not None, aliases=oai.param_aliases(body)))
 
     async def chat_completions(self, body: oai.ChatCompletionRequest, request: Request) -> Response:
         model = self.served()
         tools = oai.chat_tools(body)
-        generate_request = oai.chat_request(body, model, tools)
-        return await self._run(request, [generate_request], Reply(
+        generation = oai.chat_request(body, model, tools)
+        return await self._run(request, [generation], Reply(
             model, chat=True, prompts=1, n=body.n, stream=body.stream,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             want_logprobs=body.logprobs, aliases=oai.param_aliases(body, tools), tools=tools))
 
     async def responses(self, body: responses_api.ResponsesRequest, request: Request) -> Response:
         """Stateless: served as the chat completion it translates into."""
-        generate_request, view, tools = responses_api.translate(body, self.served())
-        return await self._run(request, [generate_request], Reply(
+        generation, view, tools = responses_api.translate(body, self.served())
+        return await self._run(request, [generation], Reply(
             view.model, chat=True, prompts=1, n=1, stream=body.stream, include_usage=True, want_logprobs=False,
             aliases=view.aliases, responses=view, tools=tools))
 
