@@ -349,12 +349,13 @@ class FrontendCore:
             raise RequestError.invalid(InvalidRequest("sampling.structured", "this model's output cannot be "
                                                                              "constrained (no tokenizer.json)"))
         try:
-            params.grammar = await asyncio.get_running_loop().run_in_executor(
+            grammar = await asyncio.get_running_loop().run_in_executor(
                 self.grammar_pool, compile_spec, self.grammar_compiler, params.structured)
         except InvalidRequest as exc:
             raise RequestError.invalid(exc) from exc
+        params.grammar = grammar
         span.set_attributes({"vmesh.structured_output.kind": params.structured.kind,
-                             "vmesh.structured_output.backend": params.grammar.backend})
+                             "vmesh.structured_output.backend": grammar.backend})
         self.ready()  # a drain that began meanwhile counted no request in flight
         return params
 

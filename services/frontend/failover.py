@@ -180,7 +180,7 @@ async def submit(mesh: Mesh, submission: Submission,
     if error is None:
         raise RequestError(Code.UNAVAILABLE, "no scheduler is available")
     if error.code() in _PASSED_THROUGH:  # the scheduler's own words about the request
-        raise RequestError(error.code(), error.details())
+        raise RequestError(error.code(), error.details() or "")
     # gRPC's text names internal addresses: the log keeps it, the client gets the gist.
     logger.warning("submission failed: %s %s", error.code().name, error.details())
     raise RequestError(grpc.StatusCode.UNAVAILABLE, "no scheduler is available")

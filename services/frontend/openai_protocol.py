@@ -182,8 +182,8 @@ def completion_requests(body: CompletionRequest, served: str) -> list[Generation
     """One request per prompt (n copies are made by fan_out)."""
     check_common(body, served)
     prompt = body.prompt
-    prompts: list[str | list[int]] = [prompt] if isinstance(prompt, str) or (
-        prompt and isinstance(prompt[0], int)) else cast("list[str | list[int]]", list(prompt))
+    one = isinstance(prompt, str) or (prompt and isinstance(prompt[0], int))
+    prompts = cast("list[str | list[int]]", [prompt] if one else list(prompt))
     if not prompts:
         raise invalid("prompt", "empty")
     if len(prompts) * body.n > MAX_CHOICES:

@@ -74,12 +74,15 @@ def output_to_public(out: GenerationOutput) -> frontend_pb2.GenerateResponse:
 
 
 @cache
-def _field(path: str) -> FieldDescriptor:
+def _cpp_type(path: str) -> int:
+    """The C++ type (FieldDescriptor.CPPTYPE_*) of GenerateRequest's field `path`."""
     descriptor = frontend_pb2.GenerateRequest.DESCRIPTOR
     *heads, name = path.split(".")
     for head in heads:
-        descriptor = descriptor.fields_by_name[head].message_type
-    return descriptor.fields_by_name[name]
+        message = descriptor.fields_by_name[head].message_type
+        assert message is not None, f"{head} is not a message field"
+        descriptor = message
+    return descriptor.fields_by_name[name].cpp_type
 
 
 def as_carried(path: str, value: Any) -> Any:
@@ -87,10 +90,10 @@ def as_carried(path: str, value: Any) -> Any:
     carries it: a float rounded to 32 bits (past their range: infinite), an int (each one, of a
     repeated field) refused with ValueError outside the field's range, as protobuf refuses it; so
     that a request built without the message is the request the message would carry."""
-    f = _field(path)
-    if f.cpp_type == FieldDescriptor.CPPTYPE_FLOAT:
+    cpp_type = _cpp_type(path)
+    if cpp_type == FieldDescriptor.CPPTYPE_FLOAT:
         return ctypes.c_float(value).value
-    bounds = _INT_RANGES.get(f.cpp_type)
+    bounds = _INT_RANGES.get(cpp_type)
     if bounds is not None:
         low, high = bounds
         for v in (value if isinstance(value, list) else (value,)):
