@@ -3,15 +3,22 @@ outputs encoded (wire/public.py), the submission to a scheduler (wire/submission
 HTTP API building the very request the gRPC API decodes."""
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
 
+from tests.support.fake_scheduler import FakeScheduler
+from tests.support.frontends import serving_frontend
+from tests.support.grpc_fakes import FakeContext
 from vmesh.services.common.generation import Chat, ChatMessage, GenerationOutput, Submission, ToolCall
 from vmesh.services.common.types import (
     FinishReason,
+    ModelLimits,
+    OutputBatch,
     OutputMode,
     SamplingParams,
+    StreamOutput,
     StructuredOutput,
     TokenLogprobs,
     TraceContext,
@@ -21,6 +28,7 @@ from vmesh.services.common.wire.public import as_carried, output_to_public, prom
 from vmesh.services.common.wire.sampling import sampling_from_proto
 from vmesh.services.common.wire.submission import abort_to_proto, submission_to_proto
 from vmesh.services.frontend import openai_protocol as oai
+from vmesh.services.frontend.server import FrontendServicer
 from vmesh.v1 import common_pb2, frontend_pb2
 
 
@@ -93,3 +101,31 @@ def test_the_http_api_builds_the_request_the_grpc_api_decodes():
     assert http == grpc and http.sampling.output_mode is OutputMode.DELTA
     chat = oai.chat_request(oai.ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]), "m")
     assert chat.max_tokens_from_context and chat.prompt == Chat([ChatMessage("user", "hi")])
+
+
+def test_the_grpc_shell_serves_a_decoded_request_and_sends_encoded_outputs():
+    """GenerateRequest in, GenerateResponses out, through the core: max_tokens unset is the
+    context's room; the last response has the finish reason and the usage; Tokenize decodes too."""
+    class Tokenizer:
+        def encode(self, text: str) -> list[int]:
+            return [ord(c) for c in text]
+
+    async def main() -> tuple[list[frontend_pb2.GenerateResponse], int, list[int]]:
+        f, scheduler = await serving_frontend(Tokenizer(), FakeScheduler(ModelLimits("m", 100, 200)))
+        servicer = FrontendServicer(f)
+        stream = servicer.Generate(frontend_pb2.GenerateRequest(token_ids=frontend_pb2.TokenIds(ids=[1, 2, 3])),
+                                   FakeContext())
+        first = asyncio.ensure_future(stream.__anext__())
+        await scheduler.until_submitted(1)
+        key = scheduler.submitted[0].frontend_key
+        f.dispatch(OutputBatch([StreamOutput(key, "hi", [7, 8], FinishReason.LENGTH, 3, 2, 1)]))
+        responses = [await first, *[r async for r in stream]]
+        tokenized = await servicer.Tokenize(frontend_pb2.TokenizeRequest(text="ab"), FakeContext())
+        await f.schedulers.close()
+        return responses, scheduler.submitted[0].sampling.max_tokens, list(tokenized.token_ids)
+
+    responses, max_tokens, tokenized = asyncio.run(main())
+    assert max_tokens == 97 and tokenized == [97, 98]
+    [last] = responses
+    assert (last.text, list(last.token_ids), last.finish_reason) == ("hi", [7, 8], common_pb2.FINISH_REASON_LENGTH)
+    assert last.request_id and (last.usage.prompt_tokens, last.usage.completion_tokens) == (3, 2)
