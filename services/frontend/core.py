@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,6 +23,7 @@ from opentelemetry import trace
 
 from vmesh.services.common import telemetry
 from vmesh.services.common.admission import InvalidRequest, admit, check_model, check_prompt_length
+from vmesh.services.common.generation import Chat, GenerationOutput, GenerationRequest, Prompt, Submission
 from vmesh.services.common.metrics import FrontendMetrics
 from vmesh.services.common.runtime.discovery import AddressBook
 from vmesh.services.common.runtime.peers import PeerSet
@@ -29,9 +31,6 @@ from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.common.runtime.stream import KeptStream
 from vmesh.services.common.runtime.tasks import TaskGroup, wait_until
 from vmesh.services.common.types import ModelLimits, OutputBatch, OutputMode, RequestRef, SamplingParams, finish_name
-from vmesh.services.common.wire.common import finish_to_proto, trace_context_to_proto
-from vmesh.services.common.wire.public import logprobs_to_public, usage_to_public
-from vmesh.services.common.wire.sampling import sampling_from_proto, sampling_to_proto
 from vmesh.services.frontend import schedulers
 from vmesh.services.frontend.auth import check_api_key
 from vmesh.services.frontend.errors import Code, RequestError
@@ -43,7 +42,6 @@ from vmesh.services.frontend.schedulers import SchedulerGroup, SchedulerPool
 from vmesh.services.frontend.settings import FrontendServiceSettings
 from vmesh.services.frontend.structured_requests import LazyGrammarCompiler, SpecCompiler, build_compiler, compile_spec
 from vmesh.services.frontend.subscriptions import Subscribe, Subscription, subscribe_over_grpc
-from vmesh.v1 import frontend_pb2, scheduler_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -246,34 +244,33 @@ class FrontendCore:
         """The served model's limits, once the schedulers have answered (`ready` refuses work before)."""
         return _loaded(self.limits)
 
-    async def encode(self, message: Any) -> list[int]:
-        """Token ids of a GenerateRequest's or TokenizeRequest's input, tokenized on a worker
-        thread so that a long prompt never stalls the streams of other requests."""
+    async def encode(self, prompt: Prompt | None) -> list[int]:
+        """A request's input as token ids, tokenized on a worker thread so that a long prompt
+        never stalls the streams of other requests."""
         tokenizer = _loaded(self.tokenizer)
-        which = message.WhichOneof("input")
         try:
-            size = prompt_bytes(which, message)
+            size = prompt_bytes(prompt)
             if size > self.settings.max_prompt_bytes:
                 raise InvalidRequest("prompt", f"{size} bytes of text; at most {self.settings.max_prompt_bytes} "
                                                "are accepted")
-            if which == "token_ids":  # nothing to tokenize
-                if self.limits is not None:  # before any copy: a message may hold millions of ids
-                    check_prompt_length(len(message.token_ids.ids), self.limits)
-                return encode_input(tokenizer, which, message)
-            return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, encode_input, tokenizer, which,
-                                                                    message)
+            if prompt is not None and not isinstance(prompt, (str, Chat)):  # token ids: nothing to tokenize
+                if self.limits is not None:  # before any copy: a request may hold millions of ids
+                    check_prompt_length(len(prompt), self.limits)
+                return encode_input(tokenizer, prompt)
+            return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, encode_input, tokenizer,
+                                                                    prompt)
         except InvalidRequest as exc:
             raise RequestError.invalid(exc) from exc
 
-    async def generate(self, request: frontend_pb2.GenerateRequest, time_remaining: TimeRemaining = lambda: None,
+    async def generate(self, request: GenerationRequest, time_remaining: TimeRemaining = lambda: None,
                        trace_headers: Mapping[str, str] | None = None, operation: str | None = None,
-                       ) -> AsyncGenerator[frontend_pb2.GenerateResponse, None]:
-        """One request, start to end, as a stream of GenerateResponses. Closing the stream early
+                       ) -> AsyncGenerator[GenerationOutput, None]:
+        """One request, start to end, as a stream of outputs. Closing the stream early
         (the client left) aborts the request wherever it still runs. `trace_headers`: the caller's
         W3C `traceparent`/`tracestate` (gRPC metadata or HTTP headers), which the request's trace
         continues. `operation`: the GenAI operation when the input does not say (a chat whose
         prompt arrives tokenized)."""
-        operation = operation or ("chat" if request.WhichOneof("input") == "chat" else "text_completion")
+        operation = operation or ("chat" if request.is_chat else "text_completion")
         model = request.model or (self.limits.name if self.limits else "")
         # OpenTelemetry's GenAI conventions: the span is named "{operation} {model}".
         attributes = {"gen_ai.operation.name": operation, "gen_ai.provider.name": "vmesh",
@@ -284,10 +281,10 @@ class FrontendCore:
         output_tokens = 0
         error_type: str | None = None
         try:
-            async for response in self._generate(request, time_remaining, span, clock):
-                if response.HasField("usage"):
-                    output_tokens = response.usage.completion_tokens
-                yield response
+            async for out in self._generate(request, time_remaining, span, clock):
+                if out.usage is not None:
+                    output_tokens = out.usage.completion_tokens
+                yield out
         except BaseException as exc:
             span.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
             # GeneratorExit: the client went away mid-stream, which gRPC reports as CANCELLED.
@@ -302,10 +299,10 @@ class FrontendCore:
             self.genai_metrics.record(attributes, clock.started, clock.first_token_at, time.monotonic(),
                                       output_tokens, error_type)
 
-    async def _generate(self, request: frontend_pb2.GenerateRequest, time_remaining: TimeRemaining, span: trace.Span,
-                        clock: RequestClock) -> AsyncGenerator[frontend_pb2.GenerateResponse, None]:
+    async def _generate(self, request: GenerationRequest, time_remaining: TimeRemaining, span: trace.Span,
+                        clock: RequestClock) -> AsyncGenerator[GenerationOutput, None]:
         self.ready()
-        prompt = await self.encode(request)
+        prompt = await self.encode(request.prompt)
         self.ready()  # a drain that began while this prompt was tokenizing counted no request in flight
         params = await self._compiled(_admit(request, prompt, self.loaded_limits(), span), span)
         outbox = Outbox(delta_text=params.output_mode is OutputMode.DELTA)
@@ -314,11 +311,8 @@ class FrontendCore:
         frontend_key = self.register(outbox)
         request_id = str(frontend_key)
         span.set_attribute("gen_ai.response.id", RequestRef(self.frontend_id, frontend_key).key)
-        route = MeshPath(self, scheduler_pb2.SubmitRequestRequest(
-            frontend_id=self.frontend_id, frontend_key=frontend_key, prompt_token_ids=prompt,
-            sampling=sampling_to_proto(params), priority=request.priority,
-            trace_context=trace_context_to_proto(telemetry.trace_context(span))),
-            outbox, time_remaining, span)
+        route = MeshPath(self, Submission(self.frontend_id, frontend_key, prompt, params, request.priority,
+                                          telemetry.trace_context(span)), outbox, time_remaining, span)
         finished = False
         backend = params.grammar.backend if params.grammar is not None else ""
         self.in_flight += 1
@@ -336,10 +330,8 @@ class FrontendCore:
                                          "gen_ai.usage.cache_read.input_tokens": out.usage.cached_prompt_tokens,
                                          "gen_ai.response.finish_reasons": [finish_name(out.finish_reason)]})
                 if not out.error or out.text or out.token_ids:
-                    yield frontend_pb2.GenerateResponse(
-                        request_id=request_id, text=out.text, token_ids=out.token_ids,
-                        logprobs=logprobs_to_public(out.logprobs), finish_reason=finish_to_proto(out.finish_reason),
-                        usage=usage_to_public(out.usage), structured_output_backend=backend)
+                    yield GenerationOutput(request_id, out.text, out.token_ids, out.logprobs, out.finish_reason,
+                                           out.usage, backend)
                     backend = ""  # the first response says it
                 if finished:
                     return
@@ -357,12 +349,13 @@ class FrontendCore:
             raise RequestError.invalid(InvalidRequest("sampling.structured", "this model's output cannot be "
                                                                              "constrained (no tokenizer.json)"))
         try:
-            params.grammar = await asyncio.get_running_loop().run_in_executor(
+            grammar = await asyncio.get_running_loop().run_in_executor(
                 self.grammar_pool, compile_spec, self.grammar_compiler, params.structured)
         except InvalidRequest as exc:
             raise RequestError.invalid(exc) from exc
+        params.grammar = grammar
         span.set_attributes({"vmesh.structured_output.kind": params.structured.kind,
-                             "vmesh.structured_output.backend": params.grammar.backend})
+                             "vmesh.structured_output.backend": grammar.backend})
         self.ready()  # a drain that began meanwhile counted no request in flight
         return params
 
@@ -376,14 +369,15 @@ class FrontendCore:
         await wait_until(lambda: not self.in_flight)
 
 
-def _admit(request: frontend_pb2.GenerateRequest, prompt: list[int], limits: ModelLimits,
-           span: trace.Span) -> SamplingParams:
-    """The request's sampling params with defaults filled (max_tokens: the context's room), once
-    the model can serve it: the form the frontend forwards, every field set, so that every
-    later door decodes the same settings."""
+def _admit(request: GenerationRequest, prompt: list[int], limits: ModelLimits, span: trace.Span) -> SamplingParams:
+    """The request's sampling params (max_tokens, unset: the context's room), once the model can
+    serve it: the request's own copy, which the frontend completes (its compiled grammar) and
+    forwards, so that requests sharing params (a fan-out's copies) stay apart."""
     try:
         check_model(request.model, limits)
-        params = sampling_from_proto(request.sampling, default_max_tokens=limits.max_model_len - len(prompt))
+        room = limits.max_model_len - len(prompt)
+        params = replace(request.sampling, max_tokens=room if request.max_tokens_from_context
+                         else request.sampling.max_tokens)
         if params.grammar is not None:  # the frontend's to compile, so that what reaches the worker is checked
             raise InvalidRequest("sampling.grammar", "set by the frontend from sampling.structured; a client may not "
                                                      "send a compiled grammar")

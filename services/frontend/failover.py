@@ -15,18 +15,19 @@ from typing import Any, Protocol
 import grpc
 from opentelemetry import trace
 
+from vmesh.services.common.generation import Submission
 from vmesh.services.common.metrics import FrontendMetrics
 from vmesh.services.frontend.errors import Code, RequestError
 from vmesh.services.frontend.outbox import LostService, Outbox, PendingOutput
 from vmesh.services.frontend.prefix_routing import prefix_hashes
 from vmesh.services.frontend.schedulers import SchedulerGroup, SchedulerPool
-from vmesh.v1 import scheduler_pb2
 
 logger = logging.getLogger(__name__)
 
 SUBMIT_TIMEOUT_S = 30.0
 MAX_FAILOVERS = 8  # per request: a request that keeps losing its services is given up
 TARGET_POLL_S = 0.1
+ABORT_TIMEOUT_S = 5.0
 _PASSED_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                    grpc.StatusCode.DEADLINE_EXCEEDED}
 DETOKENIZER_LOST = "the detokenizer serving this request became unavailable"
@@ -61,7 +62,7 @@ class MeshPath:
     """One request's way through the mesh: the submission (under its current frontend key), the
     group that took it, and how often it failed over."""
 
-    def __init__(self, mesh: Mesh, submission: scheduler_pb2.SubmitRequestRequest, outbox: Outbox,
+    def __init__(self, mesh: Mesh, submission: Submission, outbox: Outbox,
                  time_remaining: TimeRemaining, span: trace.Span):
         self.mesh = mesh
         self.submission = submission
@@ -114,7 +115,7 @@ class MeshPath:
         self.outbox.group = self.outbox.detokenizer = None
 
 
-async def _submit_when_possible(mesh: Mesh, submission: scheduler_pb2.SubmitRequestRequest, outbox: Outbox,
+async def _submit_when_possible(mesh: Mesh, submission: Submission, outbox: Outbox,
                                 time_remaining: TimeRemaining) -> SchedulerGroup:
     """Submit once a scheduler group and a detokenizer replica are there to take the request,
     waiting up to the failover timeout for them (a lost one restarting): a group that refuses
@@ -128,14 +129,14 @@ async def _submit_when_possible(mesh: Mesh, submission: scheduler_pb2.SubmitRequ
         if listening and mesh.schedulers.candidates():
             submission.detokenizers[:] = listening
             try:
-                group, reply = await submit(mesh, submission, time_remaining)
+                group, detokenizer = await submit(mesh, submission, time_remaining)
             except RequestError as exc:
                 if exc.code != Code.UNAVAILABLE or time.monotonic() > deadline:
                     raise
             else:
                 outbox.group = group
-                outbox.detokenizer = reply.detokenizer
-                if reply.detokenizer not in mesh.subscribed:  # lost while the scheduler chose it
+                outbox.detokenizer = detokenizer
+                if detokenizer not in mesh.subscribed:  # lost while the scheduler chose it
                     outbox.put(PendingOutput(error=DETOKENIZER_LOST, lost=LostService.DETOKENIZER))
                 return group
         elif time.monotonic() > deadline:
@@ -144,12 +145,12 @@ async def _submit_when_possible(mesh: Mesh, submission: scheduler_pb2.SubmitRequ
         await asyncio.sleep(TARGET_POLL_S)
 
 
-async def submit(mesh: Mesh, submission: scheduler_pb2.SubmitRequestRequest,
+async def submit(mesh: Mesh, submission: Submission,
                  time_remaining: TimeRemaining = lambda: None,
-                 ) -> tuple[SchedulerGroup, scheduler_pb2.SubmitRequestResponse]:
+                 ) -> tuple[SchedulerGroup, str]:
     """Submit to the group routing prefers (prefix_routing.py; or the least busy); a group that
     is down or failed did not take the request, so the next one is tried. Raises RequestError when
-    no group takes it."""
+    no group takes it. Returns the group that took it and the detokenizer replica it chose."""
     error: grpc.aio.AioRpcError | None = None
     hashes: list[int] = []
     pool = mesh.schedulers
@@ -161,11 +162,11 @@ async def submit(mesh: Mesh, submission: scheduler_pb2.SubmitRequestRequest,
             raise RequestError(Code.DEADLINE_EXCEEDED, "the request's deadline passed before it was submitted")
         timeout = min(SUBMIT_TIMEOUT_S, remaining) if remaining is not None else SUBMIT_TIMEOUT_S
         pool.acquire(group)
-        call = asyncio.ensure_future(group.stub.SubmitRequest(submission, timeout=timeout))
+        call = asyncio.ensure_future(group.submit(submission, timeout))
         try:
-            reply = await asyncio.shield(call)
+            detokenizer = await asyncio.shield(call)
             pool.routed(group, hashes)
-            return group, reply
+            return group, detokenizer
         except asyncio.CancelledError:
             # The client left while the scheduler was taking the request: the scheduler may
             # still take it, so abort it there once the submission resolves.
@@ -179,7 +180,7 @@ async def submit(mesh: Mesh, submission: scheduler_pb2.SubmitRequestRequest,
     if error is None:
         raise RequestError(Code.UNAVAILABLE, "no scheduler is available")
     if error.code() in _PASSED_THROUGH:  # the scheduler's own words about the request
-        raise RequestError(error.code(), error.details())
+        raise RequestError(error.code(), error.details() or "")
     # gRPC's text names internal addresses: the log keeps it, the client gets the gist.
     logger.warning("submission failed: %s %s", error.code().name, error.details())
     raise RequestError(grpc.StatusCode.UNAVAILABLE, "no scheduler is available")
@@ -196,8 +197,7 @@ async def _abort_once_submitted(mesh: Mesh, call: asyncio.Future, group: Schedul
 
 async def abort(mesh: Mesh, group: SchedulerGroup, frontend_key: int) -> None:
     try:
-        await group.stub.AbortRequest(scheduler_pb2.AbortRequestRequest(
-            frontend_id=mesh.frontend_id, frontend_key=frontend_key), timeout=5)
+        await group.abort(mesh.frontend_id, frontend_key, ABORT_TIMEOUT_S)
     except grpc.aio.AioRpcError as exc:  # its scheduler is gone, say: then so is the request
         logger.info("abort of request %d failed: %s", frontend_key, exc.details())
     finally:

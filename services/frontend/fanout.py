@@ -11,28 +11,28 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from vmesh.services.common.generation import GenerationOutput
 from vmesh.services.frontend import openai_responses as render
-from vmesh.v1 import frontend_pb2
 
 T = TypeVar("T")
 
 
 class Fanout:
     """Several request streams (n choices, several prompts) merged into one sequence of
-    (choice index, GenerateResponse).
+    (choice index, GenerationOutput).
 
     The queue is bounded: a stream whose output the reader has not taken yet stops pulling, so
     outputs that arrive meanwhile merge in the request's one-slot Outbox rather than pile up
     here. A slow reader then holds at most a few entries per stream, never tokens × n of them."""
 
-    def __init__(self, streams: list[AsyncGenerator[frontend_pb2.GenerateResponse, None]]):
-        self.queue: asyncio.Queue[tuple[int, frontend_pb2.GenerateResponse | None, BaseException | None]] = (
+    def __init__(self, streams: list[AsyncGenerator[GenerationOutput, None]]):
+        self.queue: asyncio.Queue[tuple[int, GenerationOutput | None, BaseException | None]] = (
             asyncio.Queue(maxsize=max(1, len(streams))))
         self.tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
-        self.pending: list[tuple[int, frontend_pb2.GenerateResponse]] = []
+        self.pending: list[tuple[int, GenerationOutput]] = []
         self.open = len(streams)
 
-    async def _pump(self, index: int, stream: AsyncGenerator[frontend_pb2.GenerateResponse, None]) -> None:
+    async def _pump(self, index: int, stream: AsyncGenerator[GenerationOutput, None]) -> None:
         try:
             try:
                 async for out in stream:
@@ -46,7 +46,7 @@ class Fanout:
         except Exception as exc:  # handed to the reader, which raises it
             await self.queue.put((index, None, exc))
 
-    async def _next(self) -> tuple[int, frontend_pb2.GenerateResponse] | None:
+    async def _next(self) -> tuple[int, GenerationOutput] | None:
         while self.open:
             index, out, error = await self.queue.get()
             if error is not None:
@@ -66,7 +66,7 @@ class Fanout:
         if item is not None:
             self.pending.append(item)
 
-    async def events(self) -> AsyncIterator[tuple[int, frontend_pb2.GenerateResponse]]:
+    async def events(self) -> AsyncIterator[tuple[int, GenerationOutput]]:
         while self.pending:
             yield self.pending.pop(0)
         while (item := await self._next()) is not None:

@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from vmesh.services.common.generation import GenerationOutput, GenerationRequest
 from vmesh.services.frontend import openai_protocol as oai
 from vmesh.services.frontend import openai_responses as render
 from vmesh.services.frontend import responses_api, responses_events
@@ -37,7 +38,6 @@ from vmesh.services.frontend.http_middleware import (
 from vmesh.services.frontend.structured_requests import BACKEND_HEADER
 from vmesh.services.frontend.tool_calls import ToolPlan
 from vmesh.services.frontend.tool_parsers import ContentDelta, Delta, ToolCallParser, make_parser
-from vmesh.v1 import frontend_pb2
 
 if TYPE_CHECKING:  # a type only: /metrics imports prometheus_client when scraped
     from prometheus_client import CollectorRegistry
@@ -79,8 +79,8 @@ class Reply:
         self.created = render.now()
         self.choices = [render.Choice() for _ in range(prompts * self.n)]
 
-    def note(self, out: frontend_pb2.GenerateResponse) -> None:
-        self.structured_backend = self.structured_backend or out.structured_output_backend
+    def note(self, out: GenerationOutput) -> None:
+        self.structured_backend = self.structured_backend or out.structured_backend
 
     @property
     def headers(self) -> dict[str, str]:
@@ -127,17 +127,17 @@ class OpenAIRoutes:
             self._tokens = render.TokenTable(self.frontend.tokenizer)
         return self._tokens
 
-    async def _run(self, http_request: Request, generate_requests: list[frontend_pb2.GenerateRequest],
+    async def _run(self, http_request: Request, requests: list[GenerationRequest],
                    reply: Reply) -> Response:
         fanout: Fanout | None = None
 
         async def start() -> None:
             nonlocal fanout
             # Each prompt is tokenized once (off the loop); its n copies carry the token ids.
-            prompts = [await self.frontend.encode(r) for r in generate_requests]
+            prompts = [await self.frontend.encode(r.prompt) for r in requests]
             operation = "chat" if reply.chat else "text_completion"
             fanout = Fanout([self.frontend.generate(r, trace_headers=http_request.headers, operation=operation)
-                             for r in oai.fan_out(generate_requests, reply.n, prompts)])
+                             for r in oai.fan_out(requests, reply.n, prompts)])
             if reply.stream:
                 await fanout.started()
                 for _, out in fanout.pending:
@@ -219,7 +219,7 @@ class OpenAIRoutes:
             choice.add(out)
             if not (out.text or out.finish_reason or out.logprobs):
                 continue
-            logprobs = (render.completion_logprobs(list(out.logprobs), list(out.token_ids), self.tokens, offset)
+            logprobs = (render.completion_logprobs(out.logprobs, out.token_ids, self.tokens, offset)
                         if reply.want_logprobs else None)
             yield reply.chunk([{"index": index, "text": out.text, "logprobs": logprobs,
                                 "finish_reason": render.finish_reason(out.finish_reason)}])
@@ -235,7 +235,7 @@ class OpenAIRoutes:
             reply.choices[index].add(out)
             if not (out.text or out.finish_reason or out.logprobs):
                 continue
-            logprobs = (render.chat_logprobs(list(out.logprobs), list(out.token_ids), self.tokens)
+            logprobs = (render.chat_logprobs(out.logprobs, out.token_ids, self.tokens)
                         if reply.want_logprobs else None)
             parser = parsers[index]
             if parser is None:
@@ -250,25 +250,25 @@ class OpenAIRoutes:
 
     async def completions(self, body: oai.CompletionRequest, request: Request) -> Response:
         model = self.served()
-        generate_requests = oai.completion_requests(body, model)
-        return await self._run(request, generate_requests, Reply(
-            model, chat=False, prompts=len(generate_requests), n=body.n, stream=body.stream,
+        requests = oai.completion_requests(body, model)
+        return await self._run(request, requests, Reply(
+            model, chat=False, prompts=len(requests), n=body.n, stream=body.stream,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             want_logprobs=body.logprobs is not None, aliases=oai.param_aliases(body)))
 
     async def chat_completions(self, body: oai.ChatCompletionRequest, request: Request) -> Response:
         model = self.served()
         tools = oai.chat_tools(body)
-        generate_request = oai.chat_request(body, model, tools)
-        return await self._run(request, [generate_request], Reply(
+        generation = oai.chat_request(body, model, tools)
+        return await self._run(request, [generation], Reply(
             model, chat=True, prompts=1, n=body.n, stream=body.stream,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             want_logprobs=body.logprobs, aliases=oai.param_aliases(body, tools), tools=tools))
 
     async def responses(self, body: responses_api.ResponsesRequest, request: Request) -> Response:
         """Stateless: served as the chat completion it translates into."""
-        generate_request, view, tools = responses_api.translate(body, self.served())
-        return await self._run(request, [generate_request], Reply(
+        generation, view, tools = responses_api.translate(body, self.served())
+        return await self._run(request, [generation], Reply(
             view.model, chat=True, prompts=1, n=1, stream=body.stream, include_usage=True, want_logprobs=False,
             aliases=view.aliases, responses=view, tools=tools))
 

@@ -6,23 +6,23 @@ import json
 from typing import Any
 
 from vmesh.services.common.admission import InvalidRequest
+from vmesh.services.common.generation import Chat, Prompt
 from vmesh.services.common.tokenizer import encode_chat
 
 
-def prompt_bytes(which: str | None, message: Any) -> int:
-    if which == "text":
-        return len(message.text.encode())
-    if which == "chat":
-        calls = sum(len(c.name.encode()) + len(c.arguments.encode()) for m in message.chat.messages
-                    for c in m.tool_calls)
-        return calls + len(message.chat.tools.encode()) + sum(
-            len(m.content.encode()) + len(m.role.encode()) for m in message.chat.messages)
+def prompt_bytes(prompt: Prompt | None) -> int:
+    if isinstance(prompt, str):
+        return len(prompt.encode())
+    if isinstance(prompt, Chat):
+        calls = sum(len(c.name.encode()) + len(c.arguments.encode()) for m in prompt.messages for c in m.tool_calls)
+        return calls + len(prompt.tools.encode()) + sum(
+            len(m.content.encode()) + len(m.role.encode()) for m in prompt.messages)
     return 0
 
 
-def chat_messages(chat: Any) -> list[dict[str, Any]]:
-    """A ChatMessages message as the chat template takes it (OpenAI's shape: an assistant's
-    `tool_calls`, a tool result's `tool_call_id`)."""
+def chat_messages(chat: Chat) -> list[dict[str, Any]]:
+    """A chat as the chat template takes it (OpenAI's shape: an assistant's `tool_calls`, a tool
+    result's `tool_call_id`)."""
     messages = []
     for m in chat.messages:
         message: dict[str, Any] = {"role": m.role, "content": m.content}
@@ -36,23 +36,27 @@ def chat_messages(chat: Any) -> list[dict[str, Any]]:
     return messages
 
 
-def encode_input(tokenizer: Any, which: str | None, message: Any) -> list[int]:
-    if which == "text":
-        return tokenizer.encode(message.text) if message.text else []
-    if which == "chat":
-        messages = chat_messages(message.chat)
-        if not messages:
-            raise InvalidRequest("chat", "no messages")
-        try:
-            tools = json.loads(message.chat.tools) if message.chat.tools else None
-        except ValueError as exc:
-            raise InvalidRequest("chat.tools", f"not JSON ({exc})") from exc
-        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-            raise InvalidRequest("chat.tools", "must be a JSON array of tool objects")
-        try:
-            return encode_chat(tokenizer, messages, tools)
-        except Exception as exc:  # the template rejects the conversation (roles, order)
-            raise InvalidRequest("chat", str(exc)) from exc
-    if which == "token_ids":
-        return list(message.token_ids.ids)
-    raise InvalidRequest("input", "one of text, chat or token_ids is required")
+def _encode_chat(tokenizer: Any, chat: Chat) -> list[int]:
+    messages = chat_messages(chat)
+    if not messages:
+        raise InvalidRequest("chat", "no messages")
+    try:
+        tools = json.loads(chat.tools) if chat.tools else None
+    except ValueError as exc:
+        raise InvalidRequest("chat.tools", f"not JSON ({exc})") from exc
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise InvalidRequest("chat.tools", "must be a JSON array of tool objects")
+    try:
+        return encode_chat(tokenizer, messages, tools)
+    except Exception as exc:  # the template rejects the conversation (roles, order)
+        raise InvalidRequest("chat", str(exc)) from exc
+
+
+def encode_input(tokenizer: Any, prompt: Prompt | None) -> list[int]:
+    if prompt is None:
+        raise InvalidRequest("input", "one of text, chat or token_ids is required")
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt) if prompt else []
+    if isinstance(prompt, Chat):
+        return _encode_chat(tokenizer, prompt)
+    return list(prompt)

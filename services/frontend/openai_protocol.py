@@ -1,20 +1,23 @@
-"""OpenAI's request bodies as pydantic models, their translation into the GenerateRequests the
-gRPC API takes (so that one admission, services/common/admission.py, judges both APIs), and the
-error bodies for requests refused. The response bodies are openai_responses.py. Pure functions: no I/O."""
+"""OpenAI's request bodies as pydantic models, their translation into the frontend's core requests
+(GenerationRequest, the form the gRPC API decodes into too, so that one admission,
+services/common/admission.py, judges both APIs), and the error bodies for requests refused.
+The response bodies are openai_responses.py. Pure functions: no I/O."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal, cast
 
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
-from vmesh.services.common.types import DEFAULT_MAX_TOKENS, MAX_LOGPROBS, StructuredOutput
-from vmesh.services.common.wire.sampling import structured_to_proto
+from vmesh.services.common import generation
+from vmesh.services.common.generation import Chat, GenerationRequest, ToolCall
+from vmesh.services.common.types import DEFAULT_MAX_TOKENS, MAX_LOGPROBS, OutputMode, SamplingParams, StructuredOutput
+from vmesh.services.common.wire.public import as_carried
 from vmesh.services.frontend import tool_calls
 from vmesh.services.frontend.errors import Code, RequestError
 from vmesh.services.frontend.structured_requests import request_spec, structured_aliases
-from vmesh.v1 import common_pb2, frontend_pb2
 
 MAX_CHOICES = 64  # n × prompts per HTTP request: each is a request in the scheduler
 # OpenAI's own cap for completions' `logprobs` (chat's `top_logprobs` has the mesh's, 20, as
@@ -124,36 +127,44 @@ def _text(param: str, value: str) -> str:
     return value
 
 
-def _set(message: Any, name: str, value: Any, param: str | None = None) -> None:
-    """Set a proto field, turning a value outside the field's range into a 400 naming it."""
-    if value is None:
-        return
+def _carried(path: str, value: Any, param: str) -> Any:
+    """`value` as the gRPC API's field `path` would carry it, a value outside the field's range a
+    400 naming `param`: both APIs then serve the same request."""
     try:
-        if isinstance(value, list):
-            getattr(message, name).extend(value)
-        else:
-            setattr(message, name, value)
+        return as_carried(path, value)
     except (ValueError, TypeError) as exc:
-        raise invalid(param or name, f"{value!r} is out of range ({exc})") from exc
+        raise invalid(param, f"{value!r} is out of range ({exc})") from exc
+
+
+_SAMPLING_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+                    "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
+                    "include_stop_str_in_output", "stop_token_ids")
 
 
 def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-              logprobs: int | None, structured: StructuredOutput | None = None) -> common_pb2.SamplingParams:
-    pb = common_pb2.SamplingParams(output_mode=common_pb2.OUTPUT_MODE_DELTA)
-    if structured is not None:
-        pb.structured.CopyFrom(structured_to_proto(structured))
-    _set(pb, "max_tokens", max_tokens, "max_completion_tokens" if getattr(body, "max_completion_tokens", None)
-         is not None else "max_tokens")
-    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-                 "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
-                 "include_stop_str_in_output", "stop_token_ids"):
-        _set(pb, name, getattr(body, name))
+              logprobs: int | None, structured: StructuredOutput | None = None) -> SamplingParams:
+    """The body's sampling settings; those it leaves out take SamplingParams' defaults (max_tokens
+    unset: the caller's request fills in the context's room)."""
+    params = SamplingParams(output_mode=OutputMode.DELTA, structured=structured)
+    if max_tokens is not None:
+        params.max_tokens = _carried("sampling.max_tokens", max_tokens, "max_completion_tokens" if getattr(
+            body, "max_completion_tokens", None) is not None else "max_tokens")
+    for name in _SAMPLING_FIELDS:
+        value = getattr(body, name)
+        if value is not None:
+            setattr(params, name, _carried(f"sampling.{name}", value, name))
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
-    _set(pb, "stop", [_text("stop", s) for s in stop] if stop is not None else None)
+    if stop is not None:
+        params.stop = [_text("stop", s) for s in stop]
     if body.seed is not None:
-        pb.seed = body.seed & SEED_MASK  # OpenAI's seeds may be negative; the same seed, the same draw
-    _set(pb, "logprobs", logprobs)
-    return pb
+        params.seed = body.seed & SEED_MASK  # OpenAI's seeds may be negative; the same seed, the same draw
+    if logprobs is not None:
+        params.logprobs = _carried("sampling.logprobs", logprobs, "logprobs")
+    return params
+
+
+def _priority(body: CompletionRequest | ChatCompletionRequest) -> int:
+    return _carried("priority", body.priority, "priority") if body.priority is not None else 0
 
 
 def check_common(body: CompletionRequest | ChatCompletionRequest, served: str) -> None:
@@ -167,12 +178,12 @@ def check_common(body: CompletionRequest | ChatCompletionRequest, served: str) -
         raise invalid("stream_options", "only allowed when stream is true")
 
 
-def completion_requests(body: CompletionRequest, served: str) -> list[frontend_pb2.GenerateRequest]:
-    """One GenerateRequest per prompt (n copies are made by fan_out)."""
+def completion_requests(body: CompletionRequest, served: str) -> list[GenerationRequest]:
+    """One request per prompt (n copies are made by fan_out)."""
     check_common(body, served)
     prompt = body.prompt
-    prompts: list[str | list[int]] = [prompt] if isinstance(prompt, str) or (
-        prompt and isinstance(prompt[0], int)) else cast("list[str | list[int]]", list(prompt))
+    one = isinstance(prompt, str) or (prompt and isinstance(prompt[0], int))
+    prompts = cast("list[str | list[int]]", [prompt] if one else list(prompt))
     if not prompts:
         raise invalid("prompt", "empty")
     if len(prompts) * body.n > MAX_CHOICES:
@@ -182,17 +193,10 @@ def completion_requests(body: CompletionRequest, served: str) -> list[frontend_p
     spec = request_spec(body.response_format, body.structured_outputs)
     sampling = _sampling(body, body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS, body.logprobs,
                          spec[0] if spec else None)
-    out = []
-    for p in prompts:
-        request = frontend_pb2.GenerateRequest(sampling=sampling)
-        _set(request, "priority", body.priority)
-        if isinstance(p, str):
-            request.text = _text("prompt", p)
-        else:
-            request.token_ids.SetInParent()
-            _set(request.token_ids, "ids", list(p), "prompt")
-        out.append(request)
-    return out
+    priority = _priority(body)
+    # One SamplingParams for every prompt: admission gives each request its own copy.
+    return [GenerationRequest(_text("prompt", p) if isinstance(p, str) else _carried("token_ids.ids", p, "prompt"),
+                              sampling, priority=priority) for p in prompts]
 
 
 def _content_text(i: int, message: ChatMessage, optional: bool = False) -> str:
@@ -216,7 +220,7 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assist
               "function": "tool"}
 
 
-def _tool_call(param: str, call: Any) -> frontend_pb2.ToolCall:
+def _tool_call(param: str, call: Any) -> ToolCall:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
         raise invalid(f"{param}.function.name", "required")
@@ -226,11 +230,11 @@ def _tool_call(param: str, call: Any) -> frontend_pb2.ToolCall:
     call_id = call.get("id", "")
     if not isinstance(call_id, str):
         raise invalid(f"{param}.id", "must be a string")
-    return frontend_pb2.ToolCall(id=_text(f"{param}.id", call_id), name=_text(f"{param}.function.name",
-                                 function["name"]), arguments=_text(f"{param}.function.arguments", arguments))
+    return ToolCall(_text(f"{param}.id", call_id), _text(f"{param}.function.name", function["name"]),
+                    _text(f"{param}.function.arguments", arguments))
 
 
-def _chat_message(i: int, m: ChatMessage) -> frontend_pb2.ChatMessage:
+def _chat_message(i: int, m: ChatMessage) -> generation.ChatMessage:
     role = CHAT_ROLES.get(m.role)
     if role is None:
         raise invalid(f"messages[{i}].role", f"{m.role!r} is not supported (system, developer, user, assistant, tool)")
@@ -239,8 +243,8 @@ def _chat_message(i: int, m: ChatMessage) -> frontend_pb2.ChatMessage:
         calls.append({"id": "", "type": "function", "function": m.function_call})
     if calls and role != "assistant":
         raise invalid(f"messages[{i}].tool_calls", "only assistant messages make tool calls")
-    message = frontend_pb2.ChatMessage(role=role, content=_content_text(i, m, optional=bool(calls)))
-    message.tool_calls.extend(_tool_call(f"messages[{i}].tool_calls[{j}]", c) for j, c in enumerate(calls))
+    message = generation.ChatMessage(role, _content_text(i, m, optional=bool(calls)),
+                              [_tool_call(f"messages[{i}].tool_calls[{j}]", c) for j, c in enumerate(calls)])
     if role == "tool":
         call_id = m.tool_call_id if m.role == "tool" else m.name  # legacy "function" results name the function
         if not call_id:
@@ -263,7 +267,7 @@ def chat_spec(body: ChatCompletionRequest, tools: tool_calls.ToolPlan) -> tuple[
 
 
 def chat_request(body: ChatCompletionRequest, served: str,
-                 tools: tool_calls.ToolPlan | None = None) -> frontend_pb2.GenerateRequest:
+                 tools: tool_calls.ToolPlan | None = None) -> GenerationRequest:
     """`tools`: chat_tools(body), when the caller has it already."""
     check_common(body, served)
     tools = tools if tools is not None else chat_tools(body)
@@ -278,32 +282,24 @@ def chat_request(body: ChatCompletionRequest, served: str,
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     spec = chat_spec(body, tools)
-    request = frontend_pb2.GenerateRequest(sampling=_sampling(body, max_tokens, logprobs, spec[0] if spec else None))
-    _set(request, "priority", body.priority)
-    request.chat.SetInParent()
-    request.chat.messages.extend(_chat_message(i, m) for i, m in enumerate(body.messages))
-    request.chat.tools = _text("tools", tool_calls.tools_json(tools))
-    return request
+    sampling = _sampling(body, max_tokens, logprobs, spec[0] if spec else None)
+    chat = Chat([_chat_message(i, m) for i, m in enumerate(body.messages)],
+                _text("tools", tool_calls.tools_json(tools)))
+    return GenerationRequest(chat, sampling, max_tokens_from_context=max_tokens is None, priority=_priority(body))
 
 
-def fan_out(requests: list[frontend_pb2.GenerateRequest], n: int,
-            prompts: list[list[int]]) -> list[frontend_pb2.GenerateRequest]:
+def fan_out(requests: list[GenerationRequest], n: int, prompts: list[list[int]]) -> list[GenerationRequest]:
     """n copies of each request, choice index = prompt index × n + copy. `prompts`: each
     request's token ids, tokenized once: the copies carry the ids rather than the text, so that
     n copies cost one tokenization. The copies share the prompt's KV blocks through the prefix
     cache; a seeded request's copies get seed + copy, so that they differ yet reproduce."""
     out = []
     for request, ids in zip(requests, prompts, strict=True):
-        template = frontend_pb2.GenerateRequest()
-        template.CopyFrom(request)
-        template.ClearField("input")
-        template.token_ids.ids.extend(ids)
+        seed = request.sampling.seed
         for j in range(n):
-            copy = frontend_pb2.GenerateRequest()
-            copy.CopyFrom(template)
-            if j and copy.sampling.HasField("seed"):
-                copy.sampling.seed = (copy.sampling.seed + j) & SEED_MASK
-            out.append(copy)
+            sampling = replace(request.sampling, seed=(seed + j) & SEED_MASK) if j and seed is not None \
+                else request.sampling
+            out.append(replace(request, prompt=ids, sampling=sampling))
     return out
 
 

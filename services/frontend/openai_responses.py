@@ -1,5 +1,5 @@
-"""OpenAI's response bodies, built from the GenerateResponses of the gRPC API (whose per-token
-logprobs message they render), and the token texts they name. Pure functions: no I/O."""
+"""OpenAI's response bodies, built from the frontend core's outputs (GenerationOutput), and the
+token texts they name. Pure functions: no I/O."""
 
 from __future__ import annotations
 
@@ -8,13 +8,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from vmesh.services.common.generation import GenerationOutput
 from vmesh.services.common.output_accumulator import OutputAccumulator
-from vmesh.services.common.types import FinishReason
-from vmesh.services.common.wire.common import finish_from_proto
+from vmesh.services.common.types import FinishReason, TokenLogprobs, Usage
 from vmesh.services.frontend.errors import Code, RequestError
 from vmesh.services.frontend.tool_calls import ToolPlan
 from vmesh.services.frontend.tool_parsers import make_parser, parse_text
-from vmesh.v1 import frontend_pb2
 
 # JSON has no -inf: a logprob that underflowed is sent as this, as vLLM does.
 MIN_LOGPROB = -9999.0
@@ -25,16 +24,16 @@ OPENAI_FINISH_REASONS = frozenset({FinishReason.STOP, FinishReason.LENGTH})
 
 
 @dataclass
-class Choice(OutputAccumulator[frontend_pb2.GeneratedTokenLogprobs]):
+class Choice(OutputAccumulator[TokenLogprobs]):
     """What one choice has received so far (the HTTP API asks for delta outputs)."""
 
-    finish_reason: int = 0
-    usage: frontend_pb2.Usage | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
 
-    def add(self, out: frontend_pb2.GenerateResponse) -> None:
+    def add(self, out: GenerationOutput) -> None:
         self.extend(out.text, out.token_ids, out.logprobs)
         self.finish_reason = out.finish_reason or self.finish_reason
-        if out.HasField("usage"):
+        if out.usage is not None:
             self.usage = out.usage
 
 
@@ -115,7 +114,7 @@ class TokenTable:
         return self.text(token_id).encode(errors="surrogatepass")
 
 
-def completion_logprobs(entries: list[frontend_pb2.GeneratedTokenLogprobs], token_ids: list[int],
+def completion_logprobs(entries: list[TokenLogprobs], token_ids: list[int],
                         tokens: TokenTexts, offset: int = 0) -> dict[str, Any]:
     """OpenAI's legacy completions logprobs; `offset`: where this piece starts in the choice's text."""
     texts = [tokens.text(t) for t in token_ids]
@@ -124,23 +123,25 @@ def completion_logprobs(entries: list[frontend_pb2.GeneratedTokenLogprobs], toke
         offsets.append(offset)
         offset += len(t)
     return {"tokens": texts, "token_logprobs": [_lp(e.logprob) for e in entries],
-            "top_logprobs": [{tokens.text(t.token_id): _lp(t.logprob) for t in e.top} for e in entries],
+            "top_logprobs": [{tokens.text(t): _lp(lp) for t, lp in zip(e.top_token_ids, e.top_logprobs)}
+                             for e in entries],
             "text_offset": offsets}
 
 
-def chat_logprobs(entries: list[frontend_pb2.GeneratedTokenLogprobs], token_ids: list[int],
+def chat_logprobs(entries: list[TokenLogprobs], token_ids: list[int],
                   tokens: TokenTexts) -> dict[str, Any]:
     def item(token_id: int, logprob: float) -> dict[str, Any]:
         return {"token": tokens.text(token_id), "logprob": _lp(logprob), "bytes": list(tokens.raw(token_id))}
 
-    return {"content": [{**item(t, e.logprob), "top_logprobs": [item(x.token_id, x.logprob) for x in e.top]}
+    return {"content": [{**item(t, e.logprob), "top_logprobs": [item(x, lp) for x, lp in zip(e.top_token_ids,
+                                                                                             e.top_logprobs)]}
                         for t, e in zip(token_ids, entries)]}
 
 
-def check_not_aborted(out: frontend_pb2.GenerateResponse) -> None:
+def check_not_aborted(out: GenerationOutput) -> None:
     """An output the server aborted (a failure or a deadline on its side) ends the request with
     an error: OpenAI has no finish reason for it, and its text is not a complete answer."""
-    if finish_from_proto(out.finish_reason) is FinishReason.ABORT:
+    if out.finish_reason is FinishReason.ABORT:
         raise RequestError(Code.UNAVAILABLE, "the server aborted the request before it finished; try again")
 
 
@@ -153,9 +154,8 @@ def usage(choices: list[Choice], n: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def finish_reason(code: int, made_calls: bool = False) -> str | None:
+def finish_reason(reason: FinishReason | None, made_calls: bool = False) -> str | None:
     """`made_calls`: the choice's text held tool calls ("tool_calls" where the model stopped)."""
-    reason = finish_from_proto(code)
     if reason is FinishReason.STOP and made_calls:
         return "tool_calls"
     return reason.value if reason in OPENAI_FINISH_REASONS else None

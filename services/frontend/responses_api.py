@@ -13,10 +13,10 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
+from vmesh.services.common.generation import GenerationRequest
 from vmesh.services.frontend import openai_protocol as oai
 from vmesh.services.frontend import tool_calls
 from vmesh.services.frontend.errors import RequestError
-from vmesh.v1 import frontend_pb2
 
 STATELESS = "vmesh keeps no responses (it is stateless); send the whole conversation in `input`"
 ROLES = ("user", "system", "developer", "assistant")
@@ -338,8 +338,8 @@ def responses_usage(usage: dict[str, Any]) -> dict[str, Any]:
 
 
 def translate(body: ResponsesRequest, served: str,
-              ) -> tuple[frontend_pb2.GenerateRequest, ResponsesView, tool_calls.ToolPlan]:
-    """The GenerateRequest that serves a Responses request, made by chat's own translation (so that
+              ) -> tuple[GenerationRequest, ResponsesView, tool_calls.ToolPlan]:
+    """The request that serves a Responses request, made by chat's own translation (so that
     chat's checks and refusals apply, named as this API names the fields), and its reply's view."""
     chat, sources = chat_body(body)
     try:

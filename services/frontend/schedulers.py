@@ -15,12 +15,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from vmesh.services.common import tls
+from vmesh.services.common.generation import Submission
 from vmesh.services.common.grpc_server import channel
 from vmesh.services.common.runtime.peers import Peer, PeerSet
 from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.common.runtime.stream import KeptStream
 from vmesh.services.common.runtime.tasks import TaskGroup
 from vmesh.services.common.types import ModelLimits
+from vmesh.services.common.wire.submission import abort_to_proto, submission_to_proto
 from vmesh.services.frontend.prefix_routing import PrefixRouter
 from vmesh.services.frontend.settings import DEFAULT_ROUTING, ROUTING_POLICIES
 from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -43,6 +45,14 @@ class SchedulerGroup(Peer):
     stub: scheduler_pb2_grpc.SchedulerServiceStub = field(kw_only=True)
     channel: grpc.aio.Channel = field(kw_only=True)
     incarnation: str = ""  # the scheduler process's id: a different one is a restarted scheduler
+
+    async def submit(self, submission: Submission, timeout: float) -> str:
+        """Hand the request to the group; returns the detokenizer replica its scheduler chose."""
+        reply = await self.stub.SubmitRequest(submission_to_proto(submission), timeout=timeout)
+        return reply.detokenizer
+
+    async def abort(self, frontend_id: str, frontend_key: int, timeout: float) -> None:
+        await self.stub.AbortRequest(abort_to_proto(frontend_id, frontend_key), timeout=timeout)
 
 
 def health_stream(group: SchedulerGroup) -> AsyncIterator[health_pb2.HealthCheckResponse]:

@@ -12,6 +12,7 @@ from vmesh.services.common.grpc_server import ServiceShell
 from vmesh.services.common.metrics import FrontendMetrics
 from vmesh.services.common.runtime.readiness import Announcement, announce
 from vmesh.services.common.server_settings import PublicPort, ServerSettings
+from vmesh.services.common.wire.public import output_to_public, prompt_from_public, request_from_public
 from vmesh.services.frontend import schedulers
 from vmesh.services.frontend.core import FrontendCore
 from vmesh.services.frontend.errors import RequestError
@@ -21,7 +22,8 @@ from vmesh.v1 import frontend_pb2, frontend_pb2_grpc
 
 
 class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
-    """Generate, Tokenize and GetModelInfo over the core; a RequestError becomes the call's status."""
+    """Generate, Tokenize and GetModelInfo over the core, their messages translated by wire/public.py; a
+    RequestError becomes the call's status."""
 
     def __init__(self, core: FrontendCore):
         self.core = core
@@ -38,15 +40,16 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
         await self._authorize(context)
         try:
             metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-            async for response in self.core.generate(request, context.time_remaining, trace_headers=metadata):
-                yield response
+            async for out in self.core.generate(request_from_public(request), context.time_remaining,
+                                                trace_headers=metadata):
+                yield output_to_public(out)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
 
     async def Tokenize(self, request, context):
         await self._authorize(context)
         try:
-            return frontend_pb2.TokenizeResponse(token_ids=await self.core.encode(request))
+            return frontend_pb2.TokenizeResponse(token_ids=await self.core.encode(prompt_from_public(request)))
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import jsonschema
+from jsonschema.validators import validator_for
 
 from vmesh.services.common.admission import InvalidRequest
 from vmesh.services.common.types import GRAMMAR_BACKENDS, CompiledGrammar, ModelLimits, StructuredOutput
@@ -153,7 +154,8 @@ def check_schema(source: str) -> None:
     if not isinstance(schema, (dict, bool)):
         raise InvalidRequest(SOURCE_FIELD, "a JSON schema is an object (or true / false)")
     try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
+        # true and false are schemas too, which jsonschema's stubs leave out.
+        validator_for(schema).check_schema(schema)  # pyright: ignore[reportArgumentType]
     except jsonschema.SchemaError as exc:
         where = ".".join(str(p) for p in exc.path)
         raise InvalidRequest(SOURCE_FIELD, f"{where + ': ' if where else ''}not a valid JSON schema "

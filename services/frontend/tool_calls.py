@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jsonschema
+from jsonschema.validators import validator_for
 
 from vmesh.services.frontend.errors import Code, RequestError
 
@@ -79,7 +80,7 @@ def _function(param: str, function: Any) -> dict[str, Any]:
     if parameters.get("type", "object") != "object":
         raise _invalid(f"{param}.parameters", f"must describe an object (type 'object'), not {parameters['type']!r}")
     try:
-        jsonschema.validators.validator_for(parameters).check_schema(parameters)
+        validator_for(parameters).check_schema(parameters)
     except jsonschema.SchemaError as exc:
         where = ".".join(str(p) for p in exc.path)
         raise _invalid(f"{param}.parameters" + (f".{where}" if where else ""),

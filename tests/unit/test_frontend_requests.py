@@ -13,7 +13,8 @@ from tests.support.fake_scheduler import FakeScheduler
 from tests.support.frontends import make_frontend, serving_frontend
 from tests.support.grpc_fakes import Aborted, FakeContext
 from vmesh.services.common.admission import InvalidRequest
-from vmesh.services.common.types import FinishReason, ModelLimits, OutputBatch, StreamOutput
+from vmesh.services.common.generation import Chat, ChatMessage, GenerationRequest, Submission
+from vmesh.services.common.types import FinishReason, ModelLimits, OutputBatch, SamplingParams, StreamOutput
 from vmesh.services.common.wire.common import finish_from_proto
 from vmesh.services.frontend import openai_protocol as oai
 from vmesh.services.frontend.auth import check_api_key
@@ -21,7 +22,7 @@ from vmesh.services.frontend.errors import RequestError
 from vmesh.services.frontend.failover import submit
 from vmesh.services.frontend.http_server import build_app
 from vmesh.services.frontend.server import FrontendServicer
-from vmesh.v1 import common_pb2, frontend_pb2, scheduler_pb2
+from vmesh.v1 import common_pb2, frontend_pb2
 
 
 class RefusingTokenizer:
@@ -40,7 +41,7 @@ async def drain(stream) -> list:
 def test_a_starting_frontend_answers_unavailable_not_a_crash():
     f = make_frontend()
     with pytest.raises(RequestError) as err:
-        asyncio.run(drain(f.generate(frontend_pb2.GenerateRequest(text="hi"))))
+        asyncio.run(drain(f.generate(GenerationRequest("hi"))))
     assert err.value.code == grpc.StatusCode.UNAVAILABLE
     with pytest.raises(Aborted) as aborted:
         asyncio.run(drain(FrontendServicer(f).Generate(frontend_pb2.GenerateRequest(text="hi"), FakeContext())))
@@ -61,20 +62,18 @@ def test_a_draining_frontend_refuses_new_requests():
     f = make_frontend(RefusingTokenizer(), ModelLimits("m", 100, 10))
     f.draining = True
     with pytest.raises(RequestError) as err:
-        asyncio.run(drain(f.generate(frontend_pb2.GenerateRequest(text="hi"))))
+        asyncio.run(drain(f.generate(GenerationRequest("hi"))))
     assert err.value.code == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.message
 
 
 def test_prompts_over_the_byte_limit_are_refused_before_tokenizing():
     f = make_frontend(RefusingTokenizer(), ModelLimits("m", 100, 10), max_prompt_bytes=8)
-    for request in (frontend_pb2.GenerateRequest(text="x" * 9),
-                    frontend_pb2.GenerateRequest(chat=frontend_pb2.ChatMessages(
-                        messages=[frontend_pb2.ChatMessage(role="user", content="é" * 5)]))):
+    for request in (GenerationRequest("x" * 9), GenerationRequest(Chat([ChatMessage("user", "é" * 5)]))):
         with pytest.raises(RequestError) as err:
             asyncio.run(drain(f.generate(request)))
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in err.value.message
     with pytest.raises(RequestError):
-        asyncio.run(f.encode(frontend_pb2.TokenizeRequest(text="x" * 9)))
+        asyncio.run(f.encode("x" * 9))
 
 
 def test_api_key():
@@ -100,7 +99,7 @@ def test_a_cancel_during_submission_aborts_once_the_submission_resolves():
         scheduler = SlowScheduler()
         f = make_frontend(scheduler=scheduler)
         await f.join_schedulers()
-        submission = scheduler_pb2.SubmitRequestRequest(frontend_key=7)
+        submission = Submission("", 7, [], SamplingParams())
         task = asyncio.create_task(submit(f, submission))
         await asyncio.sleep(0.01)
         task.cancel()
@@ -122,21 +121,22 @@ def test_openai_bodies_translate_into_generate_requests():
                                      max_completion_tokens=5, max_tokens=9, logprobs=True, top_logprobs=2, seed=-1,
                                      stop="x", top_k=3, user="u", parallel_tool_calls=False)
     request = oai.chat_request(chat, "m")
-    assert [(m.role, m.content) for m in request.chat.messages] == [("system", "Be brief."), ("user", "a\nb")]
+    assert isinstance(request.prompt, Chat)
+    assert [(m.role, m.content) for m in request.prompt.messages] == [("system", "Be brief."), ("user", "a\nb")]
     s = request.sampling
     assert (s.max_tokens, s.logprobs, s.seed, list(s.stop), s.top_k) == (5, 2, (1 << 64) - 1, ["x"], 3)
-    assert not s.HasField("temperature")  # unset: the server's default, as over gRPC
+    assert s.temperature == SamplingParams().temperature  # unset: the server's default, as over gRPC
 
     completions = oai.completion_requests(oai.CompletionRequest(prompt=[[1, 2], [3]], n=2, seed=5), "m")
-    assert [list(r.token_ids.ids) for r in completions] == [[1, 2], [3]]
+    assert [list(r.prompt) for r in completions] == [[1, 2], [3]]
     assert completions[0].sampling.max_tokens == 16  # OpenAI's default for completions
     copies = oai.fan_out(completions, 2, [[1, 2], [3]])
     assert [c.sampling.seed for c in copies] == [5, 6, 5, 6]
-    assert [list(c.token_ids.ids) for c in copies] == [[1, 2], [1, 2], [3], [3]]
+    assert [list(c.prompt) for c in copies] == [[1, 2], [1, 2], [3], [3]]
     # A text or chat prompt's copies carry the ids it was tokenized to once, and keep the rest.
     chat_copies = oai.fan_out([request], 2, [[7, 8]])
-    assert [c.WhichOneof("input") for c in chat_copies] == ["token_ids"] * 2
-    assert [list(c.token_ids.ids) for c in chat_copies] == [[7, 8]] * 2
+    assert [isinstance(c.prompt, list) for c in chat_copies] == [True] * 2
+    assert [list(c.prompt) for c in chat_copies] == [[7, 8]] * 2
     assert chat_copies[1].sampling.max_tokens == 5 and chat_copies[1].sampling.top_k == 3
 
 
@@ -199,8 +199,7 @@ def test_a_request_fails_over_with_what_the_client_has_and_ignores_its_old_key()
 
     async def main():
         f, scheduler = await serving_frontend(object(), failover_scheduler(), ("d:1", "d:2", "d:3"))
-        request = frontend_pb2.GenerateRequest(token_ids=frontend_pb2.TokenIds(ids=[1, 2, 3]),
-                                               sampling=common_pb2.SamplingParams(max_tokens=5))
+        request = GenerationRequest([1, 2, 3], SamplingParams(max_tokens=5))
         client = asyncio.create_task(drain(f.generate(request)))
         await eventually(lambda: scheduler.submitted)
         first = scheduler.submitted[0].frontend_key
@@ -222,7 +221,7 @@ def test_a_request_fails_over_with_what_the_client_has_and_ignores_its_old_key()
         responses = await client
         assert "".join(r.text for r in responses) == "Hello you"
         assert [t for r in responses for t in r.token_ids] == [5, 6, 7, 8, 9]
-        assert responses[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert responses[-1].finish_reason is FinishReason.LENGTH
         await eventually(lambda: not f.background)
         assert not f.outboxes and group.in_flight == 0
         await f.schedulers.close()
@@ -234,8 +233,7 @@ def test_a_failover_that_finds_no_taker_fails_unavailable_after_the_bounded_wait
     async def main():
         f, scheduler = await serving_frontend(object(), failover_scheduler(), ("d:1", "d:2", "d:3"),
                                               failover_timeout_s=0.2)
-        request = frontend_pb2.GenerateRequest(token_ids=frontend_pb2.TokenIds(ids=[1, 2, 3]),
-                                               sampling=common_pb2.SamplingParams(max_tokens=5))
+        request = GenerationRequest([1, 2, 3], SamplingParams(max_tokens=5))
         client = asyncio.create_task(drain(f.generate(request)))
         await eventually(lambda: scheduler.submitted)
         scheduler.refuse = True

@@ -86,9 +86,10 @@ def test_submission_fails_over_to_the_next_group_only_when_unavailable():
     import grpc
 
     from tests.support.frontends import make_frontend
+    from vmesh.services.common.generation import Submission
+    from vmesh.services.common.types import SamplingParams
     from vmesh.services.frontend.errors import RequestError
     from vmesh.services.frontend.failover import submit as submit_request
-    from vmesh.v1 import scheduler_pb2
 
     class Group(FakeScheduler):
         def __init__(self, error: grpc.StatusCode | None):
@@ -107,7 +108,7 @@ def test_submission_fails_over_to_the_next_group_only_when_unavailable():
         frontend = make_frontend(scheduler=stubs, schedulers=tuple(errors))
         await frontend.join_schedulers()
         try:
-            group, _ = await submit_request(frontend, scheduler_pb2.SubmitRequestRequest())
+            group, _ = await submit_request(frontend, Submission("", 0, [], SamplingParams()))
             return group.address, {a: (s.calls, frontend.schedulers.groups[a].in_flight) for a, s in stubs.items()}
         except RequestError as exc:
             return exc.code, {a: (s.calls, frontend.schedulers.groups[a].in_flight) for a, s in stubs.items()}

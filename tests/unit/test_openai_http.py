@@ -15,6 +15,8 @@ import pytest
 
 from tests.support.eventually import eventually
 from tests.support.frontends import make_frontend, serving_frontend
+from vmesh.services.common.generation import GenerationOutput
+from vmesh.services.common.types import TokenLogprobs
 from vmesh.services.common.wire.common import finish_from_proto
 from vmesh.services.frontend import openai_protocol as oai
 from vmesh.services.frontend import openai_responses as render
@@ -24,7 +26,7 @@ from vmesh.services.frontend.fanout import Fanout, until_disconnect
 from vmesh.services.frontend.http_middleware import body_limit
 from vmesh.services.frontend.http_server import build_app
 from vmesh.services.frontend.outbox import PendingOutput
-from vmesh.v1 import common_pb2, frontend_pb2
+from vmesh.v1 import common_pb2
 
 LENGTH = common_pb2.FINISH_REASON_LENGTH
 ABORT = common_pb2.FINISH_REASON_ABORT
@@ -199,11 +201,11 @@ def test_a_slow_reader_holds_a_bounded_number_of_outputs():
     pulled = [0, 0, 0]
     closed: set[int] = set()
 
-    async def stream(i: int, count: int) -> AsyncIterator[frontend_pb2.GenerateResponse]:
+    async def stream(i: int, count: int) -> AsyncIterator[GenerationOutput]:
         try:
             for k in range(count):
                 pulled[i] += 1
-                yield frontend_pb2.GenerateResponse(text=f"{i}.{k} ")
+                yield GenerationOutput("", f"{i}.{k} ", [], [])
                 await asyncio.sleep(0)
         finally:
             closed.add(i)
@@ -317,8 +319,7 @@ def test_a_lone_surrogate_is_a_400_naming_the_field():
 def test_logprob_tokens_are_decoded_once_each_and_logprobs_are_capped():
     tokenizer = CharTokenizer()
     tokens = render.TokenTable(tokenizer)
-    entry = frontend_pb2.GeneratedTokenLogprobs(logprob=-0.5, top=[frontend_pb2.TokenLogprob(token_id=t, logprob=-1)
-                                                                   for t in b"abcde"])
+    entry = TokenLogprobs(logprob=-0.5, rank=0, top_token_ids=list(b"abcde"), top_logprobs=[-1.0] * 5)
     choice = render.Choice(text="ab" * 500, token_ids=[97, 98] * 500, logprobs=[entry] * 1000)
     body = render.completion_body("id", 0, "m", [choice] * 8, 8, True, tokens)
     assert body["choices"][0]["logprobs"]["tokens"][:2] == ["a", "b"]

@@ -9,9 +9,9 @@ import pytest
 
 from tests.support.fake_scheduler import FakeScheduler
 from tests.support.frontends import make_frontend, serving_frontend
+from vmesh.services.common.generation import GenerationRequest
 from vmesh.services.common.types import ModelLimits
 from vmesh.services.frontend.errors import RequestError
-from vmesh.v1 import frontend_pb2
 
 
 async def drain(stream) -> list:
@@ -19,7 +19,7 @@ async def drain(stream) -> list:
 
 
 class NoCopies:
-    """A token_ids field whose ids must not be copied (only their count read)."""
+    """Token ids that must not be copied (only their count read)."""
 
     def __init__(self, n: int):
         self.n = n
@@ -31,18 +31,10 @@ class NoCopies:
         raise AssertionError("copied before the length was checked")
 
 
-class TokenIdsRequest:
-    def __init__(self, n: int):
-        self.token_ids = type("TokenIds", (), {"ids": NoCopies(n)})()
-
-    def WhichOneof(self, _: str) -> str:
-        return "token_ids"
-
-
 def test_token_id_prompts_longer_than_the_context_are_refused_before_any_copy():
     f = make_frontend(object(), ModelLimits("m", max_model_len=100, vocab_size=10))
     with pytest.raises(RequestError) as err:
-        asyncio.run(f.encode(TokenIdsRequest(50_000_000)))
+        asyncio.run(f.encode(NoCopies(50_000_000)))
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "50000000 tokens" in err.value.message
 
 
@@ -58,7 +50,7 @@ class Tokenizer:
 def test_a_deadline_that_passed_before_submission_is_deadline_exceeded():
     async def main() -> None:
         f, _ = await serving_frontend(Tokenizer(), FakeScheduler(ModelLimits("m", 100, 10)))
-        await drain(f.generate(frontend_pb2.GenerateRequest(text="hi"), time_remaining=lambda: 0.0))
+        await drain(f.generate(GenerationRequest("hi"), time_remaining=lambda: 0.0))
 
     with pytest.raises(RequestError) as err:
         asyncio.run(main())
@@ -71,7 +63,7 @@ def test_a_drain_that_began_during_tokenization_refuses_the_request():
     f = make_frontend(None, ModelLimits("m", 100, 10))
     f.tokenizer = Tokenizer(on_encode=lambda: setattr(f, "draining", True))
     with pytest.raises(RequestError) as err:
-        asyncio.run(drain(f.generate(frontend_pb2.GenerateRequest(text="hi"))))
+        asyncio.run(drain(f.generate(GenerationRequest("hi"))))
     assert err.value.code == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.message
     assert f.in_flight == 0
 
@@ -89,7 +81,7 @@ def test_a_failed_submission_does_not_show_internal_addresses():
         # No wait for a group to come back: the refusal is the answer under test.
         f, _ = await serving_frontend(Tokenizer(), DownScheduler(ModelLimits("m", 100, 10)), failover_timeout_s=0)
         try:
-            await drain(f.generate(frontend_pb2.GenerateRequest(text="hi")))
+            await drain(f.generate(GenerationRequest("hi")))
         except RequestError as exc:
             return exc
         finally:

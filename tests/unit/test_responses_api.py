@@ -18,6 +18,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from tests.support.eventually import eventually
 from tests.support.frontends import serving_frontend
 from tests.unit.test_openai_http import Call, CharTokenizer
+from vmesh.services.common.generation import Chat
 from vmesh.services.common.types import FinishReason, Usage
 from vmesh.services.frontend import responses_api as api
 from vmesh.services.frontend.core import FrontendCore
@@ -65,7 +66,8 @@ def test_instructions_and_input_become_chat_messages_in_order():
 
 def test_a_string_input_is_one_user_message_served_as_chat_serves_it():
     generate, view, _ = api.translate(request(instructions="sys", input="hello", max_output_tokens=5), "m")
-    assert [(m.role, m.content) for m in generate.chat.messages] == [("system", "sys"), ("user", "hello")]
+    assert isinstance(generate.prompt, Chat)
+    assert [(m.role, m.content) for m in generate.prompt.messages] == [("system", "sys"), ("user", "hello")]
     assert generate.sampling.max_tokens == 5 and view.model == "m"
 
 

@@ -21,6 +21,7 @@ from vmesh.services.common.admission import InvalidRequest, admit
 from vmesh.services.common.structured import GrammarCompiler
 from vmesh.services.common.types import CompiledGrammar, ModelLimits, SamplingParams, StructuredOutput
 from vmesh.services.common.wire.common import finish_from_proto
+from vmesh.services.common.wire.public import output_to_public, request_from_public
 from vmesh.services.common.wire.sampling import grammar_from_proto, structured_from_proto
 from vmesh.services.frontend import openai_protocol as oai
 from vmesh.services.frontend import structured_requests
@@ -60,12 +61,12 @@ def compiler(embedded_model_dir) -> GrammarCompiler:
 
 def chat_spec(**body: Any) -> StructuredOutput | None:
     request = oai.chat_request(oai.ChatCompletionRequest(messages=CHAT, **body), "m")
-    return structured_from_proto(request.sampling.structured) if request.sampling.HasField("structured") else None
+    return request.sampling.structured
 
 
 def completion_spec(**body: Any) -> StructuredOutput | None:
     [request] = oai.completion_requests(oai.CompletionRequest(prompt="hi", **body), "m")
-    return structured_from_proto(request.sampling.structured) if request.sampling.HasField("structured") else None
+    return request.sampling.structured
 
 
 # --- each body form maps to its StructuredOutput ----------------------------------------------------
@@ -101,7 +102,7 @@ def test_a_forced_tool_choice_is_its_calls_schema() -> None:
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         body = oai.ChatCompletionRequest(messages=CHAT, tools=[WEATHER], tool_choice=choice)
         plan = oai.chat_tools(body)
-        spec = structured_from_proto(oai.chat_request(body, "m", plan).sampling.structured)
+        spec = oai.chat_request(body, "m", plan).sampling.structured
         assert spec == StructuredOutput("json_schema", json.dumps(tool_calls.plan_schema(plan)))
     assert chat_spec(tools=[WEATHER], tool_choice="auto") is None
 
@@ -201,11 +202,11 @@ def test_llguidance_named_by_the_client_is_the_backend_reported_over_grpc(compil
         request = frontend_pb2.GenerateRequest(text="hi")
         request.sampling.structured.CopyFrom(common_pb2.StructuredOutput(
             kind=common_pb2.STRUCTURED_KIND_REGEX, source="[ab]+", backend="llguidance"))
-        stream = f.generate(request)
+        stream = f.generate(request_from_public(request))
         first = asyncio.ensure_future(stream.__anext__())
         await scheduler.until_submitted(1)
         finish(f, "ab")
-        response = await first
+        response = output_to_public(await first)
         await stream.aclose()
         assert response.structured_output_backend == "llguidance"
         assert scheduler.submitted[0].sampling.grammar.backend == "llguidance"
@@ -282,7 +283,7 @@ def test_grpc_refusals_are_invalid_argument_naming_the_sampling_field(compiler) 
                       "keyword 'not' is not supported by xgrammar"))
         for request, field, message in cases:
             with pytest.raises(RequestError) as err:
-                async for _ in f.generate(request):
+                async for _ in f.generate(request_from_public(request)):
                     pass
             assert (err.value.code, err.value.field, err.value.message) == (grpc.StatusCode.INVALID_ARGUMENT, field,
                                                                              message)

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from tests.support.frontends import serving_frontend
 from tests.unit.test_openai_http import CharTokenizer, emit
+from vmesh.services.common.generation import Chat
 from vmesh.services.common.tokenizer import ChatTokenizer, encode_chat, template_supports_tools
 from vmesh.services.common.tool_prompt import tool_call_text
 from vmesh.services.frontend import openai_protocol as oai
@@ -92,13 +93,15 @@ def test_tools_and_history_reach_the_chat_input():
     history = [*HI, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"}]
-    request = oai.chat_request(chat(messages=history, tools=[WEATHER], parallel_tool_calls=False), "m")
-    assert json.loads(request.chat.tools) == [WEATHER]
-    call = request.chat.messages[1].tool_calls[0]
+    prompt = oai.chat_request(chat(messages=history, tools=[WEATHER], parallel_tool_calls=False), "m").prompt
+    assert isinstance(prompt, Chat)
+    assert json.loads(prompt.tools) == [WEATHER]
+    call = prompt.messages[1].tool_calls[0]
     assert (call.id, call.name, json.loads(call.arguments)) == ("call_1", "get_weather", {"city": "Oslo"})
-    assert (request.chat.messages[2].role, request.chat.messages[2].tool_call_id) == ("tool", "call_1")
+    assert (prompt.messages[2].role, prompt.messages[2].tool_call_id) == ("tool", "call_1")
     # "none": the model is not to call, so the prompt shows no tools (the history still renders)
-    assert oai.chat_request(chat(messages=history, tools=[WEATHER], tool_choice="none"), "m").chat.tools == ""
+    silent = oai.chat_request(chat(messages=history, tools=[WEATHER], tool_choice="none"), "m").prompt
+    assert isinstance(silent, Chat) and silent.tools == ""
     legacy = tool_plan(None, None, None, [WEATHER["function"]], "auto")
     assert legacy == ToolPlan((WEATHER,), "auto", parallel=False)
 
