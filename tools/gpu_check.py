@@ -130,6 +130,7 @@ def prepare_embedded(check: Check) -> tuple[Path, str]:
     if all(p.is_file() for p in parts):
         package = check.work / "site" / EMBEDDED_MODEL_PACKAGE
         package.mkdir(parents=True, exist_ok=True)
+        (package / "__init__.py").touch()  # a regular package: found before any namespace portion
         gguf = package / manifest["file"]
         with gguf.open("wb") as dst:
             decompressor = lzma.LZMADecompressor()
@@ -137,8 +138,8 @@ def prepare_embedded(check: Check) -> tuple[Path, str]:
                 dst.write(decompressor.decompress(part.read_bytes()))
         if sha256(gguf) != manifest["sha256"]:
             raise RuntimeError(f"{gguf.name} rebuilt from its parts does not match its sha256")
-        sys.path.insert(0, str(package.parent))  # a namespace package: the loader finds the file in it
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(package.parent), os.environ.get("PYTHONPATH", "")])
+        sys.path.insert(0, str(package.parent))
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(package.parent), os.environ.get("PYTHONPATH")) if p)
         importlib.invalidate_caches()
         return resolve_model_dir(None), "the embedded model's GGUF (rebuilt from its parts)"
     import torch

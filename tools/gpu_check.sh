@@ -16,7 +16,7 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 exec > >(tee "$out/gpu_check.log") 2>&1
 PY=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1  # progress bars would fill the log
 started=$(date +%s)
 if [ ${#dry_run[@]} -gt 0 ]; then
     # The list of wheels against pyproject.toml's pins, as the GPU machine would install them.
