@@ -28,6 +28,7 @@ import json
 import lzma
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -73,14 +74,15 @@ class Check:
             self.result["sections"][name] = {"status": "skipped", "reason": f"{self.left():.0f} s left, needs {needs}"}
         else:
             print(f"[gpu_check] {name} ({self.left():.0f} s left)", flush=True)
-            started = time.monotonic()
+            started, cpu_started = time.monotonic(), cpu_seconds()
             try:
                 body = section(self)
                 status = body.pop("status", "passed" if body.get("passed", True) else "failed")
             except Exception as exc:
                 body, status = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}, "failed"
                 print(body["traceback"], flush=True)
-            self.result["sections"][name] = {"status": status, "seconds": round(time.monotonic() - started, 1), **body}
+            self.result["sections"][name] = {"status": status, "seconds": round(time.monotonic() - started, 1),
+                                             "cpu_seconds": round(cpu_seconds() - cpu_started, 1), **body}
         print(f"[gpu_check] {name}: {self.result['sections'][name]['status']}", flush=True)
         self.save()
 
@@ -112,6 +114,12 @@ class Check:
         if done.returncode != 0:
             raise RuntimeError(f"vmesh bench {argv[0]} exited with {done.returncode}: {done.stderr[-2000:]}")
         return json.loads((out / f"{argv[0]}.json").read_text())
+
+
+def cpu_seconds() -> float:
+    """This process's CPU time and that of its finished children (the bench runs, a mesh's services)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def prepare_embedded(check: Check) -> tuple[Path, str]:

@@ -186,6 +186,9 @@ def serve(device: str, dry_run: bool, model_dir: Path) -> dict[str, Any]:
             "kill_to_all_streams_done_s": recovered_s, "after_restart_equal": again == grpc_tokens[:1]})
         result["passed"] = (all(r["ok"] for r in rows) and http_ok and result["outputs_equal_across_kill"]
                             and result["after_restart_equal"])
+    except BaseException:
+        print("".join(mesh.output[-60:]), flush=True)  # the launcher's side of the failure
+        raise
     finally:
         result["stop_exit_code"] = mesh.stop()
     return result
