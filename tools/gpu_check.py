@@ -252,7 +252,11 @@ def claims(check: Check) -> dict[str, Any]:
         if not check.dry_run and check.left() < NEEDS_S["claims"]:
             body["models"][model] = {"status": "skipped", "reason": f"{check.left():.0f} s left"}
             continue
-        result = check.bench(["claims", "--models", model, *model_flags(check)], f"claims-{model}")
+        try:
+            result = check.bench(["claims", "--models", model, *model_flags(check)], f"claims-{model}")
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:  # the other model may still fit
+            body["models"][model] = {"status": "failed", "error": str(exc)[-2000:]}
+            continue
         if result.get("status") == "planned":
             body["models"][model] = result
             continue
@@ -267,6 +271,8 @@ def claims(check: Check) -> dict[str, Any]:
     statuses = {m.get("status") for m in body["models"].values()}
     if statuses == {"planned"}:
         body["status"] = "planned"
+    elif "failed" in statuses:
+        body["status"] = "failed"
     return body
 
 
