@@ -213,6 +213,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"embedded model in {len(manifest['parts'])} parts: "
               + ", ".join(f"{p['folder']} {p['bytes'] / 2**20:.1f} MiB" for p in manifest["parts"])
               + f"; the working tree {tree / 2**20:.1f} MiB travels with each call")
+        first = folder_mib(args.dest / "model-1") + tree / 2**20
+        second = sum(folder_mib(args.dest / f) for f in ("wheels", "embedded", "model-2")) + tree / 2**20
+        print(f"on the GPU machine: a call carrying .gpu-check/model-1 ({first:.1f} MiB with the tree), then "
+              f"tools/gpu_check.sh carrying .gpu-check/wheels, .gpu-check/embedded and .gpu-check/model-2 "
+              f"({second:.1f} MiB); each under {CALL_LIMIT_MIB} MiB")
     return 0
 
 
