@@ -4,6 +4,7 @@ ones. On a CPU (the dry run) the kernels run through the Triton interpreter, sma
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,22 @@ TOL = {("float32", False): 2e-5, ("float32", True): 1e-4, ("bfloat16", False): 1
 LARGE_ATTENTION = [(128, 32, 8, 16), (64, 9, 3, 16)]
 
 
+@functools.lru_cache(maxsize=16)
+def _float32_batch(query_lens: tuple[int, ...], context_lens: tuple[int, ...], heads: int, kv_heads: int,
+                   head_dim: int, block_size: int, seed: int, device: str) -> tuple[torch.Tensor, ...]:
+    # Once per shape: the large ones take seconds of CPU to draw, and each serves both dtypes and windows.
+    return ragged_batch(list(query_lens), list(context_lens), heads, kv_heads, head_dim, block_size, torch.float32,
+                        seed=seed, device=device)
+
+
+def _batch(query_lens: list[int], context_lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int,
+           dtype: str, device: str, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """tests/support/paged.py's ragged batch (whose values are drawn in float32, then cast)."""
+    q, kc, vc, starts, seq_lens, tables = _float32_batch(tuple(query_lens), tuple(context_lens), heads, kv_heads,
+                                                         head_dim, block_size, seed, device)
+    return q.to(DTYPES[dtype]), kc.to(DTYPES[dtype]), vc.to(DTYPES[dtype]), starts, seq_lens, tables
+
+
 @dataclass
 class Case:
     kernel: str
@@ -44,8 +61,8 @@ def _attention(label: str, dtype: str, large: bool, device: str, query_lens: lis
     head_dim, heads, kv_heads, block_size = geometry
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
-        q, kc, vc, starts, seq_lens, tables = ragged_batch(query_lens, context_lens, heads, kv_heads, head_dim,
-                                                           block_size, DTYPES[dtype], device=device)
+        q, kc, vc, starts, seq_lens, tables = _batch(query_lens, context_lens, heads, kv_heads, head_dim, block_size,
+                                                     dtype, device)
         scale = head_dim ** -0.5
         got = unified_attention(q, kc, vc, starts, seq_lens, tables, scale, max_query_len=max(query_lens),
                                 block_m=block_m, window=window)
@@ -61,8 +78,8 @@ def _split_kv(label: str, dtype: str, large: bool, device: str, context_lens: li
     head_dim, heads, kv_heads, block_size = geometry
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
-        q, kc, vc, starts, seq_lens, tables = ragged_batch([1] * len(context_lens), context_lens, heads, kv_heads,
-                                                           head_dim, block_size, DTYPES[dtype], seed=1, device=device)
+        q, kc, vc, starts, seq_lens, tables = _batch([1] * len(context_lens), context_lens, heads, kv_heads, head_dim,
+                                                     block_size, dtype, device, seed=1)
         scale = head_dim ** -0.5
         got = split_kv_decode_attention(q, kc, vc, seq_lens, tables, scale, num_splits=num_splits)
         return got, reference.paged_attention_ref(q, kc, vc, starts, seq_lens, tables, scale)
@@ -176,6 +193,7 @@ def check_kernels(device: str, dry_run: bool) -> dict[str, Any]:
         rows.append({"kernel": case.kernel, "case": case.label, "dtype": case.dtype, "large": case.large,
                      "max_abs_error": error, "tolerance": tol, "ok": ok, **({"note": note} if note else {})})
         del got, want
+    _float32_batch.cache_clear()
     worst = {f"{r['kernel']}/{r['dtype']}": 0.0 for r in rows}
     for r in rows:
         worst[f"{r['kernel']}/{r['dtype']}"] = max(worst[f"{r['kernel']}/{r['dtype']}"], r["max_abs_error"])
