@@ -37,10 +37,11 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-        q_pos = torch.arange(seq_len - n, seq_len)
-        causal = torch.arange(seq_len)[None, :] <= q_pos[:, None]
+        q_pos = torch.arange(seq_len - n, seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        causal = k_pos[None, :] <= q_pos[:, None]
         if window is not None:
-            causal &= torch.arange(seq_len)[None, :] > q_pos[:, None] - window
+            causal &= k_pos[None, :] > q_pos[:, None] - window
         scores = scores.masked_fill(~causal, float("-inf"))
         out[starts[i]:starts[i + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(query.dtype)
     return out

@@ -24,13 +24,18 @@ from vmesh.services.common.types import SamplingParams
 
 
 def transformers_generate(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> Callable[[], float]:
-    """Loads the model once; each call of the result is one timed batched `generate` (tokens/s)."""
+    """Loads the model once; each call of the result is one timed batched `generate` (tokens/s). It
+    runs where the engine and the mesh's worker run by default (--device auto): a GPU where there is one."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True).eval()
+    from vmesh.services.worker.model_runner import resolve_device
+
+    device = resolve_device("auto")
+    model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True)
+    model = model.to(device).eval()
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left-padded
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)  # left-padded
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     config = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
 
     def run() -> float:

@@ -103,6 +103,11 @@ class WorkerRanks:
         """`plan`, as `message`, to every rank."""
         self.traffic.count(plan, message.ByteSize())
         for call in self.calls:
+            # A stream that ended while no step was in flight (its worker died between steps) refuses
+            # writes with "RPC already finished"; reading it raises the status it ended with instead,
+            # which went_away() judges as it judges a stream that fails mid-step.
+            if call.done() and await call.read() is grpc.aio.EOF:
+                raise ConnectionError("a worker closed its stream")
             await call.write(message)
 
     async def receive(self) -> worker_pb2.ExecuteResponse:

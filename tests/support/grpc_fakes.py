@@ -48,11 +48,21 @@ class FakeStream:
         self.messages: list = []  # the messages themselves
         self.responses: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
+        self.ended: grpc.aio.AioRpcError | None = None  # set: the call ended with this status, unread
+
+    def done(self) -> bool:
+        return self.cancelled or self.ended is not None
+
+    def refuse_if_done(self) -> None:
+        """What a finished grpc.aio call does with a write."""
+        if self.done():
+            raise asyncio.InvalidStateError("RPC already finished.")
 
     async def wait_for_connection(self) -> None:
         await asyncio.sleep(0)
 
     async def write(self, message) -> None:
+        self.refuse_if_done()
         if self.writing:
             raise RuntimeError("GRPC_CALL_ERROR_TOO_MANY_OPERATIONS")
         self.writing = True
@@ -65,6 +75,8 @@ class FakeStream:
             self.writing = False
 
     async def read(self):
+        if self.ended is not None:
+            raise self.ended
         response = await self.responses.get()
         if isinstance(response, Exception):
             raise response

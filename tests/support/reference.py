@@ -27,8 +27,8 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> ReferenceOutput:
     model.generation_config.eos_token_id = None
     try:
         with torch.inference_mode():
-            out = model.generate(torch.tensor([prompt]), generation_config=config,
-                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+            out = model.generate(torch.tensor([prompt], device=model.device), generation_config=config,
+                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device))
     finally:
         model.generation_config.eos_token_id = saved_eos
     return ReferenceOutput(out.sequences[0, len(prompt):].tolist(), [x[0].float() for x in out.logits])

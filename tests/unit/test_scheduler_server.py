@@ -30,6 +30,7 @@ class FakeExecute(FakeStream):
         self.plans: list[worker_pb2.ExecuteRequest] = []
 
     async def write(self, message) -> None:
+        self.refuse_if_done()
         self.plans.append(message)
 
 
@@ -295,6 +296,25 @@ def test_a_lost_worker_that_comes_back_gets_every_request_again():
             assert await servicer.submit(2)  # serving again
             stream = servicer.streams["127.0.0.1:1"][0]
             assert not any(m.errors and any(m.errors) for m in stream.messages), "nobody was told of the loss"
+
+    asyncio.run(main())
+
+
+def test_a_worker_that_dies_between_steps_is_recovered_at_the_next_plan():
+    """Its stream ends while no step is in flight, so nothing reads the failure: the next plan's
+    write finds the call finished, which is the worker gone (waited for), not a refusal."""
+    async def main() -> None:
+        worker = FakeWorker()
+        async with with_worker(worker, worker_retry=Backoff(0.01)) as servicer:
+            await eventually(lambda: worker.streams)
+            worker.down = True
+            worker.streams[0].ended = rpc_error(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+            await servicer.submit(0)
+            await eventually(lambda: worker.refusals >= 1)  # waited for, not failed
+            worker.down = False
+            await eventually(lambda: len(worker.streams) == 2 and worker.streams[1].plans)
+            assert [tuple(r.token_ids) for r in worker.streams[1].plans[0].new_requests] == [(1, 2, 3)]
+            assert servicer.session.failure is None and servicer.session.worker_failovers == 1
 
     asyncio.run(main())
 
