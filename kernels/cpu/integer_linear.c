@@ -145,11 +145,15 @@ static inline __attribute__((always_inline)) WeightPair weight_pair(const uint8_
     WeightPair w;
     w.codes = _mm512_inserti64x4(_mm512_castsi256_si512(block_codes(first, format)),
                                  has_second ? block_codes(second, format) : _mm256_setzero_si256(), 1);
-    w.scale = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(half(first)),
-                                   _mm512_set1_ps(has_second ? half(second) : 0.0f));
-    w.offset = format == FORMAT_Q4_1 ? _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(half(first + 2)),
-                                                            _mm512_set1_ps(has_second ? half(second + 2) : 0.0f))
-                                     : _mm512_setzero_ps();
+    /* Both blocks' heads (d, then Q4_1's m) as halves in one conversion: [d0, m0, d1, m1]. */
+    uint32_t head_first, head_second = 0;
+    memcpy(&head_first, first, sizeof head_first);
+    if (has_second) memcpy(&head_second, second, sizeof head_second);
+    const __m512 heads = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_set_epi32(0, 0, (int)head_second, (int)head_first)));
+    w.scale = _mm512_permutexvar_ps(_mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0), heads);
+    w.offset = format == FORMAT_Q4_1
+                   ? _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1), heads)
+                   : _mm512_setzero_ps();
     return w;
 }
 
