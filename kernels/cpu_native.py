@@ -102,6 +102,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "packed_small_batch_linear_bf16": ([P, INT, P, P, P, I64, I64, I64, I64], INT),  # + whether x is bfloat16
     "quantized_linear_f32": ([P, P, INT, P, P, I64, I64, I64], INT),
     "quantized_linear_int8_f32": ([P, P, INT, P, P, I64, I64, I64], INT),  # x rounded to int8 per block
+    "int8_linear_f32": ([P, P, P, P, P, P, I64, I64, I64], INT),
     "quantized_rows_f32": ([P, INT, P, I64, I64, I64, P], INT),
 }
 # The C kernels' name suffix per model dtype. bfloat16 is the mixed model's: bfloat16 activations,
@@ -259,6 +260,23 @@ class CpuKernels:
             raise RuntimeError(f"{name}: built without AVX-512 VNNI (see CpuKernels.integer_dot)")
         if status:
             raise ValueError(f"{name} refused {x.shape[0]} rows of {in_features} features")
+        return out
+
+    def int8_linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, row_sums: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        """x [rows, in] rounded to int8 per row, @ (weight * scale[:, None]).T + bias: kernels/cpu/int8_linear.c.
+        weight int8 [out, in], scale float32 [out], row_sums int32 [out] (weight.sum(1)), bias float32
+        [out]: contiguous, as services/worker/int8_linear.py builds them at load; x is checked here."""
+        require_contiguous_cpu(("x", x, torch.float32))
+        if x.dim() != 2 or x.shape[1] != weight.shape[1]:
+            raise ValueError(f"x must be [rows, {weight.shape[1]}], got {tuple(x.shape)}")
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+        status = self._functions["int8_linear_f32"](x.data_ptr(), weight.data_ptr(), scale.data_ptr(),
+                                                    row_sums.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                                                    out.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1],
+                                                    torch.get_num_threads())
+        if status:
+            raise (MemoryError if status == 2 else RuntimeError)(f"int8_linear_f32 failed with status {status}")
         return out
 
     def quantized_rows(self, blocks: torch.Tensor, block_format: int, in_features: int,

@@ -38,6 +38,7 @@ from vmesh.services.common.model_spec import ModelSpec
 
 if TYPE_CHECKING:
     from vmesh.kernels.cpu_native import CpuKernels
+    from vmesh.services.worker.int8_linear import Int8Linear
     from vmesh.services.worker.linear import Linear
 
 logger = logging.getLogger(__name__)
@@ -273,7 +274,7 @@ def load_native_weights(model: str | None, spec: ModelSpec, device: torch.device
     return read_gguf_weights(path, spec), kernels
 
 
-def log_placement(linears: Sequence[Linear | QuantizedLinear], dequantized: dict[str, str]) -> None:
+def log_placement(linears: Sequence[Linear | QuantizedLinear | Int8Linear], dequantized: dict[str, str]) -> None:
     """Once per load: how many linears read quantized blocks (and in which formats), and which
     were dequantized and why."""
     quantized = [layer for layer in linears if isinstance(layer, QuantizedLinear)]
