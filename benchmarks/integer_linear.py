@@ -1,6 +1,7 @@
 """`--weights native` kernels: int8 dot products (kernels/cpu/integer_linear.c) against the float32
 block kernel (kernels/cpu/quantized_linear.c) and oneDNN's packed float32 linear (`--weights
-dequantized`), same run, on the embedded model's layer shapes and random GGUF blocks of each format.
+dequantized`), same run, on the embedded model's layer shapes and random GGUF blocks of each format;
+and `--weights int8` (kernels/cpu/int8_linear.c) on the same weights.
 
 For each shape, format and row count, `--rounds` rounds alternate the three paths (so that each
 sees the same machine state), each timing `--calls` calls; the median per call is reported as
@@ -24,6 +25,7 @@ import torch
 
 from vmesh.kernels.cpu_native import QUANTIZED_FORMATS, load_cpu_kernels
 from vmesh.services.common.model_loading import cache_dir_path
+from vmesh.services.worker.int8_linear import Int8Linear
 from vmesh.services.worker.linear import Linear
 
 FORMAT_IDS = {fmt.name: type_id for type_id, fmt in QUANTIZED_FORMATS.items()}
@@ -71,14 +73,16 @@ def main() -> None:
         for fmt in args.formats:
             type_id = FORMAT_IDS[fmt]
             blocks = random_blocks(type_id, out_features, in_features)
-            dense = Linear(kernels.quantized_rows(blocks, type_id, in_features, torch.arange(out_features)),
-                           small_batch_kernels=kernels)
+            weight = kernels.quantized_rows(blocks, type_id, in_features, torch.arange(out_features))
+            dense = Linear(weight, small_batch_kernels=kernels)
+            int8 = Int8Linear(weight, None, kernels)  # `--weights int8` on the same values
+            del weight
             for rows in args.rows:
                 x = torch.randn(rows, in_features)
                 product = functools.partial(kernels.quantized_linear, x, blocks, type_id, in_features, None)
                 paths: dict[str, Callable[[], object]] = {
                     "integer": functools.partial(product, integer=True), "float_blocks": product,
-                    "onednn_f32": functools.partial(dense, x)}
+                    "onednn_f32": functools.partial(dense, x), "int8_mode": functools.partial(int8, x)}
                 times: dict[str, list[float]] = {path: [] for path in paths}
                 for fn in paths.values():
                     fn()  # warm-up
@@ -91,10 +95,12 @@ def main() -> None:
                 results.append({"layer": name, "format": fmt, "out": out_features, "in": in_features, "rows": rows,
                                 **{f"{path}_gflops": value for path, value in gflops.items()},
                                 "integer_over_float_blocks": ratio,
-                                "integer_over_onednn": gflops["integer"] / gflops["onednn_f32"]})
+                                "integer_over_onednn": gflops["integer"] / gflops["onednn_f32"],
+                                "int8_mode_over_onednn": gflops["int8_mode"] / gflops["onednn_f32"]})
                 print(f"{name:12s} {fmt} [{out_features:5d} x {in_features:4d}] rows {rows:3d}: GFLOP/s integer "
                       f"{gflops['integer']:6.1f}, float blocks {gflops['float_blocks']:6.1f}, oneDNN f32 "
-                      f"{gflops['onednn_f32']:6.1f}; integer / float blocks x{ratio:.2f}", flush=True)
+                      f"{gflops['onednn_f32']:6.1f}, int8 mode {gflops['int8_mode']:6.1f}; integer / float blocks "
+                      f"x{ratio:.2f}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"threads": args.threads, "results": results}, f, indent=2)

@@ -3,14 +3,15 @@ against the float32 paths, on the embedded model (SmolLM2-135M-Instruct, a Q4_1 
 
 Modes: `dequantized` (the file's weights expanded to float32 at load: the float32 reference),
 `native-float` (today's native kernel, float32 products over the blocks: VMESH_QUANTIZED_DOT=float)
-and `native-int8` (activations rounded to int8 per block of 32, VNNI dot products).
+`native-int8` (activations rounded to int8 per block of 32, VNNI dot products) and `int8` (`--weights
+int8` on the dequantized float32 checkpoint: int8 weights per output feature, int8 activations per token).
 
 (a) Perplexity over benchmarks/data/bf16_perplexity.txt, measured as benchmarks/bf16.py does
 (teacher-forced in 256-token chunks through the paged cache). (b) Greedy outputs of the standard
 workload's prompts (EOS ignored) in each mode: the fraction of identical requests and the mean
-leading match against `native-float`; for every request that differs, the margin at its first
-difference under `native-float`'s own logits (log-probability of its token minus that of the token
-`native-int8` chose): a near-tie is a margin of a few hundredths.
+leading match against `native-float` (or, without it, `dequantized`: the same tokens); for every
+request that differs, the margin at its first difference under the reference's own logits
+(log-probability of its token minus that of the token the other mode chose).
 
     .venv/bin/python -m benchmarks.native_quality [--requests 64] [--max-tokens 128] [--threads 2]
 """
@@ -37,7 +38,8 @@ from vmesh.services.worker.attention import AttentionMetadata
 from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
 from vmesh.services.worker.quantized_linear import DOT_ENV
 
-MODES = {"dequantized": ("dequantized", None), "native-float": ("native", "float"), "native-int8": ("native", "int8")}
+MODES = {"dequantized": ("dequantized", None), "native-float": ("native", "float"), "native-int8": ("native", "int8"),
+         "int8": ("int8", None)}
 
 
 def load(mode: str, **settings: Any) -> ModelRunner:
@@ -82,6 +84,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=None, help="default: the workload's (128)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--text", type=Path, default=TEXT)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here too")
     args = parser.parse_args()
     if args.threads:
@@ -90,7 +93,7 @@ def main() -> None:
     result: dict[str, Any] = {"threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d %H:%M"),
                               "perplexity": {}}
     token_ids = load_tokenizer(model_dir)(args.text.read_text())["input_ids"]
-    for mode in MODES:
+    for mode in args.modes:
         runner = load(mode, kv_cache_memory=256 << 20)
         result["perplexity"][mode] = perplexity(runner, token_ids)
         print(f"perplexity {mode}: {result['perplexity'][mode]:.4f} ({len(token_ids)} tokens)", flush=True)
@@ -101,7 +104,7 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     tokenizer = load_chat_tokenizer(model_dir)
     outputs: dict[str, list[list[int]]] = {}
-    for mode in MODES:
+    for mode in args.modes:
         engine = LLMEngine(load(mode, max_num_seqs=256), tokenizer, EngineConfig())
         try:
             started = time.perf_counter()
@@ -111,13 +114,16 @@ def main() -> None:
         finally:
             engine.shutdown()
     result["requests"], result["max_tokens"] = len(prompts), max_tokens
-    result["agreement_with_native_float"] = {mode: agreement(outputs["native-float"], outputs[mode])
-                                             for mode in ("dequantized", "native-int8")}
-    reference = load("native-float", kv_cache_memory=64 << 20)
-    differing = margins(reference, prompts, outputs["native-float"], outputs["native-int8"])
-    result["native_int8_first_differences"] = differing
-    if differing:
-        result["native_int8_margin_median"] = statistics.median(d["margin"] for d in differing)
+    base = "native-float" if "native-float" in outputs else "dequantized"
+    result["reference"] = base
+    reference = load(base, kv_cache_memory=64 << 20)
+    for mode in outputs.keys() - {base}:
+        result.setdefault("agreement", {})[mode] = agreement(outputs[base], outputs[mode])
+        differing = margins(reference, prompts, outputs[base], outputs[mode])
+        result.setdefault("first_differences", {})[mode] = differing
+        if differing:
+            result.setdefault("margin_median", {})[mode] = statistics.median(d["margin"] for d in differing)
+            result.setdefault("margin_max", {})[mode] = max(d["margin"] for d in differing)
     os.environ.pop(DOT_ENV, None)
     print(json.dumps(result, indent=2))
     if args.out:
