@@ -102,7 +102,8 @@ static void tile_product(const uint8_t *codes, const float *x_scale, int64_t row
                 for (int64_t f = 0; f < features; ++f) {
                     const int64_t o = f0 + f;
                     const int32_t dot = sums[r][f] - 128 * w_sum[o];
-                    y[(r0 + r) * out_features + o] = x_scale[r0 + r] * w_scale[o] * (float)dot + (bias ? bias[o] : 0.0f);
+                    const float scale = x_scale[r0 + r] * w_scale[o];
+                    y[(r0 + r) * out_features + o] = scale * (float)dot + (bias ? bias[o] : 0.0f);
                 }
         }
     }

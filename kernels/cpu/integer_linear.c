@@ -173,22 +173,26 @@ static inline __attribute__((always_inline)) void stream_features(const Activati
             const WeightPair wp = weight_pair(row, p, blocks, format);
             for (int r = 0; r < ROWS; ++r) {
                 const int64_t at = r * pairs + p;
-                const __m512i dot = _mm512_dpbusd_epi32(_mm512_load_si512((const void *)(a->starts + at * 16)),
-                                                        wp.codes, _mm512_load_si512((const void *)(a->codes + at * 64)));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(wp.scale, _mm512_load_ps(a->scales + at * 16)),
-                                         acc[r]);
-                if (format == FORMAT_Q4_1) acc[r] = _mm512_fmadd_ps(wp.offset, _mm512_load_ps(a->offsets + at * 16), acc[r]);
+                const __m512i start = _mm512_load_si512((const void *)(a->starts + at * 16));
+                const __m512i dot = _mm512_dpbusd_epi32(start, wp.codes,
+                                                        _mm512_load_si512((const void *)(a->codes + at * 64)));
+                const __m512 scale = _mm512_mul_ps(wp.scale, _mm512_load_ps(a->scales + at * 16));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+                if (format == FORMAT_Q4_1)
+                    acc[r] = _mm512_fmadd_ps(wp.offset, _mm512_load_ps(a->offsets + at * 16), acc[r]);
             }
         }
-        for (int r = 0; r < ROWS; ++r) y[r * out_features + o] = _mm512_reduce_add_ps(acc[r]) + (bias ? bias[o] : 0.0f);
+        for (int r = 0; r < ROWS; ++r)
+            y[r * out_features + o] = _mm512_reduce_add_ps(acc[r]) + (bias ? bias[o] : 0.0f);
     }
 }
 
+#define STREAM(FORMAT, ROWS) stream_features(a, w, bias, y, first, last, out_features, in_features, FORMAT, ROWS)
 #define STREAM_FORMAT(ROWS)                                                                                       \
     switch (format) {                                                                                             \
-    case FORMAT_Q4_0: stream_features(a, w, bias, y, first, last, out_features, in_features, FORMAT_Q4_0, ROWS); break; \
-    case FORMAT_Q4_1: stream_features(a, w, bias, y, first, last, out_features, in_features, FORMAT_Q4_1, ROWS); break; \
-    default: stream_features(a, w, bias, y, first, last, out_features, in_features, FORMAT_Q8_0, ROWS); break;    \
+    case FORMAT_Q4_0: STREAM(FORMAT_Q4_0, ROWS); break;                                                           \
+    case FORMAT_Q4_1: STREAM(FORMAT_Q4_1, ROWS); break;                                                           \
+    default: STREAM(FORMAT_Q8_0, ROWS); break;                                                                    \
     }
 
 static void stream_range(const Activations *a, const uint8_t *w, const float *bias, float *y, int64_t rows,
@@ -231,13 +235,14 @@ static void unpack_tile(const uint8_t *w, int format, int64_t first, int64_t cou
         }
         float *by_block = tile->offsets_by_block + f * a->padded;
         const int at = format == FORMAT_Q4_1 ? 2 : 0;
-        for (int64_t b = 0; b < a->padded; ++b) by_block[b] = f < count && b < blocks ? half(row + b * bytes + at) : 0.0f;
+        for (int64_t b = 0; b < a->padded; ++b)
+            by_block[b] = f < count && b < blocks ? half(row + b * bytes + at) : 0.0f;
     }
 }
 
 static inline __attribute__((always_inline)) void micro_product(const Activations *a, int64_t r0, const Tile *tile,
                                                                 int64_t f0, float dots[MICRO_ROWS_N][MICRO],
-                                                                const int format, const int ROWS) {
+                                                                const int ROWS) {
     const int64_t pairs = a->pairs;
     const __m512i zero = _mm512_setzero_si512();
     __m512 acc[MICRO_ROWS_N][MICRO];
@@ -271,23 +276,17 @@ static inline __attribute__((always_inline)) void micro_product(const Activation
         for (int f = 0; f < MICRO; ++f) dots[r][f] = _mm512_reduce_add_ps(acc[r][f]);
 }
 
-#define MICRO_ROWS(FORMAT)                                                                                        \
-    switch (row_count) {                                                                                          \
-    case 1: micro_product(a, r0, tile, f0, dots, FORMAT, 1); break;                                               \
-    case 2: micro_product(a, r0, tile, f0, dots, FORMAT, 2); break;                                               \
-    default: micro_product(a, r0, tile, f0, dots, FORMAT, 3); break;                                              \
-    }
-
 static void tile_product(const Activations *a, int64_t row_first, int64_t rows, const Tile *tile, int64_t first,
-                         int64_t count, const float *bias, float *y, int64_t out_features, int format) {
+                         int64_t count, const float *bias, float *y, int64_t out_features) {
     for (int64_t r0 = row_first; r0 < row_first + rows; r0 += MICRO_ROWS_N) {
         const int64_t left = row_first + rows - r0, row_count = left < MICRO_ROWS_N ? left : MICRO_ROWS_N;
         for (int64_t f0 = 0; f0 < count; f0 += MICRO) {
             float dots[MICRO_ROWS_N][MICRO];
-            switch (format) {
-            case FORMAT_Q4_0: MICRO_ROWS(FORMAT_Q4_0) break;
-            case FORMAT_Q4_1: MICRO_ROWS(FORMAT_Q4_1) break;
-            default: MICRO_ROWS(FORMAT_Q8_0) break;
+            /* The tile is format-free from here: codes, scales and the per-block corrections. */
+            switch (row_count) {
+            case 1: micro_product(a, r0, tile, f0, dots, 1); break;
+            case 2: micro_product(a, r0, tile, f0, dots, 2); break;
+            default: micro_product(a, r0, tile, f0, dots, 3); break;
             }
             const int64_t features = count - f0 < MICRO ? count - f0 : MICRO;
             for (int64_t r = 0; r < row_count; ++r)
@@ -317,7 +316,7 @@ static int tiled_product(const Activations *a, const uint8_t *w, int format, con
                 const int64_t first = t * TILE_OUT;
                 const int64_t count = out_features - first < TILE_OUT ? out_features - first : TILE_OUT;
                 unpack_tile(w, format, first, count, in_features, a, &tile);
-                tile_product(a, r0, chunk, &tile, first, count, bias, y, out_features, format);
+                tile_product(a, r0, chunk, &tile, first, count, bias, y, out_features);
             }
         }
     }
