@@ -101,6 +101,8 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "packed_small_batch_linear_f32": ([P, P, P, P, I64, I64, I64, I64], INT),
     "packed_small_batch_linear_bf16": ([P, INT, P, P, P, I64, I64, I64, I64], INT),  # + whether x is bfloat16
     "quantized_linear_f32": ([P, P, INT, P, P, I64, I64, I64], INT),
+    "quantized_linear_int8_f32": ([P, P, INT, P, P, I64, I64, I64], INT),  # x rounded to int8 per block
+    "int8_linear_f32": ([P, P, P, P, P, P, I64, I64, I64], INT),
     "quantized_rows_f32": ([P, INT, P, I64, I64, I64, P], INT),
 }
 # The C kernels' name suffix per model dtype. bfloat16 is the mixed model's: bfloat16 activations,
@@ -116,6 +118,8 @@ class CpuKernels:
         _bind(library.vmesh_kernel_limits, [ctypes.POINTER(ctypes.c_int64)] * 3)(*map(ctypes.byref, limits))
         # kernels/cpu/kernel_limits.h: beyond these the attention kernels refuse a shape.
         self.max_heads, self.max_head_dim, self.prefill_head_dim_multiple = (limit.value for limit in limits)
+        # Whether kernels/cpu/integer_linear.c was built with AVX-512 VNNI (-march=native: this CPU has it).
+        self.integer_dot = bool(_bind(library.vmesh_integer_dot_available, [], INT)())
 
     def _kernel(self, op: str, dtype: torch.dtype) -> Any:
         """The C function of `op` for a model of `dtype` (float32, or the mixed bfloat16)."""
@@ -230,10 +234,12 @@ class CpuKernels:
         return out
 
     def quantized_linear(self, x: torch.Tensor, blocks: torch.Tensor, block_format: int, in_features: int,
-                         bias: torch.Tensor | None) -> torch.Tensor:
+                         bias: torch.Tensor | None, *, integer: bool = False) -> torch.Tensor:
         """x [rows, in] @ W.T + bias with W [out, in] held as GGUF blocks: `blocks` is uint8
         [out, in / 32 * block bytes] in `block_format` (a GGML type id: 2 Q4_0, 3 Q4_1, 8 Q8_0; see
-        kernels/cpu/quantized_linear.c). Checked here: the call reads raw pointers."""
+        kernels/cpu/quantized_linear.c). `integer`: x rounded to int8 per block of 32 and multiplied
+        on integer dot products (kernels/cpu/integer_linear.c; needs `integer_dot`). Checked here:
+        the call reads raw pointers."""
         _require_quantized(blocks, block_format, in_features)
         require_contiguous_cpu(("x", x, torch.float32))
         if x.dim() != 2 or x.shape[1] != in_features:
@@ -244,13 +250,33 @@ class CpuKernels:
             if bias.shape != (out_features,):
                 raise ValueError(f"bias must be [{out_features}], got {tuple(bias.shape)}")
         out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-        status = self._functions["quantized_linear_f32"](x.data_ptr(), blocks.data_ptr(), block_format,
-                                                         0 if bias is None else bias.data_ptr(), out.data_ptr(),
-                                                         x.shape[0], out_features, in_features, torch.get_num_threads())
+        name = "quantized_linear_int8_f32" if integer else "quantized_linear_f32"
+        status = self._functions[name](x.data_ptr(), blocks.data_ptr(), block_format,
+                                       0 if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0],
+                                       out_features, in_features, torch.get_num_threads())
         if status == 2:
-            raise MemoryError("quantized_linear_f32: out of memory for its weight tiles")
+            raise MemoryError(f"{name}: out of memory for its tiles")
+        if status == 3:
+            raise RuntimeError(f"{name}: built without AVX-512 VNNI (see CpuKernels.integer_dot)")
         if status:
-            raise ValueError(f"quantized_linear_f32 refused {x.shape[0]} rows of {in_features} features")
+            raise ValueError(f"{name} refused {x.shape[0]} rows of {in_features} features")
+        return out
+
+    def int8_linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, row_sums: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        """x [rows, in] rounded to int8 per row, @ (weight * scale[:, None]).T + bias: kernels/cpu/int8_linear.c.
+        weight int8 [out, in], scale float32 [out], row_sums int32 [out] (weight.sum(1)), bias float32
+        [out]: contiguous, as services/worker/int8_linear.py builds them at load; x is checked here."""
+        require_contiguous_cpu(("x", x, torch.float32))
+        if x.dim() != 2 or x.shape[1] != weight.shape[1]:
+            raise ValueError(f"x must be [rows, {weight.shape[1]}], got {tuple(x.shape)}")
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+        status = self._functions["int8_linear_f32"](x.data_ptr(), weight.data_ptr(), scale.data_ptr(),
+                                                    row_sums.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                                                    out.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1],
+                                                    torch.get_num_threads())
+        if status:
+            raise (MemoryError if status == 2 else RuntimeError)(f"int8_linear_f32 failed with status {status}")
         return out
 
     def quantized_rows(self, blocks: torch.Tensor, block_format: int, in_features: int,

@@ -109,7 +109,8 @@ async def mesh_latency(mesh: RunningMesh, prompt: list[int], max_tokens: int,
 
 
 # The mesh in its precision modes: `mesh` (float32) always runs; the others on request.
-MESH_VARIANTS = {"mesh": (), "mesh-native": ("--weights", "native"), "mesh-bf16": ("--dtype", "bfloat16")}
+MESH_VARIANTS = {"mesh": (), "mesh-native": ("--weights", "native"), "mesh-bf16": ("--dtype", "bfloat16"),
+                 "mesh-int8": ("--weights", "int8")}
 
 
 def start_meshes(args: argparse.Namespace, baselines: set[str], model_dir: Path, work: dict[str, Any],

@@ -18,11 +18,13 @@ import torch.nn.functional as F
 from vmesh.services.common.families.plan import MlpPlan, WeightNames
 
 if TYPE_CHECKING:
+    from vmesh.services.worker.int8_linear import Int8Linear
     from vmesh.services.worker.linear import Linear
     from vmesh.services.worker.model import FusedOps, WeightSource
     from vmesh.services.worker.quantized_linear import QuantizedLinear, QuantizedWeight
 
-    LinearFactory = Callable[..., Linear | QuantizedLinear]
+    AnyLinear = Linear | QuantizedLinear | Int8Linear  # what a model's linear factory builds
+    LinearFactory = Callable[..., AnyLinear]
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -32,7 +34,7 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class DenseMlp:
-    def __init__(self, plan: MlpPlan, gate_up: Linear | QuantizedLinear, down: Linear | QuantizedLinear):
+    def __init__(self, plan: MlpPlan, gate_up: AnyLinear, down: AnyLinear):
         self.plan = plan
         self.gate_up_proj = gate_up  # gate and up in one matmul
         self.down_proj = down
@@ -45,7 +47,7 @@ class DenseMlp:
 
         return cls(plan, linear(weight("gate", "up")), linear(weight("down")))
 
-    def projections(self) -> list[Linear | QuantizedLinear]:
+    def projections(self) -> list[AnyLinear]:
         return [self.gate_up_proj, self.down_proj]
 
     def __call__(self, x: torch.Tensor, ops: FusedOps) -> torch.Tensor:
@@ -79,7 +81,7 @@ class MixtureOfExperts:
                 experts.append(DenseMlp(plan, linear(weight(gate_part, up_part)), linear(weight(down_part))))
         return cls(plan, router, experts)
 
-    def projections(self) -> list[Linear | QuantizedLinear]:
+    def projections(self) -> list[AnyLinear]:
         return [p for expert in self.experts for p in expert.projections()]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

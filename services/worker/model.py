@@ -26,6 +26,7 @@ from vmesh.kernels.reference import rms_norm_ref, silu_and_mul_ref
 from vmesh.services.common.families.plan import LayerPlan
 from vmesh.services.common.model_spec import ModelSpec
 from vmesh.services.worker.attention import AttentionBackend, AttentionMetadata, CpuAttentionBackend
+from vmesh.services.worker.int8_linear import Int8Linear
 from vmesh.services.worker.kv_cache import KVCache
 from vmesh.services.worker.linear import Linear
 from vmesh.services.worker.mlp import load_mlp
@@ -34,6 +35,7 @@ from vmesh.services.worker.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
     from vmesh.kernels.cpu_native import CpuKernels
+    from vmesh.services.worker.mlp import AnyLinear
     from vmesh.services.worker.tensor_parallel import TensorParallel
 
 
@@ -160,7 +162,7 @@ class DecoderLayer:
     """One layer as its plan (services/common/families/plan.py) describes it."""
 
     def __init__(self, spec: ModelSpec, plan: LayerPlan, weights: WeightSource, prefix: str,
-                 linear: Callable[..., Linear | QuantizedLinear] = Linear, parallel: TensorParallel | None = None):
+                 linear: Callable[..., AnyLinear] = Linear, parallel: TensorParallel | None = None):
         self.parallel = parallel  # tensor parallelism: spec and weights are this rank's share
         names, offset = spec.model_plan.names, spec.model_plan.norm_weight_offset
         norm_dtype = torch.float32 if float32_residual(weights.device, weights.dtype) else None
@@ -193,7 +195,7 @@ class DecoderLayer:
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = plan.attention.scale or spec.head_dim ** -0.5
 
-    def projections(self) -> list[Linear | QuantizedLinear]:
+    def projections(self) -> list[AnyLinear]:
         return [self.qkv_proj, self.o_proj, *self.mlp.projections()]
 
     def norms(self) -> list[torch.Tensor]:
@@ -255,8 +257,10 @@ class DecoderLayer:
 class DecoderModel:
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor | QuantizedWeight], device: torch.device,
                  dtype: torch.dtype, max_positions: int, cpu_kernels: CpuKernels | None = None,
-                 quantized_kernels: CpuKernels | None = None, parallel: TensorParallel | None = None):
-        """quantized_kernels: `--weights native`, linears kept as GGUF blocks where the kernel reads them."""
+                 quantized_kernels: CpuKernels | None = None, parallel: TensorParallel | None = None,
+                 int8_kernels: CpuKernels | None = None):
+        """quantized_kernels: `--weights native`, linears kept as GGUF blocks where the kernel reads them.
+        int8_kernels: `--weights int8`, every float linear quantized to int8 here (int8_linear.py)."""
         source = WeightSource(weights, device, dtype, keep_quantized=quantized_kernels is not None)
         self.spec = spec
         self.device = device
@@ -268,10 +272,12 @@ class DecoderModel:
         plain_linear = functools.partial(Linear, small_batch_kernels=cpu_kernels)
 
         def linear(weight: torch.Tensor | QuantizedWeight,
-                   bias: torch.Tensor | None = None) -> Linear | QuantizedLinear:
+                   bias: torch.Tensor | None = None) -> AnyLinear:
             if isinstance(weight, QuantizedWeight):
                 assert quantized_kernels is not None, "weights stay quantized only with the kernels that read them"
                 return QuantizedLinear(weight, bias, quantized_kernels)
+            if int8_kernels is not None:
+                return Int8Linear(weight, bias, int8_kernels)
             return plain_linear(weight, bias)
 
         self.layers = [DecoderLayer(spec, plan, source, names.layer.format(i), linear, parallel)
@@ -298,7 +304,7 @@ class DecoderModel:
         logger.info("weights: %s", ", ".join(f"{name} {size / (1 << 20):.1f} MiB"
                                              for name, size in self.held_bytes().items()))
 
-    def linears(self) -> list[Linear | QuantizedLinear]:
+    def linears(self) -> list[AnyLinear]:
         return [self.lm_head] + [p for layer in self.layers for p in layer.projections()]
 
     def held_bytes(self) -> dict[str, int]:
@@ -306,9 +312,9 @@ class DecoderModel:
         (a small-batch copy, or the only one where nothing is packed), the plain embedding table
         (0 when the tied LM head's copy serves the lookups), and the rest (norms, biases)."""
         embedding = self.embed.nbytes if self.embed is not None else 0
-        held = {"packed oneDNN": 0, "plain linear": 0, "quantized GGUF": 0, "embedding": embedding,
+        held = {"packed oneDNN": 0, "plain linear": 0, "quantized GGUF": 0, "int8": 0, "embedding": embedding,
                 "norms and biases": 0}
-        kinds = {"packed": "packed oneDNN", "plain": "plain linear", "quantized": "quantized GGUF"}
+        kinds = {"packed": "packed oneDNN", "plain": "plain linear", "quantized": "quantized GGUF", "int8": "int8"}
         for layer in self.linears():
             for representation, size in layer.held_bytes().items():
                 if representation == "plain" and layer.weight is self.embed:
@@ -338,7 +344,7 @@ class DecoderModel:
         cache, the elementwise ops, and the residual stream's dtype."""
         kinds: dict[str, int] = {}
         for layer in self.linears():
-            kind = layer.kernel_description if isinstance(layer, Linear) else "GGUF blocks (C)"
+            kind = layer.kernel_description if not isinstance(layer, QuantizedLinear) else "GGUF blocks (C)"
             kinds[kind] = kinds.get(kind, 0) + 1
         linears = "; ".join(f"{n} x {kind}" for kind, n in kinds.items())
         attention = {"cpu": "C kernels", "torch": "torch", "triton": "Triton"}.get(backend.name, backend.name)

@@ -23,6 +23,7 @@ from vmesh.services.common.types import TokenLogprobs
 from vmesh.services.worker.attention import AttentionBackend, make_attention_backend
 from vmesh.services.worker.config import DTYPE_NAMES, WorkerConfig
 from vmesh.services.worker.grammar_rows import GrammarMask, GrammarTokenizer, RowGrammar
+from vmesh.services.worker.int8_linear import int8_kernels
 from vmesh.services.worker.kv_cache import KVCache, kv_cache_budget
 from vmesh.services.worker.model import DecoderModel, MissingWeightError
 from vmesh.services.worker.persistent_batch import PersistentBatch, PlanError, StepInputs
@@ -94,11 +95,12 @@ class ModelRunner:
                                                              cache_dir_path(config.cache_dir))
         else:
             weights, quantized_kernels = dict(load_state_dict(model_dir)), None
+        int8 = int8_kernels(device, dtype, cache_dir_path(config.cache_dir)) if config.weights == "int8" else None
         if parallel is not None:  # this rank's share of the heads, MLP features and vocabulary
             weights = shard_weights(weights, spec, parallel.rank, parallel.size)
         try:
             model = DecoderModel(spec if parallel is None else shard_spec(spec, parallel.size), weights, device,
-                                 dtype, max_model_len, cpu_kernels, quantized_kernels, parallel)
+                                 dtype, max_model_len, cpu_kernels, quantized_kernels, parallel, int8)
         except MissingWeightError as exc:
             raise ModelLoadError(f"checkpoint in {model_dir} lacks tensor {exc.args[0]}") from exc
         del weights  # the model holds its own copies: the checkpoint's go before the KV cache is allocated

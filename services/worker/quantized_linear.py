@@ -12,11 +12,17 @@ quantized; every other tensor (float norms, other block formats) is dequantized 
 (llama.cpp's converter interleaves each head's rotary halves); transformers undoes that on load,
 and so does this reader, on whole rows of blocks: blocks run along the input dimension, so a
 row permutation of the quantized bytes is exact.
+
+Where the CPU has AVX-512 VNNI the layers round their activations to int8 per block of 32 (one
+scale each, as llama.cpp's q8 activations) and multiply on integer dot products
+(`kernels/cpu/integer_linear.c`); elsewhere, or with VMESH_QUANTIZED_DOT=float, they keep the
+float32 kernel. The load-time log says which.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +38,7 @@ from vmesh.services.common.model_spec import ModelSpec
 
 if TYPE_CHECKING:
     from vmesh.kernels.cpu_native import CpuKernels
+    from vmesh.services.worker.int8_linear import Int8Linear
     from vmesh.services.worker.linear import Linear
 
 logger = logging.getLogger(__name__)
@@ -119,6 +126,20 @@ def _block_geometry(block_format: int) -> tuple[int, int]:
     return GGML_QUANT_SIZES[GGMLQuantizationType(block_format)]
 
 
+# "float" keeps the float32 kernel where the integer one would run (a CPU without VNNI keeps it anyway).
+DOT_ENV = "VMESH_QUANTIZED_DOT"
+_DOT_CHOICES = ("int8", "float")
+
+
+def integer_dot_chosen(kernels: CpuKernels) -> bool:
+    """Whether quantized layers multiply on int8 dot products: the CPU's flags (the kernels were
+    built for it), unless DOT_ENV asks for the float32 kernel."""
+    requested = os.environ.get(DOT_ENV, "int8")
+    if requested not in _DOT_CHOICES:
+        raise ValueError(f"{DOT_ENV} must be one of {', '.join(_DOT_CHOICES)}, got {requested!r}")
+    return kernels.integer_dot and requested == "int8"
+
+
 class QuantizedLinear:
     """y = x @ dequant(weight).T + bias, for x of any leading shape: Linear's interface over a
     QuantizedWeight in a format the C kernel reads. Float32 activations on the CPU."""
@@ -134,10 +155,18 @@ class QuantizedLinear:
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.bias = bias.to(torch.float32).contiguous() if bias is not None else None
         self.kernels = kernels
+        self.integer = integer_dot_chosen(kernels)
 
     @property
     def format(self) -> str:
         return QUANTIZED_FORMATS[self.quantized.block_format].name
+
+    @property
+    def kernel_description(self) -> str:
+        """What multiplies by this weight, for the load-time log."""
+        if self.integer:
+            return "int8 dot products (AVX-512 VNNI), activations rounded to int8 per 32"
+        return "float32 products over blocks expanded in registers"
 
     def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """dequant(weight)[ids] for 1-D ids: the lookup of an embedding table tied to this layer,
@@ -156,7 +185,7 @@ class QuantizedLinear:
         lead = x.shape[:-1]
         q = self.quantized
         out = self.kernels.quantized_linear(x.reshape(-1, self.in_features).contiguous(), q.blocks, q.block_format,
-                                            q.in_features, self.bias)
+                                            q.in_features, self.bias, integer=self.integer)
         return out.view(*lead, self.out_features)
 
 
@@ -245,12 +274,14 @@ def load_native_weights(model: str | None, spec: ModelSpec, device: torch.device
     return read_gguf_weights(path, spec), kernels
 
 
-def log_placement(linears: Sequence[Linear | QuantizedLinear], dequantized: dict[str, str]) -> None:
+def log_placement(linears: Sequence[Linear | QuantizedLinear | Int8Linear], dequantized: dict[str, str]) -> None:
     """Once per load: how many linears read quantized blocks (and in which formats), and which
     were dequantized and why."""
-    formats = Counter(layer.format for layer in linears if isinstance(layer, QuantizedLinear))
-    native = sum(formats.values())
-    logger.info("native GGUF weights: %d of %d linears read quantized blocks (%s)%s", native, len(linears),
-                ", ".join(f"{name} x{count}" for name, count in sorted(formats.items())) or "none",
+    quantized = [layer for layer in linears if isinstance(layer, QuantizedLinear)]
+    formats = Counter(layer.format for layer in quantized)
+    paths = sorted({layer.kernel_description for layer in quantized})
+    logger.info("native GGUF weights: %d of %d linears read quantized blocks (%s; %s)%s", len(quantized),
+                len(linears), ", ".join(f"{name} x{count}" for name, count in sorted(formats.items())) or "none",
+                " + ".join(paths) or "no kernel",
                 "" if not dequantized else "; dequantized to float32: " + "; ".join(
                     f"{names} ({why})" for names, why in dequantized.items()))

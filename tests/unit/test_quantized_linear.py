@@ -8,10 +8,17 @@ import pytest
 import torch
 
 from vmesh.kernels.cpu_native import QUANTIZED_FORMATS
-from vmesh.services.worker.quantized_linear import QuantizedLinear, QuantizedWeight
+from vmesh.services.worker.quantized_linear import DOT_ENV, QuantizedLinear, QuantizedWeight
 
 Q4_0, Q4_1, Q8_0 = 2, 3, 8
 FORMATS = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
+
+
+@pytest.fixture(autouse=True)
+def float32_kernel(monkeypatch):
+    """This module tests the float32 kernel, which multiplies the activations unrounded; the integer
+    one (test_quantized_linear_integer.py) would otherwise serve on a CPU with VNNI."""
+    monkeypatch.setenv(DOT_ENV, "float")
 
 
 def random_blocks(block_format: int, out_features: int, in_features: int, seed: int = 0) -> np.ndarray:

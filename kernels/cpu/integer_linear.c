@@ -1,0 +1,357 @@
+/* GGUF Q4_0 / Q4_1 / Q8_0 linears on integer dot products (AVX-512 VNNI).
+ *
+ * quantized_linear.c expands every weight block to floats and multiplies in float32: 16 products
+ * per instruction, plus the expansion. Here the activations are quantized instead, per row and per
+ * block of 32 features, to int8 codes a in [-127, 127] with one float scale da each (max |x| / 127,
+ * rounded to nearest, ties to even), and each pair of blocks is one VPDPBUSD: 64 int8 products
+ * summed into 16 int32 lanes, 8 lanes per block. Each block's sum is then scaled by dw * da in
+ * float32 and accumulated.
+ *
+ * VPDPBUSD multiplies unsigned bytes by signed bytes: the weights are the unsigned side, the
+ * activations the signed one. Q4_0's nibble q is w + 8, so sum(q a) = sum(w a) + 8 sum(a); Q8_0's
+ * signed byte w is flipped to w + 128, so sum((w + 128) a) = sum(w a) + 128 sum(a). The correction
+ * -K sum(a) (K = 8, 128) is the accumulator each row's block dot starts from, taken once when the
+ * row is quantized, so it costs nothing per weight. Q4_1's nibble is its code (value q d + m); its
+ * offset adds m da sum(a) per block, a short product over blocks added once per output.
+ *
+ * Exact apart from float32 rounding: each block's integer sum is exact, so the result equals
+ * dequant(W) times the int8-rounded activations up to the order of float32 accumulation.
+ *
+ * Two paths, as in quantized_linear.c: up to SMALL_ROWS rows one streaming pass over the blocks
+ * (each thread a run of output features; a block pair is unpacked in registers and used by every
+ * row); with more rows each thread unpacks a tile of TILE_OUT features once per chunk of rows into a
+ * scratch of ready vectors (codes and scales, pair by pair) and runs 4 rows x 4 features over it.
+ * Without VNNI this file builds to a stub that reports so; callers keep quantized_linear.c.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__) &&  \
+    defined(__F16C__)
+#define HAVE_INTEGER_DOT 1
+#include <immintrin.h>
+#else
+#define HAVE_INTEGER_DOT 0
+#endif
+
+int vmesh_integer_dot_available(void) { return HAVE_INTEGER_DOT; }
+
+#if HAVE_INTEGER_DOT
+
+enum { FORMAT_Q4_0 = 2, FORMAT_Q4_1 = 3, FORMAT_Q8_0 = 8 };
+#define QBLOCK 32
+#define SMALL_ROWS 4
+#define TILE_OUT 16
+#define MICRO_ROWS_N 3  /* rows x features of the micro product: 12 accumulators leave registers for */
+#define MICRO 4         /* the features' codes and scales, which 4 x 4 spilled */
+#define ROW_CHUNK 256
+
+static int block_bytes(int format) {
+    return format == FORMAT_Q4_0 ? 18 : format == FORMAT_Q4_1 ? 20 : format == FORMAT_Q8_0 ? 34 : 0;
+}
+
+static inline float half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return _cvtsh_ss(h);
+}
+
+/* Activations, quantized. Per row: `pairs` vectors of 64 signed codes; per pair 16 lanes of scales
+ * (block 2p's da in lanes 0-7, 2p + 1's in 8-15), of accumulator starts (-K sum(a) in lanes 0 and 8,
+ * so that the lanes' sum counts it once per block) and, for Q4_1, of da sum(a) (lanes 0 and 8 too).
+ * The tiled path instead takes each block's correction in float32 after its loop, from `padded`
+ * (blocks rounded up to 16) floats per row: -K da sum(a), or Q4_1's da sum(a). A missing last
+ * block is zeros throughout. */
+typedef struct {
+    int8_t *codes;
+    float *scales, *offsets, *offsets_by_block;
+    int32_t *starts;
+    int64_t pairs, padded;
+} Activations;
+
+static void quantize_row(const float *x, int64_t blocks, const Activations *a, int64_t r, int correction) {
+    int8_t *codes = a->codes + r * a->pairs * 64;
+    float *scales = a->scales + r * a->pairs * 16, *offsets = a->offsets + r * a->pairs * 16;
+    int32_t *starts = a->starts + r * a->pairs * 16;
+    float *by_block = a->offsets_by_block + r * a->padded;
+    memset(codes, 0, (size_t)a->pairs * 64);
+    memset(scales, 0, (size_t)a->pairs * 16 * sizeof(float));
+    memset(offsets, 0, (size_t)a->pairs * 16 * sizeof(float));
+    memset(starts, 0, (size_t)a->pairs * 16 * sizeof(int32_t));
+    memset(by_block, 0, (size_t)a->padded * sizeof(float));
+    for (int64_t b = 0; b < blocks; ++b) {
+        const __m512 lo = _mm512_loadu_ps(x + b * QBLOCK), hi = _mm512_loadu_ps(x + b * QBLOCK + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const float d = amax / 127.0f, inverse = amax > 0.0f ? 1.0f / d : 0.0f;
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inverse)));
+        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inverse)));
+        const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        _mm_storeu_si128((__m128i *)(codes + b * QBLOCK), _mm512_cvtepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i *)(codes + b * QBLOCK + 16), _mm512_cvtepi32_epi8(qhi));
+        const int64_t lane = (b / 2) * 16 + (b % 2) * 8;
+        for (int j = 0; j < 8; ++j) scales[lane + j] = d;
+        starts[lane] = -correction * sum;
+        offsets[lane] = d * (float)sum;
+        by_block[b] = correction ? -(float)correction * d * (float)sum : d * (float)sum;
+    }
+}
+
+static int quantize_activations(const float *x, int64_t rows, int64_t in_features, int format, Activations *a,
+                                int threads) {
+    const int64_t blocks = in_features / QBLOCK;
+    a->pairs = (blocks + 1) / 2;
+    a->padded = (blocks + 15) / 16 * 16;
+    a->codes = aligned_alloc(64, (size_t)rows * a->pairs * 64);
+    a->scales = aligned_alloc(64, (size_t)rows * a->pairs * 16 * sizeof(float));
+    a->offsets = aligned_alloc(64, (size_t)rows * a->pairs * 16 * sizeof(float));
+    a->starts = aligned_alloc(64, (size_t)rows * a->pairs * 16 * sizeof(int32_t));
+    a->offsets_by_block = aligned_alloc(64, (size_t)rows * a->padded * sizeof(float));
+    if (!a->codes || !a->scales || !a->offsets || !a->starts || !a->offsets_by_block) return 2;
+    const int correction = format == FORMAT_Q4_0 ? 8 : format == FORMAT_Q8_0 ? 128 : 0;
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows > 16)
+    for (int64_t r = 0; r < rows; ++r) quantize_row(x + r * in_features, blocks, a, r, correction);
+    return 0;
+}
+
+static void free_activations(Activations *a) {
+    free(a->codes);
+    free(a->scales);
+    free(a->offsets);
+    free(a->starts);
+    free(a->offsets_by_block);
+}
+
+/* One block's 32 weights as unsigned bytes for VPDPBUSD (see the top). */
+static inline __attribute__((always_inline)) __m256i block_codes(const uint8_t *block, const int format) {
+    if (format == FORMAT_Q8_0)
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(block + 2)), _mm256_set1_epi8((char)0x80));
+    const __m128i packed = _mm_loadu_si128((const __m128i *)(block + (format == FORMAT_Q4_1 ? 4 : 2)));
+    const __m128i nibble = _mm_set1_epi8(0x0f);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble), _mm_and_si128(packed, nibble));
+}
+
+/* Block pair `pair` of a weight row: codes, dw per lane and (Q4_1) m per lane. */
+typedef struct {
+    __m512i codes;
+    __m512 scale, offset;
+} WeightPair;
+
+static inline __attribute__((always_inline)) WeightPair weight_pair(const uint8_t *row, int64_t pair, int64_t blocks,
+                                                                    const int format) {
+    const int bytes = block_bytes(format);
+    const uint8_t *first = row + 2 * pair * bytes, *second = first + bytes;
+    const int has_second = 2 * pair + 1 < blocks;
+    WeightPair w;
+    w.codes = _mm512_inserti64x4(_mm512_castsi256_si512(block_codes(first, format)),
+                                 has_second ? block_codes(second, format) : _mm256_setzero_si256(), 1);
+    /* Both blocks' heads (d, then Q4_1's m) as halves in one conversion: [d0, m0, d1, m1]. */
+    uint32_t head_first, head_second = 0;
+    memcpy(&head_first, first, sizeof head_first);
+    if (has_second) memcpy(&head_second, second, sizeof head_second);
+    const __m512 heads = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_set_epi32(0, 0, (int)head_second, (int)head_first)));
+    w.scale = _mm512_permutexvar_ps(_mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0), heads);
+    w.offset = format == FORMAT_Q4_1
+                   ? _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1), heads)
+                   : _mm512_setzero_ps();
+    return w;
+}
+
+/* ---- 1 to SMALL_ROWS rows ---- */
+
+static inline __attribute__((always_inline)) void stream_features(const Activations *a, const uint8_t *w,
+                                                                  const float *bias, float *y, int64_t first,
+                                                                  int64_t last, int64_t out_features,
+                                                                  int64_t in_features, const int format,
+                                                                  const int ROWS) {
+    const int64_t blocks = in_features / QBLOCK, row_bytes = blocks * block_bytes(format), pairs = a->pairs;
+    for (int64_t o = first; o < last; ++o) {
+        const uint8_t *row = w + o * row_bytes;
+        __m512 acc[SMALL_ROWS];
+        for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < pairs; ++p) {
+            const WeightPair wp = weight_pair(row, p, blocks, format);
+            for (int r = 0; r < ROWS; ++r) {
+                const int64_t at = r * pairs + p;
+                const __m512i start = _mm512_load_si512((const void *)(a->starts + at * 16));
+                const __m512i dot = _mm512_dpbusd_epi32(start, wp.codes,
+                                                        _mm512_load_si512((const void *)(a->codes + at * 64)));
+                const __m512 scale = _mm512_mul_ps(wp.scale, _mm512_load_ps(a->scales + at * 16));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+                if (format == FORMAT_Q4_1)
+                    acc[r] = _mm512_fmadd_ps(wp.offset, _mm512_load_ps(a->offsets + at * 16), acc[r]);
+            }
+        }
+        for (int r = 0; r < ROWS; ++r)
+            y[r * out_features + o] = _mm512_reduce_add_ps(acc[r]) + (bias ? bias[o] : 0.0f);
+    }
+}
+
+#define STREAM(FORMAT, ROWS) stream_features(a, w, bias, y, first, last, out_features, in_features, FORMAT, ROWS)
+#define STREAM_FORMAT(ROWS)                                                                                       \
+    switch (format) {                                                                                             \
+    case FORMAT_Q4_0: STREAM(FORMAT_Q4_0, ROWS); break;                                                           \
+    case FORMAT_Q4_1: STREAM(FORMAT_Q4_1, ROWS); break;                                                           \
+    default: STREAM(FORMAT_Q8_0, ROWS); break;                                                                    \
+    }
+
+static void stream_range(const Activations *a, const uint8_t *w, const float *bias, float *y, int64_t rows,
+                         int64_t first, int64_t last, int64_t out_features, int64_t in_features, int format) {
+    switch (rows) {
+    case 1: STREAM_FORMAT(1) break;
+    case 2: STREAM_FORMAT(2) break;
+    case 3: STREAM_FORMAT(3) break;
+    default: STREAM_FORMAT(4) break;
+    }
+}
+
+/* ---- more rows: a tile of unpacked weight pairs, reused by every row of a chunk ---- */
+
+/* Pair-major, so that the 4 features of a micro product are adjacent: codes [pairs][TILE_OUT][64],
+ * scales [pairs][TILE_OUT][16]; and per feature and block [TILE_OUT][padded] what the row's
+ * correction multiplies: dw, or Q4_1's m. */
+typedef struct {
+    uint8_t *codes;
+    float *scales, *offsets_by_block;
+} Tile;
+
+static void unpack_tile(const uint8_t *w, int format, int64_t first, int64_t count, int64_t in_features,
+                        const Activations *a, const Tile *tile) {
+    const int64_t blocks = in_features / QBLOCK, bytes = block_bytes(format), row_bytes = blocks * bytes;
+    for (int64_t f = 0; f < TILE_OUT; ++f) {
+        const uint8_t *row = w + (first + (f < count ? f : 0)) * row_bytes;
+        for (int64_t p = 0; p < a->pairs; ++p) {
+            WeightPair wp = {_mm512_setzero_si512(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            /* a partial last tile: zero features keep the product's shape fixed */
+            if (f < count) {
+                switch (format) {
+                case FORMAT_Q4_0: wp = weight_pair(row, p, blocks, FORMAT_Q4_0); break;
+                case FORMAT_Q4_1: wp = weight_pair(row, p, blocks, FORMAT_Q4_1); break;
+                default: wp = weight_pair(row, p, blocks, FORMAT_Q8_0); break;
+                }
+            }
+            _mm512_store_si512((void *)(tile->codes + (p * TILE_OUT + f) * 64), wp.codes);
+            _mm512_store_ps(tile->scales + (p * TILE_OUT + f) * 16, wp.scale);
+        }
+        float *by_block = tile->offsets_by_block + f * a->padded;
+        const int at = format == FORMAT_Q4_1 ? 2 : 0;
+        for (int64_t b = 0; b < a->padded; ++b)
+            by_block[b] = f < count && b < blocks ? half(row + b * bytes + at) : 0.0f;
+    }
+}
+
+static inline __attribute__((always_inline)) void micro_product(const Activations *a, int64_t r0, const Tile *tile,
+                                                                int64_t f0, float dots[MICRO_ROWS_N][MICRO],
+                                                                const int ROWS) {
+    const int64_t pairs = a->pairs;
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 acc[MICRO_ROWS_N][MICRO];
+    for (int r = 0; r < ROWS; ++r)
+        for (int f = 0; f < MICRO; ++f) acc[r][f] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+        __m512i wv[MICRO];
+        __m512 sv[MICRO];
+        for (int f = 0; f < MICRO; ++f) {
+            wv[f] = _mm512_load_si512((const void *)(tile->codes + (p * TILE_OUT + f0 + f) * 64));
+            sv[f] = _mm512_load_ps(tile->scales + (p * TILE_OUT + f0 + f) * 16);
+            /* In registers from here: gcc would otherwise reload both for every row (4 loads a product). */
+            __asm__("" : "+v"(wv[f]), "+v"(sv[f]));
+        }
+        for (int r = 0; r < ROWS; ++r) {
+            const int64_t at = (r0 + r) * pairs + p;
+            __m512i av = _mm512_load_si512((const void *)(a->codes + at * 64));
+            __m512 da = _mm512_load_ps(a->scales + at * 16);
+            __asm__("" : "+v"(av), "+v"(da));
+            for (int f = 0; f < MICRO; ++f)
+                acc[r][f] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, wv[f], av)),
+                                            _mm512_mul_ps(sv[f], da), acc[r][f]);
+        }
+    }
+    for (int r = 0; r < ROWS; ++r)
+        for (int f = 0; f < MICRO; ++f)
+            for (int64_t b = 0; b < a->padded; b += 16)
+                acc[r][f] = _mm512_fmadd_ps(_mm512_load_ps(tile->offsets_by_block + (f0 + f) * a->padded + b),
+                                            _mm512_load_ps(a->offsets_by_block + (r0 + r) * a->padded + b), acc[r][f]);
+    for (int r = 0; r < ROWS; ++r)
+        for (int f = 0; f < MICRO; ++f) dots[r][f] = _mm512_reduce_add_ps(acc[r][f]);
+}
+
+static void tile_product(const Activations *a, int64_t row_first, int64_t rows, const Tile *tile, int64_t first,
+                         int64_t count, const float *bias, float *y, int64_t out_features) {
+    for (int64_t r0 = row_first; r0 < row_first + rows; r0 += MICRO_ROWS_N) {
+        const int64_t left = row_first + rows - r0, row_count = left < MICRO_ROWS_N ? left : MICRO_ROWS_N;
+        for (int64_t f0 = 0; f0 < count; f0 += MICRO) {
+            float dots[MICRO_ROWS_N][MICRO];
+            /* The tile is format-free from here: codes, scales and the per-block corrections. */
+            switch (row_count) {
+            case 1: micro_product(a, r0, tile, f0, dots, 1); break;
+            case 2: micro_product(a, r0, tile, f0, dots, 2); break;
+            default: micro_product(a, r0, tile, f0, dots, 3); break;
+            }
+            const int64_t features = count - f0 < MICRO ? count - f0 : MICRO;
+            for (int64_t r = 0; r < row_count; ++r)
+                for (int64_t f = 0; f < features; ++f) {
+                    const int64_t o = first + f0 + f;
+                    y[(r0 + r) * out_features + o] = dots[r][f] + (bias ? bias[o] : 0.0f);
+                }
+        }
+    }
+}
+
+static int tiled_product(const Activations *a, const uint8_t *w, int format, const float *bias, float *y, int64_t rows,
+                         int64_t out_features, int64_t in_features, int threads) {
+    const int64_t tiles = (out_features + TILE_OUT - 1) / TILE_OUT;
+    const size_t codes = (size_t)a->pairs * TILE_OUT * 64, scales = (size_t)a->pairs * TILE_OUT * 16 * sizeof(float);
+    const size_t offsets = (size_t)TILE_OUT * a->padded * sizeof(float), per_thread = codes + scales + offsets;
+    uint8_t *scratch = aligned_alloc(64, (size_t)threads * per_thread);
+    if (!scratch) return 2;
+#pragma omp parallel num_threads(threads)
+    {
+        uint8_t *mine = scratch + (size_t)omp_get_thread_num() * per_thread;
+        const Tile tile = {mine, (float *)(mine + codes), (float *)(mine + codes + scales)};
+        for (int64_t r0 = 0; r0 < rows; r0 += ROW_CHUNK) {
+            const int64_t chunk = rows - r0 < ROW_CHUNK ? rows - r0 : ROW_CHUNK;
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < tiles; ++t) {
+                const int64_t first = t * TILE_OUT;
+                const int64_t count = out_features - first < TILE_OUT ? out_features - first : TILE_OUT;
+                unpack_tile(w, format, first, count, in_features, a, &tile);
+                tile_product(a, r0, chunk, &tile, first, count, bias, y, out_features);
+            }
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
+#endif /* HAVE_INTEGER_DOT */
+
+/* quantized_linear_f32's contract (x [rows, in] float32, w GGUF blocks, bias or NULL, y [rows, out])
+ * with x rounded to int8 per block of 32 first. Returns 0, 1 for a shape or format it cannot take,
+ * 2 when its scratch cannot be allocated, 3 when built without VNNI. */
+int quantized_linear_int8_f32(const float *x, const uint8_t *w, int format, const float *bias, float *y,
+                              int64_t rows, int64_t out_features, int64_t in_features, int num_threads) {
+#if HAVE_INTEGER_DOT
+    if (!block_bytes(format) || rows < 0 || out_features < 0 || in_features <= 0 || in_features % QBLOCK) return 1;
+    if (rows == 0 || out_features == 0) return 0;
+    const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+    Activations a;
+    int status = quantize_activations(x, rows, in_features, format, &a, threads);
+    if (!status && rows <= SMALL_ROWS) {
+#pragma omp parallel num_threads(threads)
+        {
+            const int64_t count = omp_get_num_threads(), t = omp_get_thread_num();
+            stream_range(&a, w, bias, y, rows, out_features * t / count, out_features * (t + 1) / count, out_features,
+                         in_features, format);
+        }
+    } else if (!status) {
+        status = tiled_product(&a, w, format, bias, y, rows, out_features, in_features, threads);
+    }
+    free_activations(&a);
+    return status;
+#else
+    (void)x, (void)w, (void)format, (void)bias, (void)y, (void)rows, (void)out_features, (void)in_features;
+    (void)num_threads;
+    return 3;
+#endif
+}
