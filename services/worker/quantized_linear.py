@@ -231,7 +231,7 @@ def load_native_weights(model: str | None, spec: ModelSpec, device: torch.device
                         cache_dir: Path) -> tuple[dict[str, torch.Tensor | QuantizedWeight], CpuKernels]:
     """`--weights native`: the GGUF file's tensors and the kernels that read them, or a
     ModelLoadError that says why this model or device cannot."""
-    path = gguf_model_file(model)
+    path = gguf_model_file(model, cache_dir)
     if path is None:
         raise ModelLoadError(f"--weights native reads a GGUF file's quantized blocks, and {model} is a Hugging Face "
                              "directory; use --weights dequantized (the default) for it")
