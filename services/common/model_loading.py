@@ -9,6 +9,7 @@ loaded from GGUF, so the cache is written with safetensors directly.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import importlib.util
@@ -22,6 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from vmesh.services.common.families import family_of
 from vmesh.services.common.model_spec import ModelSpec, UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -151,6 +153,7 @@ def _convert(gguf_path: Path, target: Path) -> Path:
     except UnsupportedModelError as exc:
         raise ModelLoadError(f"{gguf_path}: {exc}") from exc
     config.architectures = [ModelSpec.from_hf_config(config).architecture]
+    family = family_of(config)
     import torch  # here, not at the top: the frontend, detokenizer and health checks never load it
 
     with torch.device("meta"):
@@ -165,6 +168,7 @@ def _convert(gguf_path: Path, target: Path) -> Path:
     try:
         config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        _save_turn_stop(staging, config, tokenizer, family.end_of_turn)
         save_file({k: v.contiguous() for k, v in tensors.items()}, staging / "model.safetensors",
                   metadata={"format": "pt", "source": gguf_path.name})
         (staging / _COMPLETE_MARKER).write_text(json.dumps({"source": str(gguf_path)}))
@@ -177,6 +181,29 @@ def _convert(gguf_path: Path, target: Path) -> Path:
         raise
     logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - started)
     return target
+
+
+def _save_turn_stop(directory: Path, config: Any, tokenizer: Any, end_of_turn: str | None) -> None:
+    """Where the family's turn format (its chat template, for a file that carries none) closes a
+    turn with its own token, a generation_config.json that stops there too, as the family's own
+    checkpoints ship it (Gemma 3: <eos> and <end_of_turn>)."""
+    token_id = tokenizer.convert_tokens_to_ids(end_of_turn) if end_of_turn else None
+    if token_id is None or token_id == tokenizer.unk_token_id:
+        return
+    eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+    stops = [*(e for e in eos if e is not None), token_id]
+    (directory / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": config.bos_token_id, "eos_token_id": stops, "pad_token_id": config.pad_token_id}, indent=2))
+
+
+def generation_stop_ids(model_dir: Path) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id (transformers' generate() stops at these), or ()."""
+    try:
+        eos = json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return ()
+    ids = eos if isinstance(eos, list) else [eos]
+    return tuple(i for i in ids if isinstance(i, int))
 
 
 def share_as_created(directory: Path) -> None:
@@ -248,10 +275,13 @@ def plain_config(model_dir: Path) -> SimpleNamespace | None:
 
 
 def load_model_spec(model_dir: Path) -> ModelSpec:
+    """The spec of a model directory; its EOS ids are config.json's and generation_config.json's."""
     try:
-        return ModelSpec.from_hf_config(plain_config(model_dir) or load_hf_config(model_dir))
+        spec = ModelSpec.from_hf_config(plain_config(model_dir) or load_hf_config(model_dir))
     except UnsupportedModelError as exc:
         raise ModelLoadError(f"{model_dir}: {exc}") from exc
+    extra = [i for i in generation_stop_ids(model_dir) if i not in spec.eos_token_ids]
+    return dataclasses.replace(spec, eos_token_ids=(*spec.eos_token_ids, *extra)) if extra else spec
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:

@@ -4,9 +4,8 @@ plain-text completion prompts (it is a base model) of chosen token lengths."""
 
 from __future__ import annotations
 
-import codecs
+import importlib
 import inspect
-import this
 from pathlib import Path
 from typing import Any
 
@@ -40,24 +39,15 @@ def reference_model(gguf: Path) -> Any:
                                                 local_files_only=True).eval()
 
 
-def _corpus() -> str:
-    """English prose and code comments from the standard library: the Zen of Python, then module
-    docstrings, the same on every machine with this Python."""
-    import argparse
-    import asyncio
-    import collections
-    import dataclasses
-    import functools
-    import json
-    import logging
-    import pathlib
-    import subprocess
-    import threading
+# Standard-library modules whose docstrings make the prompts: English prose and code, the same on
+# every machine with this Python.
+_CORPUS_MODULES = ("argparse", "collections", "dataclasses", "functools", "json", "logging", "pathlib", "subprocess",
+                   "threading", "inspect", "doctest", "unittest", "typing", "csv", "string", "heapq", "bisect",
+                   "textwrap", "difflib", "pickle")
 
-    zen = codecs.decode(this.s, "rot13")
-    docs = [inspect.getdoc(m) or "" for m in (argparse, asyncio, collections, dataclasses, functools, json, logging,
-                                                pathlib, subprocess, threading, inspect)]
-    return "\n\n".join([zen, *docs])
+
+def _corpus() -> str:
+    return "\n\n".join(inspect.getdoc(importlib.import_module(name)) or "" for name in _CORPUS_MODULES)
 
 
 SHORT_PROMPTS = (
