@@ -40,6 +40,16 @@ def test_the_converted_model_is_gemma3_as_the_file_declares_it(gemma3):
     assert (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.tie_word_embeddings) == (4, 1, 256, True)
     windows = [layer.attention.window for layer in spec.layers]
     assert windows == ([WINDOW] * 5 + [None]) * 3  # five local layers, then a global one
+    assert spec.eos_token_ids == (1, 106)  # <eos>, and <end_of_turn> for the turn format
+
+
+def test_chat_renders_gemmas_turns_into_its_own_control_tokens(gemma3):
+    _model_dir, tokenizer, _prompts, _references = gemma3
+    ids = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                         {"role": "user", "content": "Hi"}])
+    assert tokenizer.convert_ids_to_tokens(ids[:3]) == ["<bos>", "<start_of_turn>", "user"]
+    assert ids[-3:] == tokenizer.encode("<start_of_turn>model\n", add_special_tokens=False)
+    assert 106 in ids  # <end_of_turn>, one token
 
 
 def test_gemma3_greedy_matches_transformers_on_the_same_gguf(gemma3):
@@ -55,3 +65,21 @@ def test_gemma3_greedy_matches_transformers_on_the_same_gguf(gemma3):
         engine.shutdown()
     for i, out in enumerate(outs):
         assert_greedy_match(out.token_ids, references[i], label=f"gemma3 prompt {i} ({len(prompts[i])} tokens)")
+
+
+def test_native_weights_keep_the_q8_0_head_and_match_transformers(gemma3):
+    """--weights native on the GGUF itself: the tied Q8_0 head (and embedding table) stays in blocks,
+    every K-quant and Q5_0 linear is dequantized by the gguf package (the load log names them)."""
+    from tests.support.plan_driver import DrivenRequest, drive
+    from vmesh.services.common.model_loading import GEMMA3_MODEL_ALIAS
+    from vmesh.services.worker.quantized_linear import QuantizedLinear
+
+    _model_dir, _tokenizer, prompts, references = gemma3
+    runner = ModelRunner.load(WorkerConfig(model=GEMMA3_MODEL_ALIAS, weights="native", kv_cache_memory=128 << 20,
+                                           max_num_seqs=4, max_model_len=1024))
+    quantized = [layer for layer in runner.model.linears() if isinstance(layer, QuantizedLinear)]
+    assert [layer.format for layer in quantized] == ["Q8_0"] and quantized[0] is runner.model.lm_head
+    requests = [DrivenRequest(p, NEW_TOKENS, join_step=i) for i, p in enumerate(prompts)]
+    drive(runner, requests, chunk=200)
+    for i, r in enumerate(requests):
+        assert_greedy_match(r.output, references[i], label=f"gemma3 native prompt {i}")
