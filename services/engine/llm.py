@@ -93,7 +93,8 @@ class LLMEngine:
         config = config or EngineConfig()
         model_dir = resolve_model_dir(config.worker.model, config.worker.cache_dir)
         config.worker.model = str(model_dir)
-        tokenizer = load_chat_tokenizer(model_dir)  # the frontend's tokenizer: the same ids at every door
+        # The frontend's tokenizer and template: the same ids at every door.
+        tokenizer = load_chat_tokenizer(model_dir, config.worker.chat_template)
         thread = model_thread()
         try:
             return cls(thread.submit(ModelRunner.load, config.worker).result(), tokenizer, config, thread)

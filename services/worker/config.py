@@ -39,6 +39,11 @@ class WorkerConfig:
         help="Hugging Face directory or GGUF file (default: the embedded SmolLM2-135M-Instruct)")
     cache_dir: str | None = setting(  # its variable, VMESH_CACHE_DIR, is model_loading's CACHE_DIR_ENV
         None, section="model", help="where converted GGUF models are cached (default ~/.cache/vmesh)")
+    # The frontend's and the in-process engine's (services/common/tokenizer.py, chat_template_text).
+    chat_template: str | None = setting(
+        None, section="model",
+        help="a Jinja chat template, or a file holding one, in place of the model's (default: the model's own, else "
+             "its architecture's turn format, e.g. Gemma 3's)")
 
     device: str = setting("auto", section="worker", help="cpu, cuda, cuda:N or auto")
     # bfloat16 on CPU: bfloat16 weights, linears and KV cache, float32 residual stream, norms and

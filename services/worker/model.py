@@ -296,8 +296,11 @@ class DecoderModel:
             self.embed = embed
         # One table per distinct RoPE base and scaling (Gemma 3's local and global layers differ).
         rope_dtype = torch.float32 if self.mixed else dtype
-        self.rotaries = {plan.attention.rope_key: RotaryEmbedding(plan.attention, spec.head_dim, max_positions, device,
-                                                                  rope_dtype) for plan in spec.layers}
+        self.rotaries: dict[tuple[float, str], RotaryEmbedding] = {}
+        for plan in spec.layers:  # built once per key, not once per layer (Gemma 3: 2 of 18)
+            if plan.attention.rope_key not in self.rotaries:
+                self.rotaries[plan.attention.rope_key] = RotaryEmbedding(plan.attention, spec.head_dim, max_positions,
+                                                                         device, rope_dtype)
         self.rotary = self.rotaries[spec.layers[0].attention.rope_key]  # the first layer's (of most models, all's)
         if source.keep_quantized:
             log_placement(self.linears(), source.dequantized)

@@ -6,7 +6,7 @@ step is a pass over every weight: keeping the file's blocks and multiplying them
 sixth of the memory. No float32 copy of a whole weight is made at any point.
 
 The file's tensors are read with the gguf package's GGUFReader and renamed to the Hugging Face
-names the model expects. Linears whose blocks the kernel reads (Q4_0, Q4_1, Q8_0) stay
+names the model expects (services/worker/gguf_names.py). Linears whose blocks the kernel reads (Q4_0, Q4_1, Q8_0) stay
 quantized; every other tensor (float norms, other block formats) is dequantized as in
 `--weights dequantized`. For the Llama architecture GGUF stores q_proj/k_proj rows permuted
 (llama.cpp's converter interleaves each head's rotary halves); transformers undoes that on load,
@@ -35,6 +35,7 @@ import torch
 from vmesh.kernels.cpu_native import QUANTIZED_BLOCK, QUANTIZED_FORMATS, CpuKernelBuildError, load_cpu_kernels
 from vmesh.services.common.model_loading import ModelLoadError, gguf_model_file
 from vmesh.services.common.model_spec import ModelSpec
+from vmesh.services.worker.gguf_names import NORMS_STORED_PLUS_ONE, gguf_to_hf_names
 
 if TYPE_CHECKING:
     from vmesh.kernels.cpu_native import CpuKernels
@@ -42,14 +43,6 @@ if TYPE_CHECKING:
     from vmesh.services.worker.linear import Linear
 
 logger = logging.getLogger(__name__)
-
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}
-_MODEL_NAMES = {"token_embd": "model.embed_tokens", "output": "lm_head", "output_norm": "model.norm"}
-
 
 def format_name(block_format: int) -> str:
     """A GGML type id's name: the kernel's formats without the gguf package, the others through it."""
@@ -201,10 +194,11 @@ def read_gguf_weights(path: Path, spec: ModelSpec) -> dict[str, torch.Tensor | Q
         raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
     field = reader.fields.get("general.architecture")
     architecture = str(field.contents()) if field is not None else ""
+    names = gguf_to_hf_names(architecture, spec)
     tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
     skipped = []
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        name = names.get(tensor.name)
         if name is None:
             skipped.append(tensor.name)
             continue
@@ -213,9 +207,12 @@ def read_gguf_weights(path: Path, spec: ModelSpec) -> dict[str, torch.Tensor | Q
             if kind == GGMLQuantizationType.BF16:  # numpy has no bfloat16: the gguf package widens it
                 from gguf.quants import dequantize
 
-                value: torch.Tensor | QuantizedWeight = torch.from_numpy(dequantize(tensor.data, kind).copy())
+                floats = torch.from_numpy(dequantize(tensor.data, kind).copy())
             else:
-                value = torch.from_numpy(np.array(tensor.data))
+                floats = torch.from_numpy(np.array(tensor.data))
+            if architecture in NORMS_STORED_PLUS_ONE and name.endswith("norm.weight"):
+                floats -= 1
+            value: torch.Tensor | QuantizedWeight = floats
         else:
             # GGUF lists dimensions innermost first: shape[0] is the input width.
             value = QuantizedWeight(torch.from_numpy(np.array(tensor.data)), int(kind), int(tensor.shape[0]))
@@ -242,25 +239,11 @@ def gguf_rows_in_hf_order(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(rows)
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; None for a tensor the model
-    does not take (e.g. rope_freqs: the spec's rope settings come from the config)."""
-    base, _, suffix = gguf_name.rpartition(".")
-    if suffix not in ("weight", "bias"):
-        return None
-    if base in _MODEL_NAMES:
-        return f"{_MODEL_NAMES[base]}.{suffix}"
-    parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
-    return None
-
-
 def load_native_weights(model: str | None, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
                         cache_dir: Path) -> tuple[dict[str, torch.Tensor | QuantizedWeight], CpuKernels]:
     """`--weights native`: the GGUF file's tensors and the kernels that read them, or a
     ModelLoadError that says why this model or device cannot."""
-    path = gguf_model_file(model)
+    path = gguf_model_file(model, cache_dir)
     if path is None:
         raise ModelLoadError(f"--weights native reads a GGUF file's quantized blocks, and {model} is a Hugging Face "
                              "directory; use --weights dequantized (the default) for it")

@@ -103,6 +103,11 @@ class Family:
     architecture: str  # config.architectures[0]
     model_type: str  # config.model_type
     plan: Callable[[Any], ModelPlan]
+    # The family's turn format as a Jinja chat template, for checkpoints that carry none (a GGUF
+    # file without tokenizer.chat_template), as llama.cpp keeps one per known architecture.
+    chat_template: str | None = None
+    # The token that closes a turn in that format: generation stops there too (config eos aside).
+    end_of_turn: str | None = None
 
 
 # --- config readers the families share ---------------------------------------------------------
