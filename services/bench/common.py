@@ -17,7 +17,6 @@ import torch
 
 from vmesh.services.bench.mesh import RunningMesh
 from vmesh.services.client import VmeshClient
-from vmesh.services.common.grpc_server import channel
 from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 # The workloads that ship with vmesh; `--workload` takes these names or a file of the same form.
@@ -86,16 +85,16 @@ async def timed_outputs(outputs: AsyncIterator[Any], tokens_of: Callable[[Any], 
 
 
 async def reset_prefix_cache(mesh: RunningMesh) -> None:
-    async with channel(mesh.services["scheduler"][0], "scheduler") as ch:
+    async with mesh.channel("scheduler") as ch:
         await scheduler_pb2_grpc.SchedulerServiceStub(ch).ResetPrefixCache(scheduler_pb2.ResetPrefixCacheRequest())
 
 
 async def mesh_stats(mesh: RunningMesh) -> tuple[Any, Any]:
-    async with channel(mesh.services["scheduler"][0], "scheduler") as ch:
+    async with mesh.channel("scheduler") as ch:
         s = await scheduler_pb2_grpc.SchedulerServiceStub(ch).GetSchedulerStats(
             scheduler_pb2.GetSchedulerStatsRequest())
     worker = "worker" if "worker" in mesh.services else "worker-rank0"  # a tensor-parallel group's rank 0
-    async with channel(mesh.services[worker][0], "worker") as ch:
+    async with mesh.channel(worker) as ch:
         w = await worker_pb2_grpc.WorkerServiceStub(ch).GetWorkerStats(worker_pb2.GetWorkerStatsRequest())
     return s, w
 

@@ -17,7 +17,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vmesh.services.mesh_description import MeshDescription, description_path
+import grpc
+
+from vmesh.services.common.grpc_server import channel
+from vmesh.services.mesh_description import MeshDescription, description_path, role_of_service
 
 # The checkout this module lies in, when it is one (services/bench/mesh.py, resolved through the
 # vmesh/services symlink): a mesh started from it runs the checkout's code, not an installed copy.
@@ -46,8 +49,14 @@ class RunningMesh:
 
     @property
     def certificates(self) -> str:
-        """With --internal-tls: the run's CA and admin certificate."""
+        """The run's CA and admin certificate; "" with --no-internal-tls."""
         return self.description.certificates
+
+    def channel(self, name: str) -> grpc.aio.Channel:
+        """A channel to the internal service `name` (scheduler, worker-rank0, detokenizer-1, ...)
+        as the run's admin, as operator tools reach it: mutual TLS, unless the mesh runs
+        --no-internal-tls."""
+        return channel(self.services[name][0], role_of_service(name), identity=self.description.admin_identity())
 
     @property
     def services(self) -> dict[str, tuple[str, int]]:
