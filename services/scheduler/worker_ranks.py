@@ -4,6 +4,7 @@ compute one step together)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -110,7 +111,11 @@ class WorkerRanks:
         """`plan`, as `message`, to every rank."""
         self.traffic.count(plan, message.ByteSize())
         for call in self.calls:
-            await call.write(message)
+            try:
+                await call.write(message)
+            except asyncio.InvalidStateError:  # the stream had ended: reading it raises the status it ended with
+                await call.read()
+                raise ConnectionError("a worker closed its stream") from None
 
     async def receive(self) -> worker_pb2.ExecuteResponse:
         """The step's result: every rank's, of which rank 0's is the one that counts."""

@@ -116,3 +116,27 @@ def test_a_second_claim_of_a_request_key_is_refused_and_the_first_runs_on():
         assert "f/5" in servicer.session.router.routes
 
     asyncio.run(main())
+
+
+def test_a_plan_written_to_a_stream_the_worker_ended_raises_the_status_it_ended_with():
+    """A scheduler often writes its next plan before it reads: the stream's own ending (ABORTED
+    when taken over, UNAVAILABLE when the worker died) must decide what it does, not the write's
+    'RPC already finished'."""
+    from tests.support.grpc_fakes import FakeStream, rpc_error
+    from vmesh.services.common.step_types import StepPlan
+    from vmesh.services.scheduler.worker_ranks import WorkerRanks
+
+    class EndedStream(FakeStream):
+        async def write(self, message) -> None:
+            raise asyncio.InvalidStateError("RPC already finished.")
+
+    async def main() -> grpc.StatusCode:
+        ranks = WorkerRanks(["worker:1"])
+        ended = EndedStream()
+        ended.responses.put_nowait(rpc_error(grpc.StatusCode.ABORTED, "a newer scheduler stream took over"))
+        ranks.calls = [ended]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await ranks.send(StepPlan(0), worker_pb2.ExecuteRequest())
+        return err.value.code()
+
+    assert asyncio.run(main()) == grpc.StatusCode.ABORTED
