@@ -134,6 +134,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             reader.cancel()
             if self._session_steps is steps:
                 self._session_steps = None
+            while not steps.empty():  # steps no one will read now: their failures are not news
+                if (left := steps.get_nowait()) is not None:
+                    left.add_done_callback(_retrieved)
 
     async def _submit_plans(self, request_iterator, session: int, steps: asyncio.Queue) -> None:
         """Hand each plan of the stream to the model thread as it arrives; `steps` gets the
@@ -238,6 +241,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
 class TakenOver(Exception):
     """A newer scheduler stream took over the worker."""
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _failed(loop: asyncio.AbstractEventLoop, exc: BaseException) -> asyncio.Future:
