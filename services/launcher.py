@@ -26,6 +26,7 @@ from vmesh.services.common.runtime.readiness import Announcement, ReadyFiles
 from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.flag_groups import forwarded_flags, forwarded_secrets
 from vmesh.services.mesh_description import MeshDescription, ServiceEntry
+from vmesh.services.mesh_settings import mesh_settings
 
 INTERNAL_HOST = "127.0.0.1"
 START_TIMEOUT_S = 900.0  # the first start converts the model
@@ -89,8 +90,8 @@ class Mesh:
         self.restart_backoff = restart_backoff
         self.workdir = workdir
         self.children: list[Child] = []
-        self.certificates: Path | None = None  # with --internal-tls: ca.crt and <role>.crt/.key
-        self.identity: tls.Identity | None = None  # with --internal-tls: the admin's, for its health checks
+        self.certificates: Path | None = None  # unless --no-internal-tls: ca.crt and <role>.crt/.key
+        self.identity: tls.Identity | None = None  # unless --no-internal-tls: the admin's, for its health checks
         self.start_deadline = time.monotonic() + START_TIMEOUT_S
         self.stop_requested = False
 
@@ -274,13 +275,12 @@ def _make_certificates(mesh: Mesh) -> None:
     from vmesh.services.common.certs import write_mesh_certificates
 
     mesh.certificates = write_mesh_certificates(mesh.workdir / "certs")
-    mesh.identity = tls.Identity.from_files(mesh.certificates / "admin.crt", mesh.certificates / "admin.key",
-                                            mesh.certificates / "ca.crt")
+    mesh.identity = MeshDescription(address="", certificates=str(mesh.certificates)).admin_identity()
 
 
 async def _run(mesh: Mesh) -> int:
     args = mesh.args
-    if args.internal_tls:
+    if mesh_settings(args).internal_tls:
         _make_certificates(mesh)
     model = forwarded_flags(args, "model")
     groups = args.data_parallel_size

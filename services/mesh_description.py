@@ -8,7 +8,10 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from vmesh.services.common import tls
 from vmesh.services.common.runtime.readiness import Announcement, ReadyFiles
+
+ADMIN_ROLE = "admin"
 
 
 @dataclass
@@ -23,8 +26,17 @@ class ServiceEntry:
 class MeshDescription:
     address: str  # the frontend's public gRPC address
     http_url: str = ""  # the OpenAI-compatible API's base URL (…/v1), "" when off
-    certificates: str = ""  # with --internal-tls: the directory of the run's CA and admin certificate
+    # The directory of the run's CA and admin certificate; "" with --no-internal-tls.
+    certificates: str = ""
     services: dict[str, ServiceEntry] = field(default_factory=dict)  # worker, scheduler, detokenizer-0, …
+
+    def admin_identity(self) -> tls.Identity | None:
+        """The run's admin identity (what operator tools present to the internal services);
+        None when the services talk plaintext."""
+        if not self.certificates:
+            return None
+        d = Path(self.certificates)
+        return tls.Identity.from_files(d / f"{ADMIN_ROLE}.crt", d / f"{ADMIN_ROLE}.key", d / "ca.crt")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -34,6 +46,11 @@ class MeshDescription:
         raw = json.loads(text)
         services = {name: ServiceEntry(**entry) for name, entry in raw.pop("services").items()}
         return cls(**raw, services=services)
+
+
+def role_of_service(name: str) -> str:
+    """The role of a service the launcher named (worker, worker-1, worker-rank0, detokenizer-0, ...)."""
+    return name.split("-", 1)[0]
 
 
 def description_path(ready_file: str | Path) -> Path:

@@ -3,9 +3,10 @@ launcher reads them (services/launcher.py); no service is given them."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
-from vmesh.services.common.config_flags import setting
+from vmesh.services.common.config_flags import setting, values_from_args
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,13 @@ class MeshSettings:
         False, section="mesh",
         help="stop the whole mesh when any service dies (default: restart it in place, with backoff; its requests "
              "fail over)")
+    # On by default: a local process that is not part of the mesh must not reach its internal ports.
     internal_tls: bool = setting(
-        False, section="mesh",
-        help="mutual TLS between the services, from a private CA made for this run (its admin certificate is "
-             "printed, for operator tools)")
+        True, section="mesh", flag="--no-internal-tls", negated=True,
+        help="plaintext between the services (default: mutual TLS from a private CA made for this run, whose "
+             "admin certificate the launcher prints and describes beside --ready-file, for operator tools)")
+
+
+def mesh_settings(args: argparse.Namespace) -> MeshSettings:
+    """The settings `vmesh serve` was given (a flag it lacks keeps its default)."""
+    return MeshSettings(**values_from_args(MeshSettings, args, "mesh"))

@@ -36,9 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--requests", type=int, default=None)
     off.add_argument("--baselines", default="transformers,engine,mesh",
                      help="any of transformers, engine, mesh (float32, always run), mesh-native (--weights "
-                          "native), mesh-bf16 (--dtype bfloat16), mesh-int8 (--weights int8), and the peers vllm "
-                          "(float32), vllm-bf16 and llama.cpp (the GGUF), which need benchmarks/peers/setup.sh's "
-                          "environments")
+                          "native), mesh-bf16 (--dtype bfloat16), mesh-int8 (--weights int8), mesh-plaintext "
+                          "(--no-internal-tls), and the peers vllm (float32), vllm-bf16 and llama.cpp (the GGUF), "
+                          "which need benchmarks/peers/setup.sh's environments")
     off.add_argument("--peers-dir", default=None,
                      help="where benchmarks/peers/setup.sh built the peers' environments "
                           "(default: $VMESH_PEERS_DIR, else ~/.cache/vmesh-peers)")

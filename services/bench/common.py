@@ -17,7 +17,6 @@ import torch
 
 from vmesh.services.bench.mesh import RunningMesh
 from vmesh.services.client import VmeshClient
-from vmesh.services.common.grpc_server import channel
 from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 # The workloads that ship with vmesh; `--workload` takes these names or a file of the same form.
@@ -86,16 +85,16 @@ async def timed_outputs(outputs: AsyncIterator[Any], tokens_of: Callable[[Any], 
 
 
 async def reset_prefix_cache(mesh: RunningMesh) -> None:
-    async with channel(mesh.services["scheduler"][0], "scheduler") as ch:
+    async with mesh.channel("scheduler") as ch:
         await scheduler_pb2_grpc.SchedulerServiceStub(ch).ResetPrefixCache(scheduler_pb2.ResetPrefixCacheRequest())
 
 
 async def mesh_stats(mesh: RunningMesh) -> tuple[Any, Any]:
-    async with channel(mesh.services["scheduler"][0], "scheduler") as ch:
+    async with mesh.channel("scheduler") as ch:
         s = await scheduler_pb2_grpc.SchedulerServiceStub(ch).GetSchedulerStats(
             scheduler_pb2.GetSchedulerStatsRequest())
     worker = "worker" if "worker" in mesh.services else "worker-rank0"  # a tensor-parallel group's rank 0
-    async with channel(mesh.services[worker][0], "worker") as ch:
+    async with mesh.channel(worker) as ch:
         w = await worker_pb2_grpc.WorkerServiceStub(ch).GetWorkerStats(worker_pb2.GetWorkerStatsRequest())
     return s, w
 
@@ -116,4 +115,4 @@ async def mesh_generate(mesh: RunningMesh, prompts: list[list[int]], max_tokens:
     return {"tokens_per_s": len(prompts) * max_tokens / elapsed,
             "duty_cycle": (w1.busy_seconds - w0.busy_seconds) / wall if wall else 0.0,
             "bytes_per_decode_step": (s1.decode_plan_bytes - s0.decode_plan_bytes) / max(decode_steps, 1),
-            "decode_steps": decode_steps}
+            "decode_steps": decode_steps, "ms_per_step": elapsed * 1e3 / max(s1.steps - s0.steps, 1)}

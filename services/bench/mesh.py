@@ -17,7 +17,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vmesh.services.mesh_description import MeshDescription, description_path
+import grpc
+
+from vmesh.services.common.grpc_server import channel
+from vmesh.services.mesh_description import MeshDescription, description_path, role_of_service
 
 # The checkout this module lies in, when it is one (services/bench/mesh.py, resolved through the
 # vmesh/services symlink): a mesh started from it runs the checkout's code, not an installed copy.
@@ -46,8 +49,14 @@ class RunningMesh:
 
     @property
     def certificates(self) -> str:
-        """With --internal-tls: the run's CA and admin certificate."""
+        """The run's CA and admin certificate; "" with --no-internal-tls."""
         return self.description.certificates
+
+    def channel(self, name: str) -> grpc.aio.Channel:
+        """A channel to the internal service `name` (scheduler, worker-rank0, detokenizer-1, ...)
+        as the run's admin, as operator tools reach it: mutual TLS, unless the mesh runs
+        --no-internal-tls."""
+        return channel(self.services[name][0], role_of_service(name), identity=self.description.admin_identity())
 
     @property
     def services(self) -> dict[str, tuple[str, int]]:
@@ -117,18 +126,20 @@ def _kill_quietly(pid: int) -> None:
 
 def start_mesh(*flags: str, env: dict[str, str] | None = None, timeout: float = START_TIMEOUT_S,
                on_timeout: Callable[[int], str] | None = None, prefix: Sequence[str] = (),
-               vmesh: Sequence[str] = (sys.executable, "-m", "vmesh"), cwd: Path | None = None) -> RunningMesh:
+               vmesh: Sequence[str] = (sys.executable, "-m", "vmesh"), cwd: Path | None = None,
+               log_level: str = "WARNING") -> RunningMesh:
     """`env`: extra environment variables for every service (e.g. OTEL_*). Raises TimeoutError,
     with the launcher's output, when the mesh is not serving within `timeout` seconds; the
     launcher is then killed (its children follow it: they die with their parent), after
     `on_timeout(launcher_pid)` has added what it reports to the error. `prefix`: a command that
     execs the launcher's (e.g. one that switches to another user). `vmesh`: the command to run
-    (another installation's `vmesh`, say); `cwd`: where (default: the checkout, if this is one)."""
+    (another installation's `vmesh`, say); `cwd`: where (default: the checkout, if this is one).
+    `log_level`: every service's, as their output joins the launcher's (`wait_for_output`)."""
     answers = Path(tempfile.mkdtemp(prefix="vmesh-mesh-"))
     if prefix:  # the launcher may run as another user, who must be able to write its answer here
         answers.chmod(0o777)
     ready_file = answers / "ready"
-    command = [*prefix, *vmesh, "--log-level", "WARNING", "serve", "--port", "0", "--http-port", "0",
+    command = [*prefix, *vmesh, "--log-level", log_level, "serve", "--port", "0", "--http-port", "0",
                "--kv-cache-memory", "128MiB", "--ready-file", str(ready_file), *flags]
     if cwd is None and (_CHECKOUT / "pyproject.toml").is_file():
         cwd = _CHECKOUT

@@ -110,7 +110,7 @@ async def mesh_latency(mesh: RunningMesh, prompt: list[int], max_tokens: int,
 
 # The mesh in its precision modes: `mesh` (float32) always runs; the others on request.
 MESH_VARIANTS = {"mesh": (), "mesh-native": ("--weights", "native"), "mesh-bf16": ("--dtype", "bfloat16"),
-                 "mesh-int8": ("--weights", "int8")}
+                 "mesh-int8": ("--weights", "int8"), "mesh-plaintext": ("--no-internal-tls",)}
 
 
 def start_meshes(args: argparse.Namespace, baselines: set[str], model_dir: Path, work: dict[str, Any],
@@ -180,6 +180,8 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
         result["peer_peak_pss_mib"] = {name: mib for name, mib in peaks.mib.items() if name in peers}
         result["peer_latency"] = {name: peer.latency() for name, peer in peers.items()}
         result["mesh_duty_cycle"] = statistics.median(r["duty_cycle"] for r in mesh_runs["mesh"])
+        result["mesh_ms_per_step"] = {variant: statistics.median(r["ms_per_step"] for r in runs_of_variant)
+                                      for variant, runs_of_variant in mesh_runs.items()}
         latencies = {variant: asyncio.run(mesh_latency(mesh, work["latency_prompt"], work["max_tokens"],
                                                        work["prompts"][0])) for variant, mesh in meshes.items()}
         result["latency"] = latencies.pop("mesh")
@@ -207,6 +209,8 @@ def print_report(result: dict[str, Any], work: dict[str, Any], repeats: int) -> 
     lat = result["latency"]
     print(f"single request through the mesh: TTFT {lat['ttft_ms']:.0f} ms (its prompt not cached; "
           f"{lat['cached_ttft_ms']:.0f} ms repeated, from the prefix cache), mean ITL {lat['mean_itl_ms']:.1f} ms")
+    print("wall time per step, median: " + ", ".join(f"{variant} {ms:.1f} ms"
+                                                     for variant, ms in result["mesh_ms_per_step"].items()))
     for name, lat in result["variant_latency"].items():
         print(f"single request through {name}: TTFT {lat['ttft_ms']:.0f} ms ({lat['cached_ttft_ms']:.0f} ms "
               f"repeated), mean ITL {lat['mean_itl_ms']:.1f} ms")

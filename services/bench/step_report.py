@@ -13,7 +13,6 @@ from typing import Any
 
 from vmesh.services.bench.common import timed_outputs
 from vmesh.services.bench.mesh import RunningMesh
-from vmesh.services.common.grpc_server import channel
 from vmesh.services.common.step_timeline import Distribution, TimelineSummary, WorkerTimeline
 from vmesh.services.common.step_types import StepPlan, StepResult
 from vmesh.services.common.types import SamplingParams
@@ -21,13 +20,13 @@ from vmesh.services.common.wire.step import summary_from_proto
 from vmesh.v1 import worker_pb2, worker_pb2_grpc
 
 
-def _worker_address(mesh: RunningMesh) -> str:
-    return mesh.services["worker" if "worker" in mesh.services else "worker-rank0"][0]  # a TP group's rank 0
+def _worker_name(mesh: RunningMesh) -> str:
+    return "worker" if "worker" in mesh.services else "worker-rank0"  # a TP group's rank 0
 
 
 async def worker_timeline(mesh: RunningMesh, since: int = 0) -> tuple[int, TimelineSummary]:
     """The mesh worker's step count so far, and its timeline from step `since` on."""
-    async with channel(_worker_address(mesh), "worker") as ch:
+    async with mesh.channel(_worker_name(mesh)) as ch:
         stats = await worker_pb2_grpc.WorkerServiceStub(ch).GetWorkerStats(
             worker_pb2.GetWorkerStatsRequest(timeline_from_step=since))
     return stats.steps, summary_from_proto(stats.timeline)

@@ -1,4 +1,4 @@
-"""A private CA for one mesh and a certificate per role (`vmesh certs`, `vmesh serve --internal-tls`),
+"""A private CA for one mesh and a certificate per role (`vmesh certs`, and `vmesh serve` for each run),
 and server certificates for the public port. Keys are ECDSA P-256; files are PEM."""
 
 from __future__ import annotations

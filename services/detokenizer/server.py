@@ -8,6 +8,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
+import grpc
 from opentelemetry import trace
 
 from vmesh.services.common import telemetry
@@ -44,17 +45,26 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
         self.tokenizer = tokenizer
         self.streams: list[_SchedulerStream] = []
         self.draining = False
-        self.subscribers: dict[str, asyncio.Queue[detokenizer_pb2.SubscribeResponse]] = {}
+        # Per frontend id, its subscription's queue; None in it ends that subscription (a newer one took over).
+        self.subscribers: dict[str, asyncio.Queue[detokenizer_pb2.SubscribeResponse | None]] = {}
         self.metrics: DetokenizerMetrics | None = None
 
     async def Subscribe(self, request, context):
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue[detokenizer_pb2.SubscribeResponse | None] = asyncio.Queue()
+        if (displaced := self.subscribers.get(request.frontend_id)) is not None:
+            # The newest subscription under an id wins, and the one it displaces is ended at once
+            # rather than starved: when that one was the rightful frontend's (and the newcomer a
+            # stranger, or a stale stream of its own), the frontend's reconnect loop takes the id
+            # back within its backoff, and its requests fail over losslessly meanwhile.
+            logger.warning("a new subscription under frontend id %s displaces the previous one", request.frontend_id)
+            displaced.put_nowait(None)
         self.subscribers[request.frontend_id] = queue
         logger.info("frontend %s subscribed", request.frontend_id)
         await context.send_initial_metadata(())  # tells the frontend it is registered
         try:
-            while True:
-                yield await queue.get()
+            while (batch := await queue.get()) is not None:
+                yield batch
+            await context.abort(grpc.StatusCode.ABORTED, "a newer subscription under this frontend id took over")
         finally:
             if self.subscribers.get(request.frontend_id) is queue:  # and no newer subscription replaced it
                 del self.subscribers[request.frontend_id]

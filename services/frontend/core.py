@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import itertools
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping
@@ -86,7 +86,6 @@ class FrontendCore:
                                         routing=settings.routing)
         self.detokenizers = AddressBook(settings.detokenizer_addresses)
         self.outboxes: dict[int, Outbox] = {}  # by frontend key
-        self.frontend_keys = itertools.count(1)
         self._subscribe = subscribe
         self.resubscribe = resubscribe
         self.replicas: PeerSet[Subscription] = PeerSet(
@@ -214,8 +213,9 @@ class FrontendCore:
                 outbox.put(PendingOutput(error=message, lost=LostService.DETOKENIZER))
 
     def register(self, outbox: Outbox) -> int:
-        """A new frontend key, whose outputs go to `outbox`."""
-        frontend_key = next(self.frontend_keys)
+        """A new frontend key for `outbox`, unpredictable: no other caller can claim the next one first."""
+        while (frontend_key := secrets.randbits(63)) == 0 or frontend_key in self.outboxes:  # 0: the wire's unset
+            pass
         self.outboxes[frontend_key] = outbox
         return frontend_key
 

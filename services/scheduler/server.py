@@ -61,6 +61,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         if not replicas:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no detokenizer replica is reachable")
         key = request_key(request.frontend_id, request.frontend_key)
+        if key in session.core().requests:  # its first claim is untouched: refused, not a failure of the step
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {key} is already submitted")
         try:
             sampling = self._admit(key, request)
         except QueueFullError as exc:

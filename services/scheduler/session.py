@@ -38,6 +38,7 @@ from vmesh.services.scheduler.worker_ranks import (
     geometry,
     open_worker,
     plan_message,
+    taken_over,
     went_away,
 )
 from vmesh.v1 import worker_pb2
@@ -173,14 +174,14 @@ class SchedulerSession:
                 await self._run_steps()
             except Exception as exc:
                 if not went_away(exc):
-                    # The worker refused a plan (FAILED_PRECONDITION), another scheduler took it
-                    # over (ABORTED), or a bug here: recomputing would only repeat it.
+                    # The worker refused a plan (FAILED_PRECONDITION), or a bug here: recomputing
+                    # would only repeat it.
                     logger.error("the engine loop failed: %s", detail(exc))
                     await self._fail_all("the worker serving this request failed")
                     return
                 logger.error("worker unavailable: %s; %d request(s) wait for it to come back", detail(exc),
                              len(self.router.routes))
-                if not await self._recover_worker():
+                if not await self._recover_worker(taken_over(exc)):
                     return
 
     async def _run_steps(self) -> None:
@@ -247,13 +248,16 @@ class SchedulerSession:
 
     # --- a lost worker -----------------------------------------------------------------------
 
-    async def _recover_worker(self) -> bool:
+    async def _recover_worker(self, taken_over: bool = False) -> bool:
         """Wait for the lost worker to answer again (restarted in place, by `vmesh serve` or
         Kubernetes) and recompute every request on it: clients see a pause. Past the recovery
         timeout the requests fail with UNAVAILABLE and submissions are refused, but the worker is
         still waited for; once it is back the scheduler serves again. False: it never can (the
-        replacement's model, KV cache or limits differ)."""
+        replacement's model, KV cache or limits differ). `taken_over`: the worker is still there,
+        another stream took it; a new session takes it back, after a wait."""
         await self._recompute_on_replacement()
+        if taken_over:
+            await self.workers.wait_to_take_back()
         lost_at = time.monotonic()
         info = await self._wait_for_worker(deadline=lost_at + self.settings.worker_recovery_timeout_s)
         if info != self.info:

@@ -4,6 +4,7 @@ compute one step together)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -20,6 +21,10 @@ from vmesh.services.scheduler.scheduler import Scheduler, WorkerGeometry
 from vmesh.v1 import worker_pb2, worker_pb2_grpc
 
 WORKER_RETRY = Backoff(1.0)  # between attempts to reach a worker that does not answer (yet)
+# Before taking back a worker another stream took over: doubled while it keeps happening (two
+# schedulers given one worker must not take it from each other in a hot loop).
+TAKE_BACK = Backoff(1.0, factor=2.0, max_s=60.0)
+TAKEOVERS_FORGOTTEN_AFTER_S = 120.0
 
 
 class WorkerStub(Protocol):
@@ -58,9 +63,12 @@ class PlanTraffic:
 
 class WorkerRanks:
     def __init__(self, addresses: list[str], open_rank: OpenWorker = open_worker,
-                 retry: Backoff = WORKER_RETRY):
+                 retry: Backoff = WORKER_RETRY, take_back: Backoff = TAKE_BACK):
         self.addresses = addresses
         self.retry = retry
+        self.take_back = take_back
+        self.takeovers = 0  # in a row, each within TAKEOVERS_FORGOTTEN_AFTER_S of the one before
+        self._last_takeover = 0.0
         self._open_rank = open_rank
         self.stubs: list[WorkerStub] = []  # dialled at the first `open`, on the event loop
         self._channels: list[grpc.aio.Channel] = []
@@ -103,12 +111,11 @@ class WorkerRanks:
         """`plan`, as `message`, to every rank."""
         self.traffic.count(plan, message.ByteSize())
         for call in self.calls:
-            # A stream that ended while no step was in flight (its worker died between steps) refuses
-            # writes with "RPC already finished"; reading it raises the status it ended with instead,
-            # which went_away() judges as it judges a stream that fails mid-step.
-            if call.done() and await call.read() is grpc.aio.EOF:
-                raise ConnectionError("a worker closed its stream")
-            await call.write(message)
+            try:
+                await call.write(message)
+            except asyncio.InvalidStateError:  # the stream had ended: reading it raises the status it ended with
+                await call.read()
+                raise ConnectionError("a worker closed its stream") from None
 
     async def receive(self) -> worker_pb2.ExecuteResponse:
         """The step's result: every rank's, of which rank 0's is the one that counts."""
@@ -116,6 +123,14 @@ class WorkerRanks:
         if any(r is grpc.aio.EOF for r in results):
             raise ConnectionError("a worker closed its stream")
         return results[0]
+
+    async def wait_to_take_back(self) -> None:
+        """Another stream took the worker over (a stranger, or a stale scheduler): the wait before
+        opening a new session, which takes it back."""
+        now = time.monotonic()
+        self.takeovers = 1 if now - self._last_takeover > TAKEOVERS_FORGOTTEN_AFTER_S else self.takeovers + 1
+        self._last_takeover = now
+        await self.take_back.sleep(self.takeovers)
 
     def drop(self) -> None:
         """The group was lost: its streams are given up (a new session starts with `open`)."""
@@ -154,11 +169,17 @@ def describe(info: worker_pb2.GetWorkerInfoResponse) -> str:
 
 
 def went_away(exc: Exception) -> bool:
-    """Whether an Execute stream failed because its worker went (died, restarted, unreachable),
-    which a replacement can recover from, as opposed to a refusal or a bug."""
+    """Whether an Execute stream failed because its worker went (died, restarted, unreachable)
+    or a newer stream took the worker over (ABORTED: a stranger, or a stale scheduler), which
+    opening a new session recovers from (newest wins), as opposed to a refusal or a bug."""
     if isinstance(exc, grpc.aio.AioRpcError):
-        return exc.code() == grpc.StatusCode.UNAVAILABLE
+        return exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
     return isinstance(exc, ConnectionError)  # the worker closed its stream (it drained and exited)
+
+
+def taken_over(exc: Exception) -> bool:
+    """Whether an Execute stream ended because a newer one took the worker over."""
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.ABORTED
 
 
 def detail(exc: Exception) -> str:

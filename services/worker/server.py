@@ -43,6 +43,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.span_contexts: dict[int, trace.SpanContext] = {}  # per handle, when tracing
         self.metrics: WorkerMetrics | None = None
         self.session = 0  # Execute streams opened so far; the newest one drives the worker
+        # The newest stream's queue of step results: a newer stream ends it through this at once.
+        self._session_steps: asyncio.Queue[asyncio.Future | None] | None = None
         self.timeline = WorkerTimeline()
 
     async def _loaded(self, context) -> ModelRunner:
@@ -89,11 +91,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def Execute(self, request_iterator, context):
         """One stream is one scheduler's session. A new stream (a restarted scheduler) takes
-        over: the worker forgets the old session's requests and step numbering."""
+        over: the worker forgets the old session's requests and step numbering, and the old
+        stream ends at once with ABORTED, so that a scheduler whose stream a stranger (or a
+        stale scheduler) took reconnects and takes it back rather than waiting on it."""
         await self._loaded(context)
         loop = asyncio.get_running_loop()
         self.session += 1
         session = self.session
+        steps: asyncio.Queue[asyncio.Future | None] = asyncio.Queue()
+        if self._session_steps is not None:
+            self._session_steps.put_nowait(_failed(loop, TakenOver()))  # after the steps it already began
+        self._session_steps = steps
         if session > 1:
             model = getattr(self.runner, "model", None)
             if (parallel := getattr(model, "parallel", None)) is not None:
@@ -107,7 +115,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         # Each plan goes to the model thread as soon as it is read, not once the previous result
         # is written: the thread starts step N+1 the moment step N ends, while this loop encodes
         # and writes result N.
-        steps: asyncio.Queue[asyncio.Future | None] = asyncio.Queue()
         reader = asyncio.ensure_future(self._submit_plans(request_iterator, session, steps))
         try:
             while (step := await steps.get()) is not None:
@@ -125,6 +132,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     self.metrics.result_encode.observe(sent - encoding)
         finally:
             reader.cancel()
+            if self._session_steps is steps:
+                self._session_steps = None
+            while not steps.empty():  # steps no one will read now: their failures are not news
+                if (left := steps.get_nowait()) is not None:
+                    left.add_done_callback(_retrieved)
 
     async def _submit_plans(self, request_iterator, session: int, steps: asyncio.Queue) -> None:
         """Hand each plan of the stream to the model thread as it arrives; `steps` gets the
@@ -229,6 +241,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
 class TakenOver(Exception):
     """A newer scheduler stream took over the worker."""
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _failed(loop: asyncio.AbstractEventLoop, exc: BaseException) -> asyncio.Future:

@@ -5,7 +5,6 @@ import asyncio
 import pytest
 
 from vmesh.services.bench.mesh import start_mesh
-from vmesh.services.common.grpc_server import channel
 from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 
@@ -19,7 +18,7 @@ def default_mesh():
 
 def scheduler_stats(mesh, name: str = "scheduler") -> scheduler_pb2.GetSchedulerStatsResponse:
     async def ask():
-        async with channel(mesh.services[name][0], "scheduler") as ch:
+        async with mesh.channel(name) as ch:  # as the run's admin: internal ports take mutual TLS
             return await scheduler_pb2_grpc.SchedulerServiceStub(ch).GetSchedulerStats(
                 scheduler_pb2.GetSchedulerStatsRequest(), timeout=10)
 

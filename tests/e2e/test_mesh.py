@@ -136,7 +136,6 @@ def test_cancelling_20_streams_frees_everything(default_mesh):
 
 
 def test_reset_prefix_cache_makes_a_repeated_prompt_miss(default_mesh):
-    from vmesh.services.common.grpc_server import channel
     from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
     prompt = [1, *range(100, 140)]  # 41 tokens: two full blocks of 16 to cache
@@ -147,7 +146,7 @@ def test_reset_prefix_cache_makes_a_repeated_prompt_miss(default_mesh):
         return wait_idle(default_mesh).prefix_cache_hits - before
 
     async def reset() -> int:
-        async with channel(default_mesh.services["scheduler"][0], "scheduler") as ch:
+        async with default_mesh.channel("scheduler") as ch:
             response = await scheduler_pb2_grpc.SchedulerServiceStub(ch).ResetPrefixCache(
                 scheduler_pb2.ResetPrefixCacheRequest(), timeout=10)
         return response.num_dropped_blocks

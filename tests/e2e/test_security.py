@@ -1,6 +1,6 @@
-"""The mesh with every door locked: mutual TLS between services from a private CA, TLS and an
-API key on the public gRPC port and the HTTP API. Forged internal calls are refused, and a
-victim's request runs to its end untouched."""
+"""The mesh with every door locked: mutual TLS between services from a private CA (`vmesh serve`'s
+default), TLS and an API key on the public gRPC port and the HTTP API. Forged internal calls are
+refused, and a victim's request runs to its end untouched."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ VICTIM_TOKENS = 200  # long enough to still be generating when every attack has 
 def secure_mesh(tmp_path_factory):
     public = write_mesh_certificates(tmp_path_factory.mktemp("public"), roles=(),
                                      public_hosts=["127.0.0.1", "localhost"])
-    mesh = start_mesh("--internal-tls", "--public-tls-cert", str(public / "public.crt"),
+    mesh = start_mesh("--public-tls-cert", str(public / "public.crt"),
                       "--public-tls-key", str(public / "public.key"), "--api-key", API_KEY)
     yield mesh, public / "ca.crt"
     mesh.stop()

@@ -252,7 +252,7 @@ def test_a_stream_that_says_nothing_has_an_empty_message_as_the_unstreamed_respo
 def emit(f: FrontendCore, text: str, finish: FinishReason | None = None, usage: tuple[int, int] = (0, 0)) -> None:
     """Play the detokenizer (one token per character); `usage`: the finished request's prompt and
     completion tokens."""
-    for key in sorted(f.outboxes):
+    for key in list(f.outboxes):
         f.outboxes[key].put(PendingOutput(text=text, token_ids=[ord(c) for c in text], finish_reason=finish,
                                           usage=Usage(*usage, 0) if finish is not None else None))
 

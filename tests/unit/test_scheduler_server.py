@@ -340,12 +340,10 @@ def test_a_worker_gone_past_the_recovery_timeout_fails_its_requests_until_it_ret
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("code", [grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED,
-                                  grpc.StatusCode.RESOURCE_EXHAUSTED])
-def test_a_worker_that_refuses_a_plan_or_is_taken_over_is_not_retried(code):
-    """Only a worker that went away is waited for: a refused plan (a bug), another scheduler taking
-    the worker over, or any other error would recur, and two schedulers would take one worker
-    from each other forever."""
+@pytest.mark.parametrize("code", [grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED])
+def test_a_worker_that_refuses_a_plan_is_not_retried(code):
+    """Only a worker that went away (or was taken over: tests/unit/test_stream_ownership.py) is
+    waited for: a refused plan (a bug), or any other error, would recur."""
     async def main() -> None:
         worker = FakeWorker()
         async with with_worker(worker) as servicer:

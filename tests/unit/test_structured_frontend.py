@@ -67,7 +67,7 @@ async def frontend(compiler: Any) -> tuple[FrontendCore, FakeScheduler]:
 
 
 def finish(f: FrontendCore, text: str = '{"city": "Oslo"}') -> None:
-    for key in sorted(f.outboxes):
+    for key in list(f.outboxes):
         f.outboxes[key].put(PendingOutput(text=text, token_ids=[ord(c) for c in text],
                                           finish_reason=finish_from_proto(STOP)))
 

@@ -167,3 +167,16 @@ def test_certificates_pass_strict_x509_verification(tmp_path):
         if all(done.values()):
             break
     assert all(done.values())
+
+
+def test_serve_runs_internal_mutual_tls_unless_told_not_to(monkeypatch):
+    from vmesh.services.cli import build_parser
+    from vmesh.services.mesh_settings import mesh_settings
+
+    def internal_tls(*argv: str) -> bool:
+        return mesh_settings(build_parser().parse_args(["serve", *argv])).internal_tls
+
+    assert internal_tls() is True
+    assert internal_tls("--no-internal-tls") is False
+    monkeypatch.setenv("VMESH_NO_INTERNAL_TLS", "1")
+    assert internal_tls() is False
