@@ -347,9 +347,9 @@ class Scheduler:
                     self._finish(request, update.finish_reason)
                     break
         for handle, row in zip(result.logprobs_handles, result.logprobs):
-            update = updates.get(handle)
-            if update is not None and len(update.logprobs) < len(update.new_token_ids):
-                update.logprobs.append(row)
+            owner = updates.get(handle)
+            if owner is not None and len(owner.logprobs) < len(owner.new_token_ids):
+                owner.logprobs.append(row)
         for handle, message in zip(result.failed_handles, result.failure_messages):
             request = self.by_handle.get(handle)
             if request is not None and not request.is_finished:

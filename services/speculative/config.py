@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, fields
 
 METHODS = ("ngram", "suffix")
+# The JSON values each annotation takes (an int is a float's value too).
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {"str": str, "int": int, "float": (int, float)}
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ def parse_speculative_config(text: str) -> SpeculativeConfig | None:
         if required not in raw:
             raise ValueError(f"--speculative-config needs {required!r}")
     for name, value in raw.items():
-        expected = {"str": str, "int": int, "float": (int, float)}[str(known[name].type)]
+        expected = _FIELD_TYPES[str(known[name].type)]
         if isinstance(value, bool) or not isinstance(value, expected):
             raise ValueError(f"--speculative-config: {name} must be {known[name].type}, got {value!r}")
     return SpeculativeConfig(**raw)
