@@ -42,7 +42,7 @@ def test_verified_drafts_keep_the_target_distribution(tiny, monkeypatch):
     reference, runner = tiny
     p0 = _probs(reference, PROMPT)
     x0 = int(p0.argmax())
-    p1 = _probs(reference, PROMPT + [x0])
+    p1 = _probs(reference, [*PROMPT, x0])
     x1 = int(p1.argmax())
     assert 0.05 < float(p0[x0]) < 0.95, "a draft that is sometimes right, sometimes not"
 
