@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--workload", default="standard",
                         help=f"{' or '.join(WORKLOADS)} (64 x 128 tokens after short prompts; 16 x 64 after "
-                             "2,000-token prompts), or a workload JSON file of the same form; serving also takes "
+                             "2,000-token prompts; 64 x 128 repeating the prompts' passages), or a workload JSON file "
+                             "of the same form; serving also takes "
                              f"{STRUCTURED_WORKLOAD} (the standard prompts answered in JSON, with and without schemas)")
     common.add_argument("--model", default=None, help="default: the embedded model")
     common.add_argument("--max-tokens", type=int, default=None, help="default: the workload's")
@@ -33,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--requests", type=int, default=None)
     off.add_argument("--baselines", default="transformers,engine,mesh",
                      help="any of transformers, engine, mesh (float32, always run), mesh-native (--weights "
-                          "native), mesh-bf16 (--dtype bfloat16), and the peers vllm (float32), vllm-bf16 and "
+                          "native), mesh-bf16 (--dtype bfloat16), mesh-spec (n-gram speculative "
+                          "decoding, 4 tokens), and the peers vllm (float32), vllm-bf16 and "
                           "llama.cpp (the GGUF), which need benchmarks/peers/setup.sh's environments")
     off.add_argument("--peers-dir", default=None,
                      help="where benchmarks/peers/setup.sh built the peers' environments "

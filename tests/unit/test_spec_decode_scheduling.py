@@ -89,3 +89,15 @@ def test_counters_carry_vllm_names():
     text = generate_latest(registry).decode()
     assert 'vmesh:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 2.0' in text
     assert 'vmesh:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 1.0' in text
+
+
+def test_draft_columns_cross_the_wire():
+    from vmesh.services.common.step_types import StepPlan
+    from vmesh.services.common.wire.step import plan_from_proto, plan_to_proto, result_from_proto, result_to_proto
+
+    plan = StepPlan(step=3, scheduled_handles=[4, 9], num_scheduled_tokens=[1, 1], num_draft_slots=[4, 0])
+    assert plan_from_proto(plan_to_proto(plan)).num_draft_slots == [4, 0]
+    result = StepResult(step=3, handles=[4, 9], sampled_token_ids=[1, 2, 3, 8], num_sampled_tokens=[3, 1],
+                        num_draft_tokens=[4, 0])
+    back = result_from_proto(result_to_proto(result))
+    assert (back.sampled_token_ids, back.num_sampled_tokens, back.num_draft_tokens) == ([1, 2, 3, 8], [3, 1], [4, 0])
