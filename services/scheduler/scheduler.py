@@ -20,7 +20,7 @@ from vmesh.services.common.types import FinishReason, TokenLogprobs
 from vmesh.services.scheduler.block_pool import BlockPool
 from vmesh.services.scheduler.request import Request, RequestStatus
 from vmesh.services.scheduler.settings import SCHEDULING_POLICIES, SchedulerSettings
-from vmesh.services.scheduler.speculation import DraftPolicy, SpecDecodeStats, settle_placeholders
+from vmesh.services.scheduler.speculation import DraftPolicy, SpecDecodeStats, settle_step
 
 # Compiled grammars travel inside the plan that admits their requests (up to 2 MiB each, the
 # compiler's cap): a plan admits new constrained requests only while their payloads stay under
@@ -335,8 +335,7 @@ class Scheduler:
             request = self.by_handle.get(handle)
             if request is None:
                 continue  # sampled after the request had already stopped: dropped
-            self.spec_stats.record(num_drafts, count - 1)
-            settle_placeholders(request, count)
+            settle_step(request, count, num_drafts, self.spec_stats)
             update = updates[handle] = RequestUpdate(request.request_id, [], None,
                                                      num_cached_prompt_tokens=request.num_cached_prompt_tokens)
             for token in tokens:  # those after a stop are dropped

@@ -18,7 +18,8 @@ from vmesh.services.common.tokenizer import encode_chat
 
 SPECULATIVE = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
                           "prompt_lookup_max": 4})
-COPY = "Repeat this text exactly: All that glitters is not gold. A journey of a thousand miles begins with a single step."
+COPY = ("Repeat this text exactly: All that glitters is not gold. A journey of a thousand miles begins with a "
+        "single step.")
 
 
 async def _greedy_all(address: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -101,3 +101,17 @@ def test_draft_columns_cross_the_wire():
                         num_draft_tokens=[4, 0])
     back = result_from_proto(result_to_proto(result))
     assert (back.sampled_token_ids, back.num_sampled_tokens, back.num_draft_tokens) == ([1, 2, 3, 8], [3, 1], [4, 0])
+
+
+def test_a_request_whose_drafts_keep_failing_stops_speculating_but_probes():
+    scheduler = make_scheduler(num_blocks=64, num_speculative_tokens=2)
+    request = Request("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    scheduler.add_request(request)
+    scheduler.update(_result(scheduler.schedule(), {0: [4]}, {}))
+    slots = []
+    for token in range(5, 30):
+        plan = scheduler.schedule()
+        slots.append(plan.num_draft_slots[0])
+        scheduler.update(_result(plan, {0: [token]}, {0: plan.num_draft_slots[0]}))  # every draft rejected
+    assert slots[:5] == [2] * 5  # the rate falls from 1 by 0.7 a step: 0.17 after five
+    assert 0 in slots and slots[5:].count(2) == len(slots[5:]) // 8, slots
