@@ -29,8 +29,7 @@ from vmesh.services.scheduler.speculation import DraftPolicy, SpecDecodeStats, s
 MAX_PLAN_GRAMMAR_BYTES = 16 << 20
 
 
-class QueueFullError(RuntimeError):
-    pass
+class QueueFullError(RuntimeError): ...
 
 
 @dataclass(frozen=True)
@@ -77,6 +76,8 @@ class RequestUpdate:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_cached_prompt_tokens: int = 0
     error: str = ""  # non-empty: the worker failed this request alone (finish_reason is ABORT)
+    num_draft_tokens: int = 0  # speculation: this step's drafts for the request, and those it kept
+    num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -183,8 +184,8 @@ class Scheduler:
     # --- planning ----------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
-        """The next step's plan, or None when there is nothing to compute and nothing to remove.
-        A plan may only remove rows: an idle worker still learns promptly what finished."""
+        """The next step's plan, or None when there is nothing to compute or remove (a plan that only
+        removes rows is sent: an idle worker still learns promptly what finished)."""
         plan = StepPlan(step=self.next_step)
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
@@ -336,8 +337,8 @@ class Scheduler:
             if request is None:
                 continue  # sampled after the request had already stopped: dropped
             settle_step(request, count, num_drafts, self.spec_stats)
-            update = updates[handle] = RequestUpdate(request.request_id, [], None,
-                                                     num_cached_prompt_tokens=request.num_cached_prompt_tokens)
+            update = updates[handle] = RequestUpdate(request.request_id, [], None, [], request.num_cached_prompt_tokens,
+                                                     num_draft_tokens=num_drafts, num_accepted_tokens=count - 1)
             for token in tokens:  # those after a stop are dropped
                 request.output_token_ids.append(token)
                 update.new_token_ids.append(token)

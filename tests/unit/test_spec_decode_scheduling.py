@@ -115,3 +115,25 @@ def test_a_request_whose_drafts_keep_failing_stops_speculating_but_probes():
         scheduler.update(_result(plan, {0: [token]}, {0: plan.num_draft_slots[0]}))  # every draft rejected
     assert slots[:5] == [2] * 5  # the rate falls from 1 by 0.7 a step: 0.17 after five
     assert 0 in slots and slots[5:].count(2) == len(slots[5:]) // 8, slots
+
+
+def test_a_request_span_carries_its_acceptance():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from vmesh.services.common.types import FinishReason
+    from vmesh.services.scheduler.lifetimes import Lifetimes
+    from vmesh.services.scheduler.scheduler import RequestUpdate
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    lifetimes = Lifetimes()
+    life = lifetimes.begin("a/1", 5, None, {})
+    life.span = provider.get_tracer("test").start_span("scheduler.request")
+    lifetimes.stepped([RequestUpdate("a/1", [1, 2, 3], num_draft_tokens=4, num_accepted_tokens=2)], 1.0)
+    lifetimes.stepped([RequestUpdate("a/1", [4], FinishReason.LENGTH, num_draft_tokens=3)], 2.0)
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes["vmesh.spec_decode.num_draft_tokens"] == 7
+    assert span.attributes["vmesh.spec_decode.num_accepted_tokens"] == 2
