@@ -80,7 +80,9 @@ def test_speculation_changes_no_token_with_preemption_and_prefix_hits(tiny_runne
         scheduler = engine.scheduler
         assert scheduler.num_preemptions > 0, "the small pool should force preemption"
         assert scheduler.pool.prefix_hits > 0
-        assert scheduler.spec_stats.num_draft_tokens > 0 and scheduler.spec_stats.num_accepted_tokens > 0
+        # A random model seldom repeats itself, so few drafts are right: the copy test below has the
+        # high acceptance; this one has the preemptions, prefix hits and parameter mix.
+        assert scheduler.spec_stats.num_draft_tokens > 0
         for i, (got, want) in enumerate(zip(outputs, expected)):
             assert got.token_ids == want.token_ids, f"{speculative.method}, prompt {i}"
             assert got.finish_reason == want.finish_reason
@@ -98,27 +100,30 @@ COPY_TEXT = ("The quick brown fox jumps over the lazy dog. A journey of a thousa
 
 @pytest.fixture(scope="module")
 def embedded_runner(embedded_model_dir):
-    return ModelRunner.load(WorkerConfig(model=str(embedded_model_dir), kv_cache_memory=32 << 20, max_num_seqs=4))
+    return ModelRunner.load(WorkerConfig(model=str(embedded_model_dir), kv_cache_memory=32 << 20, max_num_seqs=8))
 
 
 @pytest.mark.parametrize("depth", [1, 2])
 def test_copying_a_text_accepts_drafts_and_keeps_tokens_and_logprobs(embedded_runner, embedded_model_dir, depth):
     tokenizer = load_chat_tokenizer(embedded_model_dir)
-    params = [SamplingParams(temperature=0, max_tokens=40, logprobs=2),
+    params = [SamplingParams(temperature=0, max_tokens=40, logprobs=2),  # stops at EOS
               SamplingParams(temperature=0.8, seed=7, max_tokens=40, logprobs=0),
-              SamplingParams(temperature=0, max_tokens=9)]  # ends inside a run of accepted drafts
+              SamplingParams(temperature=0, max_tokens=9),  # ends inside a run of accepted drafts
+              SamplingParams(temperature=0, max_tokens=40, presence_penalty=0.3, frequency_penalty=0.1,
+                             repetition_penalty=1.05),
+              SamplingParams(temperature=0, max_tokens=40, min_tokens=30)]  # EOS banned at draft positions too
     baseline = _engine(embedded_runner, tokenizer, None, depth=depth)
     prompt = baseline.encode_chat([{"role": "user", "content": "Repeat this text exactly: " + COPY_TEXT}])
-    expected = baseline.generate([prompt] * 3, params)
+    expected = baseline.generate([prompt] * len(params), params)
     baseline.shutdown()
     engine = _engine(embedded_runner, tokenizer, NGRAM, depth=depth)
-    outputs = engine.generate([prompt] * 3, params)
+    outputs = engine.generate([prompt] * len(params), params)
     stats = engine.scheduler.spec_stats
     assert stats.num_accepted_tokens >= stats.num_draft_tokens // 2, stats  # copying: most drafts are right
     for got, want in zip(outputs, expected):
         assert got.token_ids == want.token_ids
         assert [lp.top_token_ids for lp in got.logprobs] == [lp.top_token_ids for lp in want.logprobs]
         assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
-    assert len(outputs[2].token_ids) == 9
+    assert len(outputs[2].token_ids) == 9 and len(outputs[0].token_ids) < 40 and len(outputs[4].token_ids) >= 30
     assert engine.scheduler.pool.num_free == engine.scheduler.pool.num_blocks
     engine.shutdown()
