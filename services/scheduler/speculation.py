@@ -55,11 +55,12 @@ class DraftPolicy:
 
     def slots(self, request: Request, num_scheduled: int, num_running: int, budget_left: int,
               max_model_len: int) -> int:
-        """Draft slots for a request scheduled for `num_scheduled` tokens (none unless they reach its
-        next token); `budget_left`: tokens of the step's budget after those."""
+        """Draft slots for a request scheduled for `num_scheduled` tokens: none unless it decodes (its
+        one token is its last known one; the worker proposes only there); `budget_left`: tokens of
+        the step's budget after that one."""
         k = self.num_speculative_tokens
-        samples = request.num_computed_tokens + num_scheduled == request.num_tokens_with_placeholders
-        if not k or not samples or request.sampling.grammar is not None or request.sampling.structured is not None:
+        decodes = num_scheduled == 1 and request.num_computed_tokens + 1 == request.num_tokens_with_placeholders
+        if not k or not decodes or request.sampling.grammar is not None or request.sampling.structured is not None:
             return 0
         if self.disable_by_batch_size and num_running >= self.disable_by_batch_size:
             return 0
