@@ -29,16 +29,18 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False, parents=[base])
     common.add_argument("--workload", default="standard",
                         help=f"{' or '.join(WORKLOADS)} (64 x 128 tokens after short prompts; 16 x 64 after "
-                             "2,000-token prompts), or a workload JSON file of the same form; serving also takes "
+                             "2,000-token prompts; 64 x 128 repeating the prompts' passages), or a workload JSON file "
+                             "of the same form; serving also takes "
                              f"{STRUCTURED_WORKLOAD} (the standard prompts answered in JSON, with and without schemas)")
     common.add_argument("--max-tokens", type=int, default=None, help="default: the workload's")
     off = sub.add_parser("offline", parents=[common])
     off.add_argument("--requests", type=int, default=None)
     off.add_argument("--baselines", default="transformers,engine,mesh",
                      help="any of transformers, engine, mesh (float32, always run), mesh-native (--weights "
-                          "native), mesh-bf16 (--dtype bfloat16), mesh-int8 (--weights int8), mesh-plaintext "
-                          "(--no-internal-tls), and the peers vllm (float32), vllm-bf16 and llama.cpp (the GGUF), "
-                          "which need benchmarks/peers/setup.sh's environments")
+                          "native), mesh-bf16 (--dtype bfloat16), mesh-int8 (--weights int8), mesh-spec (n-gram "
+                          "speculative decoding, 4 tokens), mesh-plaintext (--no-internal-tls), and the peers vllm "
+                          "(float32), vllm-bf16 and llama.cpp (the GGUF), which need benchmarks/peers/setup.sh's "
+                          "environments")
     off.add_argument("--peers-dir", default=None,
                      help="where benchmarks/peers/setup.sh built the peers' environments "
                           "(default: $VMESH_PEERS_DIR, else ~/.cache/vmesh-peers)")

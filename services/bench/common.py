@@ -21,7 +21,9 @@ from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_g
 
 # The workloads that ship with vmesh; `--workload` takes these names or a file of the same form.
 WORKLOADS = {"standard": Path(__file__).resolve().parent / "standard-64x128.json",
-             "long": Path(__file__).resolve().parent / "long-16x2000.json"}
+             "long": Path(__file__).resolve().parent / "long-16x2000.json",
+             # Outputs that repeat their prompts (rewrite, quote, copy): where speculative decoding pays.
+             "overlap": Path(__file__).resolve().parent / "overlap-64x128.json"}
 _CHECKOUT_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 # In a checkout the figures land beside benchmarks/README.md; installed, in the working directory.
 RESULTS = _CHECKOUT_RESULTS if _CHECKOUT_RESULTS.parent.is_dir() else Path("vmesh-bench-results")

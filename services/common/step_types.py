@@ -36,6 +36,9 @@ class StepPlan:
     # Blocks appended to each scheduled request's table: flattened, with one count per request.
     new_block_ids: list[int] = field(default_factory=list)
     num_new_blocks: list[int] = field(default_factory=list)
+    # Per scheduled handle, or empty when no row has any: KV slots reserved after the row's next
+    # token for the drafts the worker may propose and verify in this step (services/speculative/).
+    num_draft_slots: list[int] = field(default_factory=list)
 
     @property
     def total_scheduled_tokens(self) -> int:
@@ -48,7 +51,11 @@ class StepResult:
     # One entry per request that produced a token (a prefill chunk that does not reach the end
     # of the prompt produces none), in plan order.
     handles: list[int]
-    sampled_token_ids: list[int]
+    sampled_token_ids: list[int]  # flattened: num_sampled_tokens[i] of them for handles[i]
+    # Per handle, or empty when every handle kept one token: 1 + the drafts it accepted.
+    num_sampled_tokens: list[int] = field(default_factory=list)
+    # Per handle, or empty when no handle had drafts: how many the worker proposed and verified.
+    num_draft_tokens: list[int] = field(default_factory=list)
     # Present only for requests that asked for logprobs: one row per token, owned by the handle
     # at the same index of logprobs_handles.
     logprobs_handles: list[int] = field(default_factory=list)

@@ -80,7 +80,9 @@ class LLMEngine:
         kv = runner.kv_cache
         scheduler = Scheduler.for_worker(config, WorkerGeometry(
             max_model_len=runner.max_model_len, max_num_seqs=runner.batch.max_num_reqs, num_kv_blocks=kv.num_blocks,
-            block_size=kv.block_size, eos_token_ids=tuple(runner.spec.eos_token_ids)))
+            block_size=kv.block_size, eos_token_ids=tuple(runner.spec.eos_token_ids),
+            num_speculative_tokens=runner.speculative.num_speculative_tokens if runner.speculative else 0,
+            speculative_disable_by_batch_size=runner.speculative.disable_by_batch_size if runner.speculative else 0))
         self.core = EngineCore(scheduler, runner, config.pipeline_depth, model_thread)
         self.outputs: OutputProcessor[str] = OutputProcessor(self.backend_tokenizer)  # by request id
         self._ids = itertools.count()

@@ -29,6 +29,8 @@ class Lifetime:
     span: trace.Span = trace.INVALID_SPAN  # the request's life in the scheduler
     queue_span: trace.Span | None = None  # from submission to first admission
     worker_losses: int = 0  # times the worker was lost while computing it
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified for it, and those accepted
+    num_accepted_tokens: int = 0
 
 
 class Lifetimes:
@@ -71,6 +73,8 @@ class Lifetimes:
             life = self.by_key.get(update.request_id)
             if life is None:  # not routed: nobody waits for it
                 continue
+            life.num_draft_tokens += update.num_draft_tokens
+            life.num_accepted_tokens += update.num_accepted_tokens
             if num_new := len(update.new_token_ids):
                 generated += num_new
                 life.num_generated += num_new
@@ -89,6 +93,9 @@ class Lifetimes:
             if life.queue_span is not None:
                 life.queue_span.end()
             life.span.set_attribute("vmesh.finish_reason", finish_reason)
+            if life.num_draft_tokens:  # the request's acceptance, on its trace
+                life.span.set_attribute("vmesh.spec_decode.num_draft_tokens", life.num_draft_tokens)
+                life.span.set_attribute("vmesh.spec_decode.num_accepted_tokens", life.num_accepted_tokens)
             life.span.end()
 
     @staticmethod

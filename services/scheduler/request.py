@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -29,6 +30,12 @@ class Request:
     num_computed_tokens: int = 0
     # Output tokens scheduled whose sampled ids have not come back yet (async scheduling).
     num_placeholders: int = 0
+    # Draft slots reserved by each step in flight that samples this request, oldest first: that
+    # step's placeholders are 1 + slots until its result says how many drafts were kept.
+    draft_slots_in_flight: deque[int] = field(default_factory=deque)
+    # Recent share of this request's drafts that were accepted (services/scheduler/speculation.py).
+    draft_acceptance: float = 1.0
+    decodes_without_drafts: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     handle: int | None = None

@@ -4,10 +4,9 @@ Each step is one map {request: tokens to compute} under a token budget: running 
 first, then waiting ones. Prefill, chunked prefill, prefix-cache hits and decode are one
 code path: `num_computed_tokens` catching up with the request's tokens. With async
 scheduling the next plan is made before the last result is back, so every scheduled step
-that will sample adds a placeholder output token; results replace placeholders with real
-ids. Stops known in advance (max_tokens, the context length) count placeholders, so they
-never over-schedule; token-dependent stops are seen one step late and the extra token is
-dropped.
+that will sample adds placeholder output tokens (1 + its draft slots); results replace them.
+Stops known in advance (max_tokens, the context length) count placeholders, so they never
+over-schedule; token-dependent stops are seen one step late and the extra token is dropped.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from vmesh.services.common.types import FinishReason, TokenLogprobs
 from vmesh.services.scheduler.block_pool import BlockPool
 from vmesh.services.scheduler.request import Request, RequestStatus
 from vmesh.services.scheduler.settings import SCHEDULING_POLICIES, SchedulerSettings
+from vmesh.services.scheduler.speculation import DraftPolicy, SpecDecodeStats, settle_step
 
 # Compiled grammars travel inside the plan that admits their requests (up to 2 MiB each, the
 # compiler's cap): a plan admits new constrained requests only while their payloads stay under
@@ -29,8 +29,7 @@ from vmesh.services.scheduler.settings import SCHEDULING_POLICIES, SchedulerSett
 MAX_PLAN_GRAMMAR_BYTES = 16 << 20
 
 
-class QueueFullError(RuntimeError):
-    pass
+class QueueFullError(RuntimeError): ...
 
 
 @dataclass(frozen=True)
@@ -42,6 +41,8 @@ class WorkerGeometry:
     num_kv_blocks: int
     block_size: int
     eos_token_ids: tuple[int, ...] = ()
+    num_speculative_tokens: int = 0  # the worker proposes drafts (0: it does not)
+    speculative_disable_by_batch_size: int = 0
 
 
 @dataclass
@@ -75,6 +76,8 @@ class RequestUpdate:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_cached_prompt_tokens: int = 0
     error: str = ""  # non-empty: the worker failed this request alone (finish_reason is ABORT)
+    num_draft_tokens: int = 0  # speculation: this step's drafts for the request, and those it kept
+    num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -92,8 +95,11 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, eos_token_ids: tuple[int, ...] = (),
+                 draft_policy: DraftPolicy | None = None):
         self.config = config
+        self.draft_policy = draft_policy or DraftPolicy()
+        self.spec_stats = SpecDecodeStats()
         self.pool = pool
         # A request may never need more KV than the whole pool, or preemption could not help it.
         self.max_model_len = min(config.max_model_len, pool.num_blocks * pool.block_size)
@@ -114,7 +120,10 @@ class Scheduler:
         """The scheduler for `worker`: its KV blocks, its limits and these settings. `hash_seed`:
         the prefix cache's (None: a random one per process; tests fix it)."""
         pool = BlockPool(worker.num_kv_blocks, worker.block_size, settings.enable_prefix_caching, hash_seed)
-        return cls(SchedulerConfig.for_worker(settings, worker), pool, worker.eos_token_ids)
+        # A stateless worker is resent whole requests with exact computed counts: it never speculates.
+        drafts = 0 if settings.stateless_worker else worker.num_speculative_tokens
+        return cls(SchedulerConfig.for_worker(settings, worker), pool, worker.eos_token_ids,
+                   DraftPolicy(drafts, worker.speculative_disable_by_batch_size))
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -155,6 +164,7 @@ class Scheduler:
             request.num_registered_blocks = 0
             request.num_computed_tokens = 0
             request.num_placeholders = 0
+            request.draft_slots_in_flight.clear()
             request.on_worker = False
         self.pending_removals = []
         self.next_step = 0  # a new Execute stream numbers its steps from 0
@@ -174,8 +184,8 @@ class Scheduler:
     # --- planning ----------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
-        """The next step's plan, or None when there is nothing to compute and nothing to remove.
-        A plan may only remove rows: an idle worker still learns promptly what finished."""
+        """The next step's plan, or None when there is nothing to compute or remove (a plan that only
+        removes rows is sent: an idle worker still learns promptly what finished)."""
         plan = StepPlan(step=self.next_step)
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
@@ -187,7 +197,8 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING or not self._can_produce(request):
                 continue
             n = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
-            need = -(-(request.num_computed_tokens + n) // block_size) - len(request.block_ids)
+            drafts = self.draft_policy.slots(request, n, len(self.running), budget - n, self.max_model_len)
+            need = -(-(request.num_computed_tokens + n + drafts) // block_size) - len(request.block_ids)
             new_blocks = self.pool.allocate(need) if need > 0 else []
             while new_blocks is None:
                 victim = self._pick_victim(exclude=scheduled)
@@ -198,9 +209,9 @@ class Scheduler:
             if new_blocks is None:
                 continue
             request.block_ids += new_blocks
-            self._schedule(plan, request, n, new_blocks)
+            self._schedule(plan, request, n, new_blocks, drafts)
             scheduled.add(id(request))
-            budget -= n
+            budget -= n + drafts
 
         grammar_bytes = 0
         for request in list(self.waiting):
@@ -252,16 +263,23 @@ class Scheduler:
         self._schedule(plan, request, n, [])
         return True
 
-    def _schedule(self, plan: StepPlan, request: Request, n: int, new_blocks: list[int]) -> None:
+    def _schedule(self, plan: StepPlan, request: Request, n: int, new_blocks: list[int], drafts: int = 0) -> None:
+        """`drafts`: slots reserved for speculative tokens after the step's last (services/scheduler/speculation.py)."""
         assert request.handle is not None, "a scheduled request has a worker handle"
         plan.scheduled_handles.append(request.handle)
         plan.num_scheduled_tokens.append(n)
         plan.num_new_blocks.append(len(new_blocks))
         plan.new_block_ids += new_blocks
+        if self.draft_policy.num_speculative_tokens:
+            plan.num_draft_slots.append(drafts)
         request.num_computed_tokens += n
         self.num_scheduled_tokens += n
         if request.num_computed_tokens == request.num_tokens_with_placeholders:
-            request.num_placeholders += 1  # this step samples the request's next token
+            # This step samples the request's next token, and as many accepted drafts as it had
+            # slots for at most: counted at that bound until the result says (update()).
+            request.num_placeholders += 1 + drafts
+            request.num_computed_tokens += drafts
+            request.draft_slots_in_flight.append(drafts)
         self._register_full_blocks(request)
 
     def _can_produce(self, request: Request) -> bool:
@@ -309,21 +327,29 @@ class Scheduler:
 
     def update(self, result: StepResult) -> list[RequestUpdate]:
         updates: dict[int, RequestUpdate] = {}
-        for handle, token in zip(result.handles, result.sampled_token_ids):
+        counts = result.num_sampled_tokens or [1] * len(result.handles)
+        drafted = result.num_draft_tokens or [0] * len(result.handles)
+        offset = 0
+        for handle, count, num_drafts in zip(result.handles, counts, drafted):
+            tokens = result.sampled_token_ids[offset:offset + count]
+            offset += count
             request = self.by_handle.get(handle)
             if request is None:
                 continue  # sampled after the request had already stopped: dropped
-            request.num_placeholders -= 1
-            request.output_token_ids.append(token)
-            reason = self._stop_reason(request, token)
-            updates[handle] = RequestUpdate(request.request_id, [token], reason,
-                                            num_cached_prompt_tokens=request.num_cached_prompt_tokens)
-            if reason is not None:
-                self._finish(request, reason)
+            settle_step(request, count, num_drafts, self.spec_stats)
+            update = updates[handle] = RequestUpdate(request.request_id, [], None, [], request.num_cached_prompt_tokens,
+                                                     num_draft_tokens=num_drafts, num_accepted_tokens=count - 1)
+            for token in tokens:  # those after a stop are dropped
+                request.output_token_ids.append(token)
+                update.new_token_ids.append(token)
+                update.finish_reason = self._stop_reason(request, token)
+                if update.finish_reason is not None:
+                    self._finish(request, update.finish_reason)
+                    break
         for handle, row in zip(result.logprobs_handles, result.logprobs):
-            update = updates.get(handle)
-            if update is not None:
-                update.logprobs.append(row)
+            owner = updates.get(handle)
+            if owner is not None and len(owner.logprobs) < len(owner.new_token_ids):
+                owner.logprobs.append(row)
         for handle, message in zip(result.failed_handles, result.failure_messages):
             request = self.by_handle.get(handle)
             if request is not None and not request.is_finished:

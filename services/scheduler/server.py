@@ -10,10 +10,13 @@ import asyncio
 import logging
 import os
 import uuid
+from collections.abc import Callable, Iterator
 
 import grpc
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from vmesh.services.common import telemetry
 from vmesh.services.common.admission import InvalidRequest, admit
@@ -27,6 +30,7 @@ from vmesh.services.scheduler.request import Request
 from vmesh.services.scheduler.scheduler import QueueFullError
 from vmesh.services.scheduler.session import SchedulerSession
 from vmesh.services.scheduler.settings import SchedulerServiceSettings
+from vmesh.services.scheduler.speculation import SpecDecodeStats
 from vmesh.services.scheduler.worker_ranks import open_worker
 from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -51,6 +55,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             self.session.set_metrics(SchedulerMetrics(self.metrics_registry, info.model_name, info.max_model_len,
                                                       self.session.settings.max_num_batched_tokens))
             self.metrics_registry.register(ScrapedMetrics(self.scraped_metrics, info.model_name))
+            self.metrics_registry.register(AcceptedPerPosition(self.spec_stats, info.model_name))
         await self.session.start()
 
     async def SubmitRequest(self, request, context):
@@ -112,12 +117,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "not connected to a worker yet")
         return scheduler_pb2.ResetPrefixCacheResponse(num_dropped_blocks=self.session.scheduler.reset_prefix_cache())
 
+    def spec_stats(self) -> SpecDecodeStats | None:
+        return self.session.scheduler.spec_stats if self.session.scheduler is not None else None
+
     def scraped_metrics(self) -> dict[str, tuple[str, str, float]]:
         session = self.session
         if session.scheduler is None:
             return {}
-        s, sent = session.scheduler.stats(), session.workers.traffic
+        s, sent, spec = session.scheduler.stats(), session.workers.traffic, session.scheduler.spec_stats
         return {
+            "vmesh:spec_decode_num_drafts": ("counter", "Speculative steps of a request with drafts.", spec.num_drafts),
+            "vmesh:spec_decode_num_draft_tokens": ("counter", "Draft tokens proposed and verified.",
+                                                   spec.num_draft_tokens),
+            "vmesh:spec_decode_num_accepted_tokens": ("counter", "Draft tokens accepted.", spec.num_accepted_tokens),
             "vmesh:num_requests_running": ("gauge", "Requests in the running set.", s.num_running),
             "vmesh:num_requests_waiting": ("gauge", "Requests waiting to be admitted.", s.num_waiting),
             "vmesh:kv_cache_usage_perc": ("gauge", "Fraction of KV blocks in use (1 = full).", s.kv_usage),
@@ -132,6 +144,23 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 "gauge", "Detokenizer replicas connected and taking new requests.",
                 len(session.router.routable())),
         }
+
+
+class AcceptedPerPosition(Collector):
+    """vmesh:spec_decode_num_accepted_tokens_per_pos{position}: drafts accepted at each position."""
+
+    def __init__(self, stats: Callable[[], SpecDecodeStats | None], model_name: str):
+        self.stats = stats
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        stats = self.stats()
+        metric = CounterMetricFamily("vmesh:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by position in the draft.",
+                                     labels=["model_name", "position"])
+        for position, count in enumerate(stats.accepted_per_position if stats is not None else []):
+            metric.add_metric([self.model_name, str(position)], count)
+        yield metric
 
 
 def _introduction(request: scheduler_pb2.SubmitRequestRequest, sampling: SamplingParams,

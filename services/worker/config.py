@@ -8,6 +8,11 @@ import re
 from dataclasses import dataclass
 
 from vmesh.services.common.config_flags import setting
+from vmesh.services.speculative.config import (
+    SpeculativeConfig,
+    checked_speculative_config,
+    parse_speculative_config,
+)
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
           "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
@@ -83,6 +88,14 @@ class WorkerConfig:
     tensor_parallel_rank: int = setting(0, section="worker", help="this process's rank in its tensor-parallel group")
     tensor_parallel_init: str = setting(
         "", section="worker", help="host:port where rank 0 listens for its group's rendezvous (tensor parallelism)")
+
+
+    # Speculative decoding without a draft model (services/speculative/): the JSON object vLLM takes.
+    speculative_config: SpeculativeConfig | None = setting(
+        None, section="worker", parse_flag=checked_speculative_config, to_field=parse_speculative_config,
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+             '"prompt_lookup_max": 5}\' (method ngram or suffix; also disable_by_batch_size, '
+             'suffix_decoding_max_tree_depth, suffix_decoding_max_spec_factor); default: off')
 
 
 # Settings that differ between the worker processes of one tensor-parallel group: `vmesh serve`

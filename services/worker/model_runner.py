@@ -20,6 +20,7 @@ from vmesh.services.common.model_loading import (
 from vmesh.services.common.model_spec import ModelSpec
 from vmesh.services.common.step_types import StepPlan, StepResult
 from vmesh.services.common.types import TokenLogprobs
+from vmesh.services.speculative.config import SpeculativeConfig
 from vmesh.services.worker.attention import AttentionBackend, make_attention_backend
 from vmesh.services.worker.config import DTYPE_NAMES, WorkerConfig
 from vmesh.services.worker.grammar_rows import GrammarMask, GrammarTokenizer, RowGrammar
@@ -55,8 +56,10 @@ def release_freed_heap() -> None:
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, kv_cache: KVCache, backend: AttentionBackend,
-                 max_num_seqs: int, max_model_len: int, grammar_tokenizer: GrammarTokenizer | None = None):
+                 max_num_seqs: int, max_model_len: int, grammar_tokenizer: GrammarTokenizer | None = None,
+                 speculative: SpeculativeConfig | None = None):
         self.model = model
+        self.speculative = speculative  # proposes drafts where a plan reserves slots for them
         self.kv_cache = kv_cache
         self.backend = backend
         self.max_model_len = max_model_len
@@ -114,7 +117,7 @@ class ModelRunner:
         # Said once, and loudly where the bfloat16 model lost its C kernels: no silent slow path.
         logger.log(logging.WARNING if model.mixed and backend.name != "cpu" else logging.INFO, "%s", placement)
         runner = cls(model, kv_cache, backend, config.max_num_seqs, max_model_len,
-                     GrammarTokenizer.for_model(model_dir, spec))
+                     GrammarTokenizer.for_model(model_dir, spec), config.speculative_config)
         release_freed_heap()
         return runner
 
@@ -134,9 +137,9 @@ class ModelRunner:
         if not plan.scheduled_handles:
             return StepResult(step=plan.step, handles=[], sampled_token_ids=[])
         started = time.perf_counter()
-        inputs = self.batch.prepare_inputs(plan)
+        inputs = self.batch.prepare_inputs(plan, self.speculative)
         grammars = self._grammars_sampling(inputs) if self.batch.num_grammars else []
-        mask = self._start_mask(len(plan.scheduled_handles), grammars) if grammars else None
+        mask = self._start_mask(len(inputs.logits_request), grammars) if grammars else None
         logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.attention, self.kv_cache,
                                     self.backend, inputs.logits_indices)
         forward_done = time.perf_counter()
@@ -151,19 +154,22 @@ class ModelRunner:
                 grammar.advance(int(token_ids[i]))
         if self.batch.num_grammars:  # a failed request's tokens are not reported: it is ending
             produced &= ~self._grammar_failures(inputs)
-        result = self._result(plan, inputs, produced, sampled)
+        assert inputs.num_accepted is not None, "finish_step counts the accepted drafts"
+        result = self._result(plan, inputs, produced, inputs.num_accepted, sampled)
         self._report_failures(plan, inputs, result)
         result.forward_seconds = forward_done - started
         result.sampling_seconds = time.perf_counter() - forward_done
         return result
 
     def _grammars_sampling(self, inputs: StepInputs) -> list[tuple[int, RowGrammar]]:
-        """(index in the step, grammar) of the scheduled rows that sample a token this step with
-        an active grammar (a prefill chunk short of its prompt's end samples nothing)."""
+        """(logits row in the step, grammar) of the scheduled rows that sample a token this step
+        with an active grammar (a prefill chunk short of its prompt's end samples nothing). A
+        grammar's row never has drafts: it samples at one logits row."""
         b = self.batch
         rows = inputs.rows.tolist()
         samples = (b.num_computed_tokens[inputs.rows] + inputs.num_scheduled == b.num_tokens[inputs.rows]).tolist()
-        return [(i, grammar) for i, (row, sample) in enumerate(zip(rows, samples))
+        first_logits = (torch.cumsum(inputs.num_drafts + 1, 0) - inputs.num_drafts - 1).tolist()
+        return [(first_logits[i], grammar) for i, (row, sample) in enumerate(zip(rows, samples))
                 if sample and (grammar := b.grammars[row]) is not None and grammar.active]
 
     def _start_mask(self, num_rows: int, grammars: list[tuple[int, RowGrammar]]) -> Future[torch.Tensor]:
@@ -194,21 +200,23 @@ class ModelRunner:
                 logger.warning("request handle %d failed: %s", handle, grammar.error)
 
     def _sampling_batch(self, inputs: StepInputs) -> SamplingBatch:
-        b, rows = self.batch, inputs.rows
+        """One row per logits row: a draft's position samples under the tokens before it (its
+        penalties, min_tokens and seed position), as it would without speculation."""
+        b, rows, lengths = self.batch, inputs.sample_rows, inputs.sample_lengths
         device = self.model.device
         row_list = rows.tolist()
         columns = {name: col[rows].to(device) for name, col in b.float_params.items()}
         sampling = SamplingBatch(
             top_k=b.top_k[rows].to(device), num_logprobs=b.num_logprobs[rows].to(device),
             generators=[b.generators[r] for r in row_list], seeds=[b.seeds[r] for r in row_list],
-            positions=b.num_tokens[rows].tolist(), temperature=columns["temperature"], top_p=columns["top_p"],
+            positions=lengths.tolist(), temperature=columns["temperature"], top_p=columns["top_p"],
             min_p=columns["min_p"], repetition_penalty=columns["repetition_penalty"],
             presence_penalty=columns["presence_penalty"], frequency_penalty=columns["frequency_penalty"],
         )
         if bool(((columns["repetition_penalty"] != 1.0) | (columns["presence_penalty"] != 0.0)
                  | (columns["frequency_penalty"] != 0.0)).any()):
-            sampling.seen_token_ids, sampling.output_token_ids = self._penalty_tokens(rows)
-        num_output = b.num_tokens[rows] - b.num_prompt_tokens[rows]
+            sampling.seen_token_ids, sampling.output_token_ids = self._penalty_tokens(rows, lengths)
+        num_output = lengths - b.num_prompt_tokens[rows]
         if bool((num_output < b.min_tokens[rows]).any()):
             sampling.banned = self._banned_before_min_tokens(row_list, num_output.tolist())
         return sampling
@@ -231,32 +239,38 @@ class ModelRunner:
         device = self.model.device
         return torch.tensor(banned_rows, device=device), torch.tensor(banned_ids, device=device)
 
-    def _penalty_tokens(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _penalty_tokens(self, rows: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b = self.batch
-        width = int(b.num_tokens[rows].max())
+        width = int(lengths.max())
         tokens = b.token_ids[rows, :width]
         index = torch.arange(width)
-        known = index[None, :] < b.num_tokens[rows][:, None]
+        known = index[None, :] < lengths[:, None]
         output = known & (index[None, :] >= b.num_prompt_tokens[rows][:, None])
         device = self.model.device
         return tokens.masked_fill(~known, -1).to(device), tokens.masked_fill(~output, -1).to(device)
 
-    def _result(self, plan: StepPlan, inputs: StepInputs, produced: torch.Tensor, sampled: SamplerOutput) -> StepResult:
+    def _result(self, plan: StepPlan, inputs: StepInputs, produced: torch.Tensor, accepted: torch.Tensor,
+                sampled: SamplerOutput) -> StepResult:
         handles = torch.tensor(plan.scheduled_handles)
         token_ids = sampled.token_ids.cpu()
+        # A produced request keeps its samples up to the first rejected draft's position.
+        kept = produced[inputs.logits_request] & (inputs.sample_offsets <= accepted[inputs.logits_request])
         result = StepResult(step=plan.step, handles=handles[produced].tolist(),
-                            sampled_token_ids=token_ids[produced].tolist())
+                            sampled_token_ids=token_ids[kept].tolist())
+        if bool(inputs.num_drafts.any()):
+            result.num_sampled_tokens = (accepted + 1)[produced].tolist()
+            result.num_draft_tokens = inputs.num_drafts[produced].tolist()
         if sampled.logprob_rows is not None:
             rows = sampled.logprob_rows.cpu()
-            keep = produced[rows]
+            keep = kept[rows]
             rows = rows[keep]
             # The sampler computes the batch's widest top-N; each request keeps the N it asked for.
-            counts = self.batch.num_logprobs[inputs.rows[rows]].tolist()
+            counts = self.batch.num_logprobs[inputs.sample_rows[rows]].tolist()
             assert sampled.top_token_ids is not None and sampled.top_logprobs is not None
             assert sampled.sampled_logprobs is not None and sampled.sampled_ranks is not None
             top_ids = sampled.top_token_ids.cpu()[keep].tolist()
             top_lps = sampled.top_logprobs.cpu()[keep].tolist()
-            result.logprobs_handles = handles[rows].tolist()
+            result.logprobs_handles = handles[inputs.logits_request[rows]].tolist()
             result.logprobs = [TokenLogprobs(logprob, rank, ids[:n], lps[:n]) for logprob, rank, ids, lps, n in zip(
                 sampled.sampled_logprobs.cpu()[keep].tolist(), sampled.sampled_ranks.cpu()[keep].tolist(),
                 top_ids, top_lps, counts)]

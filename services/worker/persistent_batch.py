@@ -16,6 +16,9 @@ import torch
 
 from vmesh.services.common.step_types import NewRequest, StepPlan
 from vmesh.services.common.types import FLOAT_SAMPLING_FIELDS, SamplingParams
+from vmesh.services.speculative.config import SpeculativeConfig
+from vmesh.services.speculative.proposers import propose
+from vmesh.services.speculative.verification import num_accepted
 from vmesh.services.worker.attention import AttentionMetadata
 from vmesh.services.worker.grammar_rows import GrammarTokenizer, RowGrammar, row_grammar
 from vmesh.services.worker.sampler import NO_LOGPROBS
@@ -30,9 +33,18 @@ class StepInputs:
     rows: torch.Tensor  # [num_reqs] row of each scheduled request, in plan order
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
-    logits_indices: torch.Tensor  # [num_reqs] last scheduled token of each request
+    logits_indices: torch.Tensor  # [num_logits] each request's last scheduled token, and its drafts'
     attention: AttentionMetadata
-    num_scheduled: torch.Tensor  # [num_reqs]
+    num_scheduled: torch.Tensor  # [num_reqs] tokens computed before any drafts
+    # Speculation: each request computes its drafts after its scheduled tokens and samples at
+    # 1 + num_drafts positions; logits row i belongs to request logits_request[i], samples at
+    # row sample_rows[i] with sample_lengths[i] tokens before it. Without drafts: one per request.
+    num_drafts: torch.Tensor  # [num_reqs]
+    logits_request: torch.Tensor  # [num_logits]
+    sample_rows: torch.Tensor  # [num_logits]
+    sample_lengths: torch.Tensor  # [num_logits]
+    sample_offsets: torch.Tensor  # [num_logits] 0 for the request's next token, j for the one after draft j
+    num_accepted: torch.Tensor | None = None  # [num_reqs] drafts each request kept, set by finish_step
 
 
 # Sampling parameters kept as columns, and the SamplingParams attribute each one mirrors.
@@ -185,24 +197,28 @@ class PersistentBatch:
 
     # --- per-step inputs -------------------------------------------------------------------
 
-    def prepare_inputs(self, plan: StepPlan) -> StepInputs:
+    def prepare_inputs(self, plan: StepPlan, speculative: SpeculativeConfig | None = None) -> StepInputs:
+        """`speculative`: the worker's proposer, for the rows the plan reserved draft slots for."""
         rows = torch.tensor([self._row(h) for h in plan.scheduled_handles], dtype=torch.int64)
         num_scheduled = torch.tensor(plan.num_scheduled_tokens, dtype=torch.int64)
         start = self.num_computed_tokens[rows]
-        seq_lens = start + num_scheduled
-        if bool((num_scheduled < 1).any()) or bool((seq_lens > self.num_tokens[rows]).any()):
-            bad = int(torch.nonzero((num_scheduled < 1) | (seq_lens > self.num_tokens[rows]))[0, 0])
+        if bool((num_scheduled < 1).any()) or bool((start + num_scheduled > self.num_tokens[rows]).any()):
+            bad = int(torch.nonzero((num_scheduled < 1) | (start + num_scheduled > self.num_tokens[rows]))[0, 0])
             raise PlanError(f"request {plan.scheduled_handles[bad]}: cannot compute "
                             f"{plan.num_scheduled_tokens[bad]} tokens after {int(start[bad])} "
                             f"of {int(self.num_tokens[rows[bad]])} known")
+        num_drafts = self._propose_drafts(plan, rows, num_scheduled, speculative)
+        num_scheduled_with_drafts = num_scheduled + num_drafts
+        seq_lens = start + num_scheduled_with_drafts
         if bool((seq_lens > self.num_blocks[rows] * self.block_size).any()):
             bad = int(torch.nonzero(seq_lens > self.num_blocks[rows] * self.block_size)[0, 0])
             raise PlanError(f"request {plan.scheduled_handles[bad]}: {int(seq_lens[bad])} tokens do not fit "
                             f"its {int(self.num_blocks[rows[bad]])} blocks")
         query_start = torch.zeros(len(rows) + 1, dtype=torch.int64)
-        torch.cumsum(num_scheduled, 0, out=query_start[1:])
+        torch.cumsum(num_scheduled_with_drafts, 0, out=query_start[1:])
         total = int(query_start[-1])
-        request_of_token = torch.repeat_interleave(torch.arange(len(rows)), num_scheduled, output_size=total)
+        request_of_token = torch.repeat_interleave(torch.arange(len(rows)), num_scheduled_with_drafts,
+                                                   output_size=total)
         row_of_token = rows[request_of_token]
         positions = torch.arange(total) - query_start[request_of_token] + start[request_of_token]
         input_ids = self.token_ids[row_of_token, positions]
@@ -216,27 +232,85 @@ class PersistentBatch:
             seq_lens=seq_lens.to(device=device, dtype=torch.int32, non_blocking=True),
             block_tables=self.block_table[rows, :max_blocks].to(device=device, dtype=torch.int32,
                                                                   non_blocking=True),
-            query_lens_cpu=plan.num_scheduled_tokens,
+            query_lens_cpu=num_scheduled_with_drafts.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
+        samples = num_drafts + 1
+        logits_request = torch.repeat_interleave(torch.arange(len(rows)), samples, output_size=int(samples.sum()))
+        first_sample = torch.cumsum(samples, 0) - samples
+        offset = torch.arange(len(logits_request)) - first_sample[logits_request]  # 0: the row's next token
+        logits_indices = query_start[logits_request + 1] - samples[logits_request] + offset
+        sample_rows = rows[logits_request]
         return StepInputs(
             rows=rows,
             input_ids=input_ids.to(device, non_blocking=True),
             positions=positions.to(device, non_blocking=True),
-            logits_indices=(query_start[1:] - 1).to(device, non_blocking=True),
+            logits_indices=logits_indices.to(device, non_blocking=True),
             attention=meta,
             num_scheduled=num_scheduled,
+            num_drafts=num_drafts,
+            logits_request=logits_request,
+            sample_rows=sample_rows,
+            sample_lengths=self.num_tokens[sample_rows] + offset,
+            sample_offsets=offset,
         )
 
+    def _propose_drafts(self, plan: StepPlan, rows: torch.Tensor, num_scheduled: torch.Tensor,
+                        speculative: SpeculativeConfig | None) -> torch.Tensor:
+        """[num_reqs] drafts proposed for each request and written after its known tokens (in
+        token_ids, past num_tokens): only rows that decode (their one scheduled token is their
+        last known one) in slots the plan reserved, never for a grammar's row."""
+        num_drafts = torch.zeros(len(rows), dtype=torch.int64)
+        if not plan.num_draft_slots or speculative is None:
+            return num_drafts
+        if len(plan.num_draft_slots) != len(plan.scheduled_handles):
+            raise PlanError("num_draft_slots does not match scheduled_handles")
+        slots = torch.tensor(plan.num_draft_slots, dtype=torch.int64)
+        lengths = self.num_tokens[rows]
+        decoding = (num_scheduled == 1) & (self.num_computed_tokens[rows] + 1 == lengths) & (slots > 0)
+        if self.num_grammars:
+            decoding &= torch.tensor([g is None for g in (self.grammars[r] for r in rows.tolist())])
+        # The row's last sample lands at lengths + slots.
+        if bool(((slots > 0) & (lengths + slots >= self.max_model_len)).any()):
+            raise PlanError("draft slots reach past max_model_len")
+        chosen = torch.nonzero(decoding).squeeze(1)
+        if not len(chosen):
+            return num_drafts
+        chosen_rows, chosen_lengths = rows[chosen], lengths[chosen]
+        tokens = self.token_ids[chosen_rows, :int(chosen_lengths.max())]
+        drafts, counts = propose(speculative, tokens, chosen_lengths, slots[chosen])
+        # Each draft goes where its position lies; columns past a row's count are written back unchanged.
+        column = (chosen_lengths[:, None] + torch.arange(drafts.shape[1])[None, :]).clamp(max=self.max_model_len - 1)
+        keep = torch.arange(drafts.shape[1])[None, :] < counts[:, None]
+        current = self.token_ids[chosen_rows[:, None], column]
+        self.token_ids[chosen_rows[:, None], column] = torch.where(keep, drafts, current)
+        num_drafts[chosen] = counts
+        return num_drafts
+
     def finish_step(self, inputs: StepInputs, sampled: torch.Tensor) -> torch.Tensor:
-        """Advance computed counts and append each request's sampled token when its step
-        reached the end of its known tokens. Returns the mask of requests that produced one."""
+        """Advance computed counts and append each request's sampled tokens when its step
+        reached the end of its known tokens: its next token, preceded by the drafts it accepted
+        (services/speculative/verification.py). `sampled`: one token per logits row. Returns the
+        mask of requests that produced tokens; how many drafts each accepted goes in inputs.num_accepted."""
         rows = inputs.rows
-        self.num_computed_tokens[rows] += inputs.num_scheduled
-        produced = self.num_computed_tokens[rows] == self.num_tokens[rows]
-        out_rows = rows[produced]
-        if bool((self.num_tokens[out_rows] >= self.max_model_len).any()):
+        produced = self.num_computed_tokens[rows] + inputs.num_scheduled == self.num_tokens[rows]
+        width = int(inputs.num_drafts.max()) if len(rows) else 0
+        samples = torch.full((len(rows), width + 1), -1, dtype=torch.int64)
+        samples[inputs.logits_request, inputs.sample_offsets] = sampled.to(torch.int64)
+        accepted = torch.zeros(len(rows), dtype=torch.int64)
+        if width:
+            columns = (self.num_tokens[rows][:, None] + torch.arange(width)[None, :]).clamp(max=self.max_model_len - 1)
+            accepted = num_accepted(samples, self.token_ids[rows[:, None], columns], inputs.num_drafts)
+        self.num_computed_tokens[rows] += inputs.num_scheduled + accepted
+        out = torch.nonzero(produced).squeeze(1)
+        out_rows, kept = rows[out], accepted[out] + 1
+        if bool((self.num_tokens[out_rows] + kept > self.max_model_len).any()):
             raise PlanError("a request would grow past max_model_len")
-        self.token_ids[out_rows, self.num_tokens[out_rows]] = sampled[produced].to(torch.int64)
-        self.num_tokens[out_rows] += 1
+        # Every sample of a produced row is written; those past its kept ones lie beyond num_tokens (unread).
+        keep = torch.arange(width + 1)[None, :] < (inputs.num_drafts[out] + 1)[:, None]
+        write_rows = out_rows[:, None].expand(-1, width + 1)[keep]
+        write_columns = (self.num_tokens[out_rows][:, None] + torch.arange(width + 1)[None, :])[keep]
+        self.token_ids[write_rows, write_columns] = samples[out][keep]
+        self.num_tokens[out_rows] += kept
+        inputs.num_accepted = accepted
         return produced

@@ -61,7 +61,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             block_size=self.runner.kv_cache.block_size, max_model_len=self.runner.max_model_len,
             vocab_size=spec.vocab_size, eos_token_ids=list(spec.eos_token_ids),
             max_num_seqs=self.runner.batch.max_num_reqs,
-            tensor_parallel_size=runner.model.parallel.size if runner.model.parallel is not None else 1)
+            tensor_parallel_size=runner.model.parallel.size if runner.model.parallel is not None else 1,
+            num_speculative_tokens=runner.speculative.num_speculative_tokens if runner.speculative else 0,
+            speculative_disable_by_batch_size=runner.speculative.disable_by_batch_size if runner.speculative else 0)
 
     def wall_seconds(self) -> float:
         """Since the first plan (0 before it)."""

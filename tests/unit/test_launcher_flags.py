@@ -33,7 +33,8 @@ def _settings_built_by(service: str, group: str, args: argparse.Namespace) -> di
     return {spec.dest: getattr(built, f.name) for f, spec in settings_of(SETTINGS_GROUPS[group], group)}
 
 
-SAMPLE_TEXT = {"kv_cache_memory": "2GiB"}  # flags whose text the service parses further
+SAMPLE_TEXT = {"kv_cache_memory": "2GiB",  # flags whose text the service parses further
+               "speculative_config": '{"method": "ngram", "num_speculative_tokens": 4}'}
 
 
 def _sample_value(action: argparse.Action) -> list[str]:

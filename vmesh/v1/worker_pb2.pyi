@@ -12,7 +12,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetWorkerInfoResponse(_message.Message):
-    __slots__ = ("model_name", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "max_num_seqs", "tensor_parallel_size")
+    __slots__ = ("model_name", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "max_num_seqs", "tensor_parallel_size", "num_speculative_tokens", "speculative_disable_by_batch_size")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,8 @@ class GetWorkerInfoResponse(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_DISABLE_BY_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     num_kv_blocks: int
     block_size: int
@@ -29,7 +31,9 @@ class GetWorkerInfoResponse(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_num_seqs: int
     tensor_parallel_size: int
-    def __init__(self, model_name: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_num_seqs: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    num_speculative_tokens: int
+    speculative_disable_by_batch_size: int
+    def __init__(self, model_name: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_num_seqs: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., speculative_disable_by_batch_size: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
     __slots__ = ("handle", "token_ids", "num_prompt_tokens", "sampling", "block_ids", "num_computed_tokens", "trace_context")
@@ -50,7 +54,7 @@ class NewRequest(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("step", "new_requests", "removed_handles", "scheduled_handles", "num_scheduled_tokens", "new_block_ids", "num_new_blocks", "full_state")
+    __slots__ = ("step", "new_requests", "removed_handles", "scheduled_handles", "num_scheduled_tokens", "new_block_ids", "num_new_blocks", "full_state", "num_draft_slots")
     STEP_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     REMOVED_HANDLES_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +63,7 @@ class ExecuteRequest(_message.Message):
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FULL_STATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_SLOTS_FIELD_NUMBER: _ClassVar[int]
     step: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     removed_handles: _containers.RepeatedScalarFieldContainer[int]
@@ -67,13 +72,16 @@ class ExecuteRequest(_message.Message):
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_new_blocks: _containers.RepeatedScalarFieldContainer[int]
     full_state: bool
-    def __init__(self, step: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., removed_handles: _Optional[_Iterable[int]] = ..., scheduled_handles: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., full_state: _Optional[bool] = ...) -> None: ...
+    num_draft_slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., removed_handles: _Optional[_Iterable[int]] = ..., scheduled_handles: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., full_state: _Optional[bool] = ..., num_draft_slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
-    __slots__ = ("step", "handles", "sampled_token_ids", "logprobs_handles", "logprobs", "forward_seconds", "sampling_seconds", "failed_handles", "failure_messages", "timing")
+    __slots__ = ("step", "handles", "sampled_token_ids", "num_sampled_tokens", "num_draft_tokens", "logprobs_handles", "logprobs", "forward_seconds", "sampling_seconds", "failed_handles", "failure_messages", "timing")
     STEP_FIELD_NUMBER: _ClassVar[int]
     HANDLES_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_HANDLES_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +92,8 @@ class ExecuteResponse(_message.Message):
     step: int
     handles: _containers.RepeatedScalarFieldContainer[int]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_sampled_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     logprobs_handles: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _common_pb2.LogprobColumns
     forward_seconds: float
@@ -91,7 +101,7 @@ class ExecuteResponse(_message.Message):
     failed_handles: _containers.RepeatedScalarFieldContainer[int]
     failure_messages: _containers.RepeatedScalarFieldContainer[str]
     timing: StepTiming
-    def __init__(self, step: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs_handles: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., sampling_seconds: _Optional[float] = ..., failed_handles: _Optional[_Iterable[int]] = ..., failure_messages: _Optional[_Iterable[str]] = ..., timing: _Optional[_Union[StepTiming, _Mapping]] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., num_sampled_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., logprobs_handles: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., sampling_seconds: _Optional[float] = ..., failed_handles: _Optional[_Iterable[int]] = ..., failure_messages: _Optional[_Iterable[str]] = ..., timing: _Optional[_Union[StepTiming, _Mapping]] = ...) -> None: ...
 
 class StepTiming(_message.Message):
     __slots__ = ("plan_wait_seconds", "plan_decode_seconds", "execute_seconds", "received_to_done_seconds", "has_previous", "idle_before_seconds", "waited_for_plan_seconds", "rows", "tokens")

@@ -18,7 +18,7 @@ def plan_to_proto(plan: StepPlan, full_state: bool = False) -> worker_pb2.Execut
             num_computed_tokens=r.num_computed_tokens) for r in plan.new_requests],
         removed_handles=plan.removed_handles, scheduled_handles=plan.scheduled_handles,
         num_scheduled_tokens=plan.num_scheduled_tokens, new_block_ids=plan.new_block_ids,
-        num_new_blocks=plan.num_new_blocks, full_state=full_state)
+        num_new_blocks=plan.num_new_blocks, num_draft_slots=plan.num_draft_slots, full_state=full_state)
 
 
 def plan_from_proto(pb: worker_pb2.ExecuteRequest) -> StepPlan:
@@ -28,13 +28,14 @@ def plan_from_proto(pb: worker_pb2.ExecuteRequest) -> StepPlan:
                                  list(r.block_ids), r.num_computed_tokens) for r in pb.new_requests],
         removed_handles=list(pb.removed_handles), scheduled_handles=list(pb.scheduled_handles),
         num_scheduled_tokens=list(pb.num_scheduled_tokens), new_block_ids=list(pb.new_block_ids),
-        num_new_blocks=list(pb.num_new_blocks))
+        num_new_blocks=list(pb.num_new_blocks), num_draft_slots=list(pb.num_draft_slots))
 
 
 def result_to_proto(r: StepResult) -> worker_pb2.ExecuteResponse:
     # StepResult keeps the wire's encoding of row ownership (a handle beside each row): rows go as they are.
     pb = worker_pb2.ExecuteResponse(
-        step=r.step, handles=r.handles, sampled_token_ids=r.sampled_token_ids, logprobs_handles=r.logprobs_handles,
+        step=r.step, handles=r.handles, sampled_token_ids=r.sampled_token_ids, num_sampled_tokens=r.num_sampled_tokens,
+        num_draft_tokens=r.num_draft_tokens, logprobs_handles=r.logprobs_handles,
         forward_seconds=r.forward_seconds, sampling_seconds=r.sampling_seconds, failed_handles=r.failed_handles,
         failure_messages=r.failure_messages)
     pack_logprobs(r.logprobs, pb.logprobs)
@@ -46,6 +47,7 @@ def result_to_proto(r: StepResult) -> worker_pb2.ExecuteResponse:
 def result_from_proto(pb: worker_pb2.ExecuteResponse) -> StepResult:
     return StepResult(
         step=pb.step, handles=list(pb.handles), sampled_token_ids=list(pb.sampled_token_ids),
+        num_sampled_tokens=list(pb.num_sampled_tokens), num_draft_tokens=list(pb.num_draft_tokens),
         logprobs_handles=list(pb.logprobs_handles), logprobs=unpack_logprobs(pb.logprobs),
         forward_seconds=pb.forward_seconds, sampling_seconds=pb.sampling_seconds,
         failed_handles=list(pb.failed_handles), failure_messages=list(pb.failure_messages),
