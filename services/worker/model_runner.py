@@ -6,6 +6,7 @@ import ctypes
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -205,14 +206,13 @@ class ModelRunner:
         b, rows, lengths = self.batch, inputs.sample_rows, inputs.sample_lengths
         device = self.model.device
         row_list = rows.tolist()
-        columns = {name: col[rows].to(device) for name, col in b.float_params.items()}
+        # One column per FLOAT_SAMPLING_FIELDS name, passed by that name: a field SamplingBatch lacks,
+        # or one it has that the list lacks, fails here rather than sampling with a default.
+        columns: dict[str, Any] = {name: col[rows].to(device) for name, col in b.float_params.items()}
         sampling = SamplingBatch(
             top_k=b.top_k[rows].to(device), num_logprobs=b.num_logprobs[rows].to(device),
             generators=[b.generators[r] for r in row_list], seeds=[b.seeds[r] for r in row_list],
-            positions=lengths.tolist(), temperature=columns["temperature"], top_p=columns["top_p"],
-            min_p=columns["min_p"], repetition_penalty=columns["repetition_penalty"],
-            presence_penalty=columns["presence_penalty"], frequency_penalty=columns["frequency_penalty"],
-        )
+            positions=lengths.tolist(), **columns)
         if bool(((columns["repetition_penalty"] != 1.0) | (columns["presence_penalty"] != 0.0)
                  | (columns["frequency_penalty"] != 0.0)).any()):
             sampling.seen_token_ids, sampling.output_token_ids = self._penalty_tokens(rows, lengths)
