@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vmesh.kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
 from vmesh.services.common.model_loading import ModelLoadError
+from vmesh.services.worker.quantized_linear import cpu_float32_kernels
 
 if TYPE_CHECKING:
     from vmesh.kernels.cpu_native import CpuKernels
@@ -35,13 +35,7 @@ def quantize_per_row(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def int8_kernels(device: torch.device, dtype: torch.dtype, cache_dir: Path) -> CpuKernels:
     """The kernels `--weights int8` runs on, or a ModelLoadError that says why it cannot here."""
-    if device.type != "cpu" or dtype != torch.float32:
-        raise ModelLoadError(f"--weights int8 runs on the CPU in float32 (got {device.type}, {dtype}); "
-                             "use --weights dequantized")
-    try:
-        kernels = load_cpu_kernels(cache_dir)
-    except CpuKernelBuildError as exc:
-        raise ModelLoadError(f"--weights int8 needs the C kernels of kernels/cpu: {exc}") from exc
+    kernels = cpu_float32_kernels("int8", device, dtype, cache_dir)
     if not kernels.integer_dot:
         raise ModelLoadError("--weights int8 needs AVX-512 VNNI, which this CPU lacks; use --weights dequantized")
     return kernels

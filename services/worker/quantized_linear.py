@@ -247,14 +247,20 @@ def load_native_weights(model: str | None, spec: ModelSpec, device: torch.device
     if path is None:
         raise ModelLoadError(f"--weights native reads a GGUF file's quantized blocks, and {model} is a Hugging Face "
                              "directory; use --weights dequantized (the default) for it")
+    kernels = cpu_float32_kernels("native", device, dtype, cache_dir)
+    return read_gguf_weights(path, spec), kernels
+
+
+def cpu_float32_kernels(mode: str, device: torch.device, dtype: torch.dtype, cache_dir: Path) -> CpuKernels:
+    """The C kernels a `--weights {mode}` model runs on (both integer modes run there, in float32
+    activations), or a ModelLoadError that says why they cannot run here."""
     if device.type != "cpu" or dtype != torch.float32:
-        raise ModelLoadError(f"--weights native runs on the CPU in float32 (got {device.type}, {dtype}); "
+        raise ModelLoadError(f"--weights {mode} runs on the CPU in float32 (got {device.type}, {dtype}); "
                              "use --weights dequantized")
     try:
-        kernels = load_cpu_kernels(cache_dir)
+        return load_cpu_kernels(cache_dir)
     except CpuKernelBuildError as exc:
-        raise ModelLoadError(f"--weights native needs the C kernels of kernels/cpu: {exc}") from exc
-    return read_gguf_weights(path, spec), kernels
+        raise ModelLoadError(f"--weights {mode} needs the C kernels of kernels/cpu: {exc}") from exc
 
 
 def log_placement(linears: Sequence[Linear | QuantizedLinear | Int8Linear], dequantized: dict[str, str]) -> None:

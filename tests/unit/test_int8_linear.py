@@ -92,6 +92,6 @@ def test_refused_off_the_cpu_float32_path(tiny_dir):
 
 def test_refused_without_vnni(kernels, tiny_dir, monkeypatch):
     monkeypatch.setattr(kernels, "integer_dot", False)
-    monkeypatch.setattr("vmesh.services.worker.int8_linear.load_cpu_kernels", lambda cache_dir: kernels)
+    monkeypatch.setattr("vmesh.services.worker.quantized_linear.load_cpu_kernels", lambda cache_dir: kernels)
     with pytest.raises(ModelLoadError, match="needs AVX-512 VNNI"):
         ModelRunner.load(WorkerConfig(model=str(tiny_dir), weights="int8", kv_cache_memory=4 << 20))
