@@ -156,16 +156,23 @@ class ChatTokenizer:
 
 
 def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]],
-                tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
-    """A conversation's prompt token ids, ready for the assistant's reply: the one call every
-    door makes, on a ChatTokenizer or on transformers' tokenizer (same arguments, same ids).
-    `tools`: OpenAI's tools list, for the template (or the built-in tool prompt)."""
+                tools: Sequence[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+                add_special_tokens: bool = False) -> list[int]:
+    """A conversation's prompt token ids (by default ready for the assistant's reply): the one call
+    every door makes, on a ChatTokenizer or on transformers' tokenizer (same arguments, same ids).
+    `tools`: OpenAI's tools list, for the template (or the built-in tool prompt).
+    `add_special_tokens`: also the tokenizer's own (a BOS the template may already write)."""
     if isinstance(tokenizer, ChatTokenizer):
-        return tokenizer.encode(tokenizer.render_chat(messages, True, tools), add_special_tokens=False)
+        return tokenizer.encode(tokenizer.render_chat(messages, add_generation_prompt, tools),
+                                add_special_tokens=add_special_tokens)
     messages, template_tools = prepare_chat(
         messages, tools, template_supports_tools(getattr(tokenizer, "chat_template", None)))
     extra = {"tools": template_tools} if template_tools else {}
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+    if add_special_tokens:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             **extra)
+        return list(tokenizer.encode(text, add_special_tokens=True))
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
                                               return_dict=False, **extra))
 
 

@@ -1,5 +1,6 @@
 """The frontend's HTTP shell: OpenAI's API (/v1/models, /v1/completions, /v1/chat/completions,
-/v1/responses, streamed as Server-Sent Events) plus /health, /metrics and /openapi.json, served by uvicorn on
+/v1/responses, streamed as Server-Sent Events), vLLM's utility endpoints (utility_api.py), plus /health,
+/metrics and /openapi.json, served by uvicorn on
 the frontend's own event loop over the same core as gRPC (core.py). A client that
 disconnects aborts its requests, as a cancelled gRPC stream does."""
 
@@ -24,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vmesh.services.common.generation import GenerationOutput, GenerationRequest
 from vmesh.services.frontend import openai_protocol as oai
 from vmesh.services.frontend import openai_responses as render
-from vmesh.services.frontend import responses_api, responses_events
+from vmesh.services.frontend import responses_api, responses_events, utility_api
 from vmesh.services.frontend.core import FrontendCore
 from vmesh.services.frontend.errors import RequestError
 from vmesh.services.frontend.fanout import ClientGone, Fanout, FanoutStreamingResponse, until_disconnect
@@ -335,6 +336,7 @@ def build_app(frontend: FrontendCore, registry: CollectorRegistry | None) -> Fas
     async def responses(body: responses_api.ResponsesRequest, request: Request) -> Response:
         return await routes.responses(body, request)
 
+    utility_api.add_routes(app, frontend)
     # The last added runs first: the key is checked before any body byte is read.
     app.add_middleware(BodyLimitMiddleware, limit=body_limit(frontend.settings.max_prompt_bytes))
     app.add_middleware(ApiKeyMiddleware, api_key=frontend.settings.api_key)

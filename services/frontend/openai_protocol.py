@@ -26,17 +26,17 @@ MAX_COMPLETION_LOGPROBS = 5
 SEED_MASK = (1 << 64) - 1
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
     # Unknown fields are ignored, as vLLM ignores them; NaN and infinities are refused as JSON
     # cannot carry them and no sampling parameter means anything with them.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
-class StreamOptions(_Body):
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class _SamplingBody(_Body):
+class _SamplingBody(RequestBody):
     """The fields both endpoints share: OpenAI's, then vLLM's extras."""
 
     model: str | None = Field(None, description="the served model's id; omitted: the served model")
@@ -77,7 +77,7 @@ class CompletionRequest(_SamplingBody):
     best_of: int | None = Field(None, description="not supported: refused above 1")
 
 
-class ChatMessage(_Body):
+class ChatMessage(RequestBody):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -117,7 +117,7 @@ def _refuse_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None
         return
 
 
-def _text(param: str, value: str) -> str:
+def utf8_text(param: str, value: str) -> str:
     """`value` if it can be sent as UTF-8: JSON's \\ud800 escapes decode to lone surrogates,
     which protobuf (and every later step) refuses."""
     try:
@@ -155,7 +155,7 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int |
             setattr(params, name, _carried(f"sampling.{name}", value, name))
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     if stop is not None:
-        params.stop = [_text("stop", s) for s in stop]
+        params.stop = [utf8_text("stop", s) for s in stop]
     if body.seed is not None:
         params.seed = body.seed & SEED_MASK  # OpenAI's seeds may be negative; the same seed, the same draw
     if logprobs is not None:
@@ -167,10 +167,15 @@ def _priority(body: CompletionRequest | ChatCompletionRequest) -> int:
     return _carried("priority", body.priority, "priority") if body.priority is not None else 0
 
 
-def check_common(body: CompletionRequest | ChatCompletionRequest, served: str) -> None:
-    if body.model is not None and body.model != served:
-        raise RequestError(Code.NOT_FOUND, f"model: the model {body.model!r} does not exist "
+def check_model(model: str | None, served: str) -> None:
+    """A request's `model`: unset, or the served model's name."""
+    if model is not None and model != served:
+        raise RequestError(Code.NOT_FOUND, f"model: the model {model!r} does not exist "
                                            f"(this server serves {served!r})", "model")
+
+
+def check_common(body: CompletionRequest | ChatCompletionRequest, served: str) -> None:
+    check_model(body.model, served)
     _refuse_unsupported(body)
     if body.n < 1:
         raise invalid("n", f"must be >= 1, got {body.n}")
@@ -195,7 +200,7 @@ def completion_requests(body: CompletionRequest, served: str) -> list[Generation
                          spec[0] if spec else None)
     priority = _priority(body)
     # One SamplingParams for every prompt: admission gives each request its own copy.
-    return [GenerationRequest(_text("prompt", p) if isinstance(p, str) else _carried("token_ids.ids", p, "prompt"),
+    return [GenerationRequest(utf8_text("prompt", p) if isinstance(p, str) else _carried("token_ids.ids", p, "prompt"),
                               sampling, priority=priority) for p in prompts]
 
 
@@ -206,13 +211,13 @@ def _content_text(i: int, message: ChatMessage, optional: bool = False) -> str:
     if content is None:
         raise invalid(f"messages[{i}].content", "required")
     if isinstance(content, str):
-        return _text(f"messages[{i}].content", content)
+        return utf8_text(f"messages[{i}].content", content)
     parts = []
     for j, part in enumerate(content):
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise invalid(f"messages[{i}].content[{j}]", "only text parts ({'type': 'text', 'text': ...}) "
                                                          "are supported by vmesh")
-        parts.append(_text(f"messages[{i}].content[{j}].text", part["text"]))
+        parts.append(utf8_text(f"messages[{i}].content[{j}].text", part["text"]))
     return "\n".join(parts)
 
 
@@ -230,11 +235,11 @@ def _tool_call(param: str, call: Any) -> ToolCall:
     call_id = call.get("id", "")
     if not isinstance(call_id, str):
         raise invalid(f"{param}.id", "must be a string")
-    return ToolCall(_text(f"{param}.id", call_id), _text(f"{param}.function.name", function["name"]),
-                    _text(f"{param}.function.arguments", arguments))
+    return ToolCall(utf8_text(f"{param}.id", call_id), utf8_text(f"{param}.function.name", function["name"]),
+                    utf8_text(f"{param}.function.arguments", arguments))
 
 
-def _chat_message(i: int, m: ChatMessage) -> generation.ChatMessage:
+def chat_message(i: int, m: ChatMessage) -> generation.ChatMessage:
     role = CHAT_ROLES.get(m.role)
     if role is None:
         raise invalid(f"messages[{i}].role", f"{m.role!r} is not supported (system, developer, user, assistant, tool)")
@@ -249,7 +254,7 @@ def _chat_message(i: int, m: ChatMessage) -> generation.ChatMessage:
         call_id = m.tool_call_id if m.role == "tool" else m.name  # legacy "function" results name the function
         if not call_id:
             raise invalid(f"messages[{i}].tool_call_id" if m.role == "tool" else f"messages[{i}].name", "required")
-        message.tool_call_id = _text(f"messages[{i}].tool_call_id", call_id)
+        message.tool_call_id = utf8_text(f"messages[{i}].tool_call_id", call_id)
     return message
 
 
@@ -283,8 +288,8 @@ def chat_request(body: ChatCompletionRequest, served: str,
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     spec = chat_spec(body, tools)
     sampling = _sampling(body, max_tokens, logprobs, spec[0] if spec else None)
-    chat = Chat([_chat_message(i, m) for i, m in enumerate(body.messages)],
-                _text("tools", tool_calls.tools_json(tools)))
+    chat = Chat([chat_message(i, m) for i, m in enumerate(body.messages)],
+                utf8_text("tools", tool_calls.tools_json(tools)))
     return GenerationRequest(chat, sampling, max_tokens_from_context=max_tokens is None, priority=_priority(body))
 
 

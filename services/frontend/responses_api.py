@@ -25,7 +25,7 @@ TEXT_FORMATS = ("text", "json_schema", "json_object")
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 
 
-class ResponsesRequest(oai._Body):
+class ResponsesRequest(oai.RequestBody):
     """The fields vmesh reads; other unknown fields are ignored (as chat ignores them), and the
     ones below described "refused" are refused with a 400 naming them."""
 
