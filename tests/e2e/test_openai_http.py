@@ -60,6 +60,10 @@ def test_sync_client_chat_and_completions(mesh, model, embedded_tokenizer):
                                                                return_dict=False))
     assert chat.usage.prompt_tokens == prompt_tokens
     assert chat.usage.total_tokens == prompt_tokens + chat.usage.completion_tokens
+    with httpx.Client(base_url=root(mesh), timeout=30, headers={"Authorization": f"Bearer {KEY}"}) as http:
+        counted = http.post("/tokenize", json={"model": model, "messages": CHAT}).json()
+        served = http.get("/v1/models").json()["data"][0]
+    assert counted["count"] == prompt_tokens and counted["max_model_len"] == served["max_model_len"]
 
     done = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4, temperature=0,
                                      logprobs=2, extra_body={"ignore_eos": True})
