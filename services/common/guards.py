@@ -25,6 +25,7 @@ CALLERS: dict[str, frozenset[str]] = {
     "/vmesh.v1.SchedulerService/AbortRequest": frozenset({"frontend"}),
     "/vmesh.v1.SchedulerService/GetSchedulerStats": frozenset({"frontend", "admin"}),
     "/vmesh.v1.SchedulerService/ResetPrefixCache": frozenset({"admin"}),
+    "/vmesh.v1.SchedulerService/WatchCache": frozenset({"frontend", "admin"}),
     "/vmesh.v1.WorkerService/GetWorkerInfo": frozenset({"scheduler", "admin"}),
     "/vmesh.v1.WorkerService/Execute": frozenset({"scheduler"}),
     "/vmesh.v1.WorkerService/GetWorkerStats": frozenset({"scheduler", "admin"}),

@@ -19,7 +19,7 @@ from vmesh.services.common.generation import Submission
 from vmesh.services.common.metrics import FrontendMetrics
 from vmesh.services.frontend.errors import Code, RequestError
 from vmesh.services.frontend.outbox import LostService, Outbox, PendingOutput
-from vmesh.services.frontend.prefix_routing import prefix_hashes
+from vmesh.services.frontend.prefix_routing import PromptRoute
 from vmesh.services.frontend.schedulers import SchedulerGroup, SchedulerPool
 
 logger = logging.getLogger(__name__)
@@ -152,11 +152,10 @@ async def submit(mesh: Mesh, submission: Submission,
     is down or failed did not take the request, so the next one is tried. Raises RequestError when
     no group takes it. Returns the group that took it and the detokenizer replica it chose."""
     error: grpc.aio.AioRpcError | None = None
-    hashes: list[int] = []
     pool = mesh.schedulers
-    if pool.prefix_router is not None:  # what the group will cache: prompt and resumed outputs
-        hashes = prefix_hashes([*submission.prompt_token_ids, *submission.resumed_output_token_ids])
-    for group in pool.candidates(hashes):
+    # What the group will cache: the prompt and the outputs it resumes with.
+    route = PromptRoute([*submission.prompt_token_ids, *submission.resumed_output_token_ids])
+    for group in pool.candidates(route):
         remaining = time_remaining()
         if remaining is not None and remaining <= 0:
             raise RequestError(Code.DEADLINE_EXCEEDED, "the request's deadline passed before it was submitted")
@@ -165,7 +164,7 @@ async def submit(mesh: Mesh, submission: Submission,
         call = asyncio.ensure_future(group.submit(submission, timeout))
         try:
             detokenizer = await asyncio.shield(call)
-            pool.routed(group, hashes)
+            pool.routed(group, route)
             return group, detokenizer
         except asyncio.CancelledError:
             # The client left while the scheduler was taking the request: the scheduler may

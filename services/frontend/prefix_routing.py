@@ -1,23 +1,32 @@
-"""Which scheduler group a request should go to, by the prompt prefixes each group has seen.
+"""Which scheduler group a request should go to, by the prefix of its prompt each group holds.
 
-A group's prefix cache holds the KV of prompts it computed recently. The frontend cannot see
-that cache, but it knows which prompts it sent where: for each group it keeps the hashes of the
-leading chunks of those prompts (a chain, so a chunk's hash stands for the whole prefix up to
-it), least recently used first out. A new prompt goes to the group that has seen the longest
-run of its leading chunks; groups that match equally are told apart by load. A group that has
-become much busier than the least busy one is passed over (the overload escape), so that one
-popular prefix cannot pile every request onto one group.
+Exactly, while every group's cache stream is up (order_by_cache): each scheduler reports its
+prefix cache's blocks and its load to every frontend (services/scheduler/cache_feed.py), so all
+frontends see the same truth. A prompt goes to the group holding the longest run of its leading
+blocks among the groups within a bounded load: at most BALANCE times the mean load (requests
+running and waiting, this one included), so a hot prefix spreads over more groups as its load
+grows instead of piling onto one. Equal matches go to the least loaded.
 
-Chunks are a fixed number of tokens, independent of the schedulers' KV block size: the table
-only estimates where a prefix is likely cached, and a longer chunk keeps it smaller.
+Approximately, when a stream is down (PrefixRouter): a frontend cannot see that group's cache,
+but it knows which prompts it sent where: for each group it keeps the hashes of the leading
+chunks of those prompts (a chain, so a chunk's hash stands for the whole prefix up to it), least
+recently used first out. A new prompt goes to the group that has seen the longest run of its
+leading chunks; groups that match equally are told apart by load. A group that has become much
+busier than the least busy one is passed over (the overload escape). Chunks are a fixed number
+of tokens, independent of the schedulers' KV block size: the table only estimates where a prefix
+is likely cached, and a longer chunk keeps it smaller.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TypeVar
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Protocol, TypeVar
 
+from vmesh.services.common.cache_events import CacheView
 from vmesh.services.common.prefix_hash import chained_block_hashes
 from vmesh.services.common.runtime.peers import Member
 
@@ -25,14 +34,58 @@ CHUNK_TOKENS = 32
 MAX_CHUNKS = 128  # prefixes are told apart by at most their first 4,096 tokens
 TABLE_ENTRIES = 1 << 16  # chunk hashes remembered per group (~4 MiB per group)
 OVERLOAD_SLACK = 4  # in-flight requests a preferred group may have beyond twice the least busy's
+BALANCE = 1.25  # exact routing: a group takes a request only while its load stays within this of the mean
 
 
 G = TypeVar("G", bound=Member)
 
 
+class Watched(Protocol):
+    """A group whose cache stream is up: its view."""
+    address: str
+
+    @property
+    def cache(self) -> CacheView | None: ...
+
+
+W = TypeVar("W", bound=Watched)
+
+
 def prefix_hashes(prompt: Sequence[int]) -> list[int]:
     """Chained hashes of the prompt's leading full chunks."""
     return chained_block_hashes(prompt, CHUNK_TOKENS, parent=0, max_blocks=MAX_CHUNKS)
+
+
+@dataclass
+class PromptRoute:
+    """What a group will cache of a request (its prompt, and the outputs it resumes with), hashed
+    for the approximate table only when that is used."""
+    tokens: Sequence[int]
+
+    @cached_property
+    def chunk_hashes(self) -> list[int]:
+        return prefix_hashes(self.tokens)
+
+
+def order_by_cache(groups: Sequence[W], prompt: Sequence[int]) -> list[W]:
+    """`groups` (each with a cache view) in the order to try them: the one holding the longest
+    prefix of `prompt` among those within the load bound first, then the rest, least loaded first."""
+    views = {group.address: _view(group) for group in groups}
+    by_load = sorted(groups, key=lambda group: views[group.address].requests)
+    if not by_load:
+        return []
+    loads = [views[group.address].requests for group in by_load]
+    bound = math.ceil(BALANCE * (sum(loads) + 1) / len(loads))  # >= the least loaded's load + 1
+    eligible = [group for group, load in zip(by_load, loads, strict=True) if load + 1 <= bound]
+    best = max(eligible, key=lambda group: (views[group.address].cached_tokens(prompt),
+                                            -views[group.address].requests))
+    return [best, *(group for group in by_load if group is not best)]
+
+
+def _view(group: Watched) -> CacheView:
+    if group.cache is None:
+        raise ValueError(f"group {group.address} has no cache view")
+    return group.cache
 
 
 class PrefixRouter:

@@ -1,13 +1,14 @@
 """The scheduler groups a frontend submits to. Data parallelism is one scheduler per worker
-group; a frontend sends each request to the group most likely to hold its prompt's prefix in
-cache (prefix_routing.py), or with `--routing least-busy` to the one with the fewest of its own
-requests in flight, and sends each abort to the group that holds the request."""
+group; a frontend sends each request to the group that holds the longest prefix of its prompt
+within a bounded load, as every group's cache stream reports it (prefix_routing.py), or with
+`--routing least-busy` to the one with the fewest of its own requests in flight, and sends each
+abort to the group that holds the request."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from vmesh.services.common import tls
+from vmesh.services.common.cache_events import CacheView
 from vmesh.services.common.generation import Submission
 from vmesh.services.common.grpc_server import channel
 from vmesh.services.common.runtime.peers import Peer, PeerSet
@@ -22,8 +24,9 @@ from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.common.runtime.stream import KeptStream
 from vmesh.services.common.runtime.tasks import TaskGroup
 from vmesh.services.common.types import ModelLimits
+from vmesh.services.common.wire.cache import cache_update_from_proto
 from vmesh.services.common.wire.submission import abort_to_proto, submission_to_proto
-from vmesh.services.frontend.prefix_routing import PrefixRouter
+from vmesh.services.frontend.prefix_routing import PrefixRouter, PromptRoute, order_by_cache
 from vmesh.services.frontend.settings import DEFAULT_ROUTING, ROUTING_POLICIES
 from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -34,6 +37,7 @@ JOIN_RETRY = Backoff(5.0)
 REACH_TIMEOUT_S = 5.0  # one attempt to reach a lost group's new process
 LOSS_GRACE_S = 3.0  # a broken connection to a live scheduler is normally back well within this
 WATCH_RETRY = Backoff(0.5)  # between attempts to reach a lost group's new process
+CACHE_RETRY = Backoff(1.0)  # between attempts to open a group's cache stream again
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
@@ -45,6 +49,7 @@ class SchedulerGroup(Peer):
     stub: scheduler_pb2_grpc.SchedulerServiceStub = field(kw_only=True)
     channel: grpc.aio.Channel = field(kw_only=True)
     incarnation: str = ""  # the scheduler process's id: a different one is a restarted scheduler
+    cache: CacheView | None = None  # its prefix cache and load, while its cache stream is up
 
     async def submit(self, submission: Submission, timeout: float) -> str:
         """Hand the request to the group; returns the detokenizer replica its scheduler chose."""
@@ -124,8 +129,37 @@ class SchedulerPool:
         """Join the group, then hold a health Watch stream open to its scheduler: it breaks the
         moment the process goes, which is how requests that never produced a token learn of it."""
         if await self._join(group):
-            await KeptStream(group, lambda opened: self._watch(group), lambda exc: self._lost(group, exc),
-                             Backoff.none()).run()  # _lost waits as long as reaching the scheduler again takes
+            follow = asyncio.create_task(self._follow_cache(group)) if self.prefix_router is not None else None
+            try:
+                await KeptStream(group, lambda opened: self._watch(group), lambda exc: self._lost(group, exc),
+                                 Backoff.none()).run()  # _lost waits as long as reaching the scheduler again takes
+            finally:
+                if follow is not None:
+                    follow.cancel()
+
+    async def _follow_cache(self, group: SchedulerGroup) -> None:
+        """Keep the group's cache view from its stream; without a stream (it broke, or the
+        scheduler predates it) the group has none, and routing falls back to this frontend's table."""
+        failures = 0
+        while True:
+            try:
+                async for message in group.stub.WatchCache(scheduler_pb2.WatchCacheRequest(), wait_for_ready=True):
+                    update = cache_update_from_proto(message)
+                    if group.cache is None or update.snapshot:
+                        group.cache = CacheView(update)
+                        failures = 0
+                    else:
+                        group.cache.apply(update)
+                raise ConnectionError("the cache stream ended")
+            except (grpc.aio.AioRpcError, ConnectionError) as exc:
+                group.cache = None
+                code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
+                if code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED):
+                    logger.warning("scheduler %s has no cache stream for this frontend (%s): routing by this "
+                                   "frontend's own table", group.address, code.name)
+                    return
+                failures += 1
+                await CACHE_RETRY.sleep(failures)
 
     async def _join(self, group: SchedulerGroup) -> bool:
         """Ask the group for its model until it answers; whether it serves this pool's model."""
@@ -199,19 +233,23 @@ class SchedulerPool:
         except grpc.aio.AioRpcError:
             return None
 
-    def candidates(self, prefix_hashes: Sequence[int] = ()) -> list[SchedulerGroup]:
+    def candidates(self, route: PromptRoute | None = None) -> list[SchedulerGroup]:
         """Groups that take new requests, in the order to try them: the least busy first, or,
-        routing by prefix, the one most likely to hold the prompt's prefix (`prefix_hashes`,
-        from prefix_routing.prefix_hashes) first unless it is overloaded."""
+        routing by prefix, the one that holds the longest prefix of `route` within the load bound
+        first (exactly while every group's cache stream is up, else by this frontend's table)."""
         by_load = sorted((g for g in self.members.active() if g.ready), key=lambda g: g.in_flight)
-        if self.prefix_router is None:
+        if self.prefix_router is None or route is None:
             return by_load
-        return self.prefix_router.order(by_load, prefix_hashes)
+        if by_load and all(g.cache is not None for g in by_load):
+            return order_by_cache(by_load, route.tokens)
+        return self.prefix_router.order(by_load, route.chunk_hashes)
 
-    def routed(self, group: SchedulerGroup, prefix_hashes: Sequence[int]) -> None:
-        """`group` took a prompt with these prefix hashes."""
-        if self.prefix_router is not None:
-            self.prefix_router.routed(group.address, prefix_hashes)
+    def routed(self, group: SchedulerGroup, route: PromptRoute | None) -> None:
+        """`group` took a request that will cache `route`."""
+        if self.prefix_router is not None and route is not None:
+            self.prefix_router.routed(group.address, route.chunk_hashes)
+        if group.cache is not None:
+            group.cache.sent_since_update += 1
 
     def acquire(self, group: SchedulerGroup) -> None:
         group.in_flight += 1

@@ -46,6 +46,9 @@ class BlockPool:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.evictions = 0
+        # While the cache is watched (cache_feed.py): block hash -> cached now, the last change
+        # of each block since the journal was read; None, at no cost, while nobody watches.
+        self.journal: dict[int, bool] | None = None
 
     @property
     def num_free(self) -> int:
@@ -112,6 +115,8 @@ class BlockPool:
         self.block_hash[block] = block_hash
         self.block_key[block] = (self.hash_seed if parent is None else parent, tuple(tokens))
         self.cached[block_hash] = block
+        if self.journal is not None:
+            self.journal[block_hash] = True
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request holds (benchmarks start cold this way; a client
@@ -138,3 +143,19 @@ class BlockPool:
         del self.cached[block_hash]
         self.block_hash[block] = None
         self.block_key[block] = None
+        if self.journal is not None:
+            self.journal[block_hash] = False
+
+    def watch(self) -> list[int]:
+        """Start (or go on) journaling the cache's changes; the hashes of every cached block now."""
+        if self.journal is None:
+            self.journal = {}
+        return list(self.cached)
+
+    def read_journal(self) -> tuple[list[int], list[int]]:
+        """The blocks entered in and removed from the cache since the journal was last read."""
+        journal = self.journal or {}
+        if self.journal is not None:
+            self.journal = {}
+        stored = [block_hash for block_hash, cached in journal.items() if cached]
+        return stored, [block_hash for block_hash, cached in journal.items() if not cached]

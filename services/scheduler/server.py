@@ -24,7 +24,9 @@ from vmesh.services.common.grpc_server import ServiceShell
 from vmesh.services.common.metrics import SchedulerMetrics, ScrapedMetrics
 from vmesh.services.common.server_settings import ServerSettings
 from vmesh.services.common.types import PROMPT_TAIL_TOKENS, RequestRef, SamplingParams, StreamStart, TraceContext
+from vmesh.services.common.wire.cache import cache_update_to_proto
 from vmesh.services.common.wire.sampling import sampling_from_proto
+from vmesh.services.scheduler.cache_feed import CacheFeed, WatcherDropped
 from vmesh.services.scheduler.detokenizer_router import open_stream
 from vmesh.services.scheduler.request import Request
 from vmesh.services.scheduler.scheduler import QueueFullError
@@ -47,6 +49,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.session = session
         self.incarnation = uuid.uuid4().hex  # this process, as opposed to a restart on the same address
         self.metrics_registry: CollectorRegistry | None = None  # metrics are created at connect, labelled by model
+        self.cache_feed: CacheFeed | None = None  # once the core exists (connect)
 
     async def connect(self) -> None:
         info = await self.session.connect_workers()
@@ -57,6 +60,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             self.metrics_registry.register(ScrapedMetrics(self.scraped_metrics, info.model_name))
             self.metrics_registry.register(AcceptedPerPosition(self.spec_stats, info.model_name))
         await self.session.start()
+        self.cache_feed = CacheFeed(self.session.core(), self.incarnation)
+        self.session.spawn(self.cache_feed.run())
 
     async def SubmitRequest(self, request, context):
         session = self.session
@@ -116,6 +121,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         if self.session.scheduler is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "not connected to a worker yet")
         return scheduler_pb2.ResetPrefixCacheResponse(num_dropped_blocks=self.session.scheduler.reset_prefix_cache())
+
+    async def WatchCache(self, request, context):
+        if self.cache_feed is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "not connected to a worker yet")
+        watcher = self.cache_feed.watch()
+        try:
+            while True:
+                yield cache_update_to_proto(await watcher.next())
+        except WatcherDropped as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        finally:
+            self.cache_feed.unwatch(watcher)
 
     def spec_stats(self) -> SpecDecodeStats | None:
         return self.session.scheduler.spec_stats if self.session.scheduler is not None else None

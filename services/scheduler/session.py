@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from vmesh.services.common import telemetry
 from vmesh.services.common.metrics import SchedulerMetrics
@@ -100,6 +101,10 @@ class SchedulerSession:
         logger.info("connected to %d worker rank(s) (%d KV blocks of %d) and %d detokenizer(s)",
                     len(self.workers.calls), self.core().pool.num_blocks, self.core().pool.block_size,
                     len(self.router.replicas))
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task:
+        """Run `work` for as long as the session (closing it cancels the work)."""
+        return self._tasks.spawn(work)
 
     async def drain(self) -> None:
         self.accepting = False

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -42,6 +42,11 @@ class FakeScheduler:
         self.submitted.append(copy)
         self.arrived.set()
         return scheduler_pb2.SubmitRequestResponse(detokenizer=self.detokenizer(len(self.submitted)))
+
+    async def WatchCache(self, request: Any, **kwargs: Any) -> AsyncIterator[scheduler_pb2.CacheUpdate]:
+        """No cache stream (as a scheduler that predates it): frontends route by their own tables."""
+        raise rpc_error(grpc.StatusCode.UNIMPLEMENTED)
+        yield  # pragma: no cover - a stream
 
     async def AbortRequest(self, request: Any, **kwargs: Any) -> scheduler_pb2.AbortRequestResponse:
         self.aborted.append(request.frontend_key)

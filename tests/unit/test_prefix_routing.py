@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vmesh.services.frontend.prefix_routing import CHUNK_TOKENS, MAX_CHUNKS, PrefixRouter, prefix_hashes
+from vmesh.services.frontend.prefix_routing import CHUNK_TOKENS, MAX_CHUNKS, PrefixRouter, PromptRoute, prefix_hashes
 
 
 @dataclass
@@ -65,25 +65,21 @@ def test_tables_are_bounded_and_forgotten():
 def test_the_scheduler_pool_orders_candidates_by_prefix():
     import asyncio
 
+    from tests.support.fake_scheduler import FakeScheduler
     from tests.support.grpc_fakes import FakeChannel, healthy_forever
     from vmesh.services.frontend.schedulers import SchedulerPool
-    from vmesh.v1 import scheduler_pb2
-
-    class Scheduler:
-        async def GetSchedulerStats(self, request, **kwargs):
-            return scheduler_pb2.GetSchedulerStatsResponse(model_name="m", max_model_len=100, vocab_size=10)
 
     async def main():
         orders = {}
         for routing in ("prefix", "least-busy"):
-            pool = SchedulerPool(lambda address: (Scheduler(), FakeChannel()), health_stream=healthy_forever,
+            pool = SchedulerPool(lambda address: (FakeScheduler(), FakeChannel()), health_stream=healthy_forever,
                                  routing=routing)
             a, b = pool.add("a:1"), pool.add("b:1")
             await asyncio.gather(a.joined.wait(), b.joined.wait())
-            hashes = prefix_hashes(prompt(1, 2 * CHUNK_TOKENS))
+            route = PromptRoute(prompt(1, 2 * CHUNK_TOKENS))
             pool.acquire(b)
-            pool.routed(b, hashes)
-            orders[routing] = [g.address for g in pool.candidates(hashes)]
+            pool.routed(b, route)
+            orders[routing] = [g.address for g in pool.candidates(route)]
             await pool.close()
         return orders
 

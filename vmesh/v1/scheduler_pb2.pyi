@@ -102,3 +102,37 @@ class ResetPrefixCacheResponse(_message.Message):
     NUM_DROPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_dropped_blocks: int
     def __init__(self, num_dropped_blocks: _Optional[int] = ...) -> None: ...
+
+class WatchCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CacheUpdate(_message.Message):
+    __slots__ = ("snapshot", "block_size", "hash_seed", "stored", "removed", "load", "incarnation")
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASH_SEED_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    snapshot: bool
+    block_size: int
+    hash_seed: int
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    load: SchedulerLoad
+    incarnation: str
+    def __init__(self, snapshot: _Optional[bool] = ..., block_size: _Optional[int] = ..., hash_seed: _Optional[int] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., load: _Optional[_Union[SchedulerLoad, _Mapping]] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class SchedulerLoad(_message.Message):
+    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "num_waiting_prompt_tokens")
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_waiting_prompt_tokens: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_waiting_prompt_tokens: _Optional[int] = ...) -> None: ...

@@ -54,6 +54,11 @@ class SchedulerServiceStub:
                 request_serializer=vmesh_dot_v1_dot_scheduler__pb2.ResetPrefixCacheRequest.SerializeToString,
                 response_deserializer=vmesh_dot_v1_dot_scheduler__pb2.ResetPrefixCacheResponse.FromString,
                 _registered_method=True)
+        self.WatchCache = channel.unary_stream(
+                '/vmesh.v1.SchedulerService/WatchCache',
+                request_serializer=vmesh_dot_v1_dot_scheduler__pb2.WatchCacheRequest.SerializeToString,
+                response_deserializer=vmesh_dot_v1_dot_scheduler__pb2.CacheUpdate.FromString,
+                _registered_method=True)
 
 
 class SchedulerServiceServicer:
@@ -84,6 +89,14 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchCache(self, request, context):
+        """The prefix cache's blocks and the load, for the frontends' routing: every frontend keeps the
+        same exact view of every group. The first message is a snapshot, the later ones what changed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +119,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.ResetPrefixCache,
                     request_deserializer=vmesh_dot_v1_dot_scheduler__pb2.ResetPrefixCacheRequest.FromString,
                     response_serializer=vmesh_dot_v1_dot_scheduler__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'WatchCache': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchCache,
+                    request_deserializer=vmesh_dot_v1_dot_scheduler__pb2.WatchCacheRequest.FromString,
+                    response_serializer=vmesh_dot_v1_dot_scheduler__pb2.CacheUpdate.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -216,6 +234,33 @@ class SchedulerService:
             '/vmesh.v1.SchedulerService/ResetPrefixCache',
             vmesh_dot_v1_dot_scheduler__pb2.ResetPrefixCacheRequest.SerializeToString,
             vmesh_dot_v1_dot_scheduler__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/vmesh.v1.SchedulerService/WatchCache',
+            vmesh_dot_v1_dot_scheduler__pb2.WatchCacheRequest.SerializeToString,
+            vmesh_dot_v1_dot_scheduler__pb2.CacheUpdate.FromString,
             options,
             channel_credentials,
             insecure,
