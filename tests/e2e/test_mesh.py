@@ -18,6 +18,9 @@ from tests.support.meshes import stops_cleanly
 from tests.support.reference import assert_greedy_match
 from vmesh.services.bench.mesh import STOP_TIMEOUT_S, start_mesh
 from vmesh.services.client import VmeshClient
+from vmesh.services.common.cache_events import CacheView
+from vmesh.services.common.wire.cache import cache_update_from_proto
+from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 
 async def _greedy_all(address: str, prompts: list[list[int]], max_tokens: int = 32) -> list[list[int]]:
@@ -61,6 +64,25 @@ def test_greedy_parity_across_two_worker_groups(chat_prompt_ids, reference_outpu
             stats = wait_idle(mesh, name=name)
             assert stats.steps > 0, f"{name} served nothing"
             assert stats.num_used_blocks == 0
+        # Routing by the groups' cache streams: a prompt sent again goes to the group whose
+        # stream says it holds the prompt's prefix, and hits there.
+        prompt = chat_prompt_ids[0]
+        views = {name: asyncio.run(_cache_view(mesh, name)) for name in ("scheduler-0", "scheduler-1")}
+        holder = max(views, key=lambda name: views[name].cached_tokens(prompt))
+        assert views[holder].cached_tokens(prompt) >= len(prompt) // 2
+        before = {name: wait_idle(mesh, name=name).prefix_cache_hits for name in views}
+        asyncio.run(_greedy_all(mesh.address, [prompt], max_tokens=2))
+        after = {name: wait_idle(mesh, name=name).prefix_cache_hits for name in views}
+        assert after[holder] > before[holder] and all(after[n] == before[n] for n in views if n != holder)
+
+
+async def _cache_view(mesh, name: str) -> CacheView:
+    """The first message of the scheduler's cache stream (a snapshot), as a frontend sees it."""
+    async with mesh.channel(name) as ch:
+        stream = scheduler_pb2_grpc.SchedulerServiceStub(ch).WatchCache(scheduler_pb2.WatchCacheRequest())
+        first = await anext(aiter(stream))
+        stream.cancel()
+    return CacheView(cache_update_from_proto(first))
 
 
 def test_greedy_parity_with_a_tensor_parallel_worker_group(chat_prompt_ids, reference_outputs):
