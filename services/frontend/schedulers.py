@@ -79,13 +79,15 @@ class SchedulerPool:
                  on_lost: Callable[[SchedulerGroup], None] = lambda group: None,
                  health_stream: Callable[[SchedulerGroup], AsyncIterator[Any]] = health_stream,
                  loss_grace_s: float = LOSS_GRACE_S, routing: str = DEFAULT_ROUTING,
-                 join_retry: Backoff = JOIN_RETRY, watch_retry: Backoff = WATCH_RETRY):
+                 join_retry: Backoff = JOIN_RETRY, watch_retry: Backoff = WATCH_RETRY,
+                 cache_retry: Backoff = CACHE_RETRY):
         """`on_lost(group)`: the group's scheduler went away (its process died or restarted); what
         it held is gone, including requests still queued there that no detokenizer knows of.
         `loss_grace_s`: how long a broken connection may take to reach the same process again
         before its requests are given up. `routing`: "prefix" (prefix-aware, load as tie-breaker)
         or "least-busy". `join_retry`: the wait before asking a group that did not answer again;
-        `watch_retry`: before trying again to reach a lost group's new process."""
+        `watch_retry`: before trying again to reach a lost group's new process; `cache_retry`: before
+        opening a group's broken cache stream again."""
         if routing not in ROUTING_POLICIES:
             raise ValueError(f"unknown routing {routing!r} ({' or '.join(ROUTING_POLICIES)})")
         self.prefix_router = PrefixRouter() if routing == "prefix" else None
@@ -95,6 +97,7 @@ class SchedulerPool:
         self.loss_grace_s = loss_grace_s
         self.join_retry = join_retry
         self.watch_retry = watch_retry
+        self.cache_retry = cache_retry
         # A group that leaves keeps its connection until its last request ends (an abort may still be sent).
         self.members: PeerSet[SchedulerGroup] = PeerSet(
             "scheduler", self._start, is_idle=lambda group: group.in_flight == 0,
@@ -159,7 +162,7 @@ class SchedulerPool:
                                    "frontend's own table", group.address, code.name)
                     return
                 failures += 1
-                await CACHE_RETRY.sleep(failures)
+                await self.cache_retry.sleep(failures)
 
     async def _join(self, group: SchedulerGroup) -> bool:
         """Ask the group for its model until it answers; whether it serves this pool's model."""

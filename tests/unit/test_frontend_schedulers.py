@@ -5,6 +5,7 @@ import asyncio
 
 import grpc
 
+from tests.support.eventually import eventually
 from tests.support.fake_scheduler import FakeScheduler
 from tests.support.grpc_fakes import FakeChannel, healthy_forever, rpc_error
 from vmesh.services.common.runtime.retry import Backoff
@@ -186,3 +187,44 @@ def test_a_dead_scheduler_is_reported_lost_and_takes_no_new_requests():
     detokenizer knows of, are failed instead of waiting for the client's deadline."""
     lost, ready = asyncio.run(_break_once("dead"))
     assert [g.address for g in lost] == ["a:1"] and not ready
+
+
+def test_a_groups_cache_view_follows_its_stream_and_is_dropped_while_it_is_down():
+    from vmesh.services.common.cache_events import CacheUpdate
+    from vmesh.services.common.wire.cache import cache_update_to_proto
+    from vmesh.services.frontend.prefix_routing import PromptRoute
+
+    class Watched(FakeScheduler):
+        def __init__(self) -> None:
+            super().__init__(ModelLimits("m", 2048, 100))
+            self.streams = 0
+            self.reopen = asyncio.Event()
+
+        async def WatchCache(self, request, **kwargs):
+            self.streams += 1
+            if self.streams > 1:
+                await self.reopen.wait()
+            yield cache_update_to_proto(CacheUpdate(True, 4, 9, [1, 2], [], incarnation="x"))
+            yield cache_update_to_proto(CacheUpdate(False, 4, 9, [3], [1], incarnation="x"))
+            if self.streams == 1:
+                raise rpc_error(grpc.StatusCode.UNAVAILABLE)
+            await asyncio.Event().wait()
+
+    async def main() -> None:
+        scheduler = Watched()
+        pool = SchedulerPool(lambda address: (scheduler, FakeChannel()), health_stream=healthy_forever,
+                             cache_retry=Backoff.none())
+        group = pool.add("a:1")
+        await group.joined.wait()
+        await eventually(lambda: scheduler.streams == 2)  # the first stream broke; the second waits
+        assert group.cache is None  # down: routing uses the frontend's own table
+        route = PromptRoute(list(range(8)))
+        pool.routed(group, route)
+        assert pool.candidates(route) == [group]
+        scheduler.reopen.set()
+        await eventually(lambda: group.cache is not None and group.cache.blocks == {2, 3})
+        pool.routed(group, route)
+        assert group.cache.sent_since_update == 1
+        await pool.close()
+
+    asyncio.run(main())
