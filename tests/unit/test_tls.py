@@ -51,9 +51,13 @@ async def call(server_identity: tls.Identity, make_channel, method: str = "Submi
         async with make_channel(shell.address) as ch:
             stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
             request = (scheduler_pb2.ResetPrefixCacheRequest() if method == "ResetPrefixCache"
+                       else scheduler_pb2.WatchCacheRequest() if method == "WatchCache"
                        else scheduler_pb2.SubmitRequestRequest(frontend_key=1))
             try:
-                await getattr(stub, method)(request, timeout=10)
+                if method == "WatchCache":  # a stream: its first message, or its refusal
+                    await getattr(stub, method)(request, timeout=10).read()
+                else:
+                    await getattr(stub, method)(request, timeout=10)
             except grpc.aio.AioRpcError as exc:
                 return exc.code()
             return grpc.StatusCode.OK
@@ -69,6 +73,8 @@ MATRIX = [
     ("detokenizer", "SubmitRequest", grpc.StatusCode.PERMISSION_DENIED),
     ("frontend", "ResetPrefixCache", grpc.StatusCode.PERMISSION_DENIED),
     ("admin", "SubmitRequest", grpc.StatusCode.PERMISSION_DENIED),
+    ("worker", "WatchCache", grpc.StatusCode.PERMISSION_DENIED),  # the cache's hashes are the frontends' alone
+    ("detokenizer", "WatchCache", grpc.StatusCode.PERMISSION_DENIED),
 ]
 
 
