@@ -85,6 +85,9 @@ class RecentKeys:
             self._keys.popitem(last=False)
         return True
 
+    def __contains__(self, frontend_key: object) -> bool:
+        return frontend_key in self._keys
+
 
 def abort_stray(mesh: Mesh, frontend_key: int) -> None:
     """An unfinished output reached a key this frontend does not serve (its request ended, or its
@@ -174,6 +177,9 @@ async def _submit_when_possible(mesh: Mesh, submission: Submission, outbox: Outb
             except RequestError as exc:
                 if exc.code != Code.UNAVAILABLE or time.monotonic() > deadline:
                     raise
+                if submission.frontend_key in mesh.aborted:  # taken perhaps, and being aborted: try anew
+                    mesh.unregister(submission.frontend_key, outbox)
+                    submission.frontend_key = mesh.register(outbox)
             else:
                 outbox.group = group
                 outbox.detokenizer = detokenizer
@@ -232,6 +238,7 @@ def _let_go_unless_refused(mesh: Mesh, group: SchedulerGroup, frontend_key: int,
     if exc.code() in _REFUSALS:
         mesh.schedulers.release(group)
     else:
+        mesh.aborted.add(frontend_key)  # at once: a retry must not reuse the key
         mesh.spawn(abort(mesh, group, frontend_key))
 
 
