@@ -291,8 +291,10 @@ def build_app(frontend: FrontendCore, registry: CollectorRegistry | None) -> Fas
     @app.exception_handler(RequestValidationError)
     async def on_invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
+        if first.get("type") == "json_invalid":  # its location is a character offset, not a field
+            where, why = first.get("loc", ("body", "?"))[-1], first.get("ctx", {}).get("error", "")
+            return error_response(400, f"body: not valid JSON at character {where} ({why})", "invalid_request_error")
+        param = oai.json_path(first.get("loc", ()))
         message = f"{param or 'body'}: {first.get('msg', 'invalid request body')}"
         return error_response(400, message, "invalid_request_error", param)
 
@@ -352,7 +354,11 @@ class _Server(uvicorn.Server):
 def bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot bind the HTTP API to {host}:{port}: {exc.strerror}") from exc
     sock.set_inheritable(True)
     return sock
 

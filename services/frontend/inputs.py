@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from vmesh.services.common.admission import InvalidRequest
-from vmesh.services.common.generation import Chat, Prompt
+from vmesh.services.common.generation import Chat, ChatMessage, Prompt
 from vmesh.services.common.tokenizer import encode_chat
 
 
@@ -20,12 +20,35 @@ def prompt_bytes(prompt: Prompt | None) -> int:
     return 0
 
 
+# The roles a chat message may have, on either API, and the one the chat template gets: OpenAI's
+# "developer" is a system message, its legacy "function" a tool's result.
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool",
+              "function": "tool"}
+ROLES_ACCEPTED = "system, developer, user, assistant, tool"
+
+
+def chat_role(field: str, message: ChatMessage) -> str:
+    """The template role of `message` (`field`: its name in the request), once its role and the
+    fields that role requires are as the HTTP API has them too."""
+    role = CHAT_ROLES.get(message.role)
+    if role is None:
+        raise InvalidRequest(f"{field}.role", f"{message.role!r} is not supported ({ROLES_ACCEPTED})")
+    if message.tool_calls and role != "assistant":
+        raise InvalidRequest(f"{field}.tool_calls", "only assistant messages make tool calls")
+    for j, call in enumerate(message.tool_calls):
+        if not call.name:
+            raise InvalidRequest(f"{field}.tool_calls[{j}].name", "required")
+    if role == "tool" and not message.tool_call_id:
+        raise InvalidRequest(f"{field}.tool_call_id", "required")
+    return role
+
+
 def chat_messages(chat: Chat) -> list[dict[str, Any]]:
     """A chat as the chat template takes it (OpenAI's shape: an assistant's `tool_calls`, a tool
-    result's `tool_call_id`)."""
+    result's `tool_call_id`), checked as either API's chat is."""
     messages = []
-    for m in chat.messages:
-        message: dict[str, Any] = {"role": m.role, "content": m.content}
+    for i, m in enumerate(chat.messages):
+        message: dict[str, Any] = {"role": chat_role(f"chat.messages[{i}]", m), "content": m.content}
         if m.tool_calls:
             message["tool_calls"] = [{"id": c.id, "type": "function",
                                       "function": {"name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
