@@ -26,7 +26,8 @@ from vmesh.services.frontend import openai_protocol as oai
 from vmesh.services.frontend import openai_responses as render
 from vmesh.services.frontend import responses_api, responses_events
 from vmesh.services.frontend.core import FrontendCore
-from vmesh.services.frontend.errors import RequestError
+from vmesh.services.frontend.errors import RequestError, refused_as_request_errors
+from vmesh.services.frontend.inputs import check_request_budget, check_request_tokens
 from vmesh.services.frontend.fanout import ClientGone, Fanout, FanoutStreamingResponse, until_disconnect
 from vmesh.services.frontend.http_middleware import (
     ApiKeyMiddleware,
@@ -133,8 +134,18 @@ class OpenAIRoutes:
 
         async def start() -> None:
             nonlocal fanout
-            # Each prompt is tokenized once (off the loop); its n copies carry the token ids.
-            prompts = [await self.frontend.encode(r.prompt) for r in requests]
+            # Each prompt is tokenized once (off the loop), one at a time: a request holds at most
+            # one tokenization in the pool, so it can delay another request's by one at most.
+            # Its n copies carry the token ids.
+            budget = self.frontend.settings
+            with refused_as_request_errors():
+                check_request_budget([r.prompt for r in requests], reply.n, budget.max_request_bytes,
+                                     budget.max_request_tokens)
+            prompts: list[list[int]] = []
+            for r in requests:
+                prompts.append(await self.frontend.encode(r.prompt))
+                with refused_as_request_errors():
+                    check_request_tokens(sum(map(len, prompts)), reply.n, budget.max_request_tokens)
             operation = "chat" if reply.chat else "text_completion"
             fanout = Fanout([self.frontend.generate(r, trace_headers=http_request.headers, operation=operation)
                              for r in oai.fan_out(requests, reply.n, prompts)])
@@ -338,7 +349,7 @@ def build_app(frontend: FrontendCore, registry: CollectorRegistry | None) -> Fas
         return await routes.responses(body, request)
 
     # The last added runs first: the key is checked before any body byte is read.
-    app.add_middleware(BodyLimitMiddleware, limit=body_limit(frontend.settings.max_prompt_bytes))
+    app.add_middleware(BodyLimitMiddleware, limit=body_limit(frontend.settings.max_request_bytes))
     app.add_middleware(ApiKeyMiddleware, api_key=frontend.settings.api_key)
     return app
 

@@ -262,8 +262,8 @@ def test_until_disconnect_lets_its_own_cancellation_through():
 
 
 def test_request_bodies_over_the_limit_are_refused_with_413():
-    f = make_frontend(max_prompt_bytes=8)
-    limit = body_limit(8)
+    f = make_frontend(max_prompt_bytes=8, max_request_bytes=64 * 8)
+    limit = body_limit(64 * 8)
     assert limit == 64 * 8 + 64 * 1024
     chunks_sent = 0
 
