@@ -252,8 +252,9 @@ class FrontendCore:
                 if self.limits is not None:  # before any copy: a request may hold millions of ids
                     check_prompt_length(len(prompt), self.limits)
                 return encode_input(tokenizer, prompt)
-            return await asyncio.get_running_loop().run_in_executor(
-                self.tokenizer_pool, encode_input, tokenizer, prompt, self.limits.max_model_len if self.limits else None)
+            context = self.limits.max_model_len if self.limits else None
+            return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, encode_input, tokenizer,
+                                                                    prompt, context)
         except InvalidRequest as exc:
             raise RequestError.invalid(exc) from exc
 

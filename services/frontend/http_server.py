@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -27,8 +26,8 @@ from vmesh.services.frontend import openai_responses as render
 from vmesh.services.frontend import responses_api, responses_events
 from vmesh.services.frontend.core import FrontendCore
 from vmesh.services.frontend.errors import RequestError, refused_as_request_errors
-from vmesh.services.frontend.inputs import check_request_budget, check_request_tokens
 from vmesh.services.frontend.fanout import ClientGone, Fanout, FanoutStreamingResponse, until_disconnect
+from vmesh.services.frontend.http_connections import ConnectionGuard, ConnectionLimitMiddleware, bind
 from vmesh.services.frontend.http_middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
@@ -36,6 +35,7 @@ from vmesh.services.frontend.http_middleware import (
     error_response,
     request_error_response,
 )
+from vmesh.services.frontend.inputs import check_request_budget, check_request_tokens
 from vmesh.services.frontend.structured_requests import BACKEND_HEADER
 from vmesh.services.frontend.tool_calls import ToolPlan
 from vmesh.services.frontend.tool_parsers import ContentDelta, Delta, ToolCallParser, make_parser
@@ -290,7 +290,9 @@ class OpenAIRoutes:
                                             "max_model_len": limits.max_model_len}]}
 
 
-def build_app(frontend: FrontendCore, registry: CollectorRegistry | None) -> FastAPI:
+def build_app(frontend: FrontendCore, registry: CollectorRegistry | None,
+              guard: ConnectionGuard | None = None) -> FastAPI:
+    """`guard`: the connections' guard (HttpServer's), whose limit spares /health and /metrics."""
     app = FastAPI(title="vmesh", summary="OpenAI-compatible API of a vmesh frontend", docs_url=None,
                   redoc_url=None)
     routes = OpenAIRoutes(frontend)
@@ -351,6 +353,8 @@ def build_app(frontend: FrontendCore, registry: CollectorRegistry | None) -> Fas
     # The last added runs first: the key is checked before any body byte is read.
     app.add_middleware(BodyLimitMiddleware, limit=body_limit(frontend.settings.max_request_bytes))
     app.add_middleware(ApiKeyMiddleware, api_key=frontend.settings.api_key)
+    if guard is not None:
+        app.add_middleware(ConnectionLimitMiddleware, guard=guard)
     return app
 
 
@@ -362,31 +366,21 @@ class _Server(uvicorn.Server):
         yield
 
 
-def bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise OSError(exc.errno, f"cannot bind the HTTP API to {host}:{port}: {exc.strerror}") from exc
-    sock.set_inheritable(True)
-    return sock
-
-
 class HttpServer:
     """uvicorn on the running event loop, bound at construction so that port 0 is known at once."""
 
     def __init__(self, frontend: FrontendCore, registry: CollectorRegistry | None, host: str, port: int,
-                 tls_cert: str | None = None, tls_key: str | None = None):
-        """`tls_cert`, `tls_key`: HTTPS with this certificate (the public port's), else HTTP."""
+                 tls_cert: str | None = None, tls_key: str | None = None, limit: int = LIMIT_CONCURRENCY):
+        """`tls_cert`, `tls_key`: HTTPS with this certificate (the public port's), else HTTP.
+        `limit`: connections, or requests in progress, past which the API answers 503 (health does not)."""
         self.socket = bind(host, port)
         bound = self.socket.getsockname()
         self.address = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
-        config = uvicorn.Config(build_app(frontend, registry), log_config=None, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5, limit_concurrency=LIMIT_CONCURRENCY,
-                                timeout_keep_alive=KEEP_ALIVE_S, ssl_certfile=tls_cert,
-                                ssl_keyfile=tls_key)
+        settings = frontend.settings
+        self.guard = ConnectionGuard(settings.http_header_timeout_s, settings.http_connections_per_peer, limit)
+        config = uvicorn.Config(build_app(frontend, registry, self.guard), log_config=None, access_log=False,
+                                lifespan="off", timeout_graceful_shutdown=5, http=self.guard.protocol(),
+                                timeout_keep_alive=KEEP_ALIVE_S, ssl_certfile=tls_cert, ssl_keyfile=tls_key)
         self.server = _Server(config)
         self.task: asyncio.Task | None = None
 

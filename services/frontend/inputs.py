@@ -10,7 +10,6 @@ from vmesh.services.common.admission import InvalidRequest
 from vmesh.services.common.generation import Chat, ChatMessage, Prompt
 from vmesh.services.common.tokenizer import encode_chat
 
-
 # A text of more characters than this many per token the context holds is first tokenized in
 # part, its head that long: most texts too long for the context are refused on their head alone,
 # without paying for the rest, whose length the client chose.
