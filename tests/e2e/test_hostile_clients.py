@@ -1,12 +1,20 @@
 """Clients that misbehave cost the mesh nothing lasting: thousands of deadlines and cancels at
-every moment of a request's life leave nothing running, waiting or holding KV blocks."""
+every moment of a request's life leave nothing running, waiting or holding KV blocks; bodies
+packed with maximal prompts are refused at once and leave no memory behind; thousands of
+connections trickling their headers are closed while a normal client is served as before."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import statistics
+import time
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
 
 import grpc
+import httpx
+import psutil
 import pytest
 
 from tests.e2e.conftest import scheduler_stats
@@ -17,11 +25,14 @@ from vmesh.services.client import VmeshClient
 EARLY_ENDS = 2000
 IN_FLIGHT = 200  # at most this many of them at once, as a busy client pool would
 LONGEST_LIFE_S = 0.05
+HEAD_TIMEOUT_S = 2
+SLOW_CONNECTIONS = 5000
+MIB = 1 << 20
 
 
 @pytest.fixture(scope="module")
 def mesh():
-    mesh = start_mesh("--metrics")
+    mesh = start_mesh("--metrics", "--http-header-timeout", str(HEAD_TIMEOUT_S))
     yield mesh
     mesh.stop()
 
@@ -90,3 +101,126 @@ def test_thousands_of_deadlines_and_cancels_leave_nothing_running(mesh):
     asyncio.run(probe())
     wait_released(mesh)
     assert generated_tokens(mesh) - before == 4
+
+
+def _http_address(mesh) -> tuple[str, int]:
+    url = urlsplit(mesh.http_url)
+    assert url.hostname is not None and url.port is not None
+    return url.hostname, url.port
+
+
+async def _post_raw(host: str, port: int, path: str, length: int, body: AsyncIterator[bytes]) -> tuple[bytes, float]:
+    """POST a body of `length` bytes as it is produced, reading the response meanwhile (a server
+    may answer before the body is in): the status line and how long it took."""
+    started = time.monotonic()
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: vmesh\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {length}\r\n\r\n".encode())
+
+    async def send() -> None:
+        async for chunk in body:
+            writer.write(chunk)
+            await writer.drain()
+
+    sending = asyncio.ensure_future(send())
+    status = await reader.readline()
+    elapsed = time.monotonic() - started
+    sending.cancel()
+    await asyncio.gather(sending, return_exceptions=True)
+    writer.close()
+    return status, elapsed
+
+
+def _maximal_prompts(count: int) -> tuple[int, AsyncIterator[bytes]]:
+    """A completions body of `count` prompts of 1 MiB of "y " each (the prompt byte limit)."""
+    prompt = b"y " * (MIB // 2)
+    length = len(b'{"prompt": [') + count * (len(prompt) + 2) + (count - 1) + len(b'], "max_tokens": 8}')
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b'{"prompt": ['
+        for i in range(count):
+            yield b'"' + prompt + b'"' + (b"," if i < count - 1 else b"")
+        yield b'], "max_tokens": 8}'
+
+    return length, chunks()
+
+
+async def _small_latency(http: httpx.AsyncClient) -> float:
+    started = time.monotonic()
+    response = await http.post("/completions", json={"prompt": "Hi", "max_tokens": 8, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    return time.monotonic() - started
+
+
+def test_bodies_of_maximal_prompts_are_refused_at_once_and_leave_no_memory_behind(mesh):
+    frontend = psutil.Process(mesh.services["frontend"][1])
+    host, port = _http_address(mesh)
+
+    async def main() -> tuple[float, list[float], list[tuple[bytes, float]]]:
+        async with httpx.AsyncClient(base_url=mesh.http_url, timeout=60) as http:
+            baseline = statistics.median([await _small_latency(http) for _ in range(5)])
+            refused = []
+            during = []
+            for count in (64, 4):  # 64 MiB: past the body limit; 4 MiB: the byte budget, each prompt too long
+                length, body = _maximal_prompts(count)
+                huge = asyncio.ensure_future(_post_raw(host, port, "/v1/completions", length, body))
+                while not huge.done():
+                    during.append(await _small_latency(http))
+                refused.append(huge.result())
+            return baseline, during, refused
+
+    rss_before = frontend.memory_info().rss
+    baseline, during, refused = asyncio.run(main())
+    (too_large, too_large_s), (too_long, too_long_s) = refused
+    assert too_large.startswith(b"HTTP/1.1 413") and too_large_s < 1
+    assert too_long.startswith(b"HTTP/1.1 400") and too_long_s < 1
+    assert statistics.median(during) <= 2 * baseline, (during, baseline)
+    assert frontend.memory_info().rss - rss_before < 50 * MIB
+
+
+async def _trickle(host: str, port: int, opening: asyncio.Semaphore) -> bool:
+    """One connection from another loopback address that sends a request's head a byte a second;
+    whether the server closed it (rather than the head completing)."""
+    head = b"GET /v1/models HTTP/1.1\r\nHost: vmesh\r\nX-Slow: " + b"z" * 64 + b"\r\n\r\n"
+    async with opening:  # a listen backlog's worth at a time
+        reader, writer = await asyncio.open_connection(host, port, local_addr=("127.0.0.2", 0))
+    try:
+        for byte in head:
+            writer.write(bytes([byte]))
+            try:
+                if await asyncio.wait_for(reader.read(1), 1.0) == b"":
+                    return True
+            except asyncio.TimeoutError:
+                continue
+        return False
+    except ConnectionError:
+        return True
+    finally:
+        writer.close()
+
+
+def test_thousands_of_trickling_connections_are_closed_and_a_normal_client_is_served(mesh):
+    host, port = _http_address(mesh)
+
+    async def main() -> tuple[float, list[float], list[bool], list[int]]:
+        async with httpx.AsyncClient(base_url=mesh.http_url, timeout=60) as http:
+            async def timed_models() -> float:
+                started = time.monotonic()
+                response = await http.get("/models")
+                statuses.append(response.status_code)
+                return time.monotonic() - started
+
+            statuses: list[int] = []
+            baseline = statistics.median([await timed_models() for _ in range(20)])
+            opening = asyncio.Semaphore(512)
+            slow = asyncio.gather(*(_trickle(host, port, opening) for _ in range(SLOW_CONNECTIONS)))
+            during = []
+            while not slow.done():
+                during.append(await timed_models())
+            return baseline, during, await slow, statuses
+
+    baseline, during, closed, statuses = asyncio.run(main())
+    assert all(closed) and len(closed) == SLOW_CONNECTIONS
+    assert set(statuses) == {200}
+    # The median, not a tail: on a shared CI machine the tail measures the neighbours.
+    assert statistics.median(during) <= 2 * baseline, (sorted(during), baseline)
