@@ -205,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelLoadError, ValueError) as exc:
         print(f"vmesh: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a service that cannot start (a port taken, say): one line, not a traceback
+        print(f"vmesh: error: {exc}", file=sys.stderr)
+        return 1
     except grpc.RpcError as exc:  # a client command that could not get its answer: one line, not a traceback
         code = exc.code() if callable(getattr(exc, "code", None)) else None
         reason = "no service answers there" if code == grpc.StatusCode.UNAVAILABLE else (

@@ -34,7 +34,7 @@ from vmesh.services.common.types import ModelLimits, OutputBatch, OutputMode, Re
 from vmesh.services.frontend import schedulers
 from vmesh.services.frontend.auth import check_api_key
 from vmesh.services.frontend.errors import Code, RequestError
-from vmesh.services.frontend.failover import DETOKENIZER_LOST, MeshPath, TimeRemaining
+from vmesh.services.frontend.failover import DETOKENIZER_LOST, MeshPath, RecentKeys, TimeRemaining, abort_stray
 from vmesh.services.frontend.inputs import encode_input, prompt_bytes
 from vmesh.services.frontend.outbox import LostService, Outbox, PendingOutput
 from vmesh.services.frontend.request_clock import RequestClock
@@ -80,6 +80,7 @@ class FrontendCore:
         self.limits = limits
         self.draining = False
         self.background = TaskGroup()  # aborts that outlive their request
+        self.aborted = RecentKeys()
         self.frontend_id = f"frontend-{uuid.uuid4().hex[:12]}"
         self.scheduler_addresses = AddressBook(settings.scheduler_addresses)
         self.schedulers = SchedulerPool(connect_scheduler, on_lost=self.scheduler_lost, health_stream=scheduler_health,
@@ -183,20 +184,14 @@ class FrontendCore:
 
     def dispatch(self, batch: OutputBatch) -> None:
         """Outputs from a detokenizer replica, each to its request's outbox (outputs of a key no
-        longer served, e.g. one left behind by a failover, are dropped)."""
+        longer served, e.g. one left behind by a failover, are dropped, and its request aborted)."""
         for output in batch.outputs:
             outbox = self.outboxes.get(output.frontend_key)
             if outbox is None:
+                if output.finish_reason is None and not output.error:
+                    abort_stray(self, output.frontend_key)
                 continue
-            if output.error:  # it ends the request (or its path, for a failover): no finish reason, no usage
-                outbox.put(PendingOutput(text=output.text, token_ids=output.token_ids, logprobs=output.logprobs,
-                                         error=output.error, lost=LostService.SCHEDULER if output.resumable else None))
-                continue
-            out = PendingOutput(text=output.text, token_ids=output.token_ids, logprobs=output.logprobs,
-                                finish_reason=output.finish_reason)
-            if out.finished:
-                out.usage = output.usage
-            outbox.put(out)
+            outbox.put(PendingOutput.received(output))
 
     def scheduler_lost(self, group: SchedulerGroup) -> None:
         """The group's requests, queued ones included, fail over (their detokenizer may never
@@ -257,8 +252,9 @@ class FrontendCore:
                 if self.limits is not None:  # before any copy: a request may hold millions of ids
                     check_prompt_length(len(prompt), self.limits)
                 return encode_input(tokenizer, prompt)
+            context = self.limits.max_model_len if self.limits else None
             return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, encode_input, tokenizer,
-                                                                    prompt)
+                                                                    prompt, context)
         except InvalidRequest as exc:
             raise RequestError.invalid(exc) from exc
 

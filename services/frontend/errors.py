@@ -4,6 +4,9 @@ HTTP status with OpenAI's error body)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import grpc
 
 from vmesh.services.common.admission import InvalidRequest
@@ -23,3 +26,12 @@ class RequestError(Exception):
     @classmethod
     def invalid(cls, exc: InvalidRequest) -> RequestError:
         return cls(Code.INVALID_ARGUMENT, str(exc), exc.field)
+
+
+@contextmanager
+def refused_as_request_errors() -> Iterator[None]:
+    """An InvalidRequest raised inside becomes the RequestError the shells answer."""
+    try:
+        yield
+    except InvalidRequest as exc:
+        raise RequestError.invalid(exc) from exc

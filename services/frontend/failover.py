@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
@@ -30,6 +31,14 @@ TARGET_POLL_S = 0.1
 ABORT_TIMEOUT_S = 5.0
 _PASSED_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                    grpc.StatusCode.DEADLINE_EXCEEDED}
+# Codes a scheduler answers when it did not queue the request. Any other failure (a deadline that
+# passed while the reply travelled, a cancelled call, a broken stream) leaves the outcome unknown,
+# so the request is aborted there: an abort of a request the scheduler never took does nothing.
+# UNAVAILABLE counts as a refusal because the same key is submitted again after it; should the
+# scheduler have taken it anyway, its outputs reach a key this frontend no longer serves, and
+# those are aborted as they arrive (FrontendCore.dispatch).
+_REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS,
+             grpc.StatusCode.UNAVAILABLE}
 DETOKENIZER_LOST = "the detokenizer serving this request became unavailable"
 
 TimeRemaining = Callable[[], float | None]
@@ -42,6 +51,7 @@ class Mesh(Protocol):
     frontend_id: str
     schedulers: SchedulerPool
     metrics: FrontendMetrics | None
+    aborted: RecentKeys
 
     @property
     def failover_timeout_s(self) -> float: ...
@@ -56,6 +66,39 @@ class Mesh(Protocol):
     def unregister(self, frontend_key: int, outbox: Outbox) -> None: ...
 
     def spawn(self, work: Coroutine[Any, Any, None]) -> None: ...
+
+
+class RecentKeys:
+    """The last `size` frontend keys aborted: outputs still on their way for one of them need no
+    second abort. Bounded, so that a flood of strays costs a fixed amount of memory."""
+
+    def __init__(self, size: int = 4096):
+        self.size = size
+        self._keys: OrderedDict[int, None] = OrderedDict()
+
+    def add(self, frontend_key: int) -> bool:
+        """Remember `frontend_key`; False when it was already remembered."""
+        if frontend_key in self._keys:
+            return False
+        self._keys[frontend_key] = None
+        if len(self._keys) > self.size:
+            self._keys.popitem(last=False)
+        return True
+
+    def __contains__(self, frontend_key: object) -> bool:
+        return frontend_key in self._keys
+
+
+def abort_stray(mesh: Mesh, frontend_key: int) -> None:
+    """An unfinished output reached a key this frontend does not serve (its request ended, or its
+    submission's outcome was unknown): it runs somewhere for nobody, so every group is told to
+    abort it (keys are unique: a group that does not hold it ignores the abort)."""
+    if not mesh.aborted.add(frontend_key):
+        return
+    for group in mesh.schedulers.members.active():
+        if group.alive:
+            mesh.schedulers.acquire(group)  # the abort releases it
+            mesh.spawn(abort(mesh, group, frontend_key))
 
 
 class MeshPath:
@@ -110,6 +153,7 @@ class MeshPath:
         lost group's abort just fails) and a leaving replica may go once it serves nothing else."""
         self.mesh.unregister(self.submission.frontend_key, self.outbox)
         if self.group is not None:
+            self.mesh.aborted.add(self.submission.frontend_key)  # before outputs on their way arrive
             self.mesh.spawn(abort(self.mesh, self.group, self.submission.frontend_key))
         self.group = None
         self.outbox.group = self.outbox.detokenizer = None
@@ -133,6 +177,9 @@ async def _submit_when_possible(mesh: Mesh, submission: Submission, outbox: Outb
             except RequestError as exc:
                 if exc.code != Code.UNAVAILABLE or time.monotonic() > deadline:
                     raise
+                if submission.frontend_key in mesh.aborted:  # taken perhaps, and being aborted: try anew
+                    mesh.unregister(submission.frontend_key, outbox)
+                    submission.frontend_key = mesh.register(outbox)
             else:
                 outbox.group = group
                 outbox.detokenizer = detokenizer
@@ -172,7 +219,7 @@ async def submit(mesh: Mesh, submission: Submission,
             mesh.spawn(_abort_once_submitted(mesh, call, group, submission.frontend_key))
             raise
         except grpc.aio.AioRpcError as exc:
-            pool.release(group)
+            _let_go_unless_refused(mesh, group, submission.frontend_key, exc)
             error = exc
             if exc.code() != grpc.StatusCode.UNAVAILABLE:
                 break
@@ -185,16 +232,30 @@ async def submit(mesh: Mesh, submission: Submission,
     raise RequestError(grpc.StatusCode.UNAVAILABLE, "no scheduler is available")
 
 
+def _let_go_unless_refused(mesh: Mesh, group: SchedulerGroup, frontend_key: int, exc: grpc.aio.AioRpcError) -> None:
+    """A submission failed: the group is released, after an abort unless it refused the request."""
+    if exc.code() in _REFUSALS:
+        mesh.schedulers.release(group)
+    else:
+        mesh.aborted.add(frontend_key)  # at once: a retry must not reuse the key
+        mesh.spawn(abort(mesh, group, frontend_key))
+
+
 async def _abort_once_submitted(mesh: Mesh, call: asyncio.Future, group: SchedulerGroup, frontend_key: int) -> None:
     try:
         await call
-    except (grpc.aio.AioRpcError, asyncio.CancelledError):  # it never took the request
+    except grpc.aio.AioRpcError as exc:
+        _let_go_unless_refused(mesh, group, frontend_key, exc)
+        return
+    except asyncio.CancelledError:  # the frontend is closing: its schedulers' connections go with it
         mesh.schedulers.release(group)
         return
     await abort(mesh, group, frontend_key)
 
 
 async def abort(mesh: Mesh, group: SchedulerGroup, frontend_key: int) -> None:
+    """Stop the request in `group` (idempotent: a request it no longer holds is no error) and release the group."""
+    mesh.aborted.add(frontend_key)
     try:
         await group.abort(mesh.frontend_id, frontend_key, ABORT_TIMEOUT_S)
     except grpc.aio.AioRpcError as exc:  # its scheduler is gone, say: then so is the request

@@ -12,7 +12,6 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from vmesh.services.common.generation import GenerationOutput
-from vmesh.services.frontend import openai_responses as render
 
 T = TypeVar("T")
 
@@ -36,7 +35,6 @@ class Fanout:
         try:
             try:
                 async for out in stream:
-                    render.check_not_aborted(out)
                     await self.queue.put((index, out, None))
             finally:
                 # Cancelled while waiting for room in the queue, the stream sits at a yield where

@@ -16,10 +16,10 @@ from vmesh.services.frontend.errors import RequestError
 OPEN_PATHS = {"/health", "/metrics", "/openapi.json"}  # no API key asked: probes and scrapers
 
 
-def body_limit(max_prompt_bytes: int) -> int:
-    """The largest request body accepted: a request holds at most MAX_CHOICES prompts of at most
-    max_prompt_bytes each, plus room for the other fields."""
-    return oai.MAX_CHOICES * max_prompt_bytes + 64 * 1024
+def body_limit(max_request_bytes: int) -> int:
+    """The largest request body accepted: its prompts' budget plus room for the other fields (a
+    request of token ids spends the budget on their digits)."""
+    return max_request_bytes + 64 * 1024
 
 
 def error_response(status: int, message: str, error_type: str, param: str | None = None,

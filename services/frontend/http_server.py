@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -27,8 +26,9 @@ from vmesh.services.frontend import openai_protocol as oai
 from vmesh.services.frontend import openai_responses as render
 from vmesh.services.frontend import responses_api, responses_events, utility_api
 from vmesh.services.frontend.core import FrontendCore
-from vmesh.services.frontend.errors import RequestError
+from vmesh.services.frontend.errors import RequestError, refused_as_request_errors
 from vmesh.services.frontend.fanout import ClientGone, Fanout, FanoutStreamingResponse, until_disconnect
+from vmesh.services.frontend.http_connections import ConnectionGuard, ConnectionLimitMiddleware, bind
 from vmesh.services.frontend.http_middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
@@ -36,6 +36,7 @@ from vmesh.services.frontend.http_middleware import (
     error_response,
     request_error_response,
 )
+from vmesh.services.frontend.inputs import check_request_budget, check_request_tokens
 from vmesh.services.frontend.structured_requests import BACKEND_HEADER
 from vmesh.services.frontend.tool_calls import ToolPlan
 from vmesh.services.frontend.tool_parsers import ContentDelta, Delta, ToolCallParser, make_parser
@@ -134,8 +135,18 @@ class OpenAIRoutes:
 
         async def start() -> None:
             nonlocal fanout
-            # Each prompt is tokenized once (off the loop); its n copies carry the token ids.
-            prompts = [await self.frontend.encode(r.prompt) for r in requests]
+            # Each prompt is tokenized once (off the loop), one at a time: a request holds at most
+            # one tokenization in the pool, so it can delay another request's by one at most.
+            # Its n copies carry the token ids.
+            budget = self.frontend.settings
+            with refused_as_request_errors():
+                check_request_budget([r.prompt for r in requests], reply.n, budget.max_request_bytes,
+                                     budget.max_request_tokens)
+            prompts: list[list[int]] = []
+            for r in requests:
+                prompts.append(await self.frontend.encode(r.prompt))
+                with refused_as_request_errors():
+                    check_request_tokens(sum(map(len, prompts)), reply.n, budget.max_request_tokens)
             operation = "chat" if reply.chat else "text_completion"
             fanout = Fanout([self.frontend.generate(r, trace_headers=http_request.headers, operation=operation)
                              for r in oai.fan_out(requests, reply.n, prompts)])
@@ -280,7 +291,9 @@ class OpenAIRoutes:
                                             "max_model_len": limits.max_model_len}]}
 
 
-def build_app(frontend: FrontendCore, registry: CollectorRegistry | None) -> FastAPI:
+def build_app(frontend: FrontendCore, registry: CollectorRegistry | None,
+              guard: ConnectionGuard | None = None) -> FastAPI:
+    """`guard`: the connections' guard (HttpServer's), whose limit spares /health and /metrics."""
     app = FastAPI(title="vmesh", summary="OpenAI-compatible API of a vmesh frontend", docs_url=None,
                   redoc_url=None)
     routes = OpenAIRoutes(frontend)
@@ -292,8 +305,10 @@ def build_app(frontend: FrontendCore, registry: CollectorRegistry | None) -> Fas
     @app.exception_handler(RequestValidationError)
     async def on_invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
+        if first.get("type") == "json_invalid":  # its location is a character offset, not a field
+            where, why = first.get("loc", ("body", "?"))[-1], first.get("ctx", {}).get("error", "")
+            return error_response(400, f"body: not valid JSON at character {where} ({why})", "invalid_request_error")
+        param = oai.json_path(first.get("loc", ()))
         message = f"{param or 'body'}: {first.get('msg', 'invalid request body')}"
         return error_response(400, message, "invalid_request_error", param)
 
@@ -338,8 +353,10 @@ def build_app(frontend: FrontendCore, registry: CollectorRegistry | None) -> Fas
 
     utility_api.add_routes(app, frontend)
     # The last added runs first: the key is checked before any body byte is read.
-    app.add_middleware(BodyLimitMiddleware, limit=body_limit(frontend.settings.max_prompt_bytes))
+    app.add_middleware(BodyLimitMiddleware, limit=body_limit(frontend.settings.max_request_bytes))
     app.add_middleware(ApiKeyMiddleware, api_key=frontend.settings.api_key)
+    if guard is not None:
+        app.add_middleware(ConnectionLimitMiddleware, guard=guard)
     return app
 
 
@@ -351,27 +368,21 @@ class _Server(uvicorn.Server):
         yield
 
 
-def bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.set_inheritable(True)
-    return sock
-
-
 class HttpServer:
     """uvicorn on the running event loop, bound at construction so that port 0 is known at once."""
 
     def __init__(self, frontend: FrontendCore, registry: CollectorRegistry | None, host: str, port: int,
-                 tls_cert: str | None = None, tls_key: str | None = None):
-        """`tls_cert`, `tls_key`: HTTPS with this certificate (the public port's), else HTTP."""
+                 tls_cert: str | None = None, tls_key: str | None = None, limit: int = LIMIT_CONCURRENCY):
+        """`tls_cert`, `tls_key`: HTTPS with this certificate (the public port's), else HTTP.
+        `limit`: connections, or requests in progress, past which the API answers 503 (health does not)."""
         self.socket = bind(host, port)
         bound = self.socket.getsockname()
         self.address = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
-        config = uvicorn.Config(build_app(frontend, registry), log_config=None, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5, limit_concurrency=LIMIT_CONCURRENCY,
-                                timeout_keep_alive=KEEP_ALIVE_S, ssl_certfile=tls_cert,
-                                ssl_keyfile=tls_key)
+        settings = frontend.settings
+        self.guard = ConnectionGuard(settings.http_header_timeout_s, settings.http_connections_per_peer, limit)
+        config = uvicorn.Config(build_app(frontend, registry, self.guard), log_config=None, access_log=False,
+                                lifespan="off", timeout_graceful_shutdown=5, http=self.guard.protocol(),
+                                timeout_keep_alive=KEEP_ALIVE_S, ssl_certfile=tls_cert, ssl_keyfile=tls_key)
         self.server = _Server(config)
         self.task: asyncio.Task | None = None
 

@@ -5,6 +5,9 @@ The response bodies are openai_responses.py. Pure functions: no I/O."""
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, Literal, cast
 
@@ -17,6 +20,7 @@ from vmesh.services.common.types import DEFAULT_MAX_TOKENS, MAX_LOGPROBS, Output
 from vmesh.services.common.wire.public import as_carried
 from vmesh.services.frontend import tool_calls
 from vmesh.services.frontend.errors import Code, RequestError
+from vmesh.services.frontend.inputs import CHAT_ROLES, ROLES_ACCEPTED
 from vmesh.services.frontend.structured_requests import request_spec, structured_aliases
 
 MAX_CHOICES = 64  # n × prompts per HTTP request: each is a request in the scheduler
@@ -221,10 +225,6 @@ def _content_text(i: int, message: ChatMessage, optional: bool = False) -> str:
     return "\n".join(parts)
 
 
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool",
-              "function": "tool"}
-
-
 def _tool_call(param: str, call: Any) -> ToolCall:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
@@ -242,7 +242,7 @@ def _tool_call(param: str, call: Any) -> ToolCall:
 def chat_message(i: int, m: ChatMessage) -> generation.ChatMessage:
     role = CHAT_ROLES.get(m.role)
     if role is None:
-        raise invalid(f"messages[{i}].role", f"{m.role!r} is not supported (system, developer, user, assistant, tool)")
+        raise invalid(f"messages[{i}].role", f"{m.role!r} is not supported ({ROLES_ACCEPTED})")
     calls = list(m.tool_calls or ())
     if m.function_call is not None:  # the legacy form of one call
         calls.append({"id": "", "type": "function", "function": m.function_call})
@@ -336,6 +336,24 @@ def param_aliases(body: CompletionRequest | ChatCompletionRequest,
         aliases["max_tokens"] = "max_completion_tokens"
     spec = chat_spec(body, tools) if tools is not None else request_spec(body.response_format, body.structured_outputs)
     return {**aliases, **structured_aliases(spec[1] if spec else None)}
+
+
+# What pydantic puts in an error's location besides fields and indexes: the member of a union
+# ("str", "list[int]") or a validator's name ("function-after[...]").
+_PYDANTIC_TAG = re.compile(r"^(str|int|float|bool|dict|list|none)$|^[a-z_-]+\[.*\]$")
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def json_path(loc: Sequence[str | int]) -> str | None:
+    """A pydantic error location (("body", "messages", 0, "content", "str")) in the one notation
+    every `param` of the HTTP API uses, vmesh's own: messages[0].content. None: the body itself."""
+    path = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not _PYDANTIC_TAG.match(part):
+            path += (f".{part}" if path else part) if _IDENTIFIER.match(part) else f"[{json.dumps(part)}]"
+    return path or None
 
 
 def _aliased(name: str, aliases: dict[str, str]) -> str:

@@ -11,7 +11,6 @@ from typing import Any, Protocol
 from vmesh.services.common.generation import GenerationOutput
 from vmesh.services.common.output_accumulator import OutputAccumulator
 from vmesh.services.common.types import FinishReason, TokenLogprobs, Usage
-from vmesh.services.frontend.errors import Code, RequestError
 from vmesh.services.frontend.tool_calls import ToolPlan
 from vmesh.services.frontend.tool_parsers import make_parser, parse_text
 
@@ -136,13 +135,6 @@ def chat_logprobs(entries: list[TokenLogprobs], token_ids: list[int],
     return {"content": [{**item(t, e.logprob), "top_logprobs": [item(x, lp) for x, lp in zip(e.top_token_ids,
                                                                                              e.top_logprobs)]}
                         for t, e in zip(token_ids, entries)]}
-
-
-def check_not_aborted(out: GenerationOutput) -> None:
-    """An output the server aborted (a failure or a deadline on its side) ends the request with
-    an error: OpenAI has no finish reason for it, and its text is not a complete answer."""
-    if out.finish_reason is FinishReason.ABORT:
-        raise RequestError(Code.UNAVAILABLE, "the server aborted the request before it finished; try again")
 
 
 def usage(choices: list[Choice], n: int) -> dict[str, Any]:

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from enum import Enum
 
 from vmesh.services.common.output_accumulator import OutputAccumulator
-from vmesh.services.common.types import FinishReason, TokenLogprobs, Usage
+from vmesh.services.common.types import FinishReason, StreamOutput, TokenLogprobs, Usage
+
+SERVER_ABORTED = "the server aborted the request before it finished; try again"
 
 
 class LostService(str, Enum):
@@ -27,6 +29,21 @@ class PendingOutput(OutputAccumulator[TokenLogprobs]):
     # With an error, the service the request lost (None for any other error): it may be
     # submitted again with what it has received (a failover).
     lost: LostService | None = None
+
+    @classmethod
+    def received(cls, output: StreamOutput) -> PendingOutput:
+        """An output as a detokenizer sent it. An error ends the request (or its path, for a
+        failover) with no finish reason and no usage; so does an abort on the server's side (the
+        finish reason ABORT): its text is no complete answer, and both APIs fail it as UNAVAILABLE."""
+        error = output.error or (SERVER_ABORTED if output.finish_reason is FinishReason.ABORT else "")
+        if error:
+            return cls(text=output.text, token_ids=output.token_ids, logprobs=output.logprobs, error=error,
+                       lost=LostService.SCHEDULER if output.resumable else None)
+        out = cls(text=output.text, token_ids=output.token_ids, logprobs=output.logprobs,
+                  finish_reason=output.finish_reason)
+        if out.finished:
+            out.usage = output.usage
+        return out
 
     @property
     def finished(self) -> bool:

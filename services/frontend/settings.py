@@ -11,6 +11,16 @@ from vmesh.services.common.runtime.discovery import DEFAULT_REFRESH_INTERVAL_S
 # Prompts are refused above this many bytes of text before they are tokenized: tokenizing is
 # the one step whose cost a client controls, and it runs on a shared thread pool.
 DEFAULT_MAX_PROMPT_BYTES = 1 << 20
+# One HTTP request's budgets across all its prompts (and, for tokens, its n copies): what a
+# request may cost is bounded before it is paid, whatever it packs into one body.
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+DEFAULT_MAX_REQUEST_TOKENS = 1 << 17
+# An HTTP connection that has not sent a request's head this long after it opened (or after its
+# previous response) is closed: a client trickling its headers holds a connection for free.
+DEFAULT_HTTP_HEADER_TIMEOUT_S = 10.0
+# Connections one peer address may hold; more are closed as they open (one client cannot take
+# every connection). Behind a proxy, every client shares its address: raise it, or 0 for no cap.
+DEFAULT_HTTP_CONNECTIONS_PER_PEER = 1024
 # How long a request may wait for a scheduler group and a detokenizer replica to take it (a lost
 # one restarting, say) before it fails with UNAVAILABLE.
 DEFAULT_FAILOVER_TIMEOUT_S = 60.0
@@ -34,6 +44,21 @@ class FrontendSettings:
     max_prompt_bytes: int = setting(
         DEFAULT_MAX_PROMPT_BYTES, section="frontend",
         help="prompts with more bytes of text are refused (INVALID_ARGUMENT / HTTP 400) before tokenizing")
+    max_request_bytes: int = setting(
+        DEFAULT_MAX_REQUEST_BYTES, section="frontend",
+        help="an HTTP request whose prompts together hold more bytes of text is refused (400) before tokenizing; "
+             "the body limit (413) is this plus 64 KiB")
+    max_request_tokens: int = setting(
+        DEFAULT_MAX_REQUEST_TOKENS, section="frontend",
+        help="an HTTP request whose prompts' tokens times n exceed this is refused (400): token ids before any "
+             "copy, text as it is tokenized")
+    http_header_timeout_s: float = setting(
+        DEFAULT_HTTP_HEADER_TIMEOUT_S, section="frontend", flag="--http-header-timeout",
+        help="seconds an HTTP connection may take to send a request's line and headers (after opening, or after "
+             "its previous response) before it is closed")
+    http_connections_per_peer: int = setting(
+        DEFAULT_HTTP_CONNECTIONS_PER_PEER, section="frontend",
+        help="HTTP connections one client address may hold open (more are closed at once); 0: no cap")
     public_tls_cert: str | None = setting(
         None, section="frontend",
         help="serve the public gRPC port and the HTTP API over TLS with this certificate (and --public-tls-key)")

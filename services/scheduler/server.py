@@ -70,6 +70,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         replicas = session.router.routable(request.detokenizers)
         if not replicas:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no detokenizer replica is reachable")
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:  # its sender has given up on it: queued, it would run for nobody
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the submission's deadline passed before it "
+                                                                    "was queued")
         key = request_key(request.frontend_id, request.frontend_key)
         if key in session.core().requests:  # its first claim is untouched: refused, not a failure of the step
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {key} is already submitted")

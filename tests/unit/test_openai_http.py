@@ -16,7 +16,7 @@ import pytest
 from tests.support.eventually import eventually
 from tests.support.frontends import make_frontend, serving_frontend
 from vmesh.services.common.generation import GenerationOutput
-from vmesh.services.common.types import TokenLogprobs
+from vmesh.services.common.types import OutputBatch, StreamOutput, TokenLogprobs
 from vmesh.services.common.wire.common import finish_from_proto
 from vmesh.services.frontend import openai_protocol as oai
 from vmesh.services.frontend import openai_responses as render
@@ -25,7 +25,6 @@ from vmesh.services.frontend.errors import RequestError
 from vmesh.services.frontend.fanout import Fanout, until_disconnect
 from vmesh.services.frontend.http_middleware import body_limit
 from vmesh.services.frontend.http_server import build_app
-from vmesh.services.frontend.outbox import PendingOutput
 from vmesh.v1 import common_pb2
 
 LENGTH = common_pb2.FINISH_REASON_LENGTH
@@ -54,9 +53,8 @@ class CharTokenizer:
 
 def emit(f: FrontendCore, text: str, finish: int = 0, keys: list[int] | None = None) -> None:
     """Play the detokenizer: `text` (one token per character) to the given requests (all: None)."""
-    for key in list(f.outboxes) if keys is None else keys:
-        f.outboxes[key].put(PendingOutput(text=text, token_ids=[ord(c) for c in text],
-                                          finish_reason=finish_from_proto(finish)))
+    f.dispatch(OutputBatch([StreamOutput(key, text, [ord(c) for c in text], finish_from_proto(finish), 0, 0, 0)
+                            for key in (list(f.outboxes) if keys is None else keys)]))
 
 
 class Call:
@@ -264,8 +262,8 @@ def test_until_disconnect_lets_its_own_cancellation_through():
 
 
 def test_request_bodies_over_the_limit_are_refused_with_413():
-    f = make_frontend(max_prompt_bytes=8)
-    limit = body_limit(8)
+    f = make_frontend(max_prompt_bytes=8, max_request_bytes=64 * 8)
+    limit = body_limit(64 * 8)
     assert limit == 64 * 8 + 64 * 1024
     chunks_sent = 0
 

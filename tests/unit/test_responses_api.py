@@ -19,12 +19,11 @@ from tests.support.eventually import eventually
 from tests.support.frontends import serving_frontend
 from tests.unit.test_openai_http import Call, CharTokenizer
 from vmesh.services.common.generation import Chat
-from vmesh.services.common.types import FinishReason, Usage
+from vmesh.services.common.types import FinishReason, OutputBatch, StreamOutput
 from vmesh.services.frontend import responses_api as api
 from vmesh.services.frontend.core import FrontendCore
 from vmesh.services.frontend.errors import RequestError
 from vmesh.services.frontend.http_server import build_app
-from vmesh.services.frontend.outbox import PendingOutput
 from vmesh.services.frontend.responses_events import ResponseEvents
 
 EVENTS = pydantic.TypeAdapter(ResponseStreamEvent)
@@ -252,9 +251,7 @@ def test_a_stream_that_says_nothing_has_an_empty_message_as_the_unstreamed_respo
 def emit(f: FrontendCore, text: str, finish: FinishReason | None = None, usage: tuple[int, int] = (0, 0)) -> None:
     """Play the detokenizer (one token per character); `usage`: the finished request's prompt and
     completion tokens."""
-    for key in list(f.outboxes):
-        f.outboxes[key].put(PendingOutput(text=text, token_ids=[ord(c) for c in text], finish_reason=finish,
-                                          usage=Usage(*usage, 0) if finish is not None else None))
+    f.dispatch(OutputBatch([StreamOutput(key, text, [ord(c) for c in text], finish, *usage, 0) for key in f.outboxes]))
 
 
 def client(f: FrontendCore) -> openai.AsyncOpenAI:

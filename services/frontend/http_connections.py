@@ -1,0 +1,137 @@
+"""Guards on the HTTP API's connections, which clients hold at no cost to themselves: a request's
+head (request line and headers) must arrive within a timeout, one peer address may hold only so
+many connections, and past the public limit every path but the exempt ones (health, metrics)
+is answered 503, so that probes still reach the frontend while clients flood it."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from vmesh.services.frontend.http_middleware import error_response
+
+EXEMPT_PATHS = frozenset({"/health", "/metrics"})
+
+
+@dataclass
+class ConnectionGuard:
+    """`head_timeout_s`: how long a connection may take to send a request's head, from its
+    opening or from the previous response; `per_peer`: connections one peer address may hold (0:
+    any number); `limit`: connections, or requests in progress, past which only EXEMPT_PATHS are served."""
+
+    head_timeout_s: float
+    per_peer: int
+    limit: int
+    open: int = 0
+    in_progress: int = 0
+    by_peer: Counter[str] = field(default_factory=Counter)
+
+    def protocol(self) -> type[H11Protocol]:
+        """uvicorn's HTTP/1.1 protocol class under this guard (uvicorn builds one per connection)."""
+        guard = self
+
+        class Guarded(GuardedProtocol):
+            pass
+
+        Guarded.guard = guard
+        return Guarded
+
+    @property
+    def over_limit(self) -> bool:
+        return self.open > self.limit or self.in_progress >= self.limit
+
+
+class GuardedProtocol(H11Protocol):
+    guard: ConnectionGuard
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.peer: str | None = None
+        self.head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        guard = self.guard
+        guard.open += 1
+        self.peer = self.client[0] if self.client else ""
+        guard.by_peer[self.peer] += 1
+        if guard.per_peer and guard.by_peer[self.peer] > guard.per_peer:
+            transport.close()  # at once: it has not cost a request yet
+            return
+        self._await_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._head_arrived()
+        guard = self.guard
+        if self.peer is not None:
+            guard.open -= 1
+            guard.by_peer[self.peer] -= 1
+            if not guard.by_peer[self.peer]:
+                del guard.by_peer[self.peer]
+            self.peer = None
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.conn.their_state is not h11.IDLE:  # a request line and its headers are in
+            self._head_arrived()
+
+    def on_response_complete(self) -> None:
+        self._await_head()  # the next request's head, on a kept-alive connection
+        super().on_response_complete()
+
+    def _await_head(self) -> None:
+        self._head_arrived()
+        if not self.transport.is_closing():
+            self.head_timer = self.loop.call_later(self.guard.head_timeout_s, self._head_late)
+
+    def _head_arrived(self) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
+
+    def _head_late(self) -> None:
+        self.head_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+class ConnectionLimitMiddleware:
+    """Past the guard's limit, a 503 for every path but the exempt ones; counts requests in progress."""
+
+    def __init__(self, app: Any, guard: ConnectionGuard):
+        self.app = app
+        self.guard = guard
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.guard.over_limit and scope["path"] not in EXEMPT_PATHS:
+            await error_response(503, "the server is at its connection limit; try again shortly",
+                                 "service_unavailable_error")(scope, receive, send)
+            return
+        self.guard.in_progress += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.guard.in_progress -= 1
+
+
+def bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot bind the HTTP API to {host}:{port}: {exc.strerror}") from exc
+    sock.set_inheritable(True)
+    return sock

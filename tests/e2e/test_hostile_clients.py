@@ -1,0 +1,228 @@
+"""Clients that misbehave cost the mesh nothing lasting: thousands of deadlines and cancels at
+every moment of a request's life leave nothing running, waiting or holding KV blocks; bodies
+packed with maximal prompts are refused at once and leave no memory behind; thousands of
+connections trickling their headers are closed while a normal client is served as before."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
+
+import grpc
+import httpx
+import psutil
+import pytest
+
+from tests.e2e.conftest import scheduler_stats
+from tests.support.scrape import scrape
+from vmesh.services.bench.mesh import start_mesh
+from vmesh.services.client import VmeshClient
+
+EARLY_ENDS = 2000
+IN_FLIGHT = 200  # at most this many of them at once, as a busy client pool would
+LONGEST_LIFE_S = 0.05
+HEAD_TIMEOUT_S = 2
+SLOW_CONNECTIONS = 5000
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    mesh = start_mesh("--metrics", "--http-header-timeout", str(HEAD_TIMEOUT_S))
+    yield mesh
+    mesh.stop()
+
+
+def generated_tokens(mesh) -> float:
+    return scrape(mesh.metrics["scheduler"])["vmesh:generation_tokens_total"]
+
+
+def wait_released(mesh, timeout: float = 60):
+    """The scheduler's stats once nothing runs, waits or holds a block (aborts travel
+    asynchronously), or the last ones seen after `timeout`."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = scheduler_stats(mesh)
+        if not (stats.num_running or stats.num_waiting or stats.num_used_blocks) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
+
+
+async def _end_early(client: VmeshClient, i: int, life_s: float) -> None:
+    """A long request that ends after `life_s`: by its gRPC deadline (odd i) or by the client
+    cancelling it (even i), at whatever step it has reached by then."""
+    stream = client.generate(text=f"Tell me a very long story, number {i % 37}", max_tokens=1500, ignore_eos=True,
+                             timeout=life_s if i % 2 else None)
+
+    async def read() -> None:
+        async for _ in stream:
+            pass
+
+    if i % 2:
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            await read()
+        assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        return
+    reading = asyncio.ensure_future(read())
+    await asyncio.wait([reading], timeout=life_s)
+    reading.cancel()
+    await asyncio.gather(reading, return_exceptions=True)
+
+
+def test_thousands_of_deadlines_and_cancels_leave_nothing_running(mesh):
+    rng = random.Random(34)
+    lives = [rng.uniform(0, LONGEST_LIFE_S) for _ in range(EARLY_ENDS)]
+
+    async def main() -> None:
+        slots = asyncio.Semaphore(IN_FLIGHT)
+        async with VmeshClient(mesh.address) as client:
+            async def one(i: int) -> None:
+                async with slots:
+                    await _end_early(client, i, lives[i])
+
+            await asyncio.gather(*(one(i) for i in range(EARLY_ENDS)))
+
+    asyncio.run(main())
+    stats = wait_released(mesh)
+    assert (stats.num_running, stats.num_waiting, stats.num_used_blocks) == (0, 0, 0)
+
+    async def probe() -> None:
+        async with VmeshClient(mesh.address) as client:
+            await client.complete(text="Hi", max_tokens=4, ignore_eos=True)
+
+    # Nothing generates for nobody: across a probe, only the probe's own tokens are generated.
+    before = generated_tokens(mesh)
+    asyncio.run(probe())
+    wait_released(mesh)
+    assert generated_tokens(mesh) - before == 4
+
+
+def _http_address(mesh) -> tuple[str, int]:
+    url = urlsplit(mesh.http_url)
+    assert url.hostname is not None and url.port is not None
+    return url.hostname, url.port
+
+
+async def _post_raw(host: str, port: int, path: str, length: int, body: AsyncIterator[bytes]) -> tuple[bytes, float]:
+    """POST a body of `length` bytes as it is produced, reading the response meanwhile (a server
+    may answer before the body is in): the status line and how long it took."""
+    started = time.monotonic()
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: vmesh\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {length}\r\n\r\n".encode())
+
+    async def send() -> None:
+        async for chunk in body:
+            writer.write(chunk)
+            await writer.drain()
+
+    sending = asyncio.ensure_future(send())
+    status = await reader.readline()
+    elapsed = time.monotonic() - started
+    sending.cancel()
+    await asyncio.gather(sending, return_exceptions=True)
+    writer.close()
+    return status, elapsed
+
+
+def _maximal_prompts(count: int) -> tuple[int, AsyncIterator[bytes]]:
+    """A completions body of `count` prompts of 1 MiB of "y " each (the prompt byte limit)."""
+    prompt = b"y " * (MIB // 2)
+    length = len(b'{"prompt": [') + count * (len(prompt) + 2) + (count - 1) + len(b'], "max_tokens": 8}')
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b'{"prompt": ['
+        for i in range(count):
+            yield b'"' + prompt + b'"' + (b"," if i < count - 1 else b"")
+        yield b'], "max_tokens": 8}'
+
+    return length, chunks()
+
+
+async def _small_latency(http: httpx.AsyncClient) -> float:
+    started = time.monotonic()
+    # An 8-token prompt: what it waits for is the frontend (tokenizing, admission), not generation.
+    response = await http.post("/completions", json={"prompt": "one two three four five six seven eight",
+                                                     "max_tokens": 1})
+    assert response.status_code == 200, response.text
+    return time.monotonic() - started
+
+
+def test_bodies_of_maximal_prompts_are_refused_at_once_and_leave_no_memory_behind(mesh):
+    frontend = psutil.Process(mesh.services["frontend"][1])
+    host, port = _http_address(mesh)
+
+    async def main() -> tuple[float, list[float], list[tuple[bytes, float]]]:
+        async with httpx.AsyncClient(base_url=mesh.http_url, timeout=60) as http:
+            baseline = statistics.median([await _small_latency(http) for _ in range(3)])
+            refused = []
+            during = []
+            for count in (64, 4):  # 64 MiB: past the body limit; 4 MiB: the byte budget, each prompt too long
+                length, body = _maximal_prompts(count)
+                huge = asyncio.ensure_future(_post_raw(host, port, "/v1/completions", length, body))
+                while not huge.done():
+                    during.append(await _small_latency(http))
+                refused.append(huge.result())
+            return baseline, during, refused
+
+    rss_before = frontend.memory_info().rss
+    baseline, during, refused = asyncio.run(main())
+    (too_large, too_large_s), (too_long, too_long_s) = refused
+    assert too_large.startswith(b"HTTP/1.1 413") and too_large_s < 1
+    assert too_long.startswith(b"HTTP/1.1 400") and too_long_s < 1
+    assert statistics.median(during) <= 2 * baseline, (during, baseline)
+    assert frontend.memory_info().rss - rss_before < 50 * MIB
+
+
+async def _trickle(host: str, port: int, opening: asyncio.Semaphore) -> bool:
+    """One connection from another loopback address that sends a request's head a byte a second;
+    whether the server closed it (rather than the head completing)."""
+    head = b"GET /v1/models HTTP/1.1\r\nHost: vmesh\r\nX-Slow: " + b"z" * 64 + b"\r\n\r\n"
+    async with opening:  # a listen backlog's worth at a time
+        reader, writer = await asyncio.open_connection(host, port, local_addr=("127.0.0.2", 0))
+    try:
+        for byte in head:
+            writer.write(bytes([byte]))
+            try:
+                if await asyncio.wait_for(reader.read(1), 1.0) == b"":
+                    return True
+            except asyncio.TimeoutError:
+                continue
+        return False
+    except ConnectionError:
+        return True
+    finally:
+        writer.close()
+
+
+def test_thousands_of_trickling_connections_are_closed_and_a_normal_client_is_served(mesh):
+    host, port = _http_address(mesh)
+
+    async def main() -> tuple[float, list[float], list[bool], list[int]]:
+        async with httpx.AsyncClient(base_url=mesh.http_url, timeout=60) as http:
+            async def timed_models() -> float:
+                started = time.monotonic()
+                response = await http.get("/models")
+                statuses.append(response.status_code)
+                return time.monotonic() - started
+
+            statuses: list[int] = []
+            baseline = statistics.median([await timed_models() for _ in range(20)])
+            opening = asyncio.Semaphore(512)
+            slow = asyncio.gather(*(_trickle(host, port, opening) for _ in range(SLOW_CONNECTIONS)))
+            during = []
+            while not slow.done():
+                during.append(await timed_models())
+            return baseline, during, await slow, statuses
+
+    baseline, during, closed, statuses = asyncio.run(main())
+    assert all(closed) and len(closed) == SLOW_CONNECTIONS
+    assert set(statuses) == {200}
+    # The median, not a tail: on a shared CI machine the tail measures the neighbours.
+    assert statistics.median(during) <= 2 * baseline, (sorted(during), baseline)
