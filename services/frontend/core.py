@@ -193,7 +193,7 @@ class FrontendCore:
                                          error=output.error, lost=LostService.SCHEDULER if output.resumable else None))
                 continue
             out = PendingOutput(text=output.text, token_ids=output.token_ids, logprobs=output.logprobs,
-                                finish_reason=output.finish_reason)
+                                finish_reason=output.finish_reason, prompt_logprobs=output.prompt_logprobs)
             if out.finished:
                 out.usage = output.usage
             outbox.put(out)
@@ -331,7 +331,8 @@ class FrontendCore:
                                          "gen_ai.response.finish_reasons": [finish_name(out.finish_reason)]})
                 if not out.error or out.text or out.token_ids:
                     yield GenerationOutput(request_id, out.text, out.token_ids, out.logprobs, out.finish_reason,
-                                           out.usage, backend)
+                                           out.usage, backend, prompt if out.prompt_logprobs else [],
+                                           out.prompt_logprobs)
                     backend = ""  # the first response says it
                 if finished:
                     return

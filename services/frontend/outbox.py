@@ -4,7 +4,7 @@ the previous one are merged, so a slow client never stalls the engine or grows a
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from vmesh.services.common.output_accumulator import OutputAccumulator
@@ -27,6 +27,7 @@ class PendingOutput(OutputAccumulator[TokenLogprobs]):
     # With an error, the service the request lost (None for any other error): it may be
     # submitted again with what it has received (a failover).
     lost: LostService | None = None
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # the first tokens' output's, if asked
 
     @property
     def finished(self) -> bool:
@@ -38,6 +39,7 @@ class PendingOutput(OutputAccumulator[TokenLogprobs]):
         self.usage = later.usage or self.usage
         self.error = later.error or self.error
         self.lost = later.lost or self.lost
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
 
 
 class Outbox:
