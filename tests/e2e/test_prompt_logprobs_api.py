@@ -1,11 +1,14 @@
 """Prompt logprobs through a running mesh, against transformers' float32 log-softmax over the
 prompt: OpenAI's `echo` with `logprobs` (and max_tokens 0) and vLLM's `prompt_logprobs` over HTTP
 with the real `openai` client, and the gRPC API's fields. Prefill is chunked (a small token
-budget), and the prompts are also in the prefix cache when asked again."""
+budget), and the prompts are also in the prefix cache when asked again. Then lm-evaluation-harness
+as a real client: its `local-completions` model against the mesh equals its `hf` model on the
+same float32 weights, per item, on two tasks defined in tests/data/lm_eval/."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import httpx
 import openai
@@ -20,6 +23,7 @@ from vmesh.services.common.types import TokenLogprobs
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs back into the forest to sleep."
 TOLERANCE = 1e-4
 MODEL = "SmolLM2-135M-Instruct"
+CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +128,42 @@ def test_grpc_prompt_logprobs(mesh, prompt_ids, reference):
     assert_prompt_logprobs_match(
         [TokenLogprobs(r.logprob, r.rank, [t.token_id for t in r.top], [t.logprob for t in r.top])
          for r in first.prompt_logprobs], prompt_ids, reference, 2)
+
+
+# --- lm-evaluation-harness as a client ----------------------------------------------------------
+
+LM_EVAL_TASKS = ["vmesh_multiple_choice", "vmesh_generate_until"]  # tests/data/lm_eval/
+
+
+def _evaluate(model: str, model_args: str) -> dict:
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=LM_EVAL_TASKS, batch_size=8,
+                                   task_manager=TaskManager(include_path=str(CHECKOUT / "tests/data/lm_eval")),
+                                   log_samples=True)
+
+
+def test_lm_eval_local_completions_equals_hf(mesh, embedded_model_dir, monkeypatch):
+    """lm-eval's usual way of evaluating a served model (`local-completions`: echo with logprobs
+    for loglikelihoods, plain completions for generation) against `hf` on the same float32 weights."""
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    monkeypatch.chdir(CHECKOUT)  # the tasks name their data files from the checkout's root
+    served = _evaluate("local-completions", f"model={MODEL},base_url={mesh.http_url}/completions,"
+                       f"tokenizer_backend=huggingface,tokenizer={embedded_model_dir},tokenized_requests=True,"
+                       f"num_concurrent=4,max_retries=1")
+    reference = _evaluate("hf", f"pretrained={embedded_model_dir},dtype=float32,device=cpu")
+    for task in LM_EVAL_TASKS:
+        assert {k: v for k, v in served["results"][task].items() if "stderr" not in k} == {
+            k: v for k, v in reference["results"][task].items() if "stderr" not in k}
+    served_items = {s["doc_id"]: s for s in served["samples"]["vmesh_multiple_choice"]}
+    reference_items = {s["doc_id"]: s for s in reference["samples"]["vmesh_multiple_choice"]}
+    assert sorted(served_items) == sorted(reference_items) == list(range(10))
+    for doc_id, item in reference_items.items():
+        ours = [loglikelihood for loglikelihood, _ in served_items[doc_id]["filtered_resps"]]
+        theirs = [loglikelihood for loglikelihood, _ in item["filtered_resps"]]
+        assert ours == pytest.approx(theirs, abs=1e-3), f"item {doc_id}"
+        assert served_items[doc_id]["acc"] == item["acc"]
+    served_texts = [s["filtered_resps"] for s in served["samples"]["vmesh_generate_until"]]
+    assert served_texts == [s["filtered_resps"] for s in reference["samples"]["vmesh_generate_until"]]
