@@ -1,7 +1,8 @@
 """Prompt logprobs through a running mesh, against transformers' float32 log-softmax over the
 prompt: OpenAI's `echo` with `logprobs` (and max_tokens 0) and vLLM's `prompt_logprobs` over HTTP
-with the real `openai` client, and the gRPC API's fields. Prefill is chunked (a small token
-budget), and the prompts are also in the prefix cache when asked again. Then lm-evaluation-harness
+with the real `openai` client, and the gRPC API's fields; an echo is asked again with its prompt in
+the prefix cache. (Chunked prefill, prefix-cache hits and preemption are
+tests/integration/test_prompt_logprobs.py's, on the same worker code.) Then lm-evaluation-harness
 as a real client: its `local-completions` model against the mesh equals its `hf` model on the
 same float32 weights, per item, on two tasks defined in tests/data/lm_eval/."""
 
@@ -20,7 +21,9 @@ from vmesh.services.bench.mesh import start_mesh
 from vmesh.services.client import VmeshClient
 from vmesh.services.common.types import TokenLogprobs
 
-PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs back into the forest to sleep."
+PROMPT = ("The quick brown fox jumps over the lazy dog, and then it runs back into the forest to sleep under "
+          "an old oak tree, where a family of owls has lived for many years, watching the seasons change and "
+          "the river in the quiet valley below rise and fall.")
 TOLERANCE = 1e-4
 MODEL = "SmolLM2-135M-Instruct"
 CHECKOUT = Path(__file__).resolve().parents[2]
@@ -28,7 +31,7 @@ CHECKOUT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def mesh():
-    mesh = start_mesh("--max-num-batched-tokens", "16")  # every prompt here is prefilled in chunks
+    mesh = start_mesh()
     yield mesh
     mesh.stop()
 
