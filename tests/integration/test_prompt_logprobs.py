@@ -62,3 +62,41 @@ def test_prompt_logprobs_survive_preemption(runner, embedded_tokenizer, prompts)
     engine.shutdown()
     for out, prompt, reference in zip(outs, ids, references):
         assert_prompt_logprobs_match(out.prompt_logprobs, prompt, reference, NUM_TOP)
+
+
+def _run_to_end(engine) -> list:
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    return outputs
+
+
+def test_prompt_logprobs_after_a_lost_worker(runner, embedded_tokenizer, prompts):
+    """The worker is lost (its replacement starts empty; the scheduler recomputes every request):
+    mid-prefill, the request scores its whole prompt again, with the same values; after its first
+    token, when the client has them, it resumes without sending them twice."""
+    ids, references = prompts
+    engine = make_engine(runner, embedded_tokenizer, budget=13, depth=1)
+    engine.add_request(ids[0], ASKING, request_id="mid-prefill")
+    engine.step()
+    engine.step()
+    assert engine.scheduler.requests["mid-prefill"].num_computed_tokens == 26, "two chunks of the prompt are in"
+    engine.scheduler.recompute_all()
+    runner.reset()
+    outputs = _run_to_end(engine)
+    assert_prompt_logprobs_match([row for out in outputs for row in out.prompt_logprobs], ids[0], references[0],
+                                 NUM_TOP)
+
+    engine.add_request(ids[1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=NUM_TOP),
+                       request_id="after-first-token")
+    first = []
+    while not first or not first[-1].new_token_ids:
+        first += engine.step()
+    engine.scheduler.recompute_all()
+    runner.reset()
+    outputs = first + _run_to_end(engine)
+    engine.shutdown()
+    assert [len(out.prompt_logprobs) > 0 for out in outputs if out.new_token_ids][0], "with the first token"
+    assert_prompt_logprobs_match([row for out in outputs for row in out.prompt_logprobs], ids[1], references[1],
+                                 NUM_TOP)
+    assert sum(len(out.new_token_ids) for out in outputs) == 4
