@@ -315,6 +315,7 @@ class FrontendCore:
                                           telemetry.trace_context(span)), outbox, time_remaining, span)
         finished = False
         backend = params.grammar.backend if params.grammar is not None else ""
+        scored_prompt = prompt if params.prompt_logprobs is not None else []  # sent with the first tokens
         self.in_flight += 1
         try:
             await route.submit()
@@ -331,9 +332,9 @@ class FrontendCore:
                                          "gen_ai.response.finish_reasons": [finish_name(out.finish_reason)]})
                 if not out.error or out.text or out.token_ids:
                     yield GenerationOutput(request_id, out.text, out.token_ids, out.logprobs, out.finish_reason,
-                                           out.usage, backend, prompt if out.prompt_logprobs else [],
+                                           out.usage, backend, scored_prompt if out.token_ids else [],
                                            out.prompt_logprobs)
-                    backend = ""  # the first response says it
+                    backend, scored_prompt = "", scored_prompt if not out.token_ids else []  # said once
                 if finished:
                     return
                 if out.lost:

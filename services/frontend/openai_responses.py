@@ -36,7 +36,7 @@ class Choice(OutputAccumulator[TokenLogprobs]):
     def add(self, out: GenerationOutput) -> None:
         self.extend(out.text, out.token_ids, out.logprobs)
         self.finish_reason = out.finish_reason or self.finish_reason
-        if out.prompt_logprobs:
+        if out.prompt_token_ids:
             self.prompt_token_ids, self.prompt_logprobs = out.prompt_token_ids, out.prompt_logprobs
         if out.usage is not None:
             self.usage = out.usage

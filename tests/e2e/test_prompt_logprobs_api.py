@@ -84,6 +84,10 @@ def test_echo_of_token_ids_with_generated_tokens(client, prompt_ids, reference, 
     assert choice.logprobs.token_logprobs[1:len(prompt_ids)] == pytest.approx(expected(reference, prompt_ids),
                                                                             abs=TOLERANCE)
     assert all(lp is not None for lp in choice.logprobs.token_logprobs[len(prompt_ids):])
+    # A one-token prompt has nothing scored, yet its echo still names its token.
+    single = client.completions.create(model=MODEL, prompt=prompt_ids[:1], max_tokens=0, echo=True, logprobs=1)
+    assert single.choices[0].logprobs.tokens == [embedded_tokenizer.decode(prompt_ids[:1])]
+    assert single.choices[0].logprobs.token_logprobs == [None]
 
 
 def test_vllm_prompt_logprobs_on_completions_and_chat(client, prompt_ids, reference, embedded_tokenizer,

@@ -96,7 +96,7 @@ def test_prompt_logprobs_after_a_lost_worker(runner, embedded_tokenizer, prompts
     runner.reset()
     outputs = first + _run_to_end(engine)
     engine.shutdown()
-    assert [len(out.prompt_logprobs) > 0 for out in outputs if out.new_token_ids][0], "with the first token"
+    assert next(len(out.prompt_logprobs) > 0 for out in outputs if out.new_token_ids), "with the first token"
     assert_prompt_logprobs_match([row for out in outputs for row in out.prompt_logprobs], ids[1], references[1],
                                  NUM_TOP)
     assert sum(len(out.new_token_ids) for out in outputs) == 4
