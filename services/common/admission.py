@@ -126,6 +126,8 @@ def _check_ranges(params: SamplingParams) -> None:
         ("max_tokens", params.max_tokens >= 1, ">= 1"),
         ("min_tokens", 0 <= params.min_tokens <= params.max_tokens, "in [0, max_tokens]"),
         ("logprobs", params.logprobs is None or 0 <= params.logprobs <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
+        ("prompt_logprobs", params.prompt_logprobs is None or 0 <= params.prompt_logprobs <= MAX_LOGPROBS,
+         f"in [0, {MAX_LOGPROBS}]"),
     ]
     for name, ok, allowed in ranges:
         if not ok:

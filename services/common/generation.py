@@ -65,6 +65,10 @@ class GenerationOutput:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     structured_backend: str = ""  # the first piece's: the grammar backend constraining the output ("": none)
+    # A request with sampling.prompt_logprobs, in the piece with its first tokens: the prompt's ids
+    # and one row per prompt token from the second on (prompt_logprobs[i] scores prompt_token_ids[i + 1]).
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 @dataclass

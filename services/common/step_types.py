@@ -60,6 +60,9 @@ class StepResult:
     # at the same index of logprobs_handles.
     logprobs_handles: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Requests that asked for prompt logprobs and sampled their first token this step: one row
+    # per prompt token from the second on (the first has no context to be scored in).
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     forward_seconds: float = 0.0
     sampling_seconds: float = 0.0
     # Requests this step failed on their own (their grammar matcher failed: it would not load,

@@ -81,6 +81,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: off; N >= 0: sampled token's logprob plus the top N
+    # None: off; N >= 0: each prompt token's logprob (from the second on) plus the top N, computed at prefill
+    prompt_logprobs: int | None = None
     output_mode: OutputMode = OutputMode.DELTA
     structured: StructuredOutput | None = None  # what the client asked the output to match
     grammar: CompiledGrammar | None = None  # `structured` compiled by the frontend; what the worker enforces
@@ -164,6 +166,8 @@ class StepTokens(Generic[Handle]):
     num_cached_prompt_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one row per token, for a request that asked
     error: str = ""  # non-empty: the request failed upstream; end it with this message
+    # With the first token of a request that asked: one row per prompt token from the second on.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -204,6 +208,7 @@ class StreamOutput:
     error: str = ""  # non-empty: the request failed (the frontend fails it as UNAVAILABLE)
     # Beside an error: it lost its scheduler, not its worker; the frontend may submit it again.
     resumable: bool = False
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # as StepTokens carries them
 
     @property
     def usage(self) -> Usage:

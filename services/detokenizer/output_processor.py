@@ -43,6 +43,7 @@ class ProcessedOutput(Generic[Handle]):
     num_cached_prompt_tokens: int
     logprobs: list[TokenLogprobs]
     error: str
+    prompt_logprobs: list[TokenLogprobs]  # with the first tokens of a request that asked
 
 
 class OutputProcessor(Generic[Handle]):
@@ -101,5 +102,6 @@ class OutputProcessor(Generic[Handle]):
             if not result.text and not tokens.token_ids and not result.finished:
                 continue
             outputs.append(ProcessedOutput(handle, state, result.text, tokens.token_ids, reason, result.finished,
-                                           tokens.num_cached_prompt_tokens, tokens.logprobs, tokens.error))
+                                           tokens.num_cached_prompt_tokens, tokens.logprobs, tokens.error,
+                                           tokens.prompt_logprobs))
         return outputs, stopped

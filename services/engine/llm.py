@@ -54,6 +54,7 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_prompt_tokens: int
     error: str = ""  # non-empty: the request failed alone (finish_reason ABORT), e.g. its grammar matcher
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # with the first tokens, if asked
 
 
 @dataclass
@@ -66,6 +67,8 @@ class CompletionOutput:
     num_cached_prompt_tokens: int
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     error: str = ""  # non-empty: the request failed alone (finish_reason ABORT)
+    # SamplingParams.prompt_logprobs set: one row per prompt token from the second on.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -169,11 +172,12 @@ class LLMEngine:
         with self._lock:
             processed, stopped = self.outputs.process(
                 StepTokens(u.request_id, u.new_token_ids, u.finish_reason, u.num_cached_prompt_tokens, u.logprobs,
-                           u.error) for u in updates)
+                           u.error, u.prompt_logprobs) for u in updates)
             for request_id in stopped:  # a stop string ended it: the core would compute it on
                 self.scheduler.abort(request_id, FinishReason.STOP)
         return [RequestOutput(p.handle, p.text, p.token_ids, p.finished, p.finish_reason, p.logprobs,
-                              p.state.num_prompt_tokens, p.state.num_output_tokens, p.num_cached_prompt_tokens, p.error)
+                              p.state.num_prompt_tokens, p.state.num_output_tokens, p.num_cached_prompt_tokens, p.error,
+                              p.prompt_logprobs)
                 for p in processed]
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
@@ -191,6 +195,7 @@ class LLMEngine:
                 outputs[out.request_id].extend(out.text, out.new_token_ids, out.logprobs)
                 result.num_prompt_tokens = out.num_prompt_tokens
                 result.num_cached_prompt_tokens = out.num_cached_prompt_tokens
+                result.prompt_logprobs = result.prompt_logprobs or out.prompt_logprobs
                 if out.finished:
                     result.finish_reason = out.finish_reason
                     result.error = out.error

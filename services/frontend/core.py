@@ -311,6 +311,7 @@ class FrontendCore:
                                           telemetry.trace_context(span)), outbox, time_remaining, span)
         finished = False
         backend = params.grammar.backend if params.grammar is not None else ""
+        scored_prompt = prompt if params.prompt_logprobs is not None else []  # sent with the first tokens
         self.in_flight += 1
         try:
             await route.submit()
@@ -327,8 +328,9 @@ class FrontendCore:
                                          "gen_ai.response.finish_reasons": [finish_name(out.finish_reason)]})
                 if not out.error or out.text or out.token_ids:
                     yield GenerationOutput(request_id, out.text, out.token_ids, out.logprobs, out.finish_reason,
-                                           out.usage, backend)
-                    backend = ""  # the first response says it
+                                           out.usage, backend, scored_prompt if out.token_ids else [],
+                                           out.prompt_logprobs)
+                    backend, scored_prompt = "", scored_prompt if not out.token_ids else []  # said once
                 if finished:
                     return
                 if out.lost:

@@ -72,6 +72,8 @@ class Reply:
     tools: ToolPlan | None = None  # chat: what its tool fields asked for
     responses: responses_api.ResponsesView | None = None  # a Responses API reply, built over this chat one
     structured_backend: str = ""  # the grammar backend that constrains the output ("": none)
+    echo: render.Echo | None = None  # completions' echo
+    want_prompt_logprobs: bool = False  # vLLM's prompt_logprobs
     request_id: str = field(init=False)
     created: int = field(init=False)
     choices: list[render.Choice] = field(init=False)
@@ -170,9 +172,10 @@ class OpenAIRoutes:
                 def build() -> dict[str, Any]:
                     if reply.chat:
                         return render.chat_body(reply.request_id, reply.created, reply.model, reply.choices, reply.n,
-                                                reply.want_logprobs, tokens, reply.tools)
+                                                reply.want_logprobs, tokens, reply.tools, reply.want_prompt_logprobs)
                     return render.completion_body(reply.request_id, reply.created, reply.model, reply.choices,
-                                                  reply.n, reply.want_logprobs, tokens)
+                                                  reply.n, reply.want_logprobs, tokens, reply.echo,
+                                                  reply.want_prompt_logprobs)
 
                 view = reply.responses.from_chat if reply.responses is not None else None
                 # Rendering n × max_tokens entries (with logprobs) is long work: a worker thread
@@ -266,7 +269,9 @@ class OpenAIRoutes:
         return await self._run(request, requests, Reply(
             model, chat=False, prompts=len(requests), n=body.n, stream=body.stream,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
-            want_logprobs=body.logprobs is not None, aliases=oai.param_aliases(body)))
+            want_logprobs=body.logprobs is not None, aliases=oai.param_aliases(body),
+            echo=render.echo_of(requests, oai.echo_without_generation(body), self.tokens) if body.echo else None,
+            want_prompt_logprobs=body.prompt_logprobs is not None))
 
     async def chat_completions(self, body: oai.ChatCompletionRequest, request: Request) -> Response:
         model = self.served()
@@ -275,7 +280,8 @@ class OpenAIRoutes:
         return await self._run(request, [generation], Reply(
             model, chat=True, prompts=1, n=body.n, stream=body.stream,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
-            want_logprobs=body.logprobs, aliases=oai.param_aliases(body, tools), tools=tools))
+            want_logprobs=body.logprobs, aliases=oai.param_aliases(body, tools), tools=tools,
+            want_prompt_logprobs=body.prompt_logprobs is not None))
 
     async def responses(self, body: responses_api.ResponsesRequest, request: Request) -> Response:
         """Stateless: served as the chat completion it translates into."""

@@ -65,6 +65,9 @@ class _SamplingBody(RequestBody):
     include_stop_str_in_output: bool | None = None
     stop_token_ids: list[int] | None = None
     priority: int | None = None
+    prompt_logprobs: int | None = Field(
+        None, description="vLLM's: each prompt token's logprob, rank and the top N at its position (the first "
+                          "token's null); a request that asks recomputes its whole prompt (no prefix-cache reads)")
     response_format: dict[str, Any] | None = Field(
         None, description="{'type': 'text'} | {'type': 'json_object'} | {'type': 'json_schema', 'json_schema': "
                           "{'name', 'schema', 'strict', 'description'}}; the schema is enforced, strict or not")
@@ -76,7 +79,9 @@ class _SamplingBody(RequestBody):
 class CompletionRequest(_SamplingBody):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
-    echo: bool | None = Field(None, description="not supported: refused when true")
+    echo: bool | None = Field(None, description="each choice's text starts with the prompt; with logprobs, so do "
+                                                "its logprobs (the first prompt token's null); max_tokens 0 with "
+                                                "echo generates nothing")
     suffix: str | None = Field(None, description="not supported: refused unless empty")
     best_of: int | None = Field(None, description="not supported: refused above 1")
 
@@ -111,9 +116,11 @@ def invalid(param: str, message: str) -> RequestError:
 def _refuse_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
     if body.logit_bias:
         raise invalid("logit_bias", "not supported by vmesh")
+    if body.prompt_logprobs is not None and body.stream:
+        raise invalid("prompt_logprobs", "not supported with stream by vmesh")
     if isinstance(body, CompletionRequest):
-        if body.echo:
-            raise invalid("echo", "not supported by vmesh")
+        if body.echo and body.stream:
+            raise invalid("echo", "not supported with stream by vmesh")
         if body.suffix:
             raise invalid("suffix", "not supported by vmesh")
         if body.best_of is not None and body.best_of != 1:
@@ -142,7 +149,7 @@ def _carried(path: str, value: Any, param: str) -> Any:
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
                     "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
-                    "include_stop_str_in_output", "stop_token_ids")
+                    "include_stop_str_in_output", "stop_token_ids", "prompt_logprobs")
 
 
 def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
@@ -187,6 +194,10 @@ def check_common(body: CompletionRequest | ChatCompletionRequest, served: str) -
         raise invalid("stream_options", "only allowed when stream is true")
 
 
+def echo_without_generation(body: CompletionRequest) -> bool:
+    return bool(body.echo) and body.max_tokens == 0
+
+
 def completion_requests(body: CompletionRequest, served: str) -> list[GenerationRequest]:
     """One request per prompt (n copies are made by fan_out)."""
     check_common(body, served)
@@ -200,8 +211,12 @@ def completion_requests(body: CompletionRequest, served: str) -> list[Generation
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
         raise invalid("logprobs", f"must be in [0, {MAX_COMPLETION_LOGPROBS}], got {body.logprobs}")
     spec = request_spec(body.response_format, body.structured_outputs)
-    sampling = _sampling(body, body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS, body.logprobs,
+    max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
+    # echo with max_tokens 0 scores the prompt alone: one token is generated and left out of the reply.
+    sampling = _sampling(body, 1 if echo_without_generation(body) else max_tokens, body.logprobs,
                          spec[0] if spec else None)
+    if body.echo and body.logprobs is not None:  # the prompt's tokens are scored as the generated ones are
+        sampling.prompt_logprobs = max(body.logprobs, sampling.prompt_logprobs or 0)
     priority = _priority(body)
     # One SamplingParams for every prompt: admission gives each request its own copy.
     return [GenerationRequest(utf8_text("prompt", p) if isinstance(p, str) else _carried("token_ids.ids", p, "prompt"),

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from vmesh.services.common.generation import GenerationOutput
+from vmesh.services.common.generation import GenerationOutput, GenerationRequest
 from vmesh.services.common.output_accumulator import OutputAccumulator
 from vmesh.services.common.types import FinishReason, TokenLogprobs, Usage
 from vmesh.services.frontend.tool_calls import ToolPlan
@@ -28,10 +29,14 @@ class Choice(OutputAccumulator[TokenLogprobs]):
 
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)  # with prompt logprobs, asked for
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def add(self, out: GenerationOutput) -> None:
         self.extend(out.text, out.token_ids, out.logprobs)
         self.finish_reason = out.finish_reason or self.finish_reason
+        if out.prompt_token_ids:
+            self.prompt_token_ids, self.prompt_logprobs = out.prompt_token_ids, out.prompt_logprobs
         if out.usage is not None:
             self.usage = out.usage
 
@@ -127,6 +132,56 @@ def completion_logprobs(entries: list[TokenLogprobs], token_ids: list[int],
             "text_offset": offsets}
 
 
+def prompt_logprobs_body(choice: Choice, tokens: TokenTexts) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs: null for the first prompt token, then for each token a map from token
+    id to its logprob, rank and text, holding the token itself and its position's top N."""
+    def entry(token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+        return {"logprob": _lp(logprob), "rank": rank, "decoded_token": tokens.text(token_id)}
+
+    body: list[dict[str, Any] | None] = [None] if choice.prompt_token_ids else []
+    for token_id, row in zip(choice.prompt_token_ids[1:], choice.prompt_logprobs):
+        top = {str(t): entry(t, lp, i + 1) for i, (t, lp) in enumerate(zip(row.top_token_ids, row.top_logprobs))}
+        body.append({**top, str(token_id): entry(token_id, row.logprob, row.rank)})
+    return body
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completions request's `echo`: each choice's text starts with its prompt's (`prompts`, by
+    prompt), and with logprobs its logprobs start with the prompt's tokens. `without_generation`:
+    max_tokens 0, served as one token that the reply leaves out."""
+    prompts: list[str]
+    without_generation: bool = False
+
+
+def echo_of(requests: list[GenerationRequest], without_generation: bool, tokens: TokenTable) -> Echo:
+    """The echo of completions' requests: a text prompt's own text, token ids decoded."""
+    return Echo([r.prompt if isinstance(r.prompt, str) else tokens.tokenizer.decode(list(r.prompt))
+                 if isinstance(r.prompt, Sequence) else "" for r in requests], without_generation)
+
+
+def echoed(choice: Choice, prompt: str, echo: Echo) -> Choice:
+    """The choice as an echo reply shows it: its prompt's text first, and nothing generated
+    after it where none was asked for."""
+    if echo.without_generation:
+        usage = replace(choice.usage, completion_tokens=0) if choice.usage else None
+        choice = replace(choice, text="", token_ids=[], logprobs=[], usage=usage)
+    return replace(choice, text=prompt + choice.text)
+
+
+def echo_logprobs(choice: Choice, prompt: str, tokens: TokenTexts) -> dict[str, Any]:
+    """OpenAI's completions logprobs of an echo: the prompt's tokens (the first one's logprob and
+    top entries null: nothing scores it), then the generated ones."""
+    scored = completion_logprobs(choice.prompt_logprobs, choice.prompt_token_ids[1:], tokens)
+    first = tokens.text(choice.prompt_token_ids[0]) if choice.prompt_token_ids else ""
+    generated = completion_logprobs(choice.logprobs, choice.token_ids, tokens, len(prompt))
+    return {"tokens": [first] * bool(first) + scored["tokens"] + generated["tokens"],
+            "token_logprobs": [None] * bool(first) + scored["token_logprobs"] + generated["token_logprobs"],
+            "top_logprobs": [None] * bool(first) + scored["top_logprobs"] + generated["top_logprobs"],
+            "text_offset": [0] * bool(first) + [o + len(first) for o in scored["text_offset"]]
+                           + generated["text_offset"]}
+
+
 def chat_logprobs(entries: list[TokenLogprobs], token_ids: list[int],
                   tokens: TokenTexts) -> dict[str, Any]:
     def item(token_id: int, logprob: float) -> dict[str, Any]:
@@ -167,20 +222,34 @@ def chat_message(choice: Choice, tools: ToolPlan | None) -> tuple[dict[str, Any]
 
 
 def completion_body(request_id: str, created: int, model: str, choices: list[Choice], n: int, want_logprobs: bool,
-                    tokens: TokenTexts) -> dict[str, Any]:
+                    tokens: TokenTexts, echo: Echo | None = None, want_prompt_logprobs: bool = False) -> dict[str, Any]:
+    """`want_prompt_logprobs`: vLLM's prompt_logprobs field, in each choice."""
+    rendered = []
+    for i, c in enumerate(choices):
+        prompt = echo.prompts[i // n] if echo is not None else ""
+        if echo is not None:
+            c = choices[i] = echoed(c, prompt, echo)
+        logprobs = None
+        if want_logprobs:
+            logprobs = echo_logprobs(c, prompt, tokens) if echo is not None else completion_logprobs(
+                c.logprobs, c.token_ids, tokens)
+        rendered.append({"index": i, "text": c.text, "finish_reason": finish_reason(c.finish_reason),
+                         "logprobs": logprobs,
+                         **({"prompt_logprobs": prompt_logprobs_body(c, tokens)} if want_prompt_logprobs else {})})
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": i, "text": c.text, "finish_reason": finish_reason(c.finish_reason),
-                         "logprobs": completion_logprobs(c.logprobs, c.token_ids, tokens) if want_logprobs
-                         else None} for i, c in enumerate(choices)],
-            "usage": usage(choices, n)}
+            "choices": rendered, "usage": usage(choices, n)}
 
 
 def chat_body(request_id: str, created: int, model: str, choices: list[Choice], n: int, want_logprobs: bool,
-              tokens: TokenTexts, tools: ToolPlan | None = None) -> dict[str, Any]:
+              tokens: TokenTexts, tools: ToolPlan | None = None, want_prompt_logprobs: bool = False) -> dict[str, Any]:
+    """`want_prompt_logprobs`: vLLM's prompt_logprobs, once for the response (the choices share the prompt)."""
     rendered = []
     for i, c in enumerate(choices):
         message, made_calls = chat_message(c, tools)
         rendered.append({"index": i, "message": message, "finish_reason": finish_reason(c.finish_reason, made_calls),
                          "logprobs": chat_logprobs(c.logprobs, c.token_ids, tokens) if want_logprobs else None})
-    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+    body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
             "choices": rendered, "usage": usage(choices, n)}
+    if want_prompt_logprobs:
+        body["prompt_logprobs"] = prompt_logprobs_body(choices[0], tokens) if choices else None
+    return body

@@ -4,7 +4,7 @@ the previous one are merged, so a slow client never stalls the engine or grows a
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from vmesh.services.common.output_accumulator import OutputAccumulator
@@ -29,6 +29,7 @@ class PendingOutput(OutputAccumulator[TokenLogprobs]):
     # With an error, the service the request lost (None for any other error): it may be
     # submitted again with what it has received (a failover).
     lost: LostService | None = None
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # the first tokens' output's, if asked
 
     @classmethod
     def received(cls, output: StreamOutput) -> PendingOutput:
@@ -40,7 +41,7 @@ class PendingOutput(OutputAccumulator[TokenLogprobs]):
             return cls(text=output.text, token_ids=output.token_ids, logprobs=output.logprobs, error=error,
                        lost=LostService.SCHEDULER if output.resumable else None)
         out = cls(text=output.text, token_ids=output.token_ids, logprobs=output.logprobs,
-                  finish_reason=output.finish_reason)
+                  finish_reason=output.finish_reason, prompt_logprobs=output.prompt_logprobs)
         if out.finished:
             out.usage = output.usage
         return out
@@ -55,6 +56,7 @@ class PendingOutput(OutputAccumulator[TokenLogprobs]):
         self.usage = later.usage or self.usage
         self.error = later.error or self.error
         self.lost = later.lost or self.lost
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
 
 
 class Outbox:

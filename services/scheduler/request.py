@@ -59,5 +59,11 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def reusable_block_hashes(self) -> list[int]:
+        """The hashes the prefix cache may serve: none for a request asking prompt logprobs, which
+        computes every position because a cached block keeps no logits."""
+        return self.block_hashes if self.sampling.prompt_logprobs is None else []
+
+    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED

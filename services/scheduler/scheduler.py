@@ -78,6 +78,7 @@ class RequestUpdate:
     error: str = ""  # non-empty: the worker failed this request alone (finish_reason is ABORT)
     num_draft_tokens: int = 0  # speculation: this step's drafts for the request, and those it kept
     num_accepted_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # with a request's first token, if it asked
 
 
 @dataclass
@@ -161,9 +162,7 @@ class Scheduler:
         self.running = []
         for request in self.waiting:
             request.block_ids, request.block_hashes = [], []
-            request.num_registered_blocks = 0
-            request.num_computed_tokens = 0
-            request.num_placeholders = 0
+            request.num_registered_blocks = request.num_computed_tokens = request.num_placeholders = 0
             request.draft_slots_in_flight.clear()
             request.on_worker = False
         self.pending_removals = []
@@ -239,7 +238,7 @@ class Scheduler:
         # Never take the last token from the cache: its logits are needed.
         cacheable = (len(tokens) - 1) // block_size
         request.block_hashes = self.pool.hash_blocks(tokens[:cacheable * block_size])
-        cached = self.pool.lookup_prefix(tokens, request.block_hashes)
+        cached = self.pool.lookup_prefix(tokens, request.reusable_block_hashes)
         computed = len(cached) * block_size
         n = min(len(tokens) - computed, budget)
         new_blocks = self.pool.allocate(-(-(computed + n) // block_size) - len(cached))
@@ -338,7 +337,8 @@ class Scheduler:
                 continue  # sampled after the request had already stopped: dropped
             settle_step(request, count, num_drafts, self.spec_stats)
             update = updates[handle] = RequestUpdate(request.request_id, [], None, [], request.num_cached_prompt_tokens,
-                                                     num_draft_tokens=num_drafts, num_accepted_tokens=count - 1)
+                                                     num_draft_tokens=num_drafts, num_accepted_tokens=count - 1,
+                                                     prompt_logprobs=result.prompt_logprobs.get(handle, []))
             for token in tokens:  # those after a stop are dropped
                 request.output_token_ids.append(token)
                 update.new_token_ids.append(token)

@@ -29,6 +29,7 @@ from vmesh.services.worker.int8_linear import int8_kernels
 from vmesh.services.worker.kv_cache import KVCache, kv_cache_budget
 from vmesh.services.worker.model import DecoderModel, MissingWeightError
 from vmesh.services.worker.persistent_batch import PersistentBatch, PlanError, StepInputs
+from vmesh.services.worker.prompt_logprobs import PromptLogprobs
 from vmesh.services.worker.quantized_linear import load_native_weights
 from vmesh.services.worker.sampler import Sampler, SamplerOutput, SamplingBatch
 from vmesh.services.worker.tensor_parallel import join_group, shard_spec, shard_weights
@@ -67,6 +68,7 @@ class ModelRunner:
         self.batch = PersistentBatch(max_num_seqs, max_model_len, kv_cache.block_size, model.device,
                                      kv_cache.num_blocks, grammar_tokenizer)
         self.sampler = Sampler()
+        self.prompt_logprobs = PromptLogprobs()  # the rows asking for them, until their first token
         self.last_step = -1
         self.grammar_mask = GrammarMask(model.spec.vocab_size)
         # Fills the grammar rows' token bitmask while the model computes (both backends release
@@ -128,12 +130,14 @@ class ModelRunner:
         nothing reads them before they are overwritten.)"""
         for handle in list(self.batch.handle_of_row):
             self.batch.remove(handle)
+        self.prompt_logprobs.clear()
         self.last_step = -1
 
     def execute(self, plan: StepPlan) -> StepResult:
         if plan.step != self.last_step + 1:
             raise PlanError(f"step {plan.step} does not follow step {self.last_step}")
         self.batch.apply(plan)
+        self.prompt_logprobs.follow(plan, self.batch)
         self.last_step = plan.step
         if not plan.scheduled_handles:
             return StepResult(step=plan.step, handles=[], sampled_token_ids=[])
@@ -141,8 +145,15 @@ class ModelRunner:
         inputs = self.batch.prepare_inputs(plan, self.speculative)
         grammars = self._grammars_sampling(inputs) if self.batch.num_grammars else []
         mask = self._start_mask(len(inputs.logits_request), grammars) if grammars else None
+        # Rows asking prompt logprobs add their chunks' positions after the sampling rows; no other row does.
+        scored = self.prompt_logprobs.positions(plan, inputs, self.batch) if self.prompt_logprobs else None
+        indices = inputs.logits_indices if scored is None else torch.cat(
+            [inputs.logits_indices, scored.indices.to(inputs.logits_indices.device)])
         logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.attention, self.kv_cache,
-                                    self.backend, inputs.logits_indices)
+                                    self.backend, indices)
+        if scored is not None:
+            self.prompt_logprobs.record(scored, logits[len(inputs.logits_indices):])
+            logits = logits[:len(inputs.logits_indices)]
         forward_done = time.perf_counter()
         sampling = self._sampling_batch(inputs)
         if mask is not None:
@@ -158,6 +169,8 @@ class ModelRunner:
         assert inputs.num_accepted is not None, "finish_step counts the accepted drafts"
         result = self._result(plan, inputs, produced, inputs.num_accepted, sampled)
         self._report_failures(plan, inputs, result)
+        if self.prompt_logprobs:
+            result.prompt_logprobs = self.prompt_logprobs.take(result.handles)
         result.forward_seconds = forward_done - started
         result.sampling_seconds = time.perf_counter() - forward_done
         return result

@@ -226,7 +226,7 @@ BAD = [  # (endpoint, body, status, param)
     ("completions", {"prompt": "hi", "n": 0}, 400, "n"),
     ("completions", {"prompt": "hi", "n": 1000}, 400, "n"),
     ("completions", {"prompt": [1, 2, 999_999]}, 400, "prompt"),
-    ("completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("completions", {"prompt": "hi", "echo": True, "stream": True}, 400, "echo"),
     ("completions", {"prompt": "hi", "suffix": "end"}, 400, "suffix"),
     ("completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("completions", {"prompt": "hi", "logit_bias": {"1": 5}}, 400, "logit_bias"),

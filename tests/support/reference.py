@@ -44,3 +44,30 @@ def assert_greedy_match(ours: list[int], reference: ReferenceOutput, label: str 
                                     f"ours {ours}\nref  {reference.token_ids}")
             return
     assert len(ours) == len(reference.token_ids), f"{label}: {len(ours)} tokens vs {len(reference.token_ids)}"
+
+
+def hf_prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1, vocab] float32: the log-softmax at each position before the last, the
+    row that scores prompt token i + 1."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt], device=model.device)).logits[0, :-1].float()
+    return logits.log_softmax(dim=-1).cpu()
+
+
+def assert_prompt_logprobs_match(rows, prompt: list[int], reference: torch.Tensor, num_top: int,
+                                 tolerance: float = 1e-4) -> None:
+    """`rows` (TokenLogprobs, or anything with logprob, rank, top_token_ids, top_logprobs) score
+    prompt[1:] as `reference` does: logprob, rank and top-N values within `tolerance`; each top
+    id's reference logprob equal to the value beside it (ties may order differently)."""
+    assert len(rows) == len(prompt) - 1
+    targets = torch.tensor(prompt[1:])
+    expected = reference.gather(1, targets[:, None]).squeeze(1)
+    ours = torch.tensor([r.logprob for r in rows])
+    assert torch.allclose(ours, expected, atol=tolerance, rtol=0), float((ours - expected).abs().max())
+    top = reference.topk(num_top, dim=-1).values if num_top else reference[:, :0]
+    for i, r in enumerate(rows):
+        assert len(r.top_token_ids) == num_top
+        assert torch.allclose(torch.tensor(r.top_logprobs), top[i], atol=tolerance, rtol=0)
+        assert torch.allclose(reference[i, r.top_token_ids], torch.tensor(r.top_logprobs), atol=tolerance, rtol=0)
+        higher = int((reference[i] > expected[i] + tolerance).sum())
+        assert higher + 1 <= r.rank <= int((reference[i] > expected[i] - tolerance).sum()) + 1

@@ -141,7 +141,8 @@ def test_openai_bodies_translate_into_generate_requests():
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"prompt": "a", "echo": True}, "echo"), ({"prompt": "a", "suffix": "z"}, "suffix"),
+    ({"prompt": "a", "echo": True, "stream": True}, "echo"), ({"prompt": "a", "suffix": "z"}, "suffix"),
+    ({"prompt": "a", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt": "a", "best_of": 2}, "best_of"), ({"prompt": "a", "logit_bias": {"1": 1.0}}, "logit_bias"),
     ({"prompt": "a", "max_tokens": -1}, "max_tokens"), ({"prompt": [-1]}, "prompt"), ({"prompt": []}, "prompt"),
     ({"prompt": "a", "n": 0}, "n"), ({"prompt": ["a"] * 9, "n": 8}, "n"),

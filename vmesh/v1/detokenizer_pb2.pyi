@@ -30,7 +30,7 @@ class DetokenizerRequestInfo(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., frontend_id: _Optional[str] = ..., frontend_key: _Optional[int] = ..., prompt_tail: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., resumed_output_token_ids: _Optional[_Iterable[int]] = ..., resumed_text_length: _Optional[int] = ...) -> None: ...
 
 class DetokenizeRequest(_message.Message):
-    __slots__ = ("new_requests", "handles", "num_tokens", "token_ids", "finish_reasons", "num_cached_prompt_tokens", "logprobs_handles", "logprobs", "errors")
+    __slots__ = ("new_requests", "handles", "num_tokens", "token_ids", "finish_reasons", "num_cached_prompt_tokens", "logprobs_handles", "logprobs", "errors", "prompt_logprobs_handles", "prompt_logprobs")
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     HANDLES_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,8 @@ class DetokenizeRequest(_message.Message):
     LOGPROBS_HANDLES_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     new_requests: _containers.RepeatedCompositeFieldContainer[DetokenizerRequestInfo]
     handles: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -49,7 +51,9 @@ class DetokenizeRequest(_message.Message):
     logprobs_handles: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _common_pb2.LogprobColumns
     errors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, new_requests: _Optional[_Iterable[_Union[DetokenizerRequestInfo, _Mapping]]] = ..., handles: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reasons: _Optional[_Iterable[_Union[_common_pb2.FinishReason, str]]] = ..., num_cached_prompt_tokens: _Optional[_Iterable[int]] = ..., logprobs_handles: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ..., errors: _Optional[_Iterable[str]] = ...) -> None: ...
+    prompt_logprobs_handles: _containers.RepeatedScalarFieldContainer[int]
+    prompt_logprobs: _common_pb2.LogprobColumns
+    def __init__(self, new_requests: _Optional[_Iterable[_Union[DetokenizerRequestInfo, _Mapping]]] = ..., handles: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reasons: _Optional[_Iterable[_Union[_common_pb2.FinishReason, str]]] = ..., num_cached_prompt_tokens: _Optional[_Iterable[int]] = ..., logprobs_handles: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ..., errors: _Optional[_Iterable[str]] = ..., prompt_logprobs_handles: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ...) -> None: ...
 
 class DetokenizeResponse(_message.Message):
     __slots__ = ("stopped_handles", "draining", "orphaned_handles")
@@ -68,7 +72,7 @@ class SubscribeRequest(_message.Message):
     def __init__(self, frontend_id: _Optional[str] = ...) -> None: ...
 
 class SubscribeResponse(_message.Message):
-    __slots__ = ("frontend_keys", "texts", "num_tokens", "token_ids", "finish_reasons", "num_prompt_tokens", "num_output_tokens", "num_cached_prompt_tokens", "num_logprobs_rows", "logprobs", "errors", "resumable")
+    __slots__ = ("frontend_keys", "texts", "num_tokens", "token_ids", "finish_reasons", "num_prompt_tokens", "num_output_tokens", "num_cached_prompt_tokens", "num_logprobs_rows", "logprobs", "errors", "resumable", "num_prompt_logprobs_rows", "prompt_logprobs")
     FRONTEND_KEYS_FIELD_NUMBER: _ClassVar[int]
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +85,8 @@ class SubscribeResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     RESUMABLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_LOGPROBS_ROWS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     frontend_keys: _containers.RepeatedScalarFieldContainer[int]
     texts: _containers.RepeatedScalarFieldContainer[str]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -93,4 +99,6 @@ class SubscribeResponse(_message.Message):
     logprobs: _common_pb2.LogprobColumns
     errors: _containers.RepeatedScalarFieldContainer[str]
     resumable: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, frontend_keys: _Optional[_Iterable[int]] = ..., texts: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reasons: _Optional[_Iterable[_Union[_common_pb2.FinishReason, str]]] = ..., num_prompt_tokens: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[_Iterable[int]] = ..., num_cached_prompt_tokens: _Optional[_Iterable[int]] = ..., num_logprobs_rows: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ..., errors: _Optional[_Iterable[str]] = ..., resumable: _Optional[_Iterable[bool]] = ...) -> None: ...
+    num_prompt_logprobs_rows: _containers.RepeatedScalarFieldContainer[int]
+    prompt_logprobs: _common_pb2.LogprobColumns
+    def __init__(self, frontend_keys: _Optional[_Iterable[int]] = ..., texts: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reasons: _Optional[_Iterable[_Union[_common_pb2.FinishReason, str]]] = ..., num_prompt_tokens: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[_Iterable[int]] = ..., num_cached_prompt_tokens: _Optional[_Iterable[int]] = ..., num_logprobs_rows: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ..., errors: _Optional[_Iterable[str]] = ..., resumable: _Optional[_Iterable[bool]] = ..., num_prompt_logprobs_rows: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ...) -> None: ...

@@ -27,13 +27,16 @@ def to_proto(batch: OutputBatch) -> detokenizer_pb2.SubscribeResponse:
         pb.num_logprobs_rows.append(len(o.logprobs))
         pb.errors.append(o.error)
         pb.resumable.append(o.resumable)
+        pb.num_prompt_logprobs_rows.append(len(o.prompt_logprobs))
     pack_owned(enumerate(o.logprobs for o in batch.outputs), pb.logprobs)
+    pack_owned(enumerate(o.prompt_logprobs for o in batch.outputs), pb.prompt_logprobs)
     return pb
 
 
 def from_proto(pb: detokenizer_pb2.SubscribeResponse) -> OutputBatch:
     n_keys = len(pb.frontend_keys)
     logprobs = unpack_owned(owners_of_counts(pb.num_logprobs_rows), pb.logprobs)
+    prompt_logprobs = unpack_owned(owners_of_counts(pb.num_prompt_logprobs_rows), pb.prompt_logprobs)
     token_ids, num_tokens = list(pb.token_ids), list(pb.num_tokens)  # repeated fields index slowly
     errors = list(pb.errors) or [""] * n_keys  # per key, or absent when nothing failed
     resumable = list(pb.resumable) or [False] * n_keys
@@ -44,7 +47,7 @@ def from_proto(pb: detokenizer_pb2.SubscribeResponse) -> OutputBatch:
         outputs.append(StreamOutput(
             frontend_key, pb.texts[i], token_ids[offset:offset + n], finish_from_proto(pb.finish_reasons[i]),
             _at(pb.num_prompt_tokens, i), _at(pb.num_output_tokens, i), _at(pb.num_cached_prompt_tokens, i),
-            logprobs.get(i, []), errors[i], resumable[i]))
+            logprobs.get(i, []), errors[i], resumable[i], prompt_logprobs.get(i, [])))
         offset += n
     return OutputBatch(outputs)
 

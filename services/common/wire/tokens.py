@@ -41,11 +41,14 @@ def to_proto(batch: TokenBatch) -> detokenizer_pb2.DetokenizeRequest:
         pb.num_cached_prompt_tokens.append(r.num_cached_prompt_tokens)
         pb.errors.append(r.error)
     pb.logprobs_handles.extend(pack_owned(((r.handle, r.logprobs) for r in batch.requests), pb.logprobs))
+    pb.prompt_logprobs_handles.extend(pack_owned(((r.handle, r.prompt_logprobs) for r in batch.requests),
+                                                 pb.prompt_logprobs))
     return pb
 
 
 def from_proto(pb: detokenizer_pb2.DetokenizeRequest) -> TokenBatch:
     logprobs = unpack_owned(pb.logprobs_handles, pb.logprobs)
+    prompt_logprobs = unpack_owned(pb.prompt_logprobs_handles, pb.prompt_logprobs)
     token_ids, num_tokens = list(pb.token_ids), list(pb.num_tokens)  # repeated fields index slowly
     errors = list(pb.errors) or [""] * len(pb.handles)  # a sender that fails nothing may leave them out
     requests = []
@@ -53,6 +56,7 @@ def from_proto(pb: detokenizer_pb2.DetokenizeRequest) -> TokenBatch:
     for i, handle in enumerate(pb.handles):
         n = num_tokens[i]
         requests.append(StepTokens(handle, token_ids[offset:offset + n], finish_from_proto(pb.finish_reasons[i]),
-                                   pb.num_cached_prompt_tokens[i], logprobs.get(handle, []), errors[i]))
+                                   pb.num_cached_prompt_tokens[i], logprobs.get(handle, []), errors[i],
+                                   prompt_logprobs.get(handle, [])))
         offset += n
     return TokenBatch([_start_from_proto(s) for s in pb.new_requests], requests)
