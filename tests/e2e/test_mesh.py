@@ -18,6 +18,7 @@ from tests.support.meshes import stops_cleanly
 from tests.support.reference import assert_greedy_match
 from vmesh.services.bench.mesh import STOP_TIMEOUT_S, start_mesh
 from vmesh.services.client import VmeshClient
+from vmesh.services.process_priority import DEFAULT_SERVICE_NICENESS
 
 
 async def _greedy_all(address: str, prompts: list[list[int]], max_tokens: int = 32) -> list[list[int]]:
@@ -331,6 +332,20 @@ def test_only_the_worker_loads_torch(default_mesh):
     print({name: f"{pss_mib(pid):.0f} MiB" for name, (_address, pid) in default_mesh.services.items()})
     assert loaded.pop("worker") is True  # the check sees torch where it is
     assert loaded and not any(loaded.values()), loaded
+
+
+def _thread_niceness(pid: int) -> set[int]:
+    """The niceness of every thread of a process (field 19 of /proc/<pid>/task/<tid>/stat)."""
+    return {int(stat.read_text().rpartition(")")[2].split()[16]) for stat in Path(f"/proc/{pid}/task").glob("*/stat")}
+
+
+def test_only_the_worker_runs_at_the_launcher_s_priority(default_mesh):
+    """The other services yield the cores to the worker's threads: every thread of theirs runs
+    DEFAULT_SERVICE_NICENESS above the launcher, the worker's at the launcher's."""
+    launcher = os.getpriority(os.PRIO_PROCESS, default_mesh.process.pid)
+    niceness = {name: _thread_niceness(pid) for name, (_address, pid) in default_mesh.services.items()}
+    assert niceness.pop("worker") == {launcher}
+    assert niceness and all(n == {min(19, launcher + DEFAULT_SERVICE_NICENESS)} for n in niceness.values()), niceness
 
 
 def test_health_checks_do_not_import_torch(default_mesh):
