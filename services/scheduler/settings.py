@@ -14,10 +14,11 @@ PIPELINE_DEPTHS = (1, 2)  # step plans in flight: 1 synchronous, 2 async schedul
 # Decode first: a step that carries running decodes carries at most this many prefill tokens, so
 # that a long prompt (or a burst of them) delays each running stream by a bounded amount per step
 # instead of by a whole max_num_batched_tokens of prefill. The bound a decode step pays is this
-# cap times the per-token prefill cost: ~0.3 ms/token in bfloat16 and ~1.1 in float32 on the
-# 2-core CPU benchmarks/README.md describes ("Decode-first budget"), i.e. ~80-280 ms over the
-# decode itself; a 256-token prompt still enters in one step. Steps with no decodes (an idle
-# mesh's first prompts) take the whole max_num_batched_tokens.
+# cap times the per-token prefill cost: on the 2-core CPU of benchmarks/README.md ("Decode first")
+# ~0.3 ms a token in bfloat16 (a cost model fitted to a recorded burst) and up to ~1.1 in float32
+# (the linears' FLOPs), i.e. ~80-280 ms over the decode itself, where a whole 2,048-token budget
+# of prefill is 0.6-2.3 s. 256 lets a 256-token prompt enter in one step; steps with no decodes
+# (an idle mesh's first prompts) take the whole max_num_batched_tokens.
 DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODES = 256
 
 
