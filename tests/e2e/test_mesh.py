@@ -18,7 +18,6 @@ from tests.support.meshes import stops_cleanly
 from tests.support.reference import assert_greedy_match
 from vmesh.services.bench.mesh import STOP_TIMEOUT_S, start_mesh
 from vmesh.services.client import VmeshClient
-from vmesh.services.process_priority import DEFAULT_SERVICE_NICENESS
 
 
 async def _greedy_all(address: str, prompts: list[list[int]], max_tokens: int = 32) -> list[list[int]]:
@@ -342,6 +341,8 @@ def _thread_niceness(pid: int) -> set[int]:
 def test_only_the_worker_runs_at_the_launcher_s_priority(default_mesh):
     """The other services yield the cores to the worker's threads: every thread of theirs runs
     DEFAULT_SERVICE_NICENESS above the launcher, the worker's at the launcher's."""
+    from vmesh.services.process_priority import DEFAULT_SERVICE_NICENESS
+
     launcher = os.getpriority(os.PRIO_PROCESS, default_mesh.process.pid)
     niceness = {name: _thread_niceness(pid) for name, (_address, pid) in default_mesh.services.items()}
     assert niceness.pop("worker") == {launcher}
