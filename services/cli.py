@@ -189,8 +189,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(rest[1:])
     from vmesh.services.launcher import die_with_launcher
+    from vmesh.services.process_priority import take_launcher_priority
 
     die_with_launcher()
+    take_launcher_priority()
     try:
         parser = build_parser()
     except BadEnvironmentValue as exc:

@@ -1,8 +1,7 @@
-"""`vmesh serve`: every service as its own OS process on loopback, started in dependency
-order, each waited on until healthy; one public address printed; everything stopped together
-on Ctrl-C / SIGTERM. A service that dies once the mesh serves is restarted in place (same
-address, backoff between attempts) and its peers fail its requests over; with --fail-fast, or
-during start-up, a death stops the whole mesh instead, naming the culprit."""
+"""`vmesh serve`: every service as its own OS process on loopback, started in dependency order, each waited
+on until healthy; one public address printed; everything stopped together on Ctrl-C / SIGTERM. A service that
+dies once the mesh serves is restarted in place (same address, backoff between attempts) and its peers fail its
+requests over; with --fail-fast, or during start-up, a death stops the whole mesh instead, naming the culprit."""
 
 from __future__ import annotations
 
@@ -27,6 +26,7 @@ from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.flag_groups import forwarded_flags, forwarded_secrets
 from vmesh.services.mesh_description import MeshDescription, ServiceEntry
 from vmesh.services.mesh_settings import mesh_settings
+from vmesh.services.process_priority import niceness_env
 
 INTERNAL_HOST = "127.0.0.1"
 START_TIMEOUT_S = 900.0  # the first start converts the model
@@ -97,11 +97,11 @@ class Mesh:
 
     def start(self, name: str, service: str, argv: list[str], host: str = INTERNAL_HOST, port: int = 0,
               env: dict[str, str] | None = None) -> Child:
-        # The launcher's own VMESH_* settings reach a child as the flags of its group, never by
-        # inheritance: a VMESH_HEALTH_PORT or VMESH_TLS_CERT meant for one service must not
-        # land on all of them.
+        # The launcher's own VMESH_* settings reach a child as the flags of its group, never by inheritance:
+        # a VMESH_HEALTH_PORT or VMESH_TLS_CERT meant for one service must not land on all of them.
         inherited = {k: v for k, v in os.environ.items() if not k.startswith("VMESH_")}
-        env = {**inherited, **(env or {}), PARENT_PID_ENV: str(os.getpid())}
+        niceness = niceness_env(service, mesh_settings(self.args).service_niceness)
+        env = {**inherited, **(env or {}), **niceness, PARENT_PID_ENV: str(os.getpid())}
         ready = self.workdir / f"{name}.addr"
         argv = ["--host", host, "--port", str(port), *argv]
         if self.args.metrics:
@@ -121,7 +121,7 @@ class Mesh:
         command = [sys.executable, "-m", "vmesh", "--log-level", self.args.log_level, service,
                    "--ready-file", str(ready), *argv]
         # No preexec_fn: forking with one runs Python in the child and gRPC's fork handlers in
-        # this (multi-threaded, gRPC-using) process. The child asks for its death signal itself.
+        # this (multi-threaded, gRPC-using) process. The child asks for its death signal and priority itself.
         return subprocess.Popen(command, env=env)
 
     async def wait_ready(self, children: list[Child]) -> None:

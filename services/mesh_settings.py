@@ -7,6 +7,7 @@ import argparse
 from dataclasses import dataclass
 
 from vmesh.services.common.config_flags import setting, values_from_args
+from vmesh.services.process_priority import DEFAULT_SERVICE_NICENESS
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,10 @@ class MeshSettings:
         False, section="mesh",
         help="stop the whole mesh when any service dies (default: restart it in place, with backoff; its requests "
              "fail over)")
+    service_niceness: int = setting(
+        DEFAULT_SERVICE_NICENESS, section="mesh",
+        help="niceness the frontend, schedulers and detokenizers start at, above the workers', so that they do "
+             "not preempt the workers' threads mid-forward on a small CPU (0: all at the launcher's priority)")
     # On by default: a local process that is not part of the mesh must not reach its internal ports.
     internal_tls: bool = setting(
         True, section="mesh", flag="--no-internal-tls", negated=True,

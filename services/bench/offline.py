@@ -113,7 +113,9 @@ async def mesh_latency(mesh: RunningMesh, prompt: list[int], max_tokens: int,
 # The mesh in its precision modes: `mesh` (float32) always runs; the others on request.
 MESH_VARIANTS = {"mesh": (), "mesh-native": ("--weights", "native"), "mesh-bf16": ("--dtype", "bfloat16"),
                  "mesh-int8": ("--weights", "int8"), "mesh-plaintext": ("--no-internal-tls",),
-                 "mesh-spec": ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}')}
+                 "mesh-spec": ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'),
+                 # Every service at the worker's priority, against the default (services niced).
+                 "mesh-equal-priority": ("--service-niceness", "0")}
 
 
 def start_meshes(args: argparse.Namespace, baselines: set[str], model_dir: Path, work: dict[str, Any],

@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -126,6 +127,23 @@ def run_client(python: Path, base_url: str, model: str, tokenizer: Path, load: L
     return figures
 
 
+def parse_variants(texts: list[str]) -> dict[str, list[str]]:
+    """`NAME=FLAGS` (flags as a shell would split them): another vmesh serve, started with FLAGS
+    beside the default one's, that joins the alternation as server NAME."""
+    variants: dict[str, list[str]] = {}
+    for text in texts:
+        name, equals, flags = text.partition("=")
+        if not equals or not name or name in SERVERS or name in variants:
+            raise SystemExit(f"--variant: {text!r} is not NAME=FLAGS with a new NAME (not {', '.join(SERVERS)})")
+        variants[name] = shlex.split(flags)
+    return variants
+
+
+def _ratios(medians: dict[str, dict[str, dict[str, float]]], over: str, loads: list[Load]) -> dict[str, Any]:
+    return {load.name: {name: medians[server][load.name][name] / medians[over][load.name][name] for name in RATIOS}
+            for load in loads for server in medians if server != over} if over in medians else {}
+
+
 def _medians(runs: list[dict[str, float]]) -> dict[str, float]:
     return {name: statistics.median(r[name] for r in runs) for name in runs[0]}
 
@@ -138,17 +156,24 @@ def online(args: argparse.Namespace) -> dict[str, Any]:
     except PeerError as exc:
         raise SystemExit(str(exc)) from exc
     model_dir = resolve_model_dir(args.model)
-    runs: dict[str, dict[str, list[dict[str, float]]]] = {s: {load.name: [] for load in loads} for s in SERVERS}
+    meshes = {"vmesh": [], **parse_variants(args.variant)}
+    servers = [*meshes, *(["vllm"] if not args.no_vllm else [])]
+    runs: dict[str, dict[str, list[dict[str, float]]]] = {s: {load.name: [] for load in loads} for s in servers}
+    urls: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
-        mesh = start_mesh("--model", str(model_dir), "--kv-cache-memory", args.kv_cache_memory, "--dtype", args.dtype)
-        stack.callback(mesh.stop)
-        vllm = VllmServer(python, model_dir, args.dtype, free_port(), args.input_len + args.output_len + 64,
-                          args.kv_cache_memory_bytes)
-        stack.callback(vllm.close)
-        urls = {"vmesh": mesh.http_url, "vllm": vllm.base_url}
-        models = {"vmesh": _served_model(mesh.http_url), "vllm": vllm.model}
+        for name, flags in meshes.items():
+            mesh = start_mesh("--model", str(model_dir), "--kv-cache-memory", args.kv_cache_memory,
+                              "--dtype", args.dtype, *flags)
+            stack.callback(mesh.stop)
+            urls[name] = mesh.http_url
+        if not args.no_vllm:
+            vllm = VllmServer(python, model_dir, args.dtype, free_port(), args.input_len + args.output_len + 64,
+                              args.kv_cache_memory_bytes)
+            stack.callback(vllm.close)
+            urls["vllm"] = vllm.base_url
+        models = {name: _served_model(url) for name, url in urls.items()}
         for round_index in range(args.rounds):
-            order = SERVERS if round_index % 2 == 0 else SERVERS[::-1]
+            order = servers if round_index % 2 == 0 else servers[::-1]
             for load in loads:
                 for server in order:
                     figures = run_client(python, urls[server], models[server], model_dir, load, args)
@@ -157,11 +182,12 @@ def online(args: argparse.Namespace) -> dict[str, Any]:
                           f"TTFT p50 {figures['median_ttft_ms']:.0f} ms, TPOT {figures['mean_tpot_ms']:.1f} ms, "
                           f"ITL p99 {figures['p99_itl_ms']:.0f} ms", flush=True)
     medians = {s: {load: _medians(r) for load, r in per_load.items()} for s, per_load in runs.items()}
-    ratios = {load.name: {name: medians["vmesh"][load.name][name] / medians["vllm"][load.name][name]
-                          for name in RATIOS} for load in loads}
+    vmesh_medians = {"vmesh": medians["vmesh"], **({"vllm": medians["vllm"]} if "vllm" in medians else {})}
     return {"machine": machine(), "dtype": args.dtype, "rounds": args.rounds, "num_prompts": args.num_prompts,
-            "input_len": args.input_len, "output_len": args.output_len, "runs": runs, "medians": medians,
-            "vmesh_over_vllm": ratios}
+            "input_len": args.input_len, "output_len": args.output_len, "variants": dict(meshes), "runs": runs,
+            "medians": medians, "vmesh_over_vllm": _ratios(vmesh_medians, "vllm", loads),
+            "variants_over_vmesh": {name: _ratios({name: medians[name], "vmesh": medians["vmesh"]}, "vmesh", loads)
+                                    for name in meshes if name != "vmesh"}}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -173,6 +199,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loads", default="burst:32,rate:2",
                         help="comma-separated: burst:N (all at once, N in flight) and rate:R (Poisson, R/s)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                        help="another vmesh serve with these extra flags, alternated with the others as NAME "
+                             "(repeatable), e.g. nocap='--max-prefill-tokens-with-decodes 0'")
+    parser.add_argument("--no-vllm", action="store_true", help="only the vmesh servers (e.g. to compare variants)")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)

@@ -1,12 +1,14 @@
 """Continuous batching over the paged KV cache (after vLLM V1's scheduler).
 
 Each step is one map {request: tokens to compute} under a token budget: running requests
-first, then waiting ones. Prefill, chunked prefill, prefix-cache hits and decode are one
-code path: `num_computed_tokens` catching up with the request's tokens. With async
-scheduling the next plan is made before the last result is back, so every scheduled step
-that will sample adds placeholder output tokens (1 + its draft slots); results replace them.
-Stops known in advance (max_tokens, the context length) count placeholders, so they never
-over-schedule; token-dependent stops are seen one step late and the extra token is dropped.
+first, then waiting ones; while any request decodes, prefill tokens (chunks of running prompts
+and admissions alike) share a smaller cap, max_prefill_tokens_with_decodes (decode first).
+Prefill, chunked prefill, prefix-cache hits and decode are one code path: `num_computed_tokens`
+catching up with the request's tokens. With async scheduling the next plan is made before the
+last result is back, so every scheduled step that will sample adds placeholder output tokens
+(1 + its draft slots); results replace them. Stops known in advance (max_tokens, the context
+length) count placeholders, so they never over-schedule; token-dependent stops are seen one
+step late and the extra token is dropped.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from vmesh.services.common.step_types import NewRequest, StepPlan, StepResult
 from vmesh.services.common.types import FinishReason, TokenLogprobs
 from vmesh.services.scheduler.block_pool import BlockPool
 from vmesh.services.scheduler.request import Request, RequestStatus
-from vmesh.services.scheduler.settings import SCHEDULING_POLICIES, SchedulerSettings
+from vmesh.services.scheduler.settings import SchedulerConfig, SchedulerSettings, WorkerGeometry
 from vmesh.services.scheduler.speculation import DraftPolicy, SpecDecodeStats, settle_step
 
 # Compiled grammars travel inside the plan that admits their requests (up to 2 MiB each, the
@@ -30,42 +32,6 @@ MAX_PLAN_GRAMMAR_BYTES = 16 << 20
 
 
 class QueueFullError(RuntimeError): ...
-
-
-@dataclass(frozen=True)
-class WorkerGeometry:
-    """What the scheduler must know of the worker it plans for (the mesh's worker reports it in
-    GetWorkerInfo; the in-process engine reads it off its model runner)."""
-    max_model_len: int
-    max_num_seqs: int  # rows of the worker's persistent batch
-    num_kv_blocks: int
-    block_size: int
-    eos_token_ids: tuple[int, ...] = ()
-    num_speculative_tokens: int = 0  # the worker proposes drafts (0: it does not)
-    speculative_disable_by_batch_size: int = 0
-
-
-@dataclass
-class SchedulerConfig:
-    """What one scheduler runs under: its service's SchedulerSettings resolved against the worker
-    it drives (`for_worker`)."""
-    max_model_len: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    policy: str  # "fcfs", or "priority": (priority, arrival) order, lowest value first
-    max_waiting: int | None  # None: unbounded waiting queue
-
-    def __post_init__(self) -> None:
-        # The command line offers only these (argparse choices), but a library caller's
-        # EngineConfig is checked nowhere else, and an unknown policy would quietly act as fcfs.
-        if self.policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"unknown scheduling policy {self.policy!r} ({' or '.join(SCHEDULING_POLICIES)})")
-
-    @classmethod
-    def for_worker(cls, settings: SchedulerSettings, worker: WorkerGeometry) -> SchedulerConfig:
-        return cls(max_model_len=worker.max_model_len, max_num_seqs=worker.max_num_seqs,
-                   max_num_batched_tokens=settings.max_num_batched_tokens, policy=settings.policy,
-                   max_waiting=settings.max_waiting)
 
 
 @dataclass
@@ -187,6 +153,7 @@ class Scheduler:
         removes rows is sent: an idle worker still learns promptly what finished)."""
         plan = StepPlan(step=self.next_step)
         budget = self.config.max_num_batched_tokens
+        prefill_budget = self._prefill_budget(budget)
         scheduled: set[int] = set()
         block_size = self.pool.block_size
 
@@ -195,7 +162,10 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING or not self._can_produce(request):
                 continue
-            n = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
+            remaining = request.num_tokens_with_placeholders - request.num_computed_tokens
+            n = min(remaining, budget) if remaining == 1 else min(remaining, budget, prefill_budget)
+            if n == 0:  # a prefill chunk when this step's prefill budget is spent: next step
+                continue
             drafts = self.draft_policy.slots(request, n, len(self.running), budget - n, self.max_model_len)
             need = -(-(request.num_computed_tokens + n + drafts) // block_size) - len(request.block_ids)
             new_blocks = self.pool.allocate(need) if need > 0 else []
@@ -211,26 +181,38 @@ class Scheduler:
             self._schedule(plan, request, n, new_blocks, drafts)
             scheduled.add(id(request))
             budget -= n + drafts
+            prefill_budget -= n if remaining > 1 else 0
 
         grammar_bytes = 0
         for request in list(self.waiting):
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            if min(budget, prefill_budget) == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if request.num_placeholders:  # preempted with a result still in flight
                 continue
             grammar_bytes += len(request.sampling.grammar.payload) if request.sampling.grammar else 0
             if grammar_bytes > MAX_PLAN_GRAMMAR_BYTES and plan.new_requests:
                 break
-            if not self._admit(plan, request, budget):
+            if not self._admit(plan, request, min(budget, prefill_budget)):
                 break
             scheduled.add(id(request))
             budget -= plan.num_scheduled_tokens[-1]
+            prefill_budget -= plan.num_scheduled_tokens[-1]
 
         if not plan.scheduled_handles and not self.pending_removals:
             return None
         plan.removed_handles, self.pending_removals = self.pending_removals, []
         self.next_step += 1
         return plan
+
+    def _prefill_budget(self, budget: int) -> int:
+        """Decode first: the prefill tokens this step may carry. Capped while any running request
+        decodes in it (one token to compute), so that a long prompt delays the running streams by
+        at most the cap's compute per step; the prompt still advances by the cap every step."""
+        cap = self.config.max_prefill_tokens_with_decodes
+        if cap and any(r.status is RequestStatus.RUNNING and self._can_produce(r)
+                       and r.num_tokens_with_placeholders - r.num_computed_tokens == 1 for r in self.running):
+            return min(cap, budget)
+        return budget
 
     def _admit(self, plan: StepPlan, request: Request, budget: int) -> bool:
         block_size = self.pool.block_size

@@ -355,6 +355,22 @@ def test_only_the_worker_loads_torch(default_mesh):
     assert loaded and not any(loaded.values()), loaded
 
 
+def _thread_niceness(pid: int) -> set[int]:
+    """The niceness of every thread of a process (field 19 of /proc/<pid>/task/<tid>/stat)."""
+    return {int(stat.read_text().rpartition(")")[2].split()[16]) for stat in Path(f"/proc/{pid}/task").glob("*/stat")}
+
+
+def test_only_the_worker_runs_at_the_launcher_s_priority(default_mesh):
+    """The other services yield the cores to the worker's threads: every thread of theirs runs
+    DEFAULT_SERVICE_NICENESS above the launcher, the worker's at the launcher's."""
+    from vmesh.services.process_priority import DEFAULT_SERVICE_NICENESS
+
+    launcher = os.getpriority(os.PRIO_PROCESS, default_mesh.process.pid)
+    niceness = {name: _thread_niceness(pid) for name, (_address, pid) in default_mesh.services.items()}
+    assert niceness.pop("worker") == {launcher}
+    assert niceness and all(n == {min(19, launcher + DEFAULT_SERVICE_NICENESS)} for n in niceness.values()), niceness
+
+
 def test_health_checks_do_not_import_torch(default_mesh):
     import subprocess
     import sys

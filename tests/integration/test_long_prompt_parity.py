@@ -33,12 +33,13 @@ def runner(embedded_model_dir):
     return ModelRunner.load(WorkerConfig(model=str(embedded_model_dir), kv_cache_memory=256 << 20, max_num_seqs=4))
 
 
-@pytest.mark.parametrize(("budget", "depth"), [(4096, 2), (512, 1), (768, 2)])
+@pytest.mark.parametrize(("budget", "depth", "prefill_cap"), [(4096, 2, 0), (512, 1, 0), (768, 2, 0), (2048, 2, 256)])
 def test_long_prompts_match_transformers(monkeypatch, runner, embedded_tokenizer, long_prompts, long_references,
-                                         budget, depth):
+                                         budget, depth, prefill_cap):
     """budget 4096: both prompts whole in one step; 512: four chunks each, on block edges;
     768: chunks that start and end mid-block, a step holding the end of one prompt and the
-    start of the other."""
+    start of the other; 2048, decode first: the second prompt's chunks capped at 256 tokens
+    while the first one decodes."""
     from vmesh.services.worker.persistent_batch import PersistentBatch
 
     tiled = runner.backend.kernels.prefill_attention
@@ -47,7 +48,8 @@ def test_long_prompts_match_transformers(monkeypatch, runner, embedded_tokenizer
     runner.batch = PersistentBatch(runner.batch.max_num_reqs, runner.max_model_len, runner.kv_cache.block_size,
                                    runner.model.device, runner.kv_cache.num_blocks)
     runner.last_step = -1
-    engine = LLMEngine(runner, embedded_tokenizer, EngineConfig(max_num_batched_tokens=budget, pipeline_depth=depth))
+    engine = LLMEngine(runner, embedded_tokenizer, EngineConfig(max_num_batched_tokens=budget, pipeline_depth=depth,
+                                                                 max_prefill_tokens_with_decodes=prefill_cap))
     try:
         outs = engine.generate(long_prompts, SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True))
         for i, out in enumerate(outs):

@@ -68,8 +68,13 @@ def schedulable(scheduler: Scheduler) -> list[str]:
             ready.append(f"running {r.request_id}")
     seats = scheduler.config.max_num_seqs - len(scheduler.running)
     free = scheduler.pool.stats().num_free
+    # Decode first: beside a running decode the next chunk is the prefill cap's at most.
+    budget = scheduler.config.max_num_batched_tokens
+    if scheduler.config.max_prefill_tokens_with_decodes and any(
+            r.num_tokens_with_placeholders - r.num_computed_tokens == 1 for r in scheduler.running):
+        budget = min(budget, scheduler.config.max_prefill_tokens_with_decodes)
     for r in scheduler.waiting[:seats]:
-        chunk = min(r.num_tokens, scheduler.config.max_num_batched_tokens)
+        chunk = min(r.num_tokens, budget)
         if -(-chunk // BLOCK_SIZE) <= free:
             note = " (preempted, its token in flight)" if r.num_placeholders else ""
             ready.append(f"waiting {r.request_id}{note}")
@@ -78,10 +83,11 @@ def schedulable(scheduler: Scheduler) -> list[str]:
 
 
 def run(seed: int, *, num_blocks: int, max_num_seqs: int, num_requests: int, eos_rate: float,
-        abort_rate: float, depth: int = 2) -> Trace:
+        abort_rate: float, depth: int = 2, prefill_cap: int = 0) -> Trace:
     rng = random.Random(seed)
     scheduler = make_scheduler(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
-                               max_num_seqs=max_num_seqs, max_num_batched_tokens=48, eos_token_ids=(EOS,))
+                               max_num_seqs=max_num_seqs, max_num_batched_tokens=48, eos_token_ids=(EOS,),
+                               max_prefill_tokens_with_decodes=prefill_cap)
     pipeline = StepPipeline(scheduler, depth)
     worker = SimulatedWorker(PersistentBatch(max_num_seqs, MAX_MODEL_LEN, BLOCK_SIZE, torch.device("cpu"),
                                              num_blocks), rng, eos_rate)
@@ -127,6 +133,15 @@ def run(seed: int, *, num_blocks: int, max_num_seqs: int, num_requests: int, eos
 @pytest.mark.parametrize("seed", range(6))
 def test_the_worker_never_waits_for_a_plan_under_arrivals_and_finishes(seed):
     trace = run(seed, num_blocks=256, max_num_seqs=8, num_requests=60, eos_rate=0.05, abort_rate=0.02)
+    assert trace.steps > 50
+    assert trace.waits == []
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_worker_never_waits_for_a_plan_with_prompts_in_capped_chunks(seed):
+    # Decode first: beside running decodes every prompt enters in chunks of at most 8 tokens.
+    trace = run(seed, num_blocks=256, max_num_seqs=8, num_requests=60, eos_rate=0.05, abort_rate=0.02,
+                prefill_cap=8)
     assert trace.steps > 50
     assert trace.waits == []
 
