@@ -264,7 +264,7 @@ class CpuKernels:
 
     def int8_linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, row_sums: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
-        """x [rows, in] rounded to int8 per row, @ (weight * scale[:, None]).T + bias: kernels/cpu/int8_linear.c.
+        """x [rows, in] rounded to 16 bits per row, @ (weight * scale[:, None]).T + bias: kernels/cpu/int8_linear.c.
         weight int8 [out, in], scale float32 [out], row_sums int32 [out] (weight.sum(1)), bias float32
         [out]: contiguous, as services/worker/int8_linear.py builds them at load; x is checked here."""
         require_contiguous_cpu(("x", x, torch.float32))

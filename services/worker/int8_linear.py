@@ -1,11 +1,11 @@
 """`--weights int8`: a float checkpoint's linears as int8 weights, quantized at load.
 
 Each weight row (output feature) gets one symmetric scale, max |w| / 127, and int8 codes rounded to
-nearest; each call rounds the activations to int8 the same way per row (token), so a product is
-one integer dot over the whole input width (`kernels/cpu/int8_linear.c`, AVX-512 VNNI) scaled
-once: W8A8 with dynamic per-token activation scales. The weights take a quarter of float32's
-bytes, which 1-4 row decoding is bound by, and a batch's products run on integer dot products,
-four int8 products per lane per instruction against one float32 FMA.
+nearest; each call rounds the activations to 16 bits the same way per row (token), so a product is
+one integer dot over the whole input width (`kernels/cpu/int8_linear.c`, AVX-512 VNNI: each 16-bit
+code as two bytes against the same weight byte) scaled once. 16-bit activations per token cost no
+measurable perplexity where 8-bit ones per token cost 3 %. The weights take a quarter of float32's
+bytes, which 1-4 row decoding is bound by, and a batch's products run on integer dot products.
 
 Every linear takes it, the LM head included; a tied embedding table is then read back from the
 head's int8 rows (`weight_rows`), so it too is held once, in int8.
@@ -48,7 +48,7 @@ class Int8Linear:
     packed = False  # as Linear's: no oneDNN copy
     weight = None  # no float weight is held; weight_rows reads the codes
     rows_readable = True
-    kernel_description = "int8 weights per output feature x int8 activations per token (AVX-512 VNNI)"
+    kernel_description = "int8 weights per output feature x 16-bit activations per token (AVX-512 VNNI)"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: CpuKernels):
         if weight.dim() != 2 or weight.device.type != "cpu":

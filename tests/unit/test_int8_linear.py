@@ -1,5 +1,5 @@
 """`--weights int8`: kernels/cpu/int8_linear.c against a float64 reference of what it computes (the
-int8 weight codes times their per-row scales, times the activations rounded to int8 per row),
+int8 weight codes times their per-row scales, times the activations rounded to 16 bits per row),
 written here from that definition; the load-time quantization; and the mode on a tiny model."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ def int8_kernels(kernels):
     return kernels
 
 
-def per_row_int8(x: torch.Tensor) -> torch.Tensor:
-    scale = x.abs().amax(dim=1, keepdim=True) / 127
+def per_row_int16(x: torch.Tensor) -> torch.Tensor:
+    scale = x.abs().amax(dim=1, keepdim=True) / 32767
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     return (x * inverse).round() * scale
 
@@ -42,13 +42,21 @@ def test_kernel_matches_int8_reference(int8_kernels, rows, out_features, in_feat
     layer = Int8Linear(weight, bias, int8_kernels)
     x = torch.randn(rows, in_features) * torch.linspace(0.1, 3, in_features)
     x[0] = 0  # a row of zeros: scale 0
-    want = per_row_int8(x).double() @ layer.dequantized().double().T + (bias.double() if bias is not None else 0)
+    want = per_row_int16(x).double() @ layer.dequantized().double().T + (bias.double() if bias is not None else 0)
     got = layer(x)
     assert got.shape == (rows, out_features) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * max(float(want.abs().max()), 1.0))
     # ... and about 1 % of the output's scale from the float32 product.
     exact = x.double() @ weight.double().T + (bias.double() if bias is not None else 0)
     assert float((got.double() - exact).abs().max()) < 0.03 * max(float(exact.abs().max()), 1e-6)
+
+
+def test_sums_of_a_wide_input_are_exact(int8_kernels):
+    """Every product at its largest (32,767 x 127) over 8,448 inputs: 3.5e10 in all, far past
+    int32's range, which only the split into bytes and int64 sums keep exact."""
+    layer = Int8Linear(torch.ones(3, 8448), None, int8_kernels)
+    got = layer(torch.ones(2, 8448))
+    torch.testing.assert_close(got, torch.full((2, 3), 8448.0))
 
 
 def test_leading_dimensions_rows_and_memory(int8_kernels):
