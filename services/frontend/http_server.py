@@ -1,7 +1,6 @@
-"""The frontend's HTTP shell: OpenAI's API (/v1/models, /v1/completions, /v1/chat/completions,
-/v1/responses, streamed as Server-Sent Events), vLLM's utility endpoints (utility_api.py), plus /health,
-/metrics and /openapi.json, served by uvicorn on
-the frontend's own event loop over the same core as gRPC (core.py). A client that
+"""The frontend's HTTP shell: OpenAI's API (/v1/models, /v1/completions, /v1/chat/completions, /v1/responses,
+streamed as Server-Sent Events), vLLM's utility endpoints (utility_api.py), /health, /metrics and /openapi.json,
+served by uvicorn on the frontend's own event loop over the same core as gRPC (core.py). A client that
 disconnects aborts its requests, as a cancelled gRPC stream does."""
 
 from __future__ import annotations
