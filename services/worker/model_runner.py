@@ -27,6 +27,7 @@ from vmesh.services.worker.config import DTYPE_NAMES, WorkerConfig
 from vmesh.services.worker.grammar_rows import GrammarMask, GrammarTokenizer, RowGrammar
 from vmesh.services.worker.int8_linear import int8_kernels
 from vmesh.services.worker.kv_cache import KVCache, kv_cache_budget
+from vmesh.services.worker.lora import LoraManager
 from vmesh.services.worker.model import DecoderModel, MissingWeightError
 from vmesh.services.worker.persistent_batch import PersistentBatch, PlanError, StepInputs
 from vmesh.services.worker.quantized_linear import load_native_weights
@@ -73,6 +74,7 @@ class ModelRunner:
         # the GIL); started on the first step that has a grammar.
         self.overlap_grammar_fill = True
         self._mask_thread: ThreadPoolExecutor | None = None
+        self.lora: LoraManager | None = None  # LoRA adapters, when the worker serves them
 
     @property
     def spec(self) -> ModelSpec:
@@ -119,6 +121,8 @@ class ModelRunner:
         logger.log(logging.WARNING if model.mixed and backend.name != "cpu" else logging.INFO, "%s", placement)
         runner = cls(model, kv_cache, backend, config.max_num_seqs, max_model_len,
                      GrammarTokenizer.for_model(model_dir, spec), config.speculative_config)
+        if config.lora_enabled:
+            runner.lora = LoraManager.for_config(model, spec, config)
         release_freed_heap()
         return runner
 
@@ -134,6 +138,10 @@ class ModelRunner:
         if plan.step != self.last_step + 1:
             raise PlanError(f"step {plan.step} does not follow step {self.last_step}")
         self.batch.apply(plan)
+        if self.lora is not None:
+            self.lora.assign_rows(plan, self.batch)
+        elif any(request.lora_name for request in plan.new_requests):
+            raise PlanError("this worker serves no LoRA adapters")
         self.last_step = plan.step
         if not plan.scheduled_handles:
             return StepResult(step=plan.step, handles=[], sampled_token_ids=[])
@@ -141,8 +149,14 @@ class ModelRunner:
         inputs = self.batch.prepare_inputs(plan, self.speculative)
         grammars = self._grammars_sampling(inputs) if self.batch.num_grammars else []
         mask = self._start_mask(len(inputs.logits_request), grammars) if grammars else None
-        logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.attention, self.kv_cache,
-                                    self.backend, inputs.logits_indices)
+        if self.lora is not None:
+            self.lora.begin_step(self.batch, inputs, self.model.device)
+        try:
+            logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.attention, self.kv_cache,
+                                        self.backend, inputs.logits_indices)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         forward_done = time.perf_counter()
         sampling = self._sampling_batch(inputs)
         if mask is not None:
