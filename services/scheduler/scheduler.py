@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from vmesh.services.common.step_types import NewRequest, StepPlan, StepResult
 from vmesh.services.common.types import FinishReason, TokenLogprobs
 from vmesh.services.scheduler.block_pool import BlockPool
-from vmesh.services.scheduler.request import Request, RequestStatus
+from vmesh.services.scheduler.request import Request, RequestStatus, adapter_fits
 from vmesh.services.scheduler.settings import SCHEDULING_POLICIES, SchedulerSettings
 from vmesh.services.scheduler.speculation import DraftPolicy, SpecDecodeStats, settle_step
 
@@ -34,8 +34,7 @@ class QueueFullError(RuntimeError): ...
 
 @dataclass(frozen=True)
 class WorkerGeometry:
-    """What the scheduler must know of the worker it plans for (the mesh's worker reports it in
-    GetWorkerInfo; the in-process engine reads it off its model runner)."""
+    """What the scheduler must know of its worker (GetWorkerInfo in the mesh; the engine reads its runner)."""
     max_model_len: int
     max_num_seqs: int  # rows of the worker's persistent batch
     num_kv_blocks: int
@@ -43,17 +42,18 @@ class WorkerGeometry:
     eos_token_ids: tuple[int, ...] = ()
     num_speculative_tokens: int = 0  # the worker proposes drafts (0: it does not)
     speculative_disable_by_batch_size: int = 0
+    max_loras: int = 0  # LoRA adapters one step may use (0: the worker serves none)
 
 
 @dataclass
 class SchedulerConfig:
-    """What one scheduler runs under: its service's SchedulerSettings resolved against the worker
-    it drives (`for_worker`)."""
+    """What one scheduler runs under: its SchedulerSettings resolved against its worker (`for_worker`)."""
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
     policy: str  # "fcfs", or "priority": (priority, arrival) order, lowest value first
     max_waiting: int | None  # None: unbounded waiting queue
+    max_loras: int = 0  # distinct LoRA adapters among running requests, at most (request.adapter_fits)
 
     def __post_init__(self) -> None:
         # The command line offers only these (argparse choices), but a library caller's
@@ -65,7 +65,7 @@ class SchedulerConfig:
     def for_worker(cls, settings: SchedulerSettings, worker: WorkerGeometry) -> SchedulerConfig:
         return cls(max_model_len=worker.max_model_len, max_num_seqs=worker.max_num_seqs,
                    max_num_batched_tokens=settings.max_num_batched_tokens, policy=settings.policy,
-                   max_waiting=settings.max_waiting)
+                   max_waiting=settings.max_waiting, max_loras=worker.max_loras)
 
 
 @dataclass
@@ -222,7 +222,7 @@ class Scheduler:
             grammar_bytes += len(request.sampling.grammar.payload) if request.sampling.grammar else 0
             if grammar_bytes > MAX_PLAN_GRAMMAR_BYTES and plan.new_requests:
                 break
-            if not self._admit(plan, request, budget):
+            if not (adapter_fits(self.running, request, self.config.max_loras) and self._admit(plan, request, budget)):
                 break
             scheduled.add(id(request))
             budget -= plan.num_scheduled_tokens[-1]
@@ -238,7 +238,7 @@ class Scheduler:
         tokens = request.all_token_ids
         # Never take the last token from the cache: its logits are needed.
         cacheable = (len(tokens) - 1) // block_size
-        request.block_hashes = self.pool.hash_blocks(tokens[:cacheable * block_size])
+        request.block_hashes = self.pool.hash_blocks(tokens[:cacheable * block_size], lora_name=request.lora_name)
         cached = self.pool.lookup_prefix(tokens, request.block_hashes)
         computed = len(cached) * block_size
         n = min(len(tokens) - computed, budget)
@@ -258,7 +258,7 @@ class Scheduler:
             self.by_handle[request.handle] = request
         self.running.append(request)
         plan.new_requests.append(NewRequest(request.handle, tokens, len(request.prompt_token_ids),
-                                            request.sampling, list(request.block_ids), computed))
+                                            request.sampling, list(request.block_ids), computed, request.lora_name))
         request.on_worker = True
         self._schedule(plan, request, n, [])
         return True
@@ -296,8 +296,8 @@ class Scheduler:
         tokens = request.all_token_ids
         if len(request.block_hashes) < full:
             parent = request.block_hashes[-1] if request.block_hashes else None
-            request.block_hashes += self.pool.hash_blocks(tokens[:full * block_size], parent,
-                                                          start_block=len(request.block_hashes))
+            request.block_hashes += self.pool.hash_blocks(tokens[:full * block_size], parent, len(request.block_hashes),
+                                                          request.lora_name)
         for i in range(request.num_registered_blocks, full):
             parent = request.block_hashes[i - 1] if i else None
             self.pool.register(request.block_ids[i], request.block_hashes[i], parent,

@@ -161,7 +161,8 @@ def geometry(info: worker_pb2.GetWorkerInfoResponse) -> WorkerGeometry:
     return WorkerGeometry(max_model_len=info.max_model_len, max_num_seqs=info.max_num_seqs,
                           num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
                           eos_token_ids=tuple(info.eos_token_ids), num_speculative_tokens=info.num_speculative_tokens,
-                          speculative_disable_by_batch_size=info.speculative_disable_by_batch_size)
+                          speculative_disable_by_batch_size=info.speculative_disable_by_batch_size,
+                          max_loras=info.max_loras)
 
 
 def describe(info: worker_pb2.GetWorkerInfoResponse) -> str:

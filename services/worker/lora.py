@@ -171,10 +171,14 @@ class LoraManager:
         self.id_of_name[name] = adapter_id
         return adapter_id
 
-    def unload(self, name: str) -> None:
-        adapter_id = self.id_of_name.pop(name, None)
+    def unload(self, name: str, batch: PersistentBatch | None = None) -> None:
+        """Forget adapter `name`, unless a row of `batch` still runs with it."""
+        adapter_id = self.id_of_name.get(name)
         if adapter_id is None:
             raise LoraLoadError(f"no adapter named {name!r} is loaded")
+        if batch is not None and (in_use := int((batch.adapter_ids[:len(batch)] == adapter_id).sum())):
+            raise LoraLoadError(f"adapter {name!r} is in use by {in_use} running requests")
+        del self.id_of_name[name]
         del self.adapters[adapter_id]
         slot = self.slot_of_id.pop(adapter_id, None)
         if slot is not None:
