@@ -155,7 +155,8 @@ async def submit(mesh: Mesh, submission: Submission,
     hashes: list[int] = []
     pool = mesh.schedulers
     if pool.prefix_router is not None:  # what the group will cache: prompt and resumed outputs
-        hashes = prefix_hashes([*submission.prompt_token_ids, *submission.resumed_output_token_ids])
+        hashes = prefix_hashes([*submission.prompt_token_ids, *submission.resumed_output_token_ids],
+                               submission.lora_name)
     for group in pool.candidates(hashes):
         remaining = time_remaining()
         if remaining is not None and remaining <= 0:

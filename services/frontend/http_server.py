@@ -12,7 +12,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from dataclasses import InitVar, dataclass, field
+from dataclasses import InitVar, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -35,6 +35,7 @@ from vmesh.services.frontend.http_middleware import (
     error_response,
     request_error_response,
 )
+from vmesh.services.frontend.lora_http import adapter_cards, add_lora_routes
 from vmesh.services.frontend.structured_requests import BACKEND_HEADER
 from vmesh.services.frontend.tool_calls import ToolPlan
 from vmesh.services.frontend.tool_parsers import ContentDelta, Delta, ToolCallParser, make_parser
@@ -248,18 +249,23 @@ class OpenAIRoutes:
             if out.finish_reason:
                 yield chunk(index, {}, None, render.finish_reason(out.finish_reason, parser.calls > 0))
 
+    async def requested(self, model: str | None) -> str:
+        """The model a body names: a LoRA adapter every group holds, else the served model."""
+        served = self.served()
+        return model if model and await self.frontend.adapters.resolve(model, served) else served
+
     async def completions(self, body: oai.CompletionRequest, request: Request) -> Response:
-        model = self.served()
-        requests = oai.completion_requests(body, model)
+        model = await self.requested(body.model)
+        requests = [replace(r, model=model) for r in oai.completion_requests(body, model)]
         return await self._run(request, requests, Reply(
             model, chat=False, prompts=len(requests), n=body.n, stream=body.stream,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             want_logprobs=body.logprobs is not None, aliases=oai.param_aliases(body)))
 
     async def chat_completions(self, body: oai.ChatCompletionRequest, request: Request) -> Response:
-        model = self.served()
+        model = await self.requested(body.model)
         tools = oai.chat_tools(body)
-        generation = oai.chat_request(body, model, tools)
+        generation = replace(oai.chat_request(body, model, tools), model=model)
         return await self._run(request, [generation], Reply(
             model, chat=True, prompts=1, n=body.n, stream=body.stream,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
@@ -272,11 +278,12 @@ class OpenAIRoutes:
             view.model, chat=True, prompts=1, n=1, stream=body.stream, include_usage=True, want_logprobs=False,
             aliases=view.aliases, responses=view, tools=tools))
 
-    def models(self) -> dict[str, Any]:
+    async def models(self) -> dict[str, Any]:
         limits = self.frontend.loaded_limits()
         return {"object": "list", "data": [{"id": limits.name, "object": "model", "created": self.created,
                                             "owned_by": "vmesh", "root": limits.name,
-                                            "max_model_len": limits.max_model_len}]}
+                                            "max_model_len": limits.max_model_len},
+                                           *await adapter_cards(self.frontend, limits.name, self.created)]}
 
 
 def build_app(frontend: FrontendCore, registry: CollectorRegistry | None) -> FastAPI:
@@ -321,7 +328,7 @@ def build_app(frontend: FrontendCore, registry: CollectorRegistry | None) -> Fas
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return routes.models()
+        return await routes.models()
 
     @app.post("/v1/completions")
     async def completions(body: oai.CompletionRequest, request: Request) -> Response:
@@ -335,6 +342,7 @@ def build_app(frontend: FrontendCore, registry: CollectorRegistry | None) -> Fas
     async def responses(body: responses_api.ResponsesRequest, request: Request) -> Response:
         return await routes.responses(body, request)
 
+    add_lora_routes(app, frontend)
     # The last added runs first: the key is checked before any body byte is read.
     app.add_middleware(BodyLimitMiddleware, limit=body_limit(frontend.settings.max_prompt_bytes))
     app.add_middleware(ApiKeyMiddleware, api_key=frontend.settings.api_key)

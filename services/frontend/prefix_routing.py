@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TypeVar
 
-from vmesh.services.common.prefix_hash import chained_block_hashes
+from vmesh.services.common.prefix_hash import adapter_root, chained_block_hashes
 from vmesh.services.common.runtime.peers import Member
 
 CHUNK_TOKENS = 32
@@ -30,9 +30,10 @@ OVERLOAD_SLACK = 4  # in-flight requests a preferred group may have beyond twice
 G = TypeVar("G", bound=Member)
 
 
-def prefix_hashes(prompt: Sequence[int]) -> list[int]:
-    """Chained hashes of the prompt's leading full chunks."""
-    return chained_block_hashes(prompt, CHUNK_TOKENS, parent=0, max_blocks=MAX_CHUNKS)
+def prefix_hashes(prompt: Sequence[int], lora_name: str = "") -> list[int]:
+    """Chained hashes of the prompt's leading full chunks, under its LoRA adapter ("": the base
+    model): a group caches each adapter's prefixes apart."""
+    return chained_block_hashes(prompt, CHUNK_TOKENS, parent=adapter_root(0, lora_name), max_blocks=MAX_CHUNKS)
 
 
 class PrefixRouter:

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from vmesh.services.common.admission import InvalidRequest
 from vmesh.services.common.lora_rollout import RolloutFailed, load_everywhere, unload_everywhere
 
 if TYPE_CHECKING:
@@ -19,12 +18,6 @@ class LoraChangeRefused(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code = code
-
-
-def check_adapter(lora_name: str, adapters: set[str]) -> None:
-    """A request's adapter must be one the group's workers hold ("": the base model)."""
-    if lora_name and lora_name not in adapters:
-        raise InvalidRequest("lora_name", f"no LoRA adapter named {lora_name!r} is loaded")
 
 
 def _ranks(session: SchedulerSession) -> list[tuple[str, object]]:

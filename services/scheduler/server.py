@@ -19,14 +19,14 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from vmesh.services.common import telemetry
-from vmesh.services.common.admission import InvalidRequest, admit
+from vmesh.services.common.admission import InvalidRequest, admit, check_adapter
 from vmesh.services.common.grpc_server import ServiceShell
 from vmesh.services.common.metrics import SchedulerMetrics, ScrapedMetrics
 from vmesh.services.common.server_settings import ServerSettings
 from vmesh.services.common.types import PROMPT_TAIL_TOKENS, RequestRef, SamplingParams, StreamStart, TraceContext
 from vmesh.services.common.wire.sampling import sampling_from_proto
 from vmesh.services.scheduler.detokenizer_router import open_stream
-from vmesh.services.scheduler.lora_admin import LoraChangeRefused, check_adapter, load_adapter, unload_adapter
+from vmesh.services.scheduler.lora_admin import LoraChangeRefused, load_adapter, unload_adapter
 from vmesh.services.scheduler.request import Request
 from vmesh.services.scheduler.scheduler import QueueFullError
 from vmesh.services.scheduler.session import SchedulerSession
