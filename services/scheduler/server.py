@@ -27,6 +27,7 @@ from vmesh.services.common.types import PROMPT_TAIL_TOKENS, RequestRef, Sampling
 from vmesh.services.common.wire.sampling import sampling_from_proto
 from vmesh.services.scheduler.detokenizer_router import open_stream
 from vmesh.services.scheduler.lora_admin import LoraChangeRefused, load_adapter, unload_adapter
+from vmesh.services.scheduler.lora_metrics import LoraRequestsInfo
 from vmesh.services.scheduler.request import Request
 from vmesh.services.scheduler.scheduler import QueueFullError
 from vmesh.services.scheduler.session import SchedulerSession
@@ -57,6 +58,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                                                       self.session.settings.max_num_batched_tokens))
             self.metrics_registry.register(ScrapedMetrics(self.scraped_metrics, info.model_name))
             self.metrics_registry.register(AcceptedPerPosition(self.spec_stats, info.model_name))
+            self.metrics_registry.register(LoraRequestsInfo(lambda: self.session.scheduler))
         await self.session.start()
 
     async def SubmitRequest(self, request, context):
