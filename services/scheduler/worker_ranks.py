@@ -153,7 +153,7 @@ def plan_message(plan: StepPlan, scheduler: Scheduler, full_state: bool) -> work
     for worker_handle, n in zip(plan.scheduled_handles, plan.num_scheduled_tokens):
         r = scheduler.by_handle[worker_handle]
         full.new_requests.append(NewRequest(worker_handle, r.all_token_ids, len(r.prompt_token_ids), r.sampling,
-                                            list(r.block_ids), r.num_computed_tokens - n))
+                                            list(r.block_ids), r.num_computed_tokens - n, r.lora_name))
     return plan_to_proto(full, full_state=True)
 
 
