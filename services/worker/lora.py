@@ -49,6 +49,9 @@ class LoraBatch:
     token_index: torch.Tensor  # [groups, longest group]
     valid: torch.Tensor  # [groups, longest group] bool
     flat_index: torch.Tensor  # token_index[valid]
+    # The slots as a range when they are consecutive (the usual case): each linear then reads its
+    # stacks as a view rather than gathering a copy of them, twice per layer.
+    slot_range: slice | None = None
 
     @classmethod
     def from_token_slots(cls, token_slots: torch.Tensor) -> LoraBatch | None:
@@ -68,10 +71,18 @@ class LoraBatch:
         valid = torch.zeros(len(slots), width, dtype=torch.bool)
         token_index[group, column] = grouped_tokens
         valid[group, column] = True
-        return cls(slots=slots, token_index=token_index, valid=valid, flat_index=token_index[valid])
+        first = int(slots[0])
+        consecutive = bool(torch.equal(slots, torch.arange(first, first + len(slots))))
+        return cls(slots=slots, token_index=token_index, valid=valid, flat_index=token_index[valid],
+                   slot_range=slice(first, first + len(slots)) if consecutive else None)
 
     def to(self, device: torch.device) -> LoraBatch:
-        return LoraBatch(*(t.to(device) for t in (self.slots, self.token_index, self.valid, self.flat_index)))
+        return LoraBatch(slots=self.slots.to(device), token_index=self.token_index.to(device),
+                         valid=self.valid.to(device), flat_index=self.flat_index.to(device), slot_range=self.slot_range)
+
+    def stacked(self, stack: torch.Tensor) -> torch.Tensor:
+        """stack[slots]: a view where the slots are consecutive."""
+        return stack[self.slot_range] if self.slot_range is not None else stack[self.slots]
 
 
 class StepAdapters:
@@ -110,8 +121,8 @@ class LoraLinear:
         if batch is None:
             return out
         flat = x.reshape(-1, x.shape[-1]).to(self.lora_a.dtype)
-        shrunk = torch.bmm(flat[batch.token_index], self.lora_a[batch.slots])
-        expanded = torch.bmm(shrunk, self.lora_b[batch.slots])
+        shrunk = torch.bmm(flat[batch.token_index], batch.stacked(self.lora_a))
+        expanded = torch.bmm(shrunk, batch.stacked(self.lora_b))
         out_rows = out.view(-1, out.shape[-1])
         out_rows.index_add_(0, batch.flat_index, expanded[batch.valid].to(out.dtype))
         return out

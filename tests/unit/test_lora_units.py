@@ -75,6 +75,12 @@ def test_tokens_grouped_by_slot_with_padding_marked():
     assert batch.token_index.tolist() == [[2, 5, 0], [1, 3, 6]]
     assert batch.valid.tolist() == [[True, True, False], [True, True, True]]
     assert batch.flat_index.tolist() == [2, 5, 1, 3, 6]
+    assert batch.slot_range is None  # slots 0 and 2: gathered
+    stack = torch.arange(4.0)
+    assert batch.stacked(stack).tolist() == [0.0, 2.0]
+    consecutive = LoraBatch.from_token_slots(torch.tensor([3, 2, 2]))
+    assert consecutive is not None and consecutive.slot_range == slice(2, 4)
+    assert consecutive.stacked(stack).tolist() == [2.0, 3.0] and consecutive.stacked(stack)._base is stack
     assert LoraBatch.from_token_slots(torch.tensor([-1, -1])) is None
 
 
