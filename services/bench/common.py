@@ -9,7 +9,7 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,14 +101,17 @@ async def mesh_stats(mesh: RunningMesh) -> tuple[Any, Any]:
     return s, w
 
 
-async def mesh_generate(mesh: RunningMesh, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
+async def mesh_generate(mesh: RunningMesh, prompts: list[list[int]], max_tokens: int,
+                        models: Sequence[str] = ()) -> dict[str, float]:
+    """`models`: the models (LoRA adapters) the requests name in turn; none: the base model."""
     async with VmeshClient(mesh.address) as client:
         await client.complete(token_ids=prompts[0], max_tokens=2, temperature=0)  # warm-up
         await reset_prefix_cache(mesh)  # every round starts cold
         s0, w0 = await mesh_stats(mesh)
         started = time.perf_counter()
         results = await asyncio.gather(*(client.complete(token_ids=p, max_tokens=max_tokens, temperature=0.0,
-                                                         ignore_eos=True) for p in prompts))
+                                                         ignore_eos=True, model=models[i % len(models)] if models
+                                                         else "") for i, p in enumerate(prompts)))
         elapsed = time.perf_counter() - started
         s1, w1 = await mesh_stats(mesh)
     assert all(len(ids) == max_tokens for _t, ids, _l in results)

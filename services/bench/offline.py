@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from vmesh.services.bench.common import load_workload, machine, mesh_generate, timed_request
+from vmesh.services.bench.lora import lora_flags, write_random_adapters
 from vmesh.services.bench.memory import PeakPss
 from vmesh.services.bench.mesh import RunningMesh, start_mesh
 from vmesh.services.bench.peers import PEER_BASELINES, PeerError, PeerProcess, default_peers_dir
@@ -115,7 +117,8 @@ MESH_VARIANTS = {"mesh": (), "mesh-native": ("--weights", "native"), "mesh-bf16"
                  "mesh-int8": ("--weights", "int8"), "mesh-plaintext": ("--no-internal-tls",),
                  "mesh-spec": ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'),
                  # Every service at the worker's priority, against the default (services niced).
-                 "mesh-equal-priority": ("--service-niceness", "0")}
+                 "mesh-equal-priority": ("--service-niceness", "0"),
+                 "mesh-lora": ()}  # its flags name the adapters bench/lora.py writes
 
 
 def start_meshes(args: argparse.Namespace, baselines: set[str], model_dir: Path, work: dict[str, Any],
@@ -134,15 +137,22 @@ def start_meshes(args: argparse.Namespace, baselines: set[str], model_dir: Path,
                 raise SystemExit("the mesh-native baseline needs a GGUF model (--model FILE.gguf, or the "
                                  "embedded one)")
             model = str(args.model or embedded_model_file())
+        adapters: dict[str, str] = {}
+        if variant == "mesh-lora":
+            adapters = write_random_adapters(model_dir, Path(stack.enter_context(tempfile.TemporaryDirectory())))
+            flags = lora_flags(adapters)
         mesh = meshes[variant] = start_mesh("--model", model, "--kv-cache-memory", args.kv_cache_memory, *flags)
         stack.callback(mesh.stop)
-        mesh_runs[variant] = []
+        # The LoRA mesh runs the workload over its four adapters in turn, then under one of them.
+        for name, models in ({"mesh-lora": list(adapters), "mesh-lora-1": list(adapters)[:1]} if adapters
+                             else {variant: []}).items():
+            mesh_runs[name] = []
 
-        def run_mesh(mesh: RunningMesh = mesh, variant: str = variant) -> float:
-            mesh_runs[variant].append(asyncio.run(mesh_generate(mesh, work["prompts"], work["max_tokens"])))
-            return mesh_runs[variant][-1]["tokens_per_s"]
+            def run_mesh(mesh: RunningMesh = mesh, name: str = name, models: list[str] = models) -> float:
+                mesh_runs[name].append(asyncio.run(mesh_generate(mesh, work["prompts"], work["max_tokens"], models)))
+                return mesh_runs[name][-1]["tokens_per_s"]
 
-        runs[variant] = run_mesh
+            runs[name] = run_mesh
     return meshes, mesh_runs
 
 
@@ -197,6 +207,9 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
     result["prompt_tokens_per_s"] = {name: tps * per_output_token for name, tps in result["tokens_per_s"].items()}
     mesh_tps = result["tokens_per_s"]["mesh"]
     result["ratio_to_mesh"] = {k: v / mesh_tps for k, v in result["tokens_per_s"].items()}
+    if "mesh-lora" in result["tokens_per_s"]:  # LoRA against the base model, in the same rounds
+        result["lora_to_base"] = {"four_adapters_mixed": result["ratio_to_mesh"]["mesh-lora"],
+                                  "one_adapter": result["ratio_to_mesh"]["mesh-lora-1"]}
     print_report(result, work, args.repeats)
     return result
 
@@ -211,6 +224,10 @@ def print_report(result: dict[str, Any], work: dict[str, Any], repeats: int) -> 
     for name, tps in result["tokens_per_s"].items():
         rounds = "  ".join(f"{v:.1f}" for v in result["runs_tokens_per_s"][name]) if repeats > 1 else ""
         print(f"{name:>14} {tps:>9.1f} {result['prompt_tokens_per_s'][name]:>12.0f} {tps / mesh_tps:>7.2f}   {rounds}")
+    if "lora_to_base" in result:
+        lora = result["lora_to_base"]
+        print(f"LoRA: 4 adapters mixed {lora['four_adapters_mixed']:.2f}x the base model's throughput, one adapter "
+              f"{lora['one_adapter']:.2f}x (overhead {100 * (1 - lora['one_adapter']):.0f} %)")
     lat = result["latency"]
     print(f"single request through the mesh: TTFT {lat['ttft_ms']:.0f} ms (its prompt not cached; "
           f"{lat['cached_ttft_ms']:.0f} ms repeated, from the prefix cache), mean ITL {lat['mean_itl_ms']:.1f} ms, "

@@ -10,7 +10,7 @@ in its own terms. Protobuf-free: each door decodes its own messages first."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from vmesh.services.common.types import (
     FLOAT_SAMPLING_FIELDS,
@@ -132,3 +132,9 @@ def _check_ranges(params: SamplingParams) -> None:
     for name, ok, allowed in ranges:
         if not ok:
             raise InvalidRequest(f"sampling.{name}", f"must be {allowed}, got {getattr(params, name)}")
+
+
+def check_adapter(lora_name: str, adapters: Collection[str]) -> None:
+    """A request's LoRA adapter must be one its workers hold ("": the base model)."""
+    if lora_name and lora_name not in adapters:
+        raise InvalidRequest("lora_name", f"no LoRA adapter named {lora_name!r} is loaded")

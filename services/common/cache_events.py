@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from vmesh.services.common.prefix_hash import iter_block_hashes
+from vmesh.services.common.prefix_hash import adapter_root, iter_block_hashes
 
 # Prefixes are matched over at most their first 4,096 tokens: past that, two prompts that share
 # them are as good as equal for routing, and the lookup stays bounded.
@@ -67,10 +67,11 @@ class CacheView:
         """Requests running or waiting there, by the last report and what this frontend sent since."""
         return self.load.requests + self.sent_since_update
 
-    def cached_tokens(self, prompt: Sequence[int]) -> int:
-        """How many leading tokens of `prompt` the group holds in whole cached blocks."""
+    def cached_tokens(self, prompt: Sequence[int], lora_name: str = "") -> int:
+        """How many leading tokens of `prompt` (under the LoRA adapter `lora_name`; "": the base
+        model) the group holds in whole cached blocks."""
         found = 0
-        for block_hash in iter_block_hashes(prompt, self.block_size, self.hash_seed,
+        for block_hash in iter_block_hashes(prompt, self.block_size, adapter_root(self.hash_seed, lora_name),
                                             max_blocks=MAX_MATCHED_TOKENS // self.block_size):
             if block_hash not in self.blocks:
                 break

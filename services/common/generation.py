@@ -84,3 +84,4 @@ class Submission:
     detokenizers: list[str] = field(default_factory=list)  # the replicas this frontend listens to
     resumed_output_token_ids: list[int] = field(default_factory=list)
     resumed_text_length: int = 0  # characters of the resumed outputs' text the client has
+    lora_name: str = ""  # the LoRA adapter the request's model names; "": the base model

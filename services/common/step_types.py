@@ -22,6 +22,7 @@ class NewRequest:
     sampling: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int = 0  # tokens already in the KV cache (prefix-cache hits)
+    lora_name: str = ""  # the LoRA adapter the request runs with; "": the base model
 
 
 @dataclass

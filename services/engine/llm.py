@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from vmesh.services.common.admission import InvalidRequest, admit
+from vmesh.services.common.admission import InvalidRequest, admit, check_adapter
 from vmesh.services.common.model_loading import resolve_model_dir
 from vmesh.services.common.output_accumulator import OutputAccumulator
 from vmesh.services.common.structured import GrammarCompiler, GrammarRefused
@@ -85,7 +85,8 @@ class LLMEngine:
             max_model_len=runner.max_model_len, max_num_seqs=runner.batch.max_num_reqs, num_kv_blocks=kv.num_blocks,
             block_size=kv.block_size, eos_token_ids=tuple(runner.spec.eos_token_ids),
             num_speculative_tokens=runner.speculative.num_speculative_tokens if runner.speculative else 0,
-            speculative_disable_by_batch_size=runner.speculative.disable_by_batch_size if runner.speculative else 0))
+            speculative_disable_by_batch_size=runner.speculative.disable_by_batch_size if runner.speculative else 0,
+            max_loras=runner.lora.max_loras if runner.lora else 0))
         self.core = EngineCore(scheduler, runner, config.pipeline_depth, model_thread)
         self.outputs: OutputProcessor[str] = OutputProcessor(self.backend_tokenizer)  # by request id
         self._ids = itertools.count()
@@ -117,14 +118,16 @@ class LLMEngine:
         return encode_chat(self.tokenizer, messages)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> str:
+                    request_id: str | None = None, priority: int = 0, lora_name: str = "") -> str:
         """Raises admission.InvalidRequest (a ValueError naming the field) for a request the
-        model cannot serve, by the rules of the mesh's doors."""
+        model cannot serve, by the rules of the mesh's doors. `lora_name`: a LoRA adapter the
+        runner holds ("": the base model)."""
         params = self._compiled(params or SamplingParams())
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         admit(token_ids, params, self.limits)
+        check_adapter(lora_name, set(self.runner.lora.names()) if self.runner.lora else set())
         request_id = request_id or f"req-{next(self._ids)}"
-        request = Request(request_id, token_ids, params, priority=priority)
+        request = Request(request_id, token_ids, params, priority=priority, lora_name=lora_name)
         with self._lock:
             self.scheduler.add_request(request)
             self.outputs.add_request(request_id, params, token_ids, len(token_ids))

@@ -36,6 +36,7 @@ from vmesh.services.frontend.auth import check_api_key
 from vmesh.services.frontend.errors import Code, RequestError
 from vmesh.services.frontend.failover import DETOKENIZER_LOST, MeshPath, RecentKeys, TimeRemaining, abort_stray
 from vmesh.services.frontend.inputs import encode_input, prompt_bytes
+from vmesh.services.frontend.lora_models import FrontendAdapters
 from vmesh.services.frontend.outbox import LostService, Outbox, PendingOutput
 from vmesh.services.frontend.request_clock import RequestClock
 from vmesh.services.frontend.schedulers import SchedulerGroup, SchedulerPool
@@ -85,6 +86,7 @@ class FrontendCore:
         self.scheduler_addresses = AddressBook(settings.scheduler_addresses)
         self.schedulers = SchedulerPool(connect_scheduler, on_lost=self.scheduler_lost, health_stream=scheduler_health,
                                         routing=settings.routing)
+        self.adapters = FrontendAdapters(self.schedulers)  # LoRA adapters: models besides the base one
         self.detokenizers = AddressBook(settings.detokenizer_addresses)
         self.outboxes: dict[int, Outbox] = {}  # by frontend key
         self._subscribe = subscribe
@@ -300,7 +302,8 @@ class FrontendCore:
         self.ready()
         prompt = await self.encode(request.prompt)
         self.ready()  # a drain that began while this prompt was tokenizing counted no request in flight
-        params = await self._compiled(_admit(request, prompt, self.loaded_limits(), span), span)
+        lora_name = await self.adapters.resolve(request.model, self.loaded_limits().name)
+        params = await self._compiled(_admit(request, prompt, self.loaded_limits(), span, lora_name), span)
         outbox = Outbox(delta_text=params.output_mode is OutputMode.DELTA)
         # The frontend key names the request inside the mesh (with this frontend's id); the client
         # sees it as the request id.
@@ -308,7 +311,8 @@ class FrontendCore:
         request_id = str(frontend_key)
         span.set_attribute("gen_ai.response.id", RequestRef(self.frontend_id, frontend_key).key)
         route = MeshPath(self, Submission(self.frontend_id, frontend_key, prompt, params, request.priority,
-                                          telemetry.trace_context(span)), outbox, time_remaining, span)
+                                          telemetry.trace_context(span), lora_name=lora_name), outbox, time_remaining,
+                         span)
         finished = False
         backend = params.grammar.backend if params.grammar is not None else ""
         scored_prompt = prompt if params.prompt_logprobs is not None else []  # sent with the first tokens
@@ -367,12 +371,13 @@ class FrontendCore:
         await wait_until(lambda: not self.in_flight)
 
 
-def _admit(request: GenerationRequest, prompt: list[int], limits: ModelLimits, span: trace.Span) -> SamplingParams:
+def _admit(request: GenerationRequest, prompt: list[int], limits: ModelLimits, span: trace.Span,
+           lora_name: str = "") -> SamplingParams:
     """The request's sampling params (max_tokens, unset: the context's room), once the model can
     serve it: the request's own copy, which the frontend completes (its compiled grammar) and
     forwards, so that requests sharing params (a fan-out's copies) stay apart."""
     try:
-        check_model(request.model, limits)
+        check_model("" if lora_name else request.model, limits)  # a LoRA adapter's name is a model too
         room = limits.max_model_len - len(prompt)
         params = replace(request.sampling, max_tokens=room if request.max_tokens_from_context
                          else request.sampling.max_tokens)

@@ -201,7 +201,7 @@ async def submit(mesh: Mesh, submission: Submission,
     error: grpc.aio.AioRpcError | None = None
     pool = mesh.schedulers
     # What the group will cache: the prompt and the outputs it resumes with.
-    route = PromptRoute([*submission.prompt_token_ids, *submission.resumed_output_token_ids])
+    route = PromptRoute([*submission.prompt_token_ids, *submission.resumed_output_token_ids], submission.lora_name)
     for group in pool.candidates(route):
         remaining = time_remaining()
         if remaining is not None and remaining <= 0:

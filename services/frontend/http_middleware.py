@@ -1,17 +1,23 @@
 """ASGI middleware ahead of the OpenAI routes: the API key and the body size are checked before a
-request body is buffered or parsed on the frontend's one loop; OpenAI-shaped error responses."""
+request body is buffered or parsed on the frontend's one loop; OpenAI-shaped error responses and the handlers
+that turn every failure into one."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vmesh.services.frontend import openai_protocol as oai
 from vmesh.services.frontend.auth import check_api_key
 from vmesh.services.frontend.errors import RequestError
+
+logger = logging.getLogger(__name__)
 
 OPEN_PATHS = {"/health", "/metrics", "/openapi.json"}  # no API key asked: probes and scrapers
 
@@ -97,3 +103,31 @@ class BodyLimitMiddleware:
             if exc.status_code != 413 or started:
                 raise
             await self._too_large()(scope, receive, send)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every failure as OpenAI's error body: refused requests, invalid bodies (`param` a JSON path),
+    HTTP errors, and bugs (500, logged)."""
+    @app.exception_handler(RequestError)
+    async def on_request_error(_: Request, exc: RequestError) -> JSONResponse:
+        return request_error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":  # its location is a character offset, not a field
+            where, why = first.get("loc", ("body", "?"))[-1], first.get("ctx", {}).get("error", "")
+            return error_response(400, f"body: not valid JSON at character {where} ({why})", "invalid_request_error")
+        param = oai.json_path(first.get("loc", ()))
+        message = f"{param or 'body'}: {first.get('msg', 'invalid request body')}"
+        return error_response(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500
+                      else "internal_error")
+
+    @app.exception_handler(Exception)
+    async def on_bug(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("HTTP request failed")
+        return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")

@@ -11,14 +11,12 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from dataclasses import InitVar, dataclass, field
+from dataclasses import InitVar, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import Response
 
 from vmesh.services.common.generation import GenerationOutput, GenerationRequest
 from vmesh.services.frontend import openai_protocol as oai
@@ -31,11 +29,13 @@ from vmesh.services.frontend.http_connections import ConnectionGuard, Connection
 from vmesh.services.frontend.http_middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
+    add_error_handlers,
     body_limit,
     error_response,
     request_error_response,
 )
 from vmesh.services.frontend.inputs import check_request_budget, check_request_tokens
+from vmesh.services.frontend.lora_http import adapter_cards, add_lora_routes
 from vmesh.services.frontend.structured_requests import BACKEND_HEADER
 from vmesh.services.frontend.tool_calls import ToolPlan
 from vmesh.services.frontend.tool_parsers import ContentDelta, Delta, ToolCallParser, make_parser
@@ -262,9 +262,14 @@ class OpenAIRoutes:
             if out.finish_reason:
                 yield chunk(index, {}, None, render.finish_reason(out.finish_reason, parser.calls > 0))
 
+    async def requested(self, model: str | None) -> str:
+        """The model a body names: a LoRA adapter every group holds, else the served model."""
+        served = self.served()
+        return model if model and await self.frontend.adapters.resolve(model, served) else served
+
     async def completions(self, body: oai.CompletionRequest, request: Request) -> Response:
-        model = self.served()
-        requests = oai.completion_requests(body, model)
+        model = await self.requested(body.model)
+        requests = [replace(r, model=model) for r in oai.completion_requests(body, model)]
         return await self._run(request, requests, Reply(
             model, chat=False, prompts=len(requests), n=body.n, stream=body.stream,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
@@ -273,9 +278,9 @@ class OpenAIRoutes:
             want_prompt_logprobs=body.prompt_logprobs is not None))
 
     async def chat_completions(self, body: oai.ChatCompletionRequest, request: Request) -> Response:
-        model = self.served()
+        model = await self.requested(body.model)
         tools = oai.chat_tools(body)
-        generation = oai.chat_request(body, model, tools)
+        generation = replace(oai.chat_request(body, model, tools), model=model)
         return await self._run(request, [generation], Reply(
             model, chat=True, prompts=1, n=body.n, stream=body.stream,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
@@ -289,11 +294,12 @@ class OpenAIRoutes:
             view.model, chat=True, prompts=1, n=1, stream=body.stream, include_usage=True, want_logprobs=False,
             aliases=view.aliases, responses=view, tools=tools))
 
-    def models(self) -> dict[str, Any]:
+    async def models(self) -> dict[str, Any]:
         limits = self.frontend.loaded_limits()
         return {"object": "list", "data": [{"id": limits.name, "object": "model", "created": self.created,
                                             "owned_by": "vmesh", "root": limits.name,
-                                            "max_model_len": limits.max_model_len}]}
+                                            "max_model_len": limits.max_model_len},
+                                           *await adapter_cards(self.frontend, limits.name, self.created)]}
 
 
 def build_app(frontend: FrontendCore, registry: CollectorRegistry | None,
@@ -303,29 +309,7 @@ def build_app(frontend: FrontendCore, registry: CollectorRegistry | None,
                   redoc_url=None)
     routes = OpenAIRoutes(frontend)
 
-    @app.exception_handler(RequestError)
-    async def on_request_error(_: Request, exc: RequestError) -> JSONResponse:
-        return request_error_response(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        if first.get("type") == "json_invalid":  # its location is a character offset, not a field
-            where, why = first.get("loc", ("body", "?"))[-1], first.get("ctx", {}).get("error", "")
-            return error_response(400, f"body: not valid JSON at character {where} ({why})", "invalid_request_error")
-        param = oai.json_path(first.get("loc", ()))
-        message = f"{param or 'body'}: {first.get('msg', 'invalid request body')}"
-        return error_response(400, message, "invalid_request_error", param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500
-                      else "internal_error")
-
-    @app.exception_handler(Exception)
-    async def on_bug(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("HTTP request failed")
-        return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
+    add_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:
@@ -342,7 +326,7 @@ def build_app(frontend: FrontendCore, registry: CollectorRegistry | None,
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return routes.models()
+        return await routes.models()
 
     @app.post("/v1/completions")
     async def completions(body: oai.CompletionRequest, request: Request) -> Response:
@@ -357,6 +341,7 @@ def build_app(frontend: FrontendCore, registry: CollectorRegistry | None,
         return await routes.responses(body, request)
 
     utility_api.add_routes(app, frontend)
+    add_lora_routes(app, frontend)
     # The last added runs first: the key is checked before any body byte is read.
     app.add_middleware(BodyLimitMiddleware, limit=body_limit(frontend.settings.max_request_bytes))
     app.add_middleware(ApiKeyMiddleware, api_key=frontend.settings.api_key)

@@ -27,7 +27,7 @@ from functools import cached_property
 from typing import Protocol, TypeVar
 
 from vmesh.services.common.cache_events import CacheView
-from vmesh.services.common.prefix_hash import chained_block_hashes
+from vmesh.services.common.prefix_hash import adapter_root, chained_block_hashes
 from vmesh.services.common.runtime.peers import Member
 
 CHUNK_TOKENS = 32
@@ -51,25 +51,27 @@ class Watched(Protocol):
 W = TypeVar("W", bound=Watched)
 
 
-def prefix_hashes(prompt: Sequence[int]) -> list[int]:
-    """Chained hashes of the prompt's leading full chunks."""
-    return chained_block_hashes(prompt, CHUNK_TOKENS, parent=0, max_blocks=MAX_CHUNKS)
+def prefix_hashes(prompt: Sequence[int], lora_name: str = "") -> list[int]:
+    """Chained hashes of the prompt's leading full chunks, under its LoRA adapter ("": the base
+    model): a group caches each adapter's prefixes apart."""
+    return chained_block_hashes(prompt, CHUNK_TOKENS, parent=adapter_root(0, lora_name), max_blocks=MAX_CHUNKS)
 
 
 @dataclass
 class PromptRoute:
-    """What a group will cache of a request (its prompt, and the outputs it resumes with), hashed
-    for the approximate table only when that is used."""
+    """What a group will cache of a request (its prompt, and the outputs it resumes with, under its
+    LoRA adapter), hashed for the approximate table only when that is used."""
     tokens: Sequence[int]
+    lora_name: str = ""
 
     @cached_property
     def chunk_hashes(self) -> list[int]:
-        return prefix_hashes(self.tokens)
+        return prefix_hashes(self.tokens, self.lora_name)
 
 
-def order_by_cache(groups: Sequence[W], prompt: Sequence[int]) -> list[W]:
+def order_by_cache(groups: Sequence[W], route: PromptRoute) -> list[W]:
     """`groups` (each with a cache view) in the order to try them: the one holding the longest
-    prefix of `prompt` among those within the load bound first, then the rest, least loaded first."""
+    prefix of `route` among those within the load bound first, then the rest, least loaded first."""
     views = {group.address: _view(group) for group in groups}
     by_load = sorted(groups, key=lambda group: views[group.address].requests)
     if not by_load:
@@ -77,7 +79,7 @@ def order_by_cache(groups: Sequence[W], prompt: Sequence[int]) -> list[W]:
     loads = [views[group.address].requests for group in by_load]
     bound = math.ceil(BALANCE * (sum(loads) + 1) / len(loads))  # >= the least loaded's load + 1
     eligible = [group for group, load in zip(by_load, loads, strict=True) if load + 1 <= bound]
-    best = max(eligible, key=lambda group: (views[group.address].cached_tokens(prompt),
+    best = max(eligible, key=lambda group: (views[group.address].cached_tokens(route.tokens, route.lora_name),
                                             -views[group.address].requests))
     return [best, *(group for group in by_load if group is not best)]
 

@@ -244,7 +244,7 @@ class SchedulerPool:
         if self.prefix_router is None or route is None:
             return by_load
         if by_load and all(g.cache is not None for g in by_load):
-            return order_by_cache(by_load, route.tokens)
+            return order_by_cache(by_load, route)
         return self.prefix_router.order(by_load, route.chunk_hashes)
 
     def routed(self, group: SchedulerGroup, route: PromptRoute | None) -> None:

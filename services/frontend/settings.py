@@ -63,6 +63,10 @@ class FrontendSettings:
         None, section="frontend",
         help="serve the public gRPC port and the HTTP API over TLS with this certificate (and --public-tls-key)")
     public_tls_key: str | None = setting(None, section="frontend")
+    # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: the load endpoint reads a directory the client names.
+    allow_runtime_lora_updating: bool = setting(
+        False, section="frontend", help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (LoRA "
+                                        "adapters onto every scheduler group and worker rank at run time)")
     routing: str = setting(
         DEFAULT_ROUTING, section="frontend", choices=ROUTING_POLICIES,
         help="how a request picks among scheduler groups (data parallelism): prefix = the group most likely to "

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vmesh.services.common.prefix_hash import chained_block_hashes
+from vmesh.services.common.prefix_hash import adapter_root, chained_block_hashes
 
 
 @dataclass
@@ -58,10 +58,11 @@ class BlockPool:
         return PoolStats(self.num_blocks, self.num_free, self.prefix_queries, self.prefix_hits, self.evictions)
 
     def hash_blocks(self, token_ids: Sequence[int], parent: int | None = None, start_block: int = 0,
-                    ) -> list[int]:
-        """Hashes of the full blocks of `token_ids` from `start_block` on, chained from `parent`."""
-        return chained_block_hashes(token_ids, self.block_size, self.hash_seed if parent is None else parent,
-                                    start_block)
+                    lora_name: str = "") -> list[int]:
+        """Hashes of the full blocks of `token_ids` from `start_block` on, chained from `parent`
+        (None: the root of the request's adapter, `lora_name`, "" for the base model)."""
+        root = adapter_root(self.hash_seed, lora_name) if parent is None else parent
+        return chained_block_hashes(token_ids, self.block_size, root, start_block)
 
     def lookup_prefix(self, token_ids: Sequence[int], hashes: Sequence[int]) -> list[int]:
         """The cached blocks holding the longest prefix of `hashes`, each taken (ref += 1)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -45,6 +46,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of full blocks, chained
     num_registered_blocks: int = 0  # leading blocks entered in the prefix cache
+    lora_name: str = ""  # the LoRA adapter it runs with; "": the base model
 
     @property
     def num_tokens(self) -> int:
@@ -67,3 +69,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+def adapter_fits(running: Iterable[Request], request: Request, max_loras: int) -> bool:
+    """Whether `request` may join `running` with the worker's --max-loras: a step uses every
+    running request's adapter, and the worker holds at most that many at once."""
+    if not request.lora_name:
+        return True
+    adapters = {r.lora_name for r in running if r.lora_name}
+    return request.lora_name in adapters or len(adapters) < max_loras

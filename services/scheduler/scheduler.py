@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from vmesh.services.common.step_types import NewRequest, StepPlan, StepResult
 from vmesh.services.common.types import FinishReason, TokenLogprobs
 from vmesh.services.scheduler.block_pool import BlockPool
-from vmesh.services.scheduler.request import Request, RequestStatus
+from vmesh.services.scheduler.request import Request, RequestStatus, adapter_fits
 from vmesh.services.scheduler.settings import SchedulerConfig, SchedulerSettings, WorkerGeometry
 from vmesh.services.scheduler.speculation import DraftPolicy, SpecDecodeStats, settle_step
 
@@ -192,7 +192,8 @@ class Scheduler:
             grammar_bytes += len(request.sampling.grammar.payload) if request.sampling.grammar else 0
             if grammar_bytes > MAX_PLAN_GRAMMAR_BYTES and plan.new_requests:
                 break
-            if not self._admit(plan, request, min(budget, prefill_budget)):
+            if not (adapter_fits(self.running, request, self.config.max_loras)
+                    and self._admit(plan, request, min(budget, prefill_budget))):
                 break
             scheduled.add(id(request))
             budget -= plan.num_scheduled_tokens[-1]
@@ -219,7 +220,7 @@ class Scheduler:
         tokens = request.all_token_ids
         # Never take the last token from the cache: its logits are needed.
         cacheable = (len(tokens) - 1) // block_size
-        request.block_hashes = self.pool.hash_blocks(tokens[:cacheable * block_size])
+        request.block_hashes = self.pool.hash_blocks(tokens[:cacheable * block_size], lora_name=request.lora_name)
         cached = self.pool.lookup_prefix(tokens, request.reusable_block_hashes)
         computed = len(cached) * block_size
         n = min(len(tokens) - computed, budget)
@@ -239,7 +240,7 @@ class Scheduler:
             self.by_handle[request.handle] = request
         self.running.append(request)
         plan.new_requests.append(NewRequest(request.handle, tokens, len(request.prompt_token_ids),
-                                            request.sampling, list(request.block_ids), computed))
+                                            request.sampling, list(request.block_ids), computed, request.lora_name))
         request.on_worker = True
         self._schedule(plan, request, n, [])
         return True
@@ -277,8 +278,8 @@ class Scheduler:
         tokens = request.all_token_ids
         if len(request.block_hashes) < full:
             parent = request.block_hashes[-1] if request.block_hashes else None
-            request.block_hashes += self.pool.hash_blocks(tokens[:full * block_size], parent,
-                                                          start_block=len(request.block_hashes))
+            request.block_hashes += self.pool.hash_blocks(tokens[:full * block_size], parent, len(request.block_hashes),
+                                                          request.lora_name)
         for i in range(request.num_registered_blocks, full):
             parent = request.block_hashes[i - 1] if i else None
             self.pool.register(request.block_ids[i], request.block_hashes[i], parent,

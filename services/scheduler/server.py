@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from vmesh.services.common import telemetry
-from vmesh.services.common.admission import InvalidRequest, admit
+from vmesh.services.common.admission import InvalidRequest, admit, check_adapter
 from vmesh.services.common.grpc_server import ServiceShell
 from vmesh.services.common.metrics import SchedulerMetrics, ScrapedMetrics
 from vmesh.services.common.server_settings import ServerSettings
@@ -28,13 +28,15 @@ from vmesh.services.common.wire.cache import cache_update_to_proto
 from vmesh.services.common.wire.sampling import sampling_from_proto
 from vmesh.services.scheduler.cache_feed import CacheFeed, WatcherDropped
 from vmesh.services.scheduler.detokenizer_router import open_stream
+from vmesh.services.scheduler.lora_admin import LoraChangeRefused, load_adapter, unload_adapter
+from vmesh.services.scheduler.lora_metrics import LoraRequestsInfo
 from vmesh.services.scheduler.request import Request
 from vmesh.services.scheduler.scheduler import QueueFullError
 from vmesh.services.scheduler.session import SchedulerSession
 from vmesh.services.scheduler.settings import SchedulerServiceSettings
 from vmesh.services.scheduler.speculation import SpecDecodeStats
 from vmesh.services.scheduler.worker_ranks import open_worker
-from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from vmesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                                                       self.session.settings.max_num_batched_tokens))
             self.metrics_registry.register(ScrapedMetrics(self.scraped_metrics, info.model_name))
             self.metrics_registry.register(AcceptedPerPosition(self.spec_stats, info.model_name))
+            self.metrics_registry.register(LoraRequestsInfo(lambda: self.session.scheduler))
         await self.session.start()
         self.cache_feed = CacheFeed(self.session.core(), self.incarnation)
         self.session.spawn(self.cache_feed.run())
@@ -98,9 +101,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         cannot serve would fail the whole step, and with it every other request in the batch."""
         sampling = sampling_from_proto(request.sampling)
         admit(request.prompt_token_ids, sampling, self.session.model_limits(), request.resumed_output_token_ids)
+        check_adapter(request.lora_name, self.session.lora_adapters)
         self.session.core().add_request(Request(key, list(request.prompt_token_ids), sampling,
                                                 priority=request.priority,
-                                                output_token_ids=list(request.resumed_output_token_ids)))
+                                                output_token_ids=list(request.resumed_output_token_ids),
+                                                lora_name=request.lora_name))
         return sampling
 
     async def AbortRequest(self, request, context):
@@ -119,7 +124,24 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             plan_bytes_sent=sent.plan_bytes, pipeline_depth=settings.pipeline_depth,
             stateless_worker=settings.stateless_worker, model_name=session.info.model_name,
             max_model_len=session.scheduler.max_model_len, vocab_size=session.info.vocab_size,
-            decode_steps=sent.decode_steps, decode_plan_bytes=sent.decode_plan_bytes, incarnation=self.incarnation)
+            decode_steps=sent.decode_steps, decode_plan_bytes=sent.decode_plan_bytes, incarnation=self.incarnation,
+            lora_adapters=sorted(session.lora_adapters))
+
+    async def LoadLoraAdapter(self, request, context):
+        return await self._change_adapters(context, request.lora_name, request.lora_path)
+
+    async def UnloadLoraAdapter(self, request, context):
+        return await self._change_adapters(context, request.lora_name, None)
+
+    async def _change_adapters(self, context, name: str, path: str | None) -> common_pb2.LoraAdapterResponse:
+        if self.session.scheduler is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "not connected to a worker yet")
+        try:
+            adapters = await (load_adapter(self.session, name, path) if path is not None
+                              else unload_adapter(self.session, name))
+        except LoraChangeRefused as exc:
+            await context.abort(exc.code, str(exc))
+        return common_pb2.LoraAdapterResponse(lora_adapters=adapters)
 
     async def ResetPrefixCache(self, request, context):
         if self.session.scheduler is None:

@@ -59,6 +59,7 @@ class SchedulerSession:
         self.workers = WorkerRanks(settings.worker_addresses, open_worker_rank, worker_retry)
         self.info: worker_pb2.GetWorkerInfoResponse | None = None  # rank 0's, once the workers answered
         self.limits: ModelLimits | None = None  # the workers' model, known once they answered
+        self.lora_adapters: set[str] = set()  # the LoRA adapters every rank holds (lora_admin.py)
         self.scheduler: Scheduler | None = None  # the core, which exists once the workers answered
         self.pipeline: StepPipeline | None = None
         self.timeline = SchedulerTimeline()
@@ -86,6 +87,7 @@ class SchedulerSession:
         """Open the worker ranks' streams and build the scheduler core from their geometry."""
         info = self.info = await self.workers.open(timeout)
         self.limits = ModelLimits(info.model_name, info.max_model_len, info.vocab_size)
+        self.lora_adapters = set(info.lora_adapters)
         self.scheduler = Scheduler.for_worker(self.settings, geometry(info))
         self.pipeline = StepPipeline(self.scheduler, self.settings.pipeline_depth)
         return info

@@ -65,6 +65,7 @@ class WorkerGeometry:
     eos_token_ids: tuple[int, ...] = ()
     num_speculative_tokens: int = 0  # the worker proposes drafts (0: it does not)
     speculative_disable_by_batch_size: int = 0
+    max_loras: int = 0  # LoRA adapters one step may use (0: the worker serves none)
 
 
 @dataclass
@@ -77,6 +78,7 @@ class SchedulerConfig:
     policy: str  # "fcfs", or "priority": (priority, arrival) order, lowest value first
     max_waiting: int | None  # None: unbounded waiting queue
     max_prefill_tokens_with_decodes: int = 0  # 0: prefill may fill the step's budget beside decodes
+    max_loras: int = 0  # distinct LoRA adapters among running requests, at most (request.adapter_fits)
 
     def __post_init__(self) -> None:
         # The command line offers only these (argparse choices), but a library caller's
@@ -92,4 +94,4 @@ class SchedulerConfig:
         return cls(max_model_len=worker.max_model_len, max_num_seqs=worker.max_num_seqs,
                    max_num_batched_tokens=settings.max_num_batched_tokens, policy=settings.policy,
                    max_waiting=settings.max_waiting,
-                   max_prefill_tokens_with_decodes=settings.max_prefill_tokens_with_decodes)
+                   max_prefill_tokens_with_decodes=settings.max_prefill_tokens_with_decodes, max_loras=worker.max_loras)

@@ -153,7 +153,7 @@ def plan_message(plan: StepPlan, scheduler: Scheduler, full_state: bool) -> work
     for worker_handle, n in zip(plan.scheduled_handles, plan.num_scheduled_tokens):
         r = scheduler.by_handle[worker_handle]
         full.new_requests.append(NewRequest(worker_handle, r.all_token_ids, len(r.prompt_token_ids), r.sampling,
-                                            list(r.block_ids), r.num_computed_tokens - n))
+                                            list(r.block_ids), r.num_computed_tokens - n, r.lora_name))
     return plan_to_proto(full, full_state=True)
 
 
@@ -161,7 +161,8 @@ def geometry(info: worker_pb2.GetWorkerInfoResponse) -> WorkerGeometry:
     return WorkerGeometry(max_model_len=info.max_model_len, max_num_seqs=info.max_num_seqs,
                           num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
                           eos_token_ids=tuple(info.eos_token_ids), num_speculative_tokens=info.num_speculative_tokens,
-                          speculative_disable_by_batch_size=info.speculative_disable_by_batch_size)
+                          speculative_disable_by_batch_size=info.speculative_disable_by_batch_size,
+                          max_loras=info.max_loras)
 
 
 def describe(info: worker_pb2.GetWorkerInfoResponse) -> str:

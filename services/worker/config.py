@@ -88,6 +88,15 @@ class WorkerConfig:
     tensor_parallel_rank: int = setting(0, section="worker", help="this process's rank in its tensor-parallel group")
     tensor_parallel_init: str = setting(
         "", section="worker", help="host:port where rank 0 listens for its group's rendezvous (tensor parallelism)")
+    # LoRA adapters (services/worker/lora.py): PEFT directories, several per batch.
+    enable_lora: bool = setting(False, section="worker",
+                                help="serve LoRA adapters (on by itself when --lora-modules names some)")
+    lora_modules: list[str] = setting(
+        [], section="worker", help="LoRA adapters to load at start, name=path (comma-separated): requests choose one "
+                                   "by its name as their model")
+    max_loras: int = setting(4, section="worker", help="LoRA adapters resident at once (a batch uses at most this "
+                                                       "many; the others wait in host memory)")
+    max_lora_rank: int = setting(16, section="worker", help="the largest LoRA rank an adapter may have")
 
 
     # Speculative decoding without a draft model (services/speculative/): the JSON object vLLM takes.
@@ -96,6 +105,27 @@ class WorkerConfig:
         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
              '"prompt_lookup_max": 5}\' (method ngram or suffix; also disable_by_batch_size, '
              'suffix_decoding_max_tree_depth, suffix_decoding_max_spec_factor); default: off')
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+    def lora_module_paths(self) -> dict[str, str]:
+        """--lora-modules as {name: path}."""
+        return parse_lora_modules(self.lora_modules)
+
+
+def parse_lora_modules(items: list[str]) -> dict[str, str]:
+    """name=path items (vLLM's --lora-modules form) -> {name: path}, refusing a malformed or repeated name."""
+    modules: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"--lora-modules {item!r}: expected name=path")
+        if name.strip() in modules:
+            raise ValueError(f"--lora-modules names {name.strip()!r} twice")
+        modules[name.strip()] = path.strip()
+    return modules
 
 
 # Settings that differ between the worker processes of one tensor-parallel group: `vmesh serve`

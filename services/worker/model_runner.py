@@ -27,6 +27,7 @@ from vmesh.services.worker.config import DTYPE_NAMES, WorkerConfig
 from vmesh.services.worker.grammar_rows import GrammarMask, GrammarTokenizer, RowGrammar
 from vmesh.services.worker.int8_linear import int8_kernels
 from vmesh.services.worker.kv_cache import KVCache, kv_cache_budget
+from vmesh.services.worker.lora import LoraManager
 from vmesh.services.worker.model import DecoderModel, MissingWeightError
 from vmesh.services.worker.persistent_batch import PersistentBatch, PlanError, StepInputs
 from vmesh.services.worker.prompt_logprobs import PromptLogprobs
@@ -75,6 +76,7 @@ class ModelRunner:
         # the GIL); started on the first step that has a grammar.
         self.overlap_grammar_fill = True
         self._mask_thread: ThreadPoolExecutor | None = None
+        self.lora: LoraManager | None = None  # LoRA adapters, when the worker serves them
 
     @property
     def spec(self) -> ModelSpec:
@@ -121,6 +123,8 @@ class ModelRunner:
         logger.log(logging.WARNING if model.mixed and backend.name != "cpu" else logging.INFO, "%s", placement)
         runner = cls(model, kv_cache, backend, config.max_num_seqs, max_model_len,
                      GrammarTokenizer.for_model(model_dir, spec), config.speculative_config)
+        if config.lora_enabled:
+            runner.lora = LoraManager.for_config(model, spec, config)
         release_freed_heap()
         return runner
 
@@ -138,6 +142,10 @@ class ModelRunner:
             raise PlanError(f"step {plan.step} does not follow step {self.last_step}")
         self.batch.apply(plan)
         self.prompt_logprobs.follow(plan, self.batch)
+        if self.lora is not None:
+            self.lora.assign_rows(plan, self.batch)
+        elif any(request.lora_name for request in plan.new_requests):
+            raise PlanError("this worker serves no LoRA adapters")
         self.last_step = plan.step
         if not plan.scheduled_handles:
             return StepResult(step=plan.step, handles=[], sampled_token_ids=[])
@@ -149,8 +157,14 @@ class ModelRunner:
         scored = self.prompt_logprobs.positions(plan, inputs, self.batch) if self.prompt_logprobs else None
         indices = inputs.logits_indices if scored is None else torch.cat(
             [inputs.logits_indices, scored.indices.to(inputs.logits_indices.device)])
-        logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.attention, self.kv_cache,
-                                    self.backend, indices)
+        if self.lora is not None:
+            self.lora.begin_step(self.batch, inputs, self.model.device)
+        try:
+            logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.attention, self.kv_cache,
+                                        self.backend, indices)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         if scored is not None:
             self.prompt_logprobs.record(scored, logits[len(inputs.logits_indices):])
             logits = logits[:len(inputs.logits_indices)]

@@ -69,6 +69,8 @@ class PersistentBatch:
         self.top_k = torch.full((max_num_reqs,), -1, dtype=torch.int64)
         self.min_tokens = torch.zeros(max_num_reqs, dtype=torch.int64)
         self.num_logprobs = torch.full((max_num_reqs,), NO_LOGPROBS, dtype=torch.int64)
+        # Each row's LoRA adapter (services/worker/lora.py sets it; 0: the base model).
+        self.adapter_ids = torch.zeros(max_num_reqs, dtype=torch.int64)
         self.seeds: list[int | None] = [None] * max_num_reqs
         self.generators: list[torch.Generator | None] = [None] * max_num_reqs
         self.sampling: list[SamplingParams | None] = [None] * max_num_reqs
@@ -136,6 +138,7 @@ class PersistentBatch:
         self.top_k[row] = params.top_k
         self.min_tokens[row] = params.min_tokens
         self.num_logprobs[row] = NO_LOGPROBS if params.logprobs is None else params.logprobs
+        self.adapter_ids[row] = 0
         self.seeds[row] = params.seed
         self.generators[row] = torch.Generator() if params.seed is not None else None
         self.sampling[row] = params
@@ -190,7 +193,7 @@ class PersistentBatch:
         self.token_ids[dst, :n] = self.token_ids[src, :n]
         self.block_table[dst] = self.block_table[src]
         for column in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, self.num_blocks,
-                       self.top_k, self.min_tokens, self.num_logprobs, *self.float_params.values()):
+                       self.top_k, self.min_tokens, self.num_logprobs, self.adapter_ids, *self.float_params.values()):
             column[dst] = column[src]
         self.seeds[dst], self.generators[dst], self.sampling[dst], self.grammars[dst] = (
             self.seeds[src], self.generators[src], self.sampling[src], self.grammars[src])

@@ -19,9 +19,10 @@ from vmesh.services.common.step_timeline import WorkerStepTiming, WorkerTimeline
 from vmesh.services.common.step_types import NewRequest, StepPlan, StepResult
 from vmesh.services.common.types import SamplingParams
 from vmesh.services.common.wire.step import plan_from_proto, result_to_proto, summary_to_proto
+from vmesh.services.worker.lora_weights import LoraLoadError
 from vmesh.services.worker.model_runner import ModelRunner
 from vmesh.services.worker.persistent_batch import PlanError
-from vmesh.v1 import worker_pb2, worker_pb2_grpc
+from vmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 TRACER = telemetry.tracer("vmesh.worker")
@@ -63,7 +64,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             max_num_seqs=self.runner.batch.max_num_reqs,
             tensor_parallel_size=runner.model.parallel.size if runner.model.parallel is not None else 1,
             num_speculative_tokens=runner.speculative.num_speculative_tokens if runner.speculative else 0,
-            speculative_disable_by_batch_size=runner.speculative.disable_by_batch_size if runner.speculative else 0)
+            speculative_disable_by_batch_size=runner.speculative.disable_by_batch_size if runner.speculative else 0,
+            lora_adapters=runner.lora.names() if runner.lora else [],
+            max_loras=runner.lora.max_loras if runner.lora else 0)
+
+    async def LoadLoraAdapter(self, request, context):
+        return await self._change_adapters(context, request.lora_name, request.lora_path)
+
+    async def UnloadLoraAdapter(self, request, context):
+        return await self._change_adapters(context, request.lora_name, None)
+
+    async def _change_adapters(self, context, name: str, path: str | None) -> common_pb2.LoraAdapterResponse:
+        """Load (`path`) or unload adapter `name` on the model thread, between two steps."""
+        runner = await self._loaded(context)
+        lora = runner.lora
+        if lora is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker serves no LoRA adapters "
+                                                                     "(start it with --enable-lora)")
+        assert lora is not None, "abort raised"
+        try:
+            change = (lambda: lora.load(name, path)) if path is not None else (lambda: lora.unload(name, runner.batch))
+            await asyncio.get_running_loop().run_in_executor(self.executor, change)
+        except LoraLoadError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        logger.info("LoRA adapter %s %s", name, f"loaded from {path}" if path is not None else "unloaded")
+        return common_pb2.LoraAdapterResponse(lora_adapters=lora.names())
 
     def wall_seconds(self) -> float:
         """Since the first plan (0 before it)."""

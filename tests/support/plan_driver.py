@@ -17,6 +17,7 @@ class DrivenRequest:
     max_tokens: int
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
     join_step: int = 0
+    lora_name: str = ""  # the LoRA adapter it runs with ("": the base model)
     handle: int = -1
     computed: int = 0
     blocks: list[int] = field(default_factory=list)
@@ -51,7 +52,7 @@ def drive(runner: ModelRunner, requests: list[DrivenRequest], chunk: int = 1 << 
             r.blocks += new_blocks
             if not r.sent:
                 plan.new_requests.append(NewRequest(r.handle, list(r.prompt), len(r.prompt), r.sampling,
-                                                    list(r.blocks)))
+                                                    list(r.blocks), lora_name=r.lora_name))
                 r.sent = True
                 new_blocks = []
             plan.scheduled_handles.append(r.handle)

@@ -13,7 +13,7 @@ from tests.support.factories import make_scheduler
 from tests.support.stub_worker import StubWorker
 from vmesh.services.common.cache_events import CacheUpdate, CacheView, SchedulerLoad
 from vmesh.services.common.types import SamplingParams
-from vmesh.services.frontend.prefix_routing import PrefixRouter, order_by_cache, prefix_hashes
+from vmesh.services.frontend.prefix_routing import PrefixRouter, PromptRoute, order_by_cache, prefix_hashes
 from vmesh.services.scheduler.cache_feed import CacheFeed, CacheWatcher
 from vmesh.services.scheduler.request import Request
 from vmesh.services.scheduler.scheduler import Scheduler
@@ -95,7 +95,7 @@ def serve(routing: str, groups: int = 3, requests: int = 360) -> tuple[float, li
             chosen = frontend.table.order(sorted(frontend.groups, key=lambda g: g.in_flight), hashes)[0]
             frontend.table.routed(chosen.address, hashes)
         else:
-            chosen = order_by_cache(frontend.groups, prompt)[0]
+            chosen = order_by_cache(frontend.groups, PromptRoute(prompt))[0]
             assert chosen.cache is not None
             chosen.cache.sent_since_update += 1
         group = mesh[[g.address for g in frontend.groups].index(chosen.address)]

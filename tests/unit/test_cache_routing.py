@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from tests.support.routing_simulation import serve
 from vmesh.services.common.cache_events import CacheUpdate, CacheView, SchedulerLoad
 from vmesh.services.common.prefix_hash import chained_block_hashes
-from vmesh.services.frontend.prefix_routing import order_by_cache
+from vmesh.services.frontend.prefix_routing import PromptRoute, order_by_cache
 
 BLOCK = 16
 SEED = 12345
@@ -32,12 +32,12 @@ def test_the_longest_cached_prefix_within_the_load_bound_goes_first():
     a = G("a", view([shared[:32]], running=2))
     b = G("b", view([shared], running=2))
     c = G("c", view([], running=1))
-    assert order_by_cache([a, b, c], [*shared, 1]) == [b, c, a]  # b holds 4 blocks; then by load
+    assert order_by_cache([a, b, c], PromptRoute([*shared, 1])) == [b, c, a]  # b holds 4 blocks; then by load
     b.cache = view([shared], running=5)  # the bound: ceil(1.25 * (2 + 5 + 1 + 1) / 3) = 4 requests
-    assert order_by_cache([a, b, c], [*shared, 1]) == [a, c, b]  # b would pass it: a holds the most of the rest
-    assert order_by_cache([a, b, c], [999] * 40) == [c, a, b]  # nothing cached anywhere: least loaded
+    assert order_by_cache([a, b, c], PromptRoute([*shared, 1])) == [a, c, b]  # b passes it: a holds the most else
+    assert order_by_cache([a, b, c], PromptRoute([999] * 40)) == [c, a, b]  # nothing cached anywhere: least loaded
     a.cache.sent_since_update = 3  # this frontend's own sends since a's report count as load
-    assert order_by_cache([a, b, c], [*shared, 1])[0] is c  # bound 5: only c stays within it
+    assert order_by_cache([a, b, c], PromptRoute([*shared, 1]))[0] is c  # bound 5: only c stays within it
 
 
 def test_exact_views_route_as_well_as_an_oracle_and_keep_the_groups_balanced():

@@ -16,7 +16,7 @@ def engine() -> LLMEngine:
     """An engine over a runner that is never stepped: admission happens before any step."""
     runner = SimpleNamespace(kv_cache=SimpleNamespace(num_blocks=8, block_size=4), max_model_len=32,
                              batch=SimpleNamespace(max_num_reqs=4),
-                             spec=SimpleNamespace(eos_token_ids=[0], vocab_size=100), speculative=None)
+                             spec=SimpleNamespace(eos_token_ids=[0], vocab_size=100), speculative=None, lora=None)
     return LLMEngine(runner, SimpleNamespace(backend_tokenizer=None), EngineConfig())  # type: ignore[arg-type]
 
 

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from vmesh.v1 import common_pb2 as vmesh_dot_v1_dot_common__pb2
 from vmesh.v1 import scheduler_pb2 as vmesh_dot_v1_dot_scheduler__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -59,6 +60,16 @@ class SchedulerServiceStub:
                 request_serializer=vmesh_dot_v1_dot_scheduler__pb2.WatchCacheRequest.SerializeToString,
                 response_deserializer=vmesh_dot_v1_dot_scheduler__pb2.CacheUpdate.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/vmesh.v1.SchedulerService/LoadLoraAdapter',
+                request_serializer=vmesh_dot_v1_dot_common__pb2.LoraAdapterRequest.SerializeToString,
+                response_deserializer=vmesh_dot_v1_dot_common__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/vmesh.v1.SchedulerService/UnloadLoraAdapter',
+                request_serializer=vmesh_dot_v1_dot_common__pb2.LoraAdapterRequest.SerializeToString,
+                response_deserializer=vmesh_dot_v1_dot_common__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServiceServicer:
@@ -97,6 +108,20 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """A LoRA adapter onto (or off) every rank of this group: all or none (a rank's failure undoes
+        the others' load and names the rank).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,6 +149,16 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.WatchCache,
                     request_deserializer=vmesh_dot_v1_dot_scheduler__pb2.WatchCacheRequest.FromString,
                     response_serializer=vmesh_dot_v1_dot_scheduler__pb2.CacheUpdate.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=vmesh_dot_v1_dot_common__pb2.LoraAdapterRequest.FromString,
+                    response_serializer=vmesh_dot_v1_dot_common__pb2.LoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=vmesh_dot_v1_dot_common__pb2.LoraAdapterRequest.FromString,
+                    response_serializer=vmesh_dot_v1_dot_common__pb2.LoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -261,6 +296,60 @@ class SchedulerService:
             '/vmesh.v1.SchedulerService/WatchCache',
             vmesh_dot_v1_dot_scheduler__pb2.WatchCacheRequest.SerializeToString,
             vmesh_dot_v1_dot_scheduler__pb2.CacheUpdate.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vmesh.v1.SchedulerService/LoadLoraAdapter',
+            vmesh_dot_v1_dot_common__pb2.LoraAdapterRequest.SerializeToString,
+            vmesh_dot_v1_dot_common__pb2.LoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vmesh.v1.SchedulerService/UnloadLoraAdapter',
+            vmesh_dot_v1_dot_common__pb2.LoraAdapterRequest.SerializeToString,
+            vmesh_dot_v1_dot_common__pb2.LoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

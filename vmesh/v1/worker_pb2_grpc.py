@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from vmesh.v1 import common_pb2 as vmesh_dot_v1_dot_common__pb2
 from vmesh.v1 import worker_pb2 as vmesh_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -49,6 +50,16 @@ class WorkerServiceStub:
                 request_serializer=vmesh_dot_v1_dot_worker__pb2.GetWorkerStatsRequest.SerializeToString,
                 response_deserializer=vmesh_dot_v1_dot_worker__pb2.GetWorkerStatsResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/vmesh.v1.WorkerService/LoadLoraAdapter',
+                request_serializer=vmesh_dot_v1_dot_common__pb2.LoraAdapterRequest.SerializeToString,
+                response_deserializer=vmesh_dot_v1_dot_common__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/vmesh.v1.WorkerService/UnloadLoraAdapter',
+                request_serializer=vmesh_dot_v1_dot_common__pb2.LoraAdapterRequest.SerializeToString,
+                response_deserializer=vmesh_dot_v1_dot_common__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -75,6 +86,20 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoRA adapters at run time, into or out of host memory (FAILED_PRECONDITION: LoRA is off;
+        INVALID_ARGUMENT: the adapter cannot be loaded, or is not there to unload).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +117,16 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.GetWorkerStats,
                     request_deserializer=vmesh_dot_v1_dot_worker__pb2.GetWorkerStatsRequest.FromString,
                     response_serializer=vmesh_dot_v1_dot_worker__pb2.GetWorkerStatsResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=vmesh_dot_v1_dot_common__pb2.LoraAdapterRequest.FromString,
+                    response_serializer=vmesh_dot_v1_dot_common__pb2.LoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=vmesh_dot_v1_dot_common__pb2.LoraAdapterRequest.FromString,
+                    response_serializer=vmesh_dot_v1_dot_common__pb2.LoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +210,60 @@ class WorkerService:
             '/vmesh.v1.WorkerService/GetWorkerStats',
             vmesh_dot_v1_dot_worker__pb2.GetWorkerStatsRequest.SerializeToString,
             vmesh_dot_v1_dot_worker__pb2.GetWorkerStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vmesh.v1.WorkerService/LoadLoraAdapter',
+            vmesh_dot_v1_dot_common__pb2.LoraAdapterRequest.SerializeToString,
+            vmesh_dot_v1_dot_common__pb2.LoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vmesh.v1.WorkerService/UnloadLoraAdapter',
+            vmesh_dot_v1_dot_common__pb2.LoraAdapterRequest.SerializeToString,
+            vmesh_dot_v1_dot_common__pb2.LoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -15,7 +15,7 @@ def plan_to_proto(plan: StepPlan, full_state: bool = False) -> worker_pb2.Execut
         new_requests=[worker_pb2.NewRequest(
             handle=r.handle, token_ids=r.token_ids, num_prompt_tokens=r.num_prompt_tokens,
             sampling=sampling_to_proto(r.sampling), block_ids=r.block_ids,
-            num_computed_tokens=r.num_computed_tokens) for r in plan.new_requests],
+            num_computed_tokens=r.num_computed_tokens, lora_name=r.lora_name) for r in plan.new_requests],
         removed_handles=plan.removed_handles, scheduled_handles=plan.scheduled_handles,
         num_scheduled_tokens=plan.num_scheduled_tokens, new_block_ids=plan.new_block_ids,
         num_new_blocks=plan.num_new_blocks, num_draft_slots=plan.num_draft_slots, full_state=full_state)
@@ -25,7 +25,8 @@ def plan_from_proto(pb: worker_pb2.ExecuteRequest) -> StepPlan:
     return StepPlan(
         step=pb.step,
         new_requests=[NewRequest(r.handle, list(r.token_ids), r.num_prompt_tokens, sampling_from_proto(r.sampling),
-                                 list(r.block_ids), r.num_computed_tokens) for r in pb.new_requests],
+                                 list(r.block_ids), r.num_computed_tokens, lora_name=r.lora_name)
+                      for r in pb.new_requests],
         removed_handles=list(pb.removed_handles), scheduled_handles=list(pb.scheduled_handles),
         num_scheduled_tokens=list(pb.num_scheduled_tokens), new_block_ids=list(pb.new_block_ids),
         num_new_blocks=list(pb.num_new_blocks), num_draft_slots=list(pb.num_draft_slots))
