@@ -119,3 +119,23 @@ def test_a_watcher_that_falls_behind_is_dropped_and_the_journal_stops():
 def test_updates_cross_the_wire_unchanged():
     update = CacheUpdate(True, 16, 2**64 - 1, [-(2**63), 2**63 - 1, 5], [7], SchedulerLoad(3, 4, 0.5, 900), "x")
     assert cache_update_from_proto(cache_update_to_proto(update)) == update
+
+
+def test_an_adapters_blocks_are_found_only_under_its_name():
+    """A LoRA adapter's prefix chains from its own root: a frontend finds the blocks under the
+    adapter's name and not under the base model's, as the pool would."""
+    scheduler = make_scheduler(num_blocks=64, block_size=BLOCK, max_num_batched_tokens=64, max_loras=2)
+    worker = StubWorker(64, BLOCK)
+    feed = CacheFeed(scheduler, "one")
+    watcher = feed.watch()
+    prompt = list(range(200, 217))  # 4 full blocks
+    adapted = request("adapted", prompt, max_tokens=1)
+    adapted.lora_name = "sql"
+    run(scheduler, worker, [adapted])
+    feed.publish()
+    view = drain(watcher, None)
+    pool = scheduler.pool
+    assert view.cached_tokens(prompt, "sql") == 16 == BLOCK * len(
+        pool.lookup_prefix(prompt, pool.hash_blocks(prompt, lora_name="sql")))
+    assert view.cached_tokens(prompt) == 0 == len(pool.lookup_prefix(prompt, pool.hash_blocks(prompt)))
+    assert view.cached_tokens(prompt, "other") == 0
