@@ -21,14 +21,18 @@ def adapters_in_use(scheduler: Scheduler) -> tuple[list[str], list[str]]:
 
 
 class LoraRequestsInfo(Collector):
-    def __init__(self, scheduler: Callable[[], Scheduler | None]):
+    """`model_name` labels the series too, as every vmesh series carries the model's name."""
+
+    def __init__(self, scheduler: Callable[[], Scheduler | None], model_name: str):
         self.scheduler = scheduler
+        self.model_name = model_name
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         metric = GaugeMetricFamily("vmesh:lora_requests_info", "Running stats on LoRA requests.",
-                                   labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+                                   labels=["model_name", "max_lora", "waiting_lora_adapters", "running_lora_adapters"])
         scheduler = self.scheduler()
         if scheduler is not None:
             running, waiting = adapters_in_use(scheduler)
-            metric.add_metric([str(scheduler.config.max_loras), ",".join(waiting), ",".join(running)], time.time())
+            metric.add_metric([self.model_name, str(scheduler.config.max_loras), ",".join(waiting), ",".join(running)],
+                              time.time())
         yield metric

@@ -61,7 +61,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                                                       self.session.settings.max_num_batched_tokens))
             self.metrics_registry.register(ScrapedMetrics(self.scraped_metrics, info.model_name))
             self.metrics_registry.register(AcceptedPerPosition(self.spec_stats, info.model_name))
-            self.metrics_registry.register(LoraRequestsInfo(lambda: self.session.scheduler))
+            self.metrics_registry.register(LoraRequestsInfo(lambda: self.session.scheduler, info.model_name))
         await self.session.start()
         self.cache_feed = CacheFeed(self.session.core(), self.incarnation)
         self.session.spawn(self.cache_feed.run())

@@ -58,11 +58,12 @@ def test_a_new_adapter_waits_while_max_loras_others_run():
     # FCFS stops at the third adapter: two slots hold sql and poet.
     assert [r.lora_name for r in plan.new_requests] == ["sql", "poet"]
     labels = _gauge_labels(scheduler)
-    assert labels == {"max_lora": "2", "running_lora_adapters": "poet,sql", "waiting_lora_adapters": "chef,sql"}
+    assert labels == {"model_name": "m", "max_lora": "2", "running_lora_adapters": "poet,sql",
+                      "waiting_lora_adapters": "chef,sql"}
 
 
 def _gauge_labels(scheduler) -> dict[str, str]:
-    (family,) = LoraRequestsInfo(lambda: scheduler).collect()
+    (family,) = LoraRequestsInfo(lambda: scheduler, "m").collect()
     (sample,) = family.samples
     assert family.name == "vmesh:lora_requests_info" and sample.value > 0
     return sample.labels
