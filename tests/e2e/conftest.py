@@ -16,6 +16,15 @@ def default_mesh():
     mesh.stop()
 
 
+@pytest.fixture(scope="package")
+def plain_mesh():
+    """`vmesh serve` with nothing but its defaults, shared by the modules that ask for no flag (one
+    start for all of them, stopped after the last e2e test)."""
+    mesh = start_mesh()
+    yield mesh
+    mesh.stop()
+
+
 def scheduler_stats(mesh, name: str = "scheduler") -> scheduler_pb2.GetSchedulerStatsResponse:
     async def ask():
         async with mesh.channel(name) as ch:  # as the run's admin: internal ports take mutual TLS

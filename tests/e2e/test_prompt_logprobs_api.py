@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from tests.support.reference import assert_prompt_logprobs_match, hf_prompt_logprobs
-from vmesh.services.bench.mesh import start_mesh
 from vmesh.services.client import VmeshClient
 from vmesh.services.common.types import TokenLogprobs
 
@@ -30,10 +29,8 @@ CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    mesh = start_mesh()
-    yield mesh
-    mesh.stop()
+def mesh(plain_mesh):
+    return plain_mesh
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import openai
 import pytest
 
 from tests.e2e.conftest import wait_idle
-from vmesh.services.bench.mesh import start_mesh
 
 INSTRUCTIONS = "You are a helpful assistant. Answer in one short sentence."
 QUESTION = "What is the capital of France?"
@@ -17,10 +16,8 @@ MESSAGES = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "conte
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    mesh = start_mesh()
-    yield mesh
-    mesh.stop()
+def mesh(plain_mesh):
+    return plain_mesh
 
 
 @pytest.fixture(scope="module")
