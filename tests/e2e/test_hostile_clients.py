@@ -67,7 +67,9 @@ async def _end_early(client: VmeshClient, i: int, life_s: float) -> None:
     if i % 2:
         with pytest.raises(grpc.aio.AioRpcError) as ended:
             await read()
-        assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # Its deadline ends it on both sides; now and then (1 in ~1,000 here) the server's end of
+        # the call reaches the client first, as CANCELLED. What matters is that nothing is left.
+        assert ended.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
         return
     reading = asyncio.ensure_future(read())
     await asyncio.wait([reading], timeout=life_s)
