@@ -1,16 +1,18 @@
 """How the mesh's other services yield the cores to its worker. On a small CPU every core runs
 one of the worker's OpenMP threads during a forward; a service that preempts one of them stalls
-the whole parallel region until that thread runs again. `vmesh serve` starts the frontend,
-schedulers and detokenizers at a lower priority (a higher niceness) than the workers, so that the
-kernel runs them on a core the worker leaves idle rather than in the middle of its forward."""
+the whole parallel region until that thread runs again. `vmesh serve --service-niceness N` starts
+the frontend, schedulers and detokenizers at a lower priority (a higher niceness) than the workers,
+so that the kernel runs them on a core the worker leaves idle rather than in the middle of its
+forward."""
 
 from __future__ import annotations
 
 import logging
 import os
 
-# Measured in benchmarks/README.md ("The services' priority"): 0 would let them compete as equals.
-DEFAULT_SERVICE_NICENESS = 10
+# 0 (all equal) until a quiet sitting shows a gain (benchmarks/README.md, "The services' priority"):
+# on a shared host a niced service loses the cores to every other process, not only to the worker.
+DEFAULT_SERVICE_NICENESS = 0
 NICENESS_ENV = "VMESH_LAUNCHER_NICENESS"  # the launcher's word to a service it starts
 UNNICED_SERVICES = ("worker",)
 

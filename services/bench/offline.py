@@ -116,8 +116,8 @@ async def mesh_latency(mesh: RunningMesh, prompt: list[int], max_tokens: int,
 MESH_VARIANTS = {"mesh": (), "mesh-native": ("--weights", "native"), "mesh-bf16": ("--dtype", "bfloat16"),
                  "mesh-int8": ("--weights", "int8"), "mesh-plaintext": ("--no-internal-tls",),
                  "mesh-spec": ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'),
-                 # Every service at the worker's priority, against the default (services niced).
-                 "mesh-equal-priority": ("--service-niceness", "0"),
+                 # Every service but the workers 10 nicer, against the default (all equal).
+                 "mesh-niced": ("--service-niceness", "10"),
                  "mesh-lora": ()}  # its flags name the adapters bench/lora.py writes
 
 

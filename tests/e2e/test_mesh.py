@@ -361,8 +361,8 @@ def _thread_niceness(pid: int) -> set[int]:
 
 
 def test_only_the_worker_runs_at_the_launcher_s_priority(default_mesh):
-    """The other services yield the cores to the worker's threads: every thread of theirs runs
-    DEFAULT_SERVICE_NICENESS above the launcher, the worker's at the launcher's."""
+    """Every thread of the other services runs DEFAULT_SERVICE_NICENESS above the launcher (0 by
+    default: equal), the worker's at the launcher's (the flag's effect: test_process_priority.py)."""
     from vmesh.services.process_priority import DEFAULT_SERVICE_NICENESS
 
     launcher = os.getpriority(os.PRIO_PROCESS, default_mesh.process.pid)
