@@ -33,6 +33,12 @@ make_venv vllm
 # not exist"), and transformers imports it when present; a text model needs none of the three.
 "$dest/vllm/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
 
+# GuideLLM, the vLLM project's load generator (`vmesh bench online --guidellm-rates`); it
+# imports torch, so the CPU build goes first here too.
+make_venv guidellm
+"$dest/guidellm/bin/python" -m pip install -q torch==2.13.0
+"$dest/guidellm/bin/python" -m pip install -q "guidellm==0.8.1"
+
 # llama-cpp-python ships sources only: this compiles llama.cpp for the host
 # CPU (several minutes on two cores).
 make_venv llama.cpp
@@ -41,3 +47,4 @@ CMAKE_ARGS="-DGGML_NATIVE=ON" "$dest/llama.cpp/bin/python" -m pip install -q "ll
 echo "peers ready under $dest:"
 echo "  vllm:      $dest/vllm/bin/python"
 echo "  llama.cpp: $dest/llama.cpp/bin/python"
+echo "  guidellm:  $dest/guidellm/bin/python"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -97,7 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.workload == STRUCTURED_WORKLOAD and args.mode != "serving":
         raise SystemExit(f"vmesh bench {args.mode}: the {STRUCTURED_WORKLOAD} workload runs only in serving mode")
     run = serving_structured if args.workload == STRUCTURED_WORKLOAD else MODES[args.mode]
-    result = run(args)
+    # A terminated benchmark stops the servers it started (SystemExit unwinds their stacks); by
+    # default SIGTERM would leave them running.
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    try:
+        result = run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     result["command"] = "vmesh bench " + " ".join(argv if argv is not None else sys.argv[1:])
     name = args.mode if args.workload == "standard" else f"{args.mode}-{Path(args.workload).stem}"
     print(f"results: {save(name, result, args.out)}")

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from vmesh.services.bench.common import machine
+from vmesh.services.bench.guidellm_runs import GuideLLMLoads, guidellm_python, run_guidellm
 from vmesh.services.bench.mesh import start_mesh
 from vmesh.services.bench.peers import READY_TIMEOUT_S, PeerError, default_peers_dir, peer_environment, peer_python
 from vmesh.services.common.model_loading import resolve_model_dir
@@ -150,9 +151,11 @@ def _medians(runs: list[dict[str, float]]) -> dict[str, float]:
 
 def online(args: argparse.Namespace) -> dict[str, Any]:
     peers_dir = Path(args.peers_dir) if args.peers_dir else default_peers_dir()
-    loads = [Load.parse(text) for text in args.loads.split(",")]
+    loads = [Load.parse(text) for text in args.loads.split(",")] if args.rounds else []  # 0: GuideLLM only
+    guidellm = _guidellm_loads(args)
     try:
         python = peer_python(peers_dir, "vllm")
+        guidellm_interpreter = guidellm_python(peers_dir) if guidellm else None
     except PeerError as exc:
         raise SystemExit(str(exc)) from exc
     model_dir = resolve_model_dir(args.model)
@@ -160,6 +163,7 @@ def online(args: argparse.Namespace) -> dict[str, Any]:
     servers = [*meshes, *(["vllm"] if not args.no_vllm else [])]
     runs: dict[str, dict[str, list[dict[str, float]]]] = {s: {load.name: [] for load in loads} for s in servers}
     urls: dict[str, str] = {}
+    sweeps: dict[str, list[dict]] = {}
     with contextlib.ExitStack() as stack:
         for name, flags in meshes.items():
             mesh = start_mesh("--model", str(model_dir), "--kv-cache-memory", args.kv_cache_memory,
@@ -181,13 +185,32 @@ def online(args: argparse.Namespace) -> dict[str, Any]:
                     print(f"round {round_index + 1} {load.name} {server}: {figures['output_throughput']:.1f} tok/s, "
                           f"TTFT p50 {figures['median_ttft_ms']:.0f} ms, TPOT {figures['mean_tpot_ms']:.1f} ms, "
                           f"ITL p99 {figures['p99_itl_ms']:.0f} ms", flush=True)
+        if guidellm and guidellm_interpreter:
+            for server in servers:  # after every round of vLLM's client, on the same servers
+                sweeps[server] = run_guidellm(guidellm_interpreter, urls[server], models[server], model_dir, guidellm)
+                for row in sweeps[server]:
+                    print(f"guidellm {server} {row['load']}: {row['output_tok_s']:.1f} tok/s, TTFT p50 "
+                          f"{row['ttft_p50_ms']:.0f} ms, ITL p50 {row['itl_p50_ms']:.1f} ms, p99 "
+                          f"{row['itl_p99_ms']:.0f} ms", flush=True)
     medians = {s: {load: _medians(r) for load, r in per_load.items()} for s, per_load in runs.items()}
     vmesh_medians = {"vmesh": medians["vmesh"], **({"vllm": medians["vllm"]} if "vllm" in medians else {})}
     return {"machine": machine(), "dtype": args.dtype, "rounds": args.rounds, "num_prompts": args.num_prompts,
             "input_len": args.input_len, "output_len": args.output_len, "variants": dict(meshes), "runs": runs,
             "medians": medians, "vmesh_over_vllm": _ratios(vmesh_medians, "vllm", loads),
             "variants_over_vmesh": {name: _ratios({name: medians[name], "vmesh": medians["vmesh"]}, "vmesh", loads)
-                                    for name in meshes if name != "vmesh"}}
+                                    for name in meshes if name != "vmesh"},
+            **({"guidellm": {"loads": vars(guidellm), "servers": sweeps}} if guidellm else {})}
+
+
+def _guidellm_loads(args: argparse.Namespace) -> GuideLLMLoads | None:
+    if not args.guidellm_rates:
+        return None
+    try:
+        rates = [float(r) for r in args.guidellm_rates.split(",")]
+        streams = [int(s) for s in args.guidellm_streams.split(",")] if args.guidellm_streams else []
+    except ValueError:
+        raise SystemExit("--guidellm-rates / --guidellm-streams: comma-separated numbers") from None
+    return GuideLLMLoads(rates, streams, args.guidellm_seconds, args.input_len, args.output_len)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -198,7 +221,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="both servers' precision (default: bfloat16, both servers' best mode here)")
     parser.add_argument("--loads", default="burst:32,rate:2",
                         help="comma-separated: burst:N (all at once, N in flight) and rate:R (Poisson, R/s)")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of vLLM's client over every load and server (0: only the GuideLLM sweep)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                         help="another vmesh serve with these extra flags, alternated with the others as NAME "
                              "(repeatable), e.g. nocap='--max-prefill-tokens-with-decodes 0'")
@@ -207,3 +231,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--guidellm-rates", default="",
+                        help="also a GuideLLM sweep over these constant rates (comma-separated requests/s) against "
+                             "every server, after the rounds, e.g. 0.5,1,2,3 (needs setup.sh's guidellm environment)")
+    parser.add_argument("--guidellm-streams", default="1,32",  # as vLLM's client's burst
+                        help="with --guidellm-rates: the sweep's concurrent-stream loads (1: its synchronous point)")
+    parser.add_argument("--guidellm-seconds", type=float, default=90.0,
+                        help="each GuideLLM load's duration (long enough that every stream completes requests)")

@@ -183,7 +183,8 @@ class SchedulerSession:
                 if not went_away(exc):
                     # The worker refused a plan (FAILED_PRECONDITION), or a bug here: recomputing
                     # would only repeat it.
-                    logger.error("the engine loop failed: %s", detail(exc))
+                    # The traceback: a bug here is otherwise only a class name in a log line.
+                    logger.error("the engine loop failed: %s: %s", type(exc).__name__, detail(exc), exc_info=exc)
                     await self._fail_all("the worker serving this request failed")
                     return
                 logger.error("worker unavailable: %s; %d request(s) wait for it to come back", detail(exc),

@@ -65,6 +65,14 @@ async def _victim(client: VmeshClient) -> tuple[asyncio.Task, str]:
     return asyncio.ensure_future(rest()), first.request_id
 
 
+def _run(mesh, main):
+    """asyncio.run(main), with the mesh's last log lines when it fails (a race shows only there)."""
+    try:
+        return asyncio.run(main)
+    except Exception as exc:
+        raise AssertionError("the mesh's last output:\n" + "".join(mesh.output[-60:])) from exc
+
+
 def test_a_frontend_takes_its_subscription_back_from_a_stranger(plaintext_mesh):
     mesh, frontend_id = plaintext_mesh
 
@@ -79,7 +87,7 @@ def test_a_frontend_takes_its_subscription_back_from_a_stranger(plaintext_mesh):
                 ending = await _ending(call)
             return undisturbed, await victim, ending, await _answer(client)
 
-    undisturbed, victim, ending, after = asyncio.run(main())
+    undisturbed, victim, ending, after = _run(mesh, main())
     assert ending == grpc.StatusCode.ABORTED, "the frontend never took its subscription back"
     assert victim == undisturbed  # failed over without a gap or a repeat
     assert after == undisturbed[:ANSWER_TOKENS]
@@ -96,7 +104,7 @@ def test_a_scheduler_takes_its_worker_back_from_a_stranger(plaintext_mesh):
                 ending = await _ending(worker_pb2_grpc.WorkerServiceStub(ch).Execute())
             return undisturbed, await victim, ending, await _answer(client)
 
-    undisturbed, victim, ending, after = asyncio.run(main())
+    undisturbed, victim, ending, after = _run(mesh, main())
     assert ending == grpc.StatusCode.ABORTED, "the scheduler never took its worker back"
     assert victim == undisturbed  # recomputed on the worker it took back
     assert after == undisturbed[:ANSWER_TOKENS]
@@ -130,7 +138,7 @@ def test_a_stranger_cannot_claim_a_frontend_s_request_keys(plaintext_mesh):
                                                                                frontend_key=key), timeout=10)
             return undisturbed, await victim, taken, claims, answers
 
-    undisturbed, victim, taken, claims, answers = asyncio.run(main())
+    undisturbed, victim, taken, claims, answers = _run(mesh, main())
     assert taken == grpc.StatusCode.ALREADY_EXISTS
     assert victim == undisturbed  # the refused claim did not touch it
     assert claims == [grpc.StatusCode.OK] * 3  # a stranger can submit in plaintext, but the keys are not the next

@@ -1,13 +1,19 @@
-"""`vmesh bench online`'s loads and its refusal without the peers' vLLM environment (the run
-itself needs that environment, which CI does not build)."""
+"""`vmesh bench online`'s loads, its GuideLLM scenarios and figures, and its refusals without the
+peers' environments (the runs themselves need them, which CI does not build)."""
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
 from vmesh.services.bench.cli import main
+from vmesh.services.bench.guidellm_runs import GuideLLMLoads, benchmark_figures, guidellm_python, guidellm_scenario
 from vmesh.services.bench.online_peers import Load, parse_variants
+from vmesh.services.bench.peers import PeerError
+
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def test_loads_become_the_clients_flags():
@@ -36,3 +42,30 @@ def test_variants_are_named_vmesh_servers_with_their_flags():
 def test_a_variant_without_a_new_name_is_refused(text):
     with pytest.raises(SystemExit, match=f"--variant: '{text}'"):
         parse_variants([text])
+
+
+def test_the_guidellm_scenario_sends_the_clients_lengths_to_the_servers_completions(tmp_path):
+    loads = GuideLLMLoads(rates=[1.0, 2.0], streams=[1, 32], seconds=90, input_len=256, output_len=128)
+    scenario = guidellm_scenario("http://127.0.0.1:8000/v1", "m", tmp_path, loads,
+                                 {"kind": "constant", "rate": [1.0, 2.0]}, tmp_path / "out.json")
+    spec = scenario["spec"]
+    assert spec["backend"] == {"kind": "openai_http", "target": "http://127.0.0.1:8000", "model": "m",
+                               "request_format": "/v1/completions"}
+    assert spec["data"] == [{"kind": "synthetic_text", "prompt_tokens": 256, "output_tokens": 128}]
+    assert spec["constraints"] == [{"kind": "max_duration", "seconds": 90}]
+    assert spec["outputs"] == [{"kind": "json", "path": str(tmp_path / "out.json")}]
+
+
+def test_a_guidellm_benchmark_becomes_one_row_of_figures():
+    # A concurrent-32 run of GuideLLM 0.8.1 against vmesh serve, trimmed to the figures read.
+    recorded = json.loads((DATA / "guidellm_concurrent32.json").read_text())["benchmarks"][0]
+    row = benchmark_figures(recorded)
+    assert row["load"] == "32 stream(s)" and row["completed"] == 32
+    assert row["output_tok_s"] == pytest.approx(102.4)
+    assert row["ttft_p50_ms"] == recorded["metrics"]["time_to_first_token_ms"]["successful"]["median"]
+    assert row["itl_p99_ms"] == recorded["metrics"]["inter_token_latency_ms"]["successful"]["percentiles"]["p99"]
+
+
+def test_without_guidellm_s_environment_it_says_how_to_build_it(tmp_path):
+    with pytest.raises(PeerError, match="benchmarks/peers/setup.sh"):
+        guidellm_python(tmp_path)
