@@ -1,5 +1,5 @@
 """Embedding requests (SamplingParams.pooling) on the in-process engine against transformers'
-float32 final hidden states pooled the same way: LAST and MEAN, normalised or not, in one prefill
+float32 final hidden states pooled the same way: LAST and MEAN, normalised or not (and CLS), in one prefill
 and across chunked prefill, beside a generation whose tokens stay the reference's, with the
 prompt in the prefix cache (LAST reads it, MEAN does not), and after a lost worker mid-prefill."""
 
@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 
 from tests.integration.test_engine_parity import LONG_SYSTEM, make_engine
-from tests.support.reference import assert_embedding_matches, assert_greedy_match, hf_embedding, hf_greedy
+from tests.support.reference import assert_embedding_matches, assert_greedy_match, hf_final_hidden, hf_greedy, pooled
 from vmesh.services.common.types import Pooling, PoolingType, SamplingParams
 from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
 
-POOLINGS = [Pooling(t, normalize) for t in (PoolingType.LAST, PoolingType.MEAN) for normalize in (True, False)]
+POOLINGS = [*(Pooling(t, normalize) for t in (PoolingType.LAST, PoolingType.MEAN) for normalize in (True, False)),
+            Pooling(PoolingType.CLS, normalize=False)]
 GENERATE = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
@@ -33,32 +34,36 @@ def prompts(embedded_tokenizer):
         add_generation_prompt=True, tokenize=True, return_dict=False) for q in questions]
 
 
+@pytest.fixture(scope="module")
+def hidden(embedded_reference_model, prompts):
+    """Each prompt's final hidden states in transformers, float32."""
+    return [hf_final_hidden(embedded_reference_model, p) for p in prompts]
+
+
 @pytest.mark.parametrize("budget", [2048, 13], ids=["one-prefill", "chunked"])
 def test_embeddings_match_transformers_beside_a_generation(runner, embedded_tokenizer, embedded_reference_model,
-                                                            prompts, budget):
+                                                            prompts, hidden, budget):
     engine = make_engine(runner, embedded_tokenizer, budget=budget)
     outs = engine.generate([prompts[0]] * len(POOLINGS) + [prompts[1]], [embed(p) for p in POOLINGS] + [GENERATE])
     engine.shutdown()
     for out, pooling in zip(outs, POOLINGS):
-        assert_embedding_matches(out.embedding, hf_embedding(embedded_reference_model, prompts[0], pooling.type.value,
-                                                             pooling.normalize))
+        assert_embedding_matches(out.embedding, pooled(hidden[0], pooling.type.value, pooling.normalize))
     assert outs[-1].embedding == []
     assert_greedy_match(outs[-1].token_ids, hf_greedy(embedded_reference_model, prompts[1], GENERATE.max_tokens))
 
 
-def test_last_pooling_reads_the_prefix_cache_and_mean_does_not(runner, embedded_tokenizer, embedded_reference_model,
-                                                               prompts):
+def test_last_pooling_reads_the_prefix_cache_and_mean_does_not(runner, embedded_tokenizer, prompts, hidden):
     engine = make_engine(runner, embedded_tokenizer)
     engine.generate([prompts[1]], GENERATE)  # caches the prompt's full blocks
     last, mean = engine.generate([prompts[1]] * 2, [embed(Pooling(PoolingType.LAST)), embed(Pooling(PoolingType.MEAN))])
     engine.shutdown()
     assert last.num_cached_prompt_tokens > 0, "LAST needs only the last position, which is always computed"
     assert mean.num_cached_prompt_tokens == 0, "MEAN computes every position"
-    assert_embedding_matches(last.embedding, hf_embedding(embedded_reference_model, prompts[1], "LAST", True))
-    assert_embedding_matches(mean.embedding, hf_embedding(embedded_reference_model, prompts[1], "MEAN", True))
+    assert_embedding_matches(last.embedding, pooled(hidden[1], "LAST", True))
+    assert_embedding_matches(mean.embedding, pooled(hidden[1], "MEAN", True))
 
 
-def test_mean_pooling_after_a_lost_worker_mid_prefill(runner, embedded_tokenizer, embedded_reference_model, prompts):
+def test_mean_pooling_after_a_lost_worker_mid_prefill(runner, embedded_tokenizer, prompts, hidden):
     """The worker is lost two chunks into the prompt (its replacement starts empty; the scheduler
     recomputes every request): the request pools its whole prompt again, once."""
     engine = make_engine(runner, embedded_tokenizer, budget=13, depth=1)
@@ -74,4 +79,4 @@ def test_mean_pooling_after_a_lost_worker_mid_prefill(runner, embedded_tokenizer
     engine.shutdown()
     vectors = [out.embedding for out in outputs if out.embedding]
     assert len(vectors) == 1
-    assert_embedding_matches(vectors[0], hf_embedding(embedded_reference_model, prompts[0], "MEAN", False))
+    assert_embedding_matches(vectors[0], pooled(hidden[0], "MEAN", False))

@@ -73,13 +73,20 @@ def assert_prompt_logprobs_match(rows, prompt: list[int], reference: torch.Tenso
         assert higher + 1 <= r.rank <= int((reference[i] > expected[i] - tolerance).sum()) + 1
 
 
-def hf_embedding(model, prompt: list[int], pooling_type: str, normalize: bool) -> torch.Tensor:
-    """The prompt's final hidden states (the base model's last_hidden_state: after the final
-    norm) pooled as vLLM's pooling type names it, float32."""
+def hf_final_hidden(model, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt), hidden] float32: the base model's last_hidden_state, after the final norm."""
     with torch.inference_mode():
-        hidden = model.base_model(torch.tensor([prompt], device=model.device)).last_hidden_state[0].float().cpu()
+        return model.base_model(torch.tensor([prompt], device=model.device)).last_hidden_state[0].float().cpu()
+
+
+def pooled(hidden: torch.Tensor, pooling_type: str, normalize: bool) -> torch.Tensor:
+    """Final hidden states (hf_final_hidden's) pooled as vLLM's pooling type names it."""
     vector = {"LAST": hidden[-1], "MEAN": hidden.mean(dim=0), "CLS": hidden[0]}[pooling_type]
     return torch.nn.functional.normalize(vector, dim=0) if normalize else vector
+
+
+def hf_embedding(model, prompt: list[int], pooling_type: str, normalize: bool) -> torch.Tensor:
+    return pooled(hf_final_hidden(model, prompt), pooling_type, normalize)
 
 
 def assert_embedding_matches(ours, reference: torch.Tensor, tolerance: float = 1e-4) -> None:
