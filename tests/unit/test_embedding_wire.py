@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import struct
 
+from vmesh.services.common.generation import GenerationOutput
 from vmesh.services.common.step_types import StepResult
 from vmesh.services.common.types import (
     OutputBatch,
@@ -17,6 +18,7 @@ from vmesh.services.common.types import (
     TokenBatch,
 )
 from vmesh.services.common.wire import outputs, tokens
+from vmesh.services.common.wire.public import output_to_public
 from vmesh.services.common.wire.sampling import sampling_from_proto, sampling_to_proto
 from vmesh.services.common.wire.step import result_from_proto, result_to_proto
 from vmesh.v1 import common_pb2, worker_pb2
@@ -56,3 +58,9 @@ def test_the_detokenizer_links_carry_the_vector_with_its_request() -> None:
     wire = outputs.to_proto(out)
     decoded_out = outputs.from_proto(type(wire).FromString(wire.SerializeToString()))
     assert [o.embedding for o in decoded_out.outputs] == [VECTOR_B, []]
+
+
+def test_the_public_api_gives_the_vector_in_the_response_with_the_first_token() -> None:
+    first = output_to_public(GenerationOutput("r", "", [5], [], embedding=VECTOR_A))
+    assert list(first.embedding) == VECTOR_A
+    assert list(output_to_public(GenerationOutput("r", "x", [6], [])).embedding) == []
