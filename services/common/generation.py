@@ -69,6 +69,7 @@ class GenerationOutput:
     # and one row per prompt token from the second on (prompt_logprobs[i] scores prompt_token_ids[i + 1]).
     prompt_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    embedding: list[float] = field(default_factory=list)  # sampling.pooling set: in the piece with its first token
 
 
 @dataclass

@@ -64,6 +64,8 @@ class StepResult:
     # Requests that asked for prompt logprobs and sampled their first token this step: one row
     # per prompt token from the second on (the first has no context to be scored in).
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    # Embedding requests (sampling.pooling) that sampled their first token this step: the pooled vector.
+    embeddings: dict[int, list[float]] = field(default_factory=dict)
     forward_seconds: float = 0.0
     sampling_seconds: float = 0.0
     # Requests this step failed on their own (their grammar matcher failed: it would not load,

@@ -63,6 +63,26 @@ class CompiledGrammar:
     payload: bytes  # xgrammar: its CompiledGrammar.serialize_json() (utf-8); llguidance: its grammar JSON
 
 
+class PoolingType(Enum):
+    """How an embedding request's final hidden states become one vector; the values are vLLM's names."""
+    LAST = "LAST"  # the last prompt position's
+    MEAN = "MEAN"  # the mean over every prompt position
+    CLS = "CLS"  # the first prompt position's
+
+
+@dataclass(frozen=True)
+class Pooling:
+    """An embedding request's pooling: its type and whether the vector is scaled to unit L2 norm."""
+    type: PoolingType = PoolingType.LAST
+    normalize: bool = True
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """LAST only: the last prompt position is always computed (the scheduler never serves it
+        from the cache), while MEAN and CLS need positions a cached block would skip."""
+        return self.type is PoolingType.LAST
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0
@@ -86,6 +106,8 @@ class SamplingParams:
     output_mode: OutputMode = OutputMode.DELTA
     structured: StructuredOutput | None = None  # what the client asked the output to match
     grammar: CompiledGrammar | None = None  # `structured` compiled by the frontend; what the worker enforces
+    # Set: an embedding request; the worker pools the prompt's final hidden states, delivered with its first token
+    pooling: Pooling | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -168,6 +190,7 @@ class StepTokens(Generic[Handle]):
     error: str = ""  # non-empty: the request failed upstream; end it with this message
     # With the first token of a request that asked: one row per prompt token from the second on.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    embedding: list[float] = field(default_factory=list)  # with an embedding request's first token
 
     @property
     def finished(self) -> bool:
@@ -209,6 +232,7 @@ class StreamOutput:
     # Beside an error: it lost its scheduler, not its worker; the frontend may submit it again.
     resumable: bool = False
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # as StepTokens carries them
+    embedding: list[float] = field(default_factory=list)  # as StepTokens carries it
 
     @property
     def usage(self) -> Usage:

@@ -44,6 +44,7 @@ class ProcessedOutput(Generic[Handle]):
     logprobs: list[TokenLogprobs]
     error: str
     prompt_logprobs: list[TokenLogprobs]  # with the first tokens of a request that asked
+    embedding: list[float]  # with an embedding request's first token
 
 
 class OutputProcessor(Generic[Handle]):
@@ -103,5 +104,5 @@ class OutputProcessor(Generic[Handle]):
                 continue
             outputs.append(ProcessedOutput(handle, state, result.text, tokens.token_ids, reason, result.finished,
                                            tokens.num_cached_prompt_tokens, tokens.logprobs, tokens.error,
-                                           tokens.prompt_logprobs))
+                                           tokens.prompt_logprobs, tokens.embedding))
         return outputs, stopped

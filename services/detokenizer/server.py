@@ -35,10 +35,11 @@ class _SchedulerStream:
 
 def _output(state: RequestState, text: str, token_ids: list[int], reason: FinishReason | None, cached: int,
             logprobs: list[TokenLogprobs], error: str = "", resumable: bool = False,
-            prompt_logprobs: list[TokenLogprobs] | None = None) -> StreamOutput:
+            prompt_logprobs: list[TokenLogprobs] | None = None, embedding: list[float] | None = None) -> StreamOutput:
     assert state.ref is not None, "every request here was introduced by its frontend's reference"
     return StreamOutput(state.ref.frontend_key, text, token_ids, reason, state.num_prompt_tokens,
-                        state.num_output_tokens, cached, logprobs, error, resumable, prompt_logprobs or [])
+                        state.num_output_tokens, cached, logprobs, error, resumable, prompt_logprobs or [],
+                        embedding or [])
 
 
 class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
@@ -143,7 +144,7 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
             assert p.state.ref is not None
             out.setdefault(p.state.ref.frontend_id, OutputBatch()).outputs.append(
                 _output(p.state, p.text, p.token_ids, p.finish_reason, p.num_cached_prompt_tokens, p.logprobs,
-                        p.error, prompt_logprobs=p.prompt_logprobs))
+                        p.error, prompt_logprobs=p.prompt_logprobs, embedding=p.embedding))
         if self.metrics:
             self.metrics.stop_string_hits.inc(len(stopped))
             self.metrics.tokens.inc(len(message.token_ids))

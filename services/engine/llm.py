@@ -55,6 +55,7 @@ class RequestOutput:
     num_cached_prompt_tokens: int
     error: str = ""  # non-empty: the request failed alone (finish_reason ABORT), e.g. its grammar matcher
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # with the first tokens, if asked
+    embedding: list[float] = field(default_factory=list)  # with an embedding request's first token
 
 
 @dataclass
@@ -69,6 +70,8 @@ class CompletionOutput:
     error: str = ""  # non-empty: the request failed alone (finish_reason ABORT)
     # SamplingParams.prompt_logprobs set: one row per prompt token from the second on.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # SamplingParams.pooling set: the prompt's pooled final hidden states.
+    embedding: list[float] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -175,12 +178,12 @@ class LLMEngine:
         with self._lock:
             processed, stopped = self.outputs.process(
                 StepTokens(u.request_id, u.new_token_ids, u.finish_reason, u.num_cached_prompt_tokens, u.logprobs,
-                           u.error, u.prompt_logprobs) for u in updates)
+                           u.error, u.prompt_logprobs, u.embedding) for u in updates)
             for request_id in stopped:  # a stop string ended it: the core would compute it on
                 self.scheduler.abort(request_id, FinishReason.STOP)
         return [RequestOutput(p.handle, p.text, p.token_ids, p.finished, p.finish_reason, p.logprobs,
                               p.state.num_prompt_tokens, p.state.num_output_tokens, p.num_cached_prompt_tokens, p.error,
-                              p.prompt_logprobs)
+                              p.prompt_logprobs, p.embedding)
                 for p in processed]
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
@@ -199,6 +202,7 @@ class LLMEngine:
                 result.num_prompt_tokens = out.num_prompt_tokens
                 result.num_cached_prompt_tokens = out.num_cached_prompt_tokens
                 result.prompt_logprobs = result.prompt_logprobs or out.prompt_logprobs
+                result.embedding = result.embedding or out.embedding
                 if out.finished:
                     result.finish_reason = out.finish_reason
                     result.error = out.error

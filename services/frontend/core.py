@@ -333,7 +333,7 @@ class FrontendCore:
                 if not out.error or out.text or out.token_ids:
                     yield GenerationOutput(request_id, out.text, out.token_ids, out.logprobs, out.finish_reason,
                                            out.usage, backend, scored_prompt if out.token_ids else [],
-                                           out.prompt_logprobs)
+                                           out.prompt_logprobs, out.embedding)
                     backend, scored_prompt = "", scored_prompt if not out.token_ids else []  # said once
                 if finished:
                     return

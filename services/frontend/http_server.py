@@ -1,7 +1,7 @@
 """The frontend's HTTP shell: OpenAI's API (/v1/models, /v1/completions, /v1/chat/completions, /v1/responses,
-streamed as Server-Sent Events), vLLM's utility endpoints (utility_api.py), /health, /metrics and /openapi.json,
-served by uvicorn on the frontend's own event loop over the same core as gRPC (core.py). A client that
-disconnects aborts its requests, as a cancelled gRPC stream does."""
+streamed as Server-Sent Events; /v1/embeddings in embeddings_api.py), vLLM's utility endpoints (utility_api.py),
+/health, /metrics and /openapi.json, served by uvicorn on the frontend's own event loop over the same core as
+gRPC (core.py). A client that disconnects aborts its requests, as a cancelled gRPC stream does."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from vmesh.services.common.generation import GenerationOutput, GenerationRequest
+from vmesh.services.frontend import embeddings_api, responses_api, responses_events, utility_api
 from vmesh.services.frontend import openai_protocol as oai
 from vmesh.services.frontend import openai_responses as render
-from vmesh.services.frontend import responses_api, responses_events, utility_api
 from vmesh.services.frontend.core import FrontendCore
 from vmesh.services.frontend.errors import RequestError, refused_as_request_errors
 from vmesh.services.frontend.fanout import ClientGone, Fanout, FanoutStreamingResponse, until_disconnect
@@ -341,6 +341,7 @@ def build_app(frontend: FrontendCore, registry: CollectorRegistry | None,
         return await routes.responses(body, request)
 
     utility_api.add_routes(app, frontend)
+    embeddings_api.add_routes(app, frontend)
     add_lora_routes(app, frontend)
     # The last added runs first: the key is checked before any body byte is read.
     app.add_middleware(BodyLimitMiddleware, limit=body_limit(frontend.settings.max_request_bytes))

@@ -30,6 +30,7 @@ class PendingOutput(OutputAccumulator[TokenLogprobs]):
     # submitted again with what it has received (a failover).
     lost: LostService | None = None
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # the first tokens' output's, if asked
+    embedding: list[float] = field(default_factory=list)  # the first token's output's, for an embedding request
 
     @classmethod
     def received(cls, output: StreamOutput) -> PendingOutput:
@@ -41,7 +42,8 @@ class PendingOutput(OutputAccumulator[TokenLogprobs]):
             return cls(text=output.text, token_ids=output.token_ids, logprobs=output.logprobs, error=error,
                        lost=LostService.SCHEDULER if output.resumable else None)
         out = cls(text=output.text, token_ids=output.token_ids, logprobs=output.logprobs,
-                  finish_reason=output.finish_reason, prompt_logprobs=output.prompt_logprobs)
+                  finish_reason=output.finish_reason, prompt_logprobs=output.prompt_logprobs,
+                  embedding=output.embedding)
         if out.finished:
             out.usage = output.usage
         return out
@@ -57,6 +59,7 @@ class PendingOutput(OutputAccumulator[TokenLogprobs]):
         self.error = later.error or self.error
         self.lost = later.lost or self.lost
         self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
+        self.embedding = self.embedding or later.embedding
 
 
 class Outbox:

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from vmesh.services.common.config_flags import setting
 from vmesh.services.common.runtime.discovery import DEFAULT_REFRESH_INTERVAL_S
+from vmesh.services.common.types import Pooling, PoolingType
 
 # Prompts are refused above this many bytes of text before they are tokenized: tokenizing is
 # the one step whose cost a client controls, and it runs on a shared thread pool.
@@ -27,6 +29,39 @@ DEFAULT_FAILOVER_TIMEOUT_S = 60.0
 # How a request picks among scheduler groups (data parallelism).
 ROUTING_POLICIES = ("prefix", "least-busy")
 DEFAULT_ROUTING = "prefix"
+
+# vLLM's embed default for decoder models: the last token's hidden state, scaled to unit norm.
+DEFAULT_POOLING = Pooling(PoolingType.LAST, normalize=True)
+_POOLER_KEYS = ("pooling_type", "normalize")
+
+
+def parse_pooler_config(text: str) -> Pooling:
+    """vLLM's --pooler-config JSON, '{"pooling_type": "MEAN", "normalize": false}' -> Pooling (a
+    key left out keeps DEFAULT_POOLING's value). Unknown keys and values are refused with ValueError."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--pooler-config is not JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ValueError("--pooler-config must be a JSON object")
+    unknown = sorted(set(raw) - set(_POOLER_KEYS))
+    if unknown:
+        raise ValueError(f"--pooler-config: unknown key(s) {', '.join(unknown)} (known: {', '.join(_POOLER_KEYS)})")
+    names = [t.value for t in PoolingType]
+    pooling_type = raw.get("pooling_type", DEFAULT_POOLING.type.value)
+    if pooling_type not in names:
+        raise ValueError(f"--pooler-config: pooling_type {pooling_type!r} is not one of {', '.join(names)}")
+    normalize = raw.get("normalize", DEFAULT_POOLING.normalize)
+    if not isinstance(normalize, bool):
+        raise ValueError(f"--pooler-config: normalize must be true or false, got {normalize!r}")
+    return Pooling(PoolingType(pooling_type), normalize)
+
+
+def checked_pooler_config(text: str) -> str:
+    """The flag's argparse type: the text as given (forwarded as it is), refused here if it does not parse."""
+    parse_pooler_config(text)
+    return text
+
 
 HTTP_PORT_HELP = "serve the OpenAI-compatible HTTP API on --host at this port (0: any free port)"
 
@@ -72,6 +107,12 @@ class FrontendSettings:
         help="how a request picks among scheduler groups (data parallelism): prefix = the group most likely to "
              "hold its prompt's prefix in cache (load breaks ties; an overloaded group is passed over); "
              "least-busy = the fewest of this frontend's requests in flight")
+    # The server's pooling for POST /v1/embeddings; None: DEFAULT_POOLING (the `pooling` property).
+    pooler_config: Pooling | None = setting(
+        None, section="frontend", parse_flag=checked_pooler_config, to_field=parse_pooler_config,
+        help='how POST /v1/embeddings pools the prompt\'s final hidden states, vLLM\'s JSON: \'{"pooling_type": '
+             '"LAST", "normalize": true}\' (pooling_type LAST, MEAN or CLS; a request\'s "normalize" overrides); '
+             'default: LAST, normalized')
     failover_timeout_s: float = setting(
         DEFAULT_FAILOVER_TIMEOUT_S, section="frontend", flag="--failover-timeout",
         help="seconds a request whose scheduler or detokenizer replica was lost may wait for another (or the "
@@ -81,6 +122,11 @@ class FrontendSettings:
     def http_api_port(self) -> int | None:
         """Where the HTTP API listens; None: nowhere."""
         return self.http_port if self.serve_http else None
+
+    @property
+    def pooling(self) -> Pooling:
+        """How an embedding request is pooled unless it says otherwise."""
+        return self.pooler_config or DEFAULT_POOLING
 
 
 @dataclass(kw_only=True)

@@ -127,7 +127,7 @@ class DetokenizerRouter:
         self._introduce(route)
         route.replica.pending.requests.append(StepTokens(
             route.stream_handle, update.new_token_ids, update.finish_reason, update.num_cached_prompt_tokens,
-            update.logprobs, update.error, update.prompt_logprobs))
+            update.logprobs, update.error, update.prompt_logprobs, update.embedding))
 
     def add_end(self, route: Route, error: str = "") -> None:
         """Tell a closed route's replica that its request ended without more tokens (aborted or failed)."""

@@ -63,8 +63,12 @@ class Request:
     @property
     def reusable_block_hashes(self) -> list[int]:
         """The hashes the prefix cache may serve: none for a request asking prompt logprobs, which
-        computes every position because a cached block keeps no logits."""
-        return self.block_hashes if self.sampling.prompt_logprobs is None else []
+        computes every position because a cached block keeps no logits, nor for an embedding
+        request pooling more than its last position (a cached block keeps no hidden states)."""
+        pooling = self.sampling.pooling
+        if self.sampling.prompt_logprobs is not None or (pooling is not None and not pooling.reads_prefix_cache):
+            return []
+        return self.block_hashes
 
     @property
     def is_finished(self) -> bool:

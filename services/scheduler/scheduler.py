@@ -45,6 +45,7 @@ class RequestUpdate:
     num_draft_tokens: int = 0  # speculation: this step's drafts for the request, and those it kept
     num_accepted_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # with a request's first token, if it asked
+    embedding: list[float] = field(default_factory=list)  # with an embedding request's first token
 
 
 @dataclass
@@ -321,7 +322,8 @@ class Scheduler:
             settle_step(request, count, num_drafts, self.spec_stats)
             update = updates[handle] = RequestUpdate(request.request_id, [], None, [], request.num_cached_prompt_tokens,
                                                      num_draft_tokens=num_drafts, num_accepted_tokens=count - 1,
-                                                     prompt_logprobs=result.prompt_logprobs.get(handle, []))
+                                                     prompt_logprobs=result.prompt_logprobs.get(handle, []),
+                                                     embedding=result.embeddings.get(handle, []))
             for token in tokens:  # those after a stop are dropped
                 request.output_token_ids.append(token)
                 update.new_token_ids.append(token)

@@ -359,6 +359,14 @@ class DecoderModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache, backend: AttentionBackend, logits_indices: torch.Tensor) -> torch.Tensor:
+        """The logits at `logits_indices` of the step's flattened positions."""
+        return self.compute_logits(self.final_hidden(input_ids, positions, meta, kv_cache, backend, logits_indices))
+
+    @torch.inference_mode()
+    def final_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                     kv_cache: KVCache, backend: AttentionBackend, indices: torch.Tensor) -> torch.Tensor:
+        """The final hidden states at `indices` of the step's flattened positions: after the final
+        norm, what the LM head reads (an embedding request pools them)."""
         hidden, residual = self.embed_tokens(input_ids), None
         ropes = {key: rotary.tables(positions) for key, rotary in self.rotaries.items()}
         ops = self.fused_ops(backend)
@@ -367,8 +375,12 @@ class DecoderModel:
             hidden, residual = layer.forward(hidden, residual, rope, kv_cache.key_caches[i],
                                              kv_cache.value_caches[i], meta, backend, ops)
         assert residual is not None, "the model has at least one layer"
-        last, _ = ops.rms_norm(hidden[logits_indices], self.final_norm, self.spec.rms_norm_eps,
-                               residual[logits_indices])
+        last, _ = ops.rms_norm(hidden[indices], self.final_norm, self.spec.rms_norm_eps, residual[indices])
+        return last
+
+    @torch.inference_mode()
+    def compute_logits(self, last: torch.Tensor) -> torch.Tensor:
+        """The LM head over final hidden states (final_hidden's), float32 over the whole vocabulary."""
         logits = self.lm_head(last).float()
         if self.parallel is not None:  # each rank holds a vocabulary slice; all sample from the whole
             logits = self.parallel.gather_logits(logits, self.spec.vocab_size)

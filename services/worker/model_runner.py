@@ -30,7 +30,8 @@ from vmesh.services.worker.kv_cache import KVCache, kv_cache_budget
 from vmesh.services.worker.lora import LoraManager
 from vmesh.services.worker.model import DecoderModel, MissingWeightError
 from vmesh.services.worker.persistent_batch import PersistentBatch, PlanError, StepInputs
-from vmesh.services.worker.prompt_logprobs import PromptLogprobs
+from vmesh.services.worker.pooling import PooledPositions, Pooler
+from vmesh.services.worker.prompt_logprobs import PromptLogprobs, ScoredPositions
 from vmesh.services.worker.quantized_linear import load_native_weights
 from vmesh.services.worker.sampler import Sampler, SamplerOutput, SamplingBatch
 from vmesh.services.worker.tensor_parallel import join_group, shard_spec, shard_weights
@@ -70,6 +71,7 @@ class ModelRunner:
                                      kv_cache.num_blocks, grammar_tokenizer)
         self.sampler = Sampler()
         self.prompt_logprobs = PromptLogprobs()  # the rows asking for them, until their first token
+        self.pooler = Pooler()  # the embedding requests' rows, until their first token
         self.last_step = -1
         self.grammar_mask = GrammarMask(model.spec.vocab_size)
         # Fills the grammar rows' token bitmask while the model computes (both backends release
@@ -135,6 +137,7 @@ class ModelRunner:
         for handle in list(self.batch.handle_of_row):
             self.batch.remove(handle)
         self.prompt_logprobs.clear()
+        self.pooler.clear()
         self.last_step = -1
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -142,6 +145,7 @@ class ModelRunner:
             raise PlanError(f"step {plan.step} does not follow step {self.last_step}")
         self.batch.apply(plan)
         self.prompt_logprobs.follow(plan, self.batch)
+        self.pooler.follow(plan, self.batch)
         if self.lora is not None:
             self.lora.assign_rows(plan, self.batch)
         elif any(request.lora_name for request in plan.new_requests):
@@ -153,15 +157,14 @@ class ModelRunner:
         inputs = self.batch.prepare_inputs(plan, self.speculative)
         grammars = self._grammars_sampling(inputs) if self.batch.num_grammars else []
         mask = self._start_mask(len(inputs.logits_request), grammars) if grammars else None
-        # Rows asking prompt logprobs add their chunks' positions after the sampling rows; no other row does.
+        # Rows asking prompt logprobs add their chunks' positions after the sampling rows, embedding
+        # requests' rows the positions they pool; no other row does.
         scored = self.prompt_logprobs.positions(plan, inputs, self.batch) if self.prompt_logprobs else None
-        indices = inputs.logits_indices if scored is None else torch.cat(
-            [inputs.logits_indices, scored.indices.to(inputs.logits_indices.device)])
+        pooled = self.pooler.positions(plan, inputs, self.batch) if self.pooler else None
         if self.lora is not None:
             self.lora.begin_step(self.batch, inputs, self.model.device)
         try:
-            logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.attention, self.kv_cache,
-                                        self.backend, indices)
+            logits = self._forward(inputs, scored, pooled)
         finally:
             if self.lora is not None:
                 self.lora.end_step()
@@ -185,9 +188,26 @@ class ModelRunner:
         self._report_failures(plan, inputs, result)
         if self.prompt_logprobs:
             result.prompt_logprobs = self.prompt_logprobs.take(result.handles)
+        if self.pooler:
+            result.embeddings = self.pooler.take(result.handles)
         result.forward_seconds = forward_done - started
         result.sampling_seconds = time.perf_counter() - forward_done
         return result
+
+    def _forward(self, inputs: StepInputs, scored: ScoredPositions | None, pooled: PooledPositions | None
+                 ) -> torch.Tensor:
+        """The logits at the sampling rows, then at the scored prompt positions; the pooled
+        positions' final hidden states go to the pooler."""
+        device = inputs.logits_indices.device
+        indices = inputs.logits_indices if scored is None else torch.cat(
+            [inputs.logits_indices, scored.indices.to(device)])
+        if pooled is None:
+            return self.model.forward(inputs.input_ids, inputs.positions, inputs.attention, self.kv_cache,
+                                      self.backend, indices)
+        hidden = self.model.final_hidden(inputs.input_ids, inputs.positions, inputs.attention, self.kv_cache,
+                                         self.backend, torch.cat([indices, pooled.indices.to(device)]))
+        self.pooler.record(pooled, hidden[len(indices):])
+        return self.model.compute_logits(hidden[:len(indices)])
 
     def _grammars_sampling(self, inputs: StepInputs) -> list[tuple[int, RowGrammar]]:
         """(logits row in the step, grammar) of the scheduled rows that sample a token this step

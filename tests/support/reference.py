@@ -71,3 +71,27 @@ def assert_prompt_logprobs_match(rows, prompt: list[int], reference: torch.Tenso
         assert torch.allclose(reference[i, r.top_token_ids], torch.tensor(r.top_logprobs), atol=tolerance, rtol=0)
         higher = int((reference[i] > expected[i] + tolerance).sum())
         assert higher + 1 <= r.rank <= int((reference[i] > expected[i] - tolerance).sum()) + 1
+
+
+def hf_final_hidden(model, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt), hidden] float32: the base model's last_hidden_state, after the final norm."""
+    with torch.inference_mode():
+        return model.base_model(torch.tensor([prompt], device=model.device)).last_hidden_state[0].float().cpu()
+
+
+def pooled(hidden: torch.Tensor, pooling_type: str, normalize: bool) -> torch.Tensor:
+    """Final hidden states (hf_final_hidden's) pooled as vLLM's pooling type names it."""
+    vector = {"LAST": hidden[-1], "MEAN": hidden.mean(dim=0), "CLS": hidden[0]}[pooling_type]
+    return torch.nn.functional.normalize(vector, dim=0) if normalize else vector
+
+
+def hf_embedding(model, prompt: list[int], pooling_type: str, normalize: bool) -> torch.Tensor:
+    return pooled(hf_final_hidden(model, prompt), pooling_type, normalize)
+
+
+def assert_embedding_matches(ours, reference: torch.Tensor, tolerance: float = 1e-4) -> None:
+    """`ours` (floats) equals `reference` within `tolerance` times the reference's norm, element by element."""
+    vector = torch.tensor(ours, dtype=torch.float32)
+    assert vector.shape == reference.shape, (vector.shape, reference.shape)
+    error = float((vector - reference).abs().max() / reference.norm())
+    assert error <= tolerance, error

@@ -34,7 +34,8 @@ def _settings_built_by(service: str, group: str, args: argparse.Namespace) -> di
 
 
 SAMPLE_TEXT = {"kv_cache_memory": "2GiB",  # flags whose text the service parses further
-               "speculative_config": '{"method": "ngram", "num_speculative_tokens": 4}'}
+               "speculative_config": '{"method": "ngram", "num_speculative_tokens": 4}',
+               "pooler_config": '{"pooling_type": "MEAN", "normalize": false}'}
 
 
 def _sample_value(action: argparse.Action) -> list[str]:

@@ -24,31 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15vmesh/v1/common.proto\x12\x08vmesh.v1\"\xbf\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\rH\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x0c\n\x04stop\x18\r \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x07\x88\x01\x01\x12)\n\x0boutput_mode\x18\x11 \x01(\x0e\x32\x14.vmesh.v1.OutputMode\x12.\n\nstructured\x18\x12 \x01(\x0b\x32\x1a.vmesh.v1.StructuredOutput\x12*\n\x07grammar\x18\x13 \x01(\x0b\x32\x19.vmesh.v1.CompiledGrammar\x12\x1c\n\x0fprompt_logprobs\x18\x14 \x01(\rH\x08\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x16\n\x14_skip_special_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"[\n\x10StructuredOutput\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.vmesh.v1.StructuredKind\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\"@\n\x0f\x43ompiledGrammar\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\"\x7f\n\x0eLogprobColumns\x12\x18\n\x10sampled_logprobs\x18\x01 \x03(\x02\x12\x15\n\rsampled_ranks\x18\x02 \x03(\r\x12\x0f\n\x07num_top\x18\x03 \x03(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"7\n\x0cTraceContext\x12\x13\n\x0btraceparent\x18\x01 \x01(\t\x12\x12\n\ntracestate\x18\x02 \x01(\t\":\n\x12LoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\",\n\x13LoraAdapterResponse\x12\x15\n\rlora_adapters\x18\x01 \x03(\t*x\n\nOutputMode\x12\x1b\n\x17OUTPUT_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11OUTPUT_MODE_DELTA\x10\x01\x12\x1a\n\x16OUTPUT_MODE_CUMULATIVE\x10\x02\x12\x1a\n\x16OUTPUT_MODE_FINAL_ONLY\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\xeb\x01\n\x0eStructuredKind\x12\x1f\n\x1bSTRUCTURED_KIND_UNSPECIFIED\x10\x00\x12\x1f\n\x1bSTRUCTURED_KIND_JSON_SCHEMA\x10\x01\x12\x1f\n\x1bSTRUCTURED_KIND_JSON_OBJECT\x10\x02\x12\x19\n\x15STRUCTURED_KIND_REGEX\x10\x03\x12\x1a\n\x16STRUCTURED_KIND_CHOICE\x10\x04\x12\x1b\n\x17STRUCTURED_KIND_GRAMMAR\x10\x05\x12\"\n\x1eSTRUCTURED_KIND_STRUCTURAL_TAG\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15vmesh/v1/common.proto\x12\x08vmesh.v1\"\xe3\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\rH\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x0c\n\x04stop\x18\r \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x07\x88\x01\x01\x12)\n\x0boutput_mode\x18\x11 \x01(\x0e\x32\x14.vmesh.v1.OutputMode\x12.\n\nstructured\x18\x12 \x01(\x0b\x32\x1a.vmesh.v1.StructuredOutput\x12*\n\x07grammar\x18\x13 \x01(\x0b\x32\x19.vmesh.v1.CompiledGrammar\x12\x1c\n\x0fprompt_logprobs\x18\x14 \x01(\rH\x08\x88\x01\x01\x12\"\n\x07pooling\x18\x15 \x01(\x0b\x32\x11.vmesh.v1.PoolingB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x16\n\x14_skip_special_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"A\n\x07Pooling\x12#\n\x04type\x18\x01 \x01(\x0e\x32\x15.vmesh.v1.PoolingType\x12\x11\n\tnormalize\x18\x02 \x01(\x08\"[\n\x10StructuredOutput\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.vmesh.v1.StructuredKind\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\"@\n\x0f\x43ompiledGrammar\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\"\x7f\n\x0eLogprobColumns\x12\x18\n\x10sampled_logprobs\x18\x01 \x03(\x02\x12\x15\n\rsampled_ranks\x18\x02 \x03(\r\x12\x0f\n\x07num_top\x18\x03 \x03(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"7\n\x0cTraceContext\x12\x13\n\x0btraceparent\x18\x01 \x01(\t\x12\x12\n\ntracestate\x18\x02 \x01(\t\":\n\x12LoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\",\n\x13LoraAdapterResponse\x12\x15\n\rlora_adapters\x18\x01 \x03(\t*x\n\nOutputMode\x12\x1b\n\x17OUTPUT_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11OUTPUT_MODE_DELTA\x10\x01\x12\x1a\n\x16OUTPUT_MODE_CUMULATIVE\x10\x02\x12\x1a\n\x16OUTPUT_MODE_FINAL_ONLY\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*o\n\x0bPoolingType\x12\x1c\n\x18POOLING_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11POOLING_TYPE_LAST\x10\x01\x12\x15\n\x11POOLING_TYPE_MEAN\x10\x02\x12\x14\n\x10POOLING_TYPE_CLS\x10\x03*\xeb\x01\n\x0eStructuredKind\x12\x1f\n\x1bSTRUCTURED_KIND_UNSPECIFIED\x10\x00\x12\x1f\n\x1bSTRUCTURED_KIND_JSON_SCHEMA\x10\x01\x12\x1f\n\x1bSTRUCTURED_KIND_JSON_OBJECT\x10\x02\x12\x19\n\x15STRUCTURED_KIND_REGEX\x10\x03\x12\x1a\n\x16STRUCTURED_KIND_CHOICE\x10\x04\x12\x1b\n\x17STRUCTURED_KIND_GRAMMAR\x10\x05\x12\"\n\x1eSTRUCTURED_KIND_STRUCTURAL_TAG\x10\x06\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'vmesh.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OUTPUTMODE']._serialized_start=1192
-  _globals['_OUTPUTMODE']._serialized_end=1312
-  _globals['_FINISHREASON']._serialized_start=1314
-  _globals['_FINISHREASON']._serialized_end=1434
-  _globals['_STRUCTUREDKIND']._serialized_start=1437
-  _globals['_STRUCTUREDKIND']._serialized_end=1672
+  _globals['_OUTPUTMODE']._serialized_start=1295
+  _globals['_OUTPUTMODE']._serialized_end=1415
+  _globals['_FINISHREASON']._serialized_start=1417
+  _globals['_FINISHREASON']._serialized_end=1537
+  _globals['_POOLINGTYPE']._serialized_start=1539
+  _globals['_POOLINGTYPE']._serialized_end=1650
+  _globals['_STRUCTUREDKIND']._serialized_start=1653
+  _globals['_STRUCTUREDKIND']._serialized_end=1888
   _globals['_SAMPLINGPARAMS']._serialized_start=36
-  _globals['_SAMPLINGPARAMS']._serialized_end=739
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=741
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=832
-  _globals['_COMPILEDGRAMMAR']._serialized_start=834
-  _globals['_COMPILEDGRAMMAR']._serialized_end=898
-  _globals['_LOGPROBCOLUMNS']._serialized_start=900
-  _globals['_LOGPROBCOLUMNS']._serialized_end=1027
-  _globals['_TRACECONTEXT']._serialized_start=1029
-  _globals['_TRACECONTEXT']._serialized_end=1084
-  _globals['_LORAADAPTERREQUEST']._serialized_start=1086
-  _globals['_LORAADAPTERREQUEST']._serialized_end=1144
-  _globals['_LORAADAPTERRESPONSE']._serialized_start=1146
-  _globals['_LORAADAPTERRESPONSE']._serialized_end=1190
+  _globals['_SAMPLINGPARAMS']._serialized_end=775
+  _globals['_POOLING']._serialized_start=777
+  _globals['_POOLING']._serialized_end=842
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=844
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=935
+  _globals['_COMPILEDGRAMMAR']._serialized_start=937
+  _globals['_COMPILEDGRAMMAR']._serialized_end=1001
+  _globals['_LOGPROBCOLUMNS']._serialized_start=1003
+  _globals['_LOGPROBCOLUMNS']._serialized_end=1130
+  _globals['_TRACECONTEXT']._serialized_start=1132
+  _globals['_TRACECONTEXT']._serialized_end=1187
+  _globals['_LORAADAPTERREQUEST']._serialized_start=1189
+  _globals['_LORAADAPTERREQUEST']._serialized_end=1247
+  _globals['_LORAADAPTERRESPONSE']._serialized_start=1249
+  _globals['_LORAADAPTERRESPONSE']._serialized_end=1293
 # @@protoc_insertion_point(module_scope)

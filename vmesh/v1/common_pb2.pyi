@@ -21,6 +21,13 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
 
+class PoolingType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POOLING_TYPE_UNSPECIFIED: _ClassVar[PoolingType]
+    POOLING_TYPE_LAST: _ClassVar[PoolingType]
+    POOLING_TYPE_MEAN: _ClassVar[PoolingType]
+    POOLING_TYPE_CLS: _ClassVar[PoolingType]
+
 class StructuredKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     STRUCTURED_KIND_UNSPECIFIED: _ClassVar[StructuredKind]
@@ -38,6 +45,10 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
+POOLING_TYPE_UNSPECIFIED: PoolingType
+POOLING_TYPE_LAST: PoolingType
+POOLING_TYPE_MEAN: PoolingType
+POOLING_TYPE_CLS: PoolingType
 STRUCTURED_KIND_UNSPECIFIED: StructuredKind
 STRUCTURED_KIND_JSON_SCHEMA: StructuredKind
 STRUCTURED_KIND_JSON_OBJECT: StructuredKind
@@ -47,7 +58,7 @@ STRUCTURED_KIND_GRAMMAR: StructuredKind
 STRUCTURED_KIND_STRUCTURAL_TAG: StructuredKind
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "stop", "include_stop_str_in_output", "skip_special_tokens", "logprobs", "output_mode", "structured", "grammar", "prompt_logprobs")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "stop", "include_stop_str_in_output", "skip_special_tokens", "logprobs", "output_mode", "structured", "grammar", "prompt_logprobs", "pooling")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +79,7 @@ class SamplingParams(_message.Message):
     STRUCTURED_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -88,7 +100,16 @@ class SamplingParams(_message.Message):
     structured: StructuredOutput
     grammar: CompiledGrammar
     prompt_logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., logprobs: _Optional[int] = ..., output_mode: _Optional[_Union[OutputMode, str]] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., grammar: _Optional[_Union[CompiledGrammar, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    pooling: Pooling
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., logprobs: _Optional[int] = ..., output_mode: _Optional[_Union[OutputMode, str]] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., grammar: _Optional[_Union[CompiledGrammar, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., pooling: _Optional[_Union[Pooling, _Mapping]] = ...) -> None: ...
+
+class Pooling(_message.Message):
+    __slots__ = ("type", "normalize")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    type: PoolingType
+    normalize: bool
+    def __init__(self, type: _Optional[_Union[PoolingType, str]] = ..., normalize: _Optional[bool] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("kind", "source", "backend")

@@ -30,7 +30,7 @@ class DetokenizerRequestInfo(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., frontend_id: _Optional[str] = ..., frontend_key: _Optional[int] = ..., prompt_tail: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., resumed_output_token_ids: _Optional[_Iterable[int]] = ..., resumed_text_length: _Optional[int] = ...) -> None: ...
 
 class DetokenizeRequest(_message.Message):
-    __slots__ = ("new_requests", "handles", "num_tokens", "token_ids", "finish_reasons", "num_cached_prompt_tokens", "logprobs_handles", "logprobs", "errors", "prompt_logprobs_handles", "prompt_logprobs")
+    __slots__ = ("new_requests", "handles", "num_tokens", "token_ids", "finish_reasons", "num_cached_prompt_tokens", "logprobs_handles", "logprobs", "errors", "prompt_logprobs_handles", "prompt_logprobs", "embedding_handles", "embeddings")
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     HANDLES_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,8 @@ class DetokenizeRequest(_message.Message):
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_HANDLES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     new_requests: _containers.RepeatedCompositeFieldContainer[DetokenizerRequestInfo]
     handles: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -53,7 +55,9 @@ class DetokenizeRequest(_message.Message):
     errors: _containers.RepeatedScalarFieldContainer[str]
     prompt_logprobs_handles: _containers.RepeatedScalarFieldContainer[int]
     prompt_logprobs: _common_pb2.LogprobColumns
-    def __init__(self, new_requests: _Optional[_Iterable[_Union[DetokenizerRequestInfo, _Mapping]]] = ..., handles: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reasons: _Optional[_Iterable[_Union[_common_pb2.FinishReason, str]]] = ..., num_cached_prompt_tokens: _Optional[_Iterable[int]] = ..., logprobs_handles: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ..., errors: _Optional[_Iterable[str]] = ..., prompt_logprobs_handles: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ...) -> None: ...
+    embedding_handles: _containers.RepeatedScalarFieldContainer[int]
+    embeddings: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, new_requests: _Optional[_Iterable[_Union[DetokenizerRequestInfo, _Mapping]]] = ..., handles: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reasons: _Optional[_Iterable[_Union[_common_pb2.FinishReason, str]]] = ..., num_cached_prompt_tokens: _Optional[_Iterable[int]] = ..., logprobs_handles: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ..., errors: _Optional[_Iterable[str]] = ..., prompt_logprobs_handles: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ..., embedding_handles: _Optional[_Iterable[int]] = ..., embeddings: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DetokenizeResponse(_message.Message):
     __slots__ = ("stopped_handles", "draining", "orphaned_handles")
@@ -72,7 +76,7 @@ class SubscribeRequest(_message.Message):
     def __init__(self, frontend_id: _Optional[str] = ...) -> None: ...
 
 class SubscribeResponse(_message.Message):
-    __slots__ = ("frontend_keys", "texts", "num_tokens", "token_ids", "finish_reasons", "num_prompt_tokens", "num_output_tokens", "num_cached_prompt_tokens", "num_logprobs_rows", "logprobs", "errors", "resumable", "num_prompt_logprobs_rows", "prompt_logprobs")
+    __slots__ = ("frontend_keys", "texts", "num_tokens", "token_ids", "finish_reasons", "num_prompt_tokens", "num_output_tokens", "num_cached_prompt_tokens", "num_logprobs_rows", "logprobs", "errors", "resumable", "num_prompt_logprobs_rows", "prompt_logprobs", "embedding_sizes", "embeddings")
     FRONTEND_KEYS_FIELD_NUMBER: _ClassVar[int]
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +91,8 @@ class SubscribeResponse(_message.Message):
     RESUMABLE_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_LOGPROBS_ROWS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_SIZES_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     frontend_keys: _containers.RepeatedScalarFieldContainer[int]
     texts: _containers.RepeatedScalarFieldContainer[str]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -101,4 +107,6 @@ class SubscribeResponse(_message.Message):
     resumable: _containers.RepeatedScalarFieldContainer[bool]
     num_prompt_logprobs_rows: _containers.RepeatedScalarFieldContainer[int]
     prompt_logprobs: _common_pb2.LogprobColumns
-    def __init__(self, frontend_keys: _Optional[_Iterable[int]] = ..., texts: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reasons: _Optional[_Iterable[_Union[_common_pb2.FinishReason, str]]] = ..., num_prompt_tokens: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[_Iterable[int]] = ..., num_cached_prompt_tokens: _Optional[_Iterable[int]] = ..., num_logprobs_rows: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ..., errors: _Optional[_Iterable[str]] = ..., resumable: _Optional[_Iterable[bool]] = ..., num_prompt_logprobs_rows: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ...) -> None: ...
+    embedding_sizes: _containers.RepeatedScalarFieldContainer[int]
+    embeddings: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, frontend_keys: _Optional[_Iterable[int]] = ..., texts: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reasons: _Optional[_Iterable[_Union[_common_pb2.FinishReason, str]]] = ..., num_prompt_tokens: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[_Iterable[int]] = ..., num_cached_prompt_tokens: _Optional[_Iterable[int]] = ..., num_logprobs_rows: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ..., errors: _Optional[_Iterable[str]] = ..., resumable: _Optional[_Iterable[bool]] = ..., num_prompt_logprobs_rows: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ..., embedding_sizes: _Optional[_Iterable[int]] = ..., embeddings: _Optional[_Iterable[float]] = ...) -> None: ...

@@ -82,7 +82,7 @@ class ExecuteRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., removed_handles: _Optional[_Iterable[int]] = ..., scheduled_handles: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., full_state: _Optional[bool] = ..., num_draft_slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
-    __slots__ = ("step", "handles", "sampled_token_ids", "num_sampled_tokens", "num_draft_tokens", "logprobs_handles", "logprobs", "forward_seconds", "sampling_seconds", "failed_handles", "failure_messages", "timing", "prompt_logprobs_handles", "prompt_logprobs")
+    __slots__ = ("step", "handles", "sampled_token_ids", "num_sampled_tokens", "num_draft_tokens", "logprobs_handles", "logprobs", "forward_seconds", "sampling_seconds", "failed_handles", "failure_messages", "timing", "prompt_logprobs_handles", "prompt_logprobs", "embedding_handles", "embeddings")
     STEP_FIELD_NUMBER: _ClassVar[int]
     HANDLES_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,8 @@ class ExecuteResponse(_message.Message):
     TIMING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_HANDLES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     step: int
     handles: _containers.RepeatedScalarFieldContainer[int]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -111,7 +113,9 @@ class ExecuteResponse(_message.Message):
     timing: StepTiming
     prompt_logprobs_handles: _containers.RepeatedScalarFieldContainer[int]
     prompt_logprobs: _common_pb2.LogprobColumns
-    def __init__(self, step: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., num_sampled_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., logprobs_handles: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., sampling_seconds: _Optional[float] = ..., failed_handles: _Optional[_Iterable[int]] = ..., failure_messages: _Optional[_Iterable[str]] = ..., timing: _Optional[_Union[StepTiming, _Mapping]] = ..., prompt_logprobs_handles: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ...) -> None: ...
+    embedding_handles: _containers.RepeatedScalarFieldContainer[int]
+    embeddings: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, step: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., num_sampled_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., logprobs_handles: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., sampling_seconds: _Optional[float] = ..., failed_handles: _Optional[_Iterable[int]] = ..., failure_messages: _Optional[_Iterable[str]] = ..., timing: _Optional[_Union[StepTiming, _Mapping]] = ..., prompt_logprobs_handles: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.LogprobColumns, _Mapping]] = ..., embedding_handles: _Optional[_Iterable[int]] = ..., embeddings: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepTiming(_message.Message):
     __slots__ = ("plan_wait_seconds", "plan_decode_seconds", "execute_seconds", "received_to_done_seconds", "has_previous", "idle_before_seconds", "waited_for_plan_seconds", "rows", "tokens")

@@ -3,7 +3,7 @@ rule for which request owns each row."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, MutableSequence, Sequence
 
 from vmesh.services.common.types import FinishReason, OutputMode, TokenLogprobs, TraceContext
 from vmesh.v1 import common_pb2
@@ -85,6 +85,30 @@ def unpack_owned(owners: Sequence[int], columns: common_pb2.LogprobColumns) -> d
 def owners_of_counts(counts: Iterable[int]) -> list[int]:
     """A row count per request as owners: each row owned by its request's index."""
     return [index for index, count in enumerate(counts) for _ in range(count)]
+
+
+# Embedding vectors travel flattened in one packed float field, all of the model's hidden size:
+# ExecuteResponse and DetokenizeRequest name each vector's owner (embedding_handles),
+# SubscribeResponse gives each key's vector size (0: none).
+
+
+def pack_vectors(owned: Iterable[tuple[int, Sequence[float]]], flat: MutableSequence[float]) -> list[int]:
+    """Append each owner's non-empty vector to `flat` (a packed repeated float); returns their owners."""
+    owners: list[int] = []
+    for owner, vector in owned:
+        if vector:
+            owners.append(owner)
+            flat.extend(vector)
+    return owners
+
+
+def unpack_vectors(owners: Sequence[int], flat: Sequence[float]) -> dict[int, list[float]]:
+    """Each owner's vector: `flat` split in len(owners) equal parts."""
+    if not owners:
+        return {}
+    values = list(flat)  # repeated fields index slowly
+    size = len(values) // len(owners)
+    return {owner: values[i * size:(i + 1) * size] for i, owner in enumerate(owners)}
 
 
 def trace_context_to_proto(context: TraceContext) -> common_pb2.TraceContext:

@@ -8,7 +8,9 @@ from vmesh.services.common.wire.common import (
     finish_to_proto,
     owners_of_counts,
     pack_owned,
+    pack_vectors,
     unpack_owned,
+    unpack_vectors,
 )
 from vmesh.v1 import detokenizer_pb2
 
@@ -28,8 +30,10 @@ def to_proto(batch: OutputBatch) -> detokenizer_pb2.SubscribeResponse:
         pb.errors.append(o.error)
         pb.resumable.append(o.resumable)
         pb.num_prompt_logprobs_rows.append(len(o.prompt_logprobs))
+        pb.embedding_sizes.append(len(o.embedding))
     pack_owned(enumerate(o.logprobs for o in batch.outputs), pb.logprobs)
     pack_owned(enumerate(o.prompt_logprobs for o in batch.outputs), pb.prompt_logprobs)
+    pack_vectors(enumerate(o.embedding for o in batch.outputs), pb.embeddings)
     return pb
 
 
@@ -37,6 +41,7 @@ def from_proto(pb: detokenizer_pb2.SubscribeResponse) -> OutputBatch:
     n_keys = len(pb.frontend_keys)
     logprobs = unpack_owned(owners_of_counts(pb.num_logprobs_rows), pb.logprobs)
     prompt_logprobs = unpack_owned(owners_of_counts(pb.num_prompt_logprobs_rows), pb.prompt_logprobs)
+    embeddings = unpack_vectors([i for i, size in enumerate(pb.embedding_sizes) if size], pb.embeddings)
     token_ids, num_tokens = list(pb.token_ids), list(pb.num_tokens)  # repeated fields index slowly
     errors = list(pb.errors) or [""] * n_keys  # per key, or absent when nothing failed
     resumable = list(pb.resumable) or [False] * n_keys
@@ -47,7 +52,7 @@ def from_proto(pb: detokenizer_pb2.SubscribeResponse) -> OutputBatch:
         outputs.append(StreamOutput(
             frontend_key, pb.texts[i], token_ids[offset:offset + n], finish_from_proto(pb.finish_reasons[i]),
             _at(pb.num_prompt_tokens, i), _at(pb.num_output_tokens, i), _at(pb.num_cached_prompt_tokens, i),
-            logprobs.get(i, []), errors[i], resumable[i], prompt_logprobs.get(i, [])))
+            logprobs.get(i, []), errors[i], resumable[i], prompt_logprobs.get(i, []), embeddings.get(i, [])))
         offset += n
     return OutputBatch(outputs)
 

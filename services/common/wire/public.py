@@ -71,7 +71,7 @@ def output_to_public(out: GenerationOutput) -> frontend_pb2.GenerateResponse:
         request_id=out.request_id, text=out.text, token_ids=out.token_ids, logprobs=logprobs_to_public(out.logprobs),
         finish_reason=finish_to_proto(out.finish_reason), usage=usage_to_public(out.usage),
         structured_output_backend=out.structured_backend, prompt_token_ids=out.prompt_token_ids,
-        prompt_logprobs=logprobs_to_public(out.prompt_logprobs))
+        prompt_logprobs=logprobs_to_public(out.prompt_logprobs), embedding=out.embedding)
 
 
 @cache

@@ -12,6 +12,8 @@ from vmesh.services.common.types import (
     STRUCTURED_KINDS,
     CompiledGrammar,
     OutputMode,
+    Pooling,
+    PoolingType,
     SamplingParams,
     StructuredOutput,
 )
@@ -19,13 +21,15 @@ from vmesh.services.common.wire.common import OUTPUT_MODES_PB, output_mode_from_
 from vmesh.v1 import common_pb2
 
 _DEFAULTS = SamplingParams()
-_MESSAGE_FIELDS = ("structured", "grammar")
+_MESSAGE_FIELDS = ("structured", "grammar", "pooling")
 _FIELDS = [f.name for f in fields(SamplingParams) if f.name not in _MESSAGE_FIELDS]
 _HAS_PRESENCE = {f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields if f.has_presence}
 
 STRUCTURED_KINDS_PB = {kind: common_pb2.StructuredKind.Value(f"STRUCTURED_KIND_{kind.upper()}")
                        for kind in STRUCTURED_KINDS}
 _STRUCTURED_KINDS = {code: kind for kind, code in STRUCTURED_KINDS_PB.items()}
+POOLING_TYPES_PB = {t: common_pb2.PoolingType.Value(f"POOLING_TYPE_{t.value}") for t in PoolingType}
+_POOLING_TYPES = {code: t for t, code in POOLING_TYPES_PB.items()}
 
 
 def structured_to_proto(s: StructuredOutput) -> common_pb2.StructuredOutput:
@@ -46,6 +50,15 @@ def grammar_from_proto(pb: common_pb2.CompiledGrammar) -> CompiledGrammar:
     return CompiledGrammar(pb.backend, pb.key, pb.payload)
 
 
+def pooling_to_proto(p: Pooling) -> common_pb2.Pooling:
+    return common_pb2.Pooling(type=POOLING_TYPES_PB[p.type], normalize=p.normalize)
+
+
+def pooling_from_proto(pb: common_pb2.Pooling) -> Pooling:
+    """An UNSPECIFIED (or newer) type reads as LAST, the decoder models' default."""
+    return Pooling(_POOLING_TYPES.get(pb.type, PoolingType.LAST), pb.normalize)
+
+
 def sampling_from_proto(pb: common_pb2.SamplingParams, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> SamplingParams:
     """The one translation of the proto into SamplingParams. Doors (frontend, scheduler) reach it
     through admission.admit, which checks the result."""
@@ -60,6 +73,7 @@ def sampling_from_proto(pb: common_pb2.SamplingParams, default_max_tokens: int =
             values[name] = list(value) if isinstance(getattr(_DEFAULTS, name), list) else value
     values["structured"] = structured_from_proto(pb.structured) if pb.HasField("structured") else None
     values["grammar"] = grammar_from_proto(pb.grammar) if pb.HasField("grammar") else None
+    values["pooling"] = pooling_from_proto(pb.pooling) if pb.HasField("pooling") else None
     return SamplingParams(**values)
 
 
@@ -82,4 +96,6 @@ def sampling_to_proto(p: SamplingParams, with_grammar: bool = True) -> common_pb
         pb.structured.CopyFrom(structured_to_proto(p.structured))
     if p.grammar is not None and with_grammar:
         pb.grammar.CopyFrom(grammar_to_proto(p.grammar))
+    if p.pooling is not None:
+        pb.pooling.CopyFrom(pooling_to_proto(p.pooling))
     return pb

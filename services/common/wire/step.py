@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from vmesh.services.common.step_timeline import Distribution, TimelineSummary, WorkerStepTiming
 from vmesh.services.common.step_types import NewRequest, StepPlan, StepResult
-from vmesh.services.common.wire.common import pack_logprobs, pack_owned, unpack_logprobs, unpack_owned
+from vmesh.services.common.wire.common import (
+    pack_logprobs,
+    pack_owned,
+    pack_vectors,
+    unpack_logprobs,
+    unpack_owned,
+    unpack_vectors,
+)
 from vmesh.services.common.wire.sampling import sampling_from_proto, sampling_to_proto
 from vmesh.v1 import worker_pb2
 
@@ -41,6 +48,7 @@ def result_to_proto(r: StepResult) -> worker_pb2.ExecuteResponse:
         failure_messages=r.failure_messages)
     pack_logprobs(r.logprobs, pb.logprobs)
     pb.prompt_logprobs_handles.extend(pack_owned(r.prompt_logprobs.items(), pb.prompt_logprobs))
+    pb.embedding_handles.extend(pack_vectors(r.embeddings.items(), pb.embeddings))
     if r.timing is not None:
         pb.timing.CopyFrom(timing_to_proto(r.timing))
     return pb
@@ -52,6 +60,7 @@ def result_from_proto(pb: worker_pb2.ExecuteResponse) -> StepResult:
         num_sampled_tokens=list(pb.num_sampled_tokens), num_draft_tokens=list(pb.num_draft_tokens),
         logprobs_handles=list(pb.logprobs_handles), logprobs=unpack_logprobs(pb.logprobs),
         prompt_logprobs=unpack_owned(pb.prompt_logprobs_handles, pb.prompt_logprobs),
+        embeddings=unpack_vectors(pb.embedding_handles, pb.embeddings),
         forward_seconds=pb.forward_seconds, sampling_seconds=pb.sampling_seconds,
         failed_handles=list(pb.failed_handles), failure_messages=list(pb.failure_messages),
         timing=timing_from_proto(pb.timing, pb.step, pb.forward_seconds, pb.sampling_seconds)

@@ -7,7 +7,9 @@ from vmesh.services.common.wire.common import (
     finish_from_proto,
     finish_to_proto,
     pack_owned,
+    pack_vectors,
     unpack_owned,
+    unpack_vectors,
 )
 from vmesh.services.common.wire.sampling import sampling_from_proto, sampling_to_proto
 from vmesh.v1 import common_pb2, detokenizer_pb2
@@ -43,12 +45,14 @@ def to_proto(batch: TokenBatch) -> detokenizer_pb2.DetokenizeRequest:
     pb.logprobs_handles.extend(pack_owned(((r.handle, r.logprobs) for r in batch.requests), pb.logprobs))
     pb.prompt_logprobs_handles.extend(pack_owned(((r.handle, r.prompt_logprobs) for r in batch.requests),
                                                  pb.prompt_logprobs))
+    pb.embedding_handles.extend(pack_vectors(((r.handle, r.embedding) for r in batch.requests), pb.embeddings))
     return pb
 
 
 def from_proto(pb: detokenizer_pb2.DetokenizeRequest) -> TokenBatch:
     logprobs = unpack_owned(pb.logprobs_handles, pb.logprobs)
     prompt_logprobs = unpack_owned(pb.prompt_logprobs_handles, pb.prompt_logprobs)
+    embeddings = unpack_vectors(pb.embedding_handles, pb.embeddings)
     token_ids, num_tokens = list(pb.token_ids), list(pb.num_tokens)  # repeated fields index slowly
     errors = list(pb.errors) or [""] * len(pb.handles)  # a sender that fails nothing may leave them out
     requests = []
@@ -57,6 +61,6 @@ def from_proto(pb: detokenizer_pb2.DetokenizeRequest) -> TokenBatch:
         n = num_tokens[i]
         requests.append(StepTokens(handle, token_ids[offset:offset + n], finish_from_proto(pb.finish_reasons[i]),
                                    pb.num_cached_prompt_tokens[i], logprobs.get(handle, []), errors[i],
-                                   prompt_logprobs.get(handle, [])))
+                                   prompt_logprobs.get(handle, []), embeddings.get(handle, [])))
         offset += n
     return TokenBatch([_start_from_proto(s) for s in pb.new_requests], requests)
