@@ -207,6 +207,10 @@ class LoraManager:
     def names(self) -> list[str]:
         return list(self.id_of_name)
 
+    def paths(self) -> list[str]:
+        """Each adapter's directory, in `names`' order."""
+        return [self.adapters[adapter_id].path for adapter_id in self.id_of_name.values()]
+
     # --- per step ---------------------------------------------------------------------------
 
     def assign_rows(self, plan: StepPlan, batch: PersistentBatch) -> None:
