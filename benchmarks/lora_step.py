@@ -3,16 +3,17 @@
 One runner holds four seeded random rank-16 adapters on every projection (services/bench/lora.py);
 each timed step runs a batch of B requests (decode: one token each over PROMPT_LEN cached ones;
 prefill: PROMPT_LEN tokens each) with every row on the base model, the rows spread over the four
-adapters in turn, or every row on one adapter. Rounds alternate the three, so drift reaches each.
+adapters in turn, or every row on one adapter. Rounds alternate the three, so drift reaches each;
+each figure is the least disturbed round's (the fastest), which a busy machine shifts least.
 
-    .venv/bin/python -m benchmarks.lora_step [--batch-sizes 1 16 64] [--steps 10] [--rounds 3] [--profile]
+    .venv/bin/python -m benchmarks.lora_step [--batch-sizes 1 16 64] [--phases decode prefill] [--steps 10]
+        [--rounds 3] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -74,6 +75,7 @@ def timed_steps(runner: ModelRunner, names: list[str], steps: int, prefill: bool
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--phases", nargs="+", choices=["decode", "prefill"], default=["decode", "prefill"])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
@@ -94,13 +96,13 @@ def main() -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
         return
     results = {}
-    for phase in ("decode", "prefill"):
+    for phase in args.phases:
         for batch in args.batch_sizes:
             times: dict[str, list[float]] = {mix: [] for mix in MIXES}
             for _ in range(args.rounds):
                 for mix in MIXES:
                     times[mix].append(timed_steps(runner, adapter_names(mix, batch), args.steps, phase == "prefill"))
-            ms = {mix: statistics.median(t) * 1e3 for mix, t in times.items()}
+            ms = {mix: min(t) * 1e3 for mix, t in times.items()}
             results[f"{phase} B={batch}"] = {**{f"{m}_ms": round(v, 2) for m, v in ms.items()},
                                              "mixed_ratio": round(ms["base"] / ms["mixed"], 3),
                                              "one_ratio": round(ms["base"] / ms["one"], 3)}
