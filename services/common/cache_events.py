@@ -3,6 +3,7 @@ that every frontend routes on the same exact view of every group rather than on 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -19,6 +20,10 @@ class SchedulerLoad:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     num_waiting_prompt_tokens: int = 0  # prompt tokens of waiting requests not computed yet
+    # (LoRA adapter, requests running or waiting with it), by name: the adapters its workers hold
+    # in slots, or are about to. max_loras: how many one step may use (0: the group serves none).
+    adapter_requests: tuple[tuple[str, int], ...] = ()
+    max_loras: int = 0
 
     @property
     def requests(self) -> int:
@@ -50,6 +55,7 @@ class CacheView:
         self.hash_seed = first.hash_seed
         self.load = first.load
         self.sent_since_update = 0
+        self.adapters_sent_since_update: Counter[str] = Counter()
         self.apply(first)
 
     def apply(self, update: CacheUpdate) -> None:
@@ -61,11 +67,26 @@ class CacheView:
             self.blocks.update(update.stored)
         self.load = update.load
         self.sent_since_update = 0
+        self.adapters_sent_since_update.clear()
+
+    def sent(self, lora_name: str = "") -> None:
+        """This frontend sent the group a request (under `lora_name`) since its last report."""
+        self.sent_since_update += 1
+        if lora_name:
+            self.adapters_sent_since_update[lora_name] += 1
 
     @property
     def requests(self) -> int:
         """Requests running or waiting there, by the last report and what this frontend sent since."""
         return self.load.requests + self.sent_since_update
+
+    def adapter_requests(self, lora_name: str) -> int:
+        """Requests there under LoRA adapter `lora_name`, counted as `requests` is."""
+        return dict(self.load.adapter_requests).get(lora_name, 0) + self.adapters_sent_since_update[lora_name]
+
+    def active_adapters(self) -> set[str]:
+        """The adapters some request there uses: held in a slot, or about to be."""
+        return {name for name, _ in self.load.adapter_requests} | set(+self.adapters_sent_since_update)
 
     def cached_tokens(self, prompt: Sequence[int], lora_name: str = "") -> int:
         """How many leading tokens of `prompt` (under the LoRA adapter `lora_name`; "": the base

@@ -7,6 +7,13 @@ blocks among the groups within a bounded load: at most BALANCE times the mean lo
 running and waiting, this one included), so a hot prefix spreads over more groups as its load
 grows instead of piling onto one. Equal matches go to the least loaded.
 
+A request under a LoRA adapter goes, within the same bound, to a group where the adapter is
+active (some request there uses it, so it holds it in a slot): a new group takes the adapter on
+only when those are all past the bound, so an adapter spreads over more groups as its load
+grows, and moving into a group with a free slot rather than evicting one another adapter holds.
+The spread is bounded: an adapter is taken on by at most all groups but one, past which its
+requests queue at the least loaded of its groups, so one hot adapter never has every group.
+
 Approximately, when a stream is down (PrefixRouter): a frontend cannot see that group's cache,
 but it knows which prompts it sent where: for each group it keeps the hashes of the leading
 chunks of those prompts (a chain, so a chunk's hash stands for the whole prefix up to it), least
@@ -71,7 +78,9 @@ class PromptRoute:
 
 def order_by_cache(groups: Sequence[W], route: PromptRoute) -> list[W]:
     """`groups` (each with a cache view) in the order to try them: the one holding the longest
-    prefix of `route` among those within the load bound first, then the rest, least loaded first."""
+    prefix of `route` among those within the load bound first (for an adapter's request, among
+    those where it is active, while they are within the bound: `_adapter_candidates`), then the
+    rest, least loaded first."""
     views = {group.address: _view(group) for group in groups}
     by_load = sorted(groups, key=lambda group: views[group.address].requests)
     if not by_load:
@@ -79,9 +88,29 @@ def order_by_cache(groups: Sequence[W], route: PromptRoute) -> list[W]:
     loads = [views[group.address].requests for group in by_load]
     bound = math.ceil(BALANCE * (sum(loads) + 1) / len(loads))  # >= the least loaded's load + 1
     eligible = [group for group, load in zip(by_load, loads, strict=True) if load + 1 <= bound]
+    if route.lora_name:
+        eligible = _adapter_candidates(by_load, eligible, views, route.lora_name)
     best = max(eligible, key=lambda group: (views[group.address].cached_tokens(route.tokens, route.lora_name),
                                             -views[group.address].requests))
     return [best, *(group for group in by_load if group is not best)]
+
+
+def _adapter_candidates(by_load: list[W], eligible: list[W], views: dict[str, CacheView], lora_name: str) -> list[W]:
+    """Where a request under `lora_name` may go: the groups where the adapter is active, within
+    the load bound; else, while it is active in fewer than all groups but one, the eligible groups
+    with a slot free for it (any eligible group when none has); else the least loaded of its groups."""
+    holders = [group for group in by_load if views[group.address].adapter_requests(lora_name)]
+    within = [group for group in holders if group in eligible]
+    if within:
+        return within
+    if holders and len(holders) >= max(1, len(by_load) - 1):
+        return holders[:1]
+    with_slot = [group for group in eligible if _has_free_slot(views[group.address])]
+    return with_slot or eligible
+
+
+def _has_free_slot(view: CacheView) -> bool:
+    return not view.load.max_loras or len(view.active_adapters()) < view.load.max_loras
 
 
 def _view(group: Watched) -> CacheView:

@@ -252,7 +252,7 @@ class SchedulerPool:
         if self.prefix_router is not None and route is not None:
             self.prefix_router.routed(group.address, route.chunk_hashes)
         if group.cache is not None:
-            group.cache.sent_since_update += 1
+            group.cache.sent(route.lora_name if route is not None else "")
 
     def acquire(self, group: SchedulerGroup) -> None:
         group.in_flight += 1

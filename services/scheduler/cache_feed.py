@@ -6,7 +6,7 @@ is dropped, and starts again from a snapshot when it comes back."""
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections import Counter, deque
 
 from vmesh.services.common.cache_events import CacheUpdate, SchedulerLoad
 from vmesh.services.scheduler.scheduler import Scheduler
@@ -53,7 +53,9 @@ class CacheFeed:
     def load(self) -> SchedulerLoad:
         s = self.scheduler
         waiting_tokens = sum(max(0, len(r.prompt_token_ids) - r.num_computed_tokens) for r in s.waiting)
-        return SchedulerLoad(len(s.running), len(s.waiting), s.pool.stats().usage, waiting_tokens)
+        adapters = Counter(r.lora_name for queue in (s.running, s.waiting) for r in queue if r.lora_name)
+        return SchedulerLoad(len(s.running), len(s.waiting), s.pool.stats().usage, waiting_tokens,
+                             tuple(sorted(adapters.items())), s.config.max_loras)
 
     def _update(self, snapshot: bool, stored: list[int], removed: list[int], load: SchedulerLoad) -> CacheUpdate:
         pool = self.scheduler.pool

@@ -27,6 +27,7 @@ from vmesh.services.common.wire.common import trace_context_to_proto
 from vmesh.services.common.wire.step import result_from_proto
 from vmesh.services.scheduler.detokenizer_router import DetokenizerRouter, OpenStream, Route, open_stream
 from vmesh.services.scheduler.lifetimes import Lifetimes
+from vmesh.services.scheduler.lora_admin import restore_adapters
 from vmesh.services.scheduler.pipeline import StepPipeline
 from vmesh.services.scheduler.scheduler import RequestUpdate, Scheduler
 from vmesh.services.scheduler.settings import SchedulerServiceSettings
@@ -39,6 +40,7 @@ from vmesh.services.scheduler.worker_ranks import (
     geometry,
     open_worker,
     plan_message,
+    same_worker,
     taken_over,
     went_away,
 )
@@ -59,7 +61,8 @@ class SchedulerSession:
         self.workers = WorkerRanks(settings.worker_addresses, open_worker_rank, worker_retry)
         self.info: worker_pb2.GetWorkerInfoResponse | None = None  # rank 0's, once the workers answered
         self.limits: ModelLimits | None = None  # the workers' model, known once they answered
-        self.lora_adapters: set[str] = set()  # the LoRA adapters every rank holds (lora_admin.py)
+        # The LoRA adapters every rank holds, by name: their directories (lora_admin.py).
+        self.lora_adapters: dict[str, str] = {}
         self.scheduler: Scheduler | None = None  # the core, which exists once the workers answered
         self.pipeline: StepPipeline | None = None
         self.timeline = SchedulerTimeline()
@@ -87,7 +90,7 @@ class SchedulerSession:
         """Open the worker ranks' streams and build the scheduler core from their geometry."""
         info = self.info = await self.workers.open(timeout)
         self.limits = ModelLimits(info.model_name, info.max_model_len, info.vocab_size)
-        self.lora_adapters = set(info.lora_adapters)
+        self.lora_adapters = dict(zip(info.lora_adapters, info.lora_adapter_paths, strict=True))
         self.scheduler = Scheduler.for_worker(self.settings, geometry(info))
         self.pipeline = StepPipeline(self.scheduler, self.settings.pipeline_depth)
         return info
@@ -268,7 +271,7 @@ class SchedulerSession:
             await self.workers.wait_to_take_back()
         lost_at = time.monotonic()
         info = await self._wait_for_worker(deadline=lost_at + self.settings.worker_recovery_timeout_s)
-        if info != self.info:
+        if not same_worker(info, self.info):
             # E.g. a GPU's free memory sized the cache: a new scheduler process adopts it, and the
             # frontends fail this one's requests over.
             reason = (f"the worker came back unlike before ({describe(info)}, was "
@@ -278,6 +281,10 @@ class SchedulerSession:
             return False
         if time.monotonic() - lost_at < self.workers.retry.delay():  # lost and back at once: no hot loop
             await self.workers.retry.sleep()
+        for name in await self._restore_adapters(lost_at):
+            for request in [r for r in self.core().requests.values() if r.lora_name == name]:
+                self._fail(request.request_id, f"LoRA adapter {name!r} could not be loaded again on this group")
+            await self.router.flush()
         logger.warning("worker back after %.1f s; recomputing %d request(s)", time.monotonic() - lost_at,
                        len(self.core().requests))
         self.failure = None
@@ -310,6 +317,17 @@ class SchedulerSession:
                                  request.request_id, life.worker_losses)
                     self._fail(request.request_id, "the worker failed each time it computed this request")
         await self.router.flush()
+
+    async def _restore_adapters(self, lost_at: float) -> list[str]:
+        """The group's adapters back on every rank before a plan names one (lora_admin.py): a rank
+        lost again meanwhile is waited for again. Returns the adapters that could not be restored."""
+        while True:
+            try:
+                return await restore_adapters(self, self.workers.infos)
+            except ConnectionError as exc:
+                logger.warning("worker lost again while its LoRA adapters were restored: %s", exc)
+                self.workers.drop()
+                await self._wait_for_worker(deadline=lost_at + self.settings.worker_recovery_timeout_s)
 
     async def _wait_for_worker(self, deadline: float) -> worker_pb2.GetWorkerInfoResponse:
         """The worker's answer once it is back, with its streams open again. Past `deadline` the

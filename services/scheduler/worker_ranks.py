@@ -73,6 +73,7 @@ class WorkerRanks:
         self.stubs: list[WorkerStub] = []  # dialled at the first `open`, on the event loop
         self._channels: list[grpc.aio.Channel] = []
         self.calls: list[grpc.aio.StreamStreamCall] = []
+        self.infos: list[worker_pb2.GetWorkerInfoResponse] = []  # every rank's answer at the last `open`
         self.traffic = PlanTraffic()
 
     async def open(self, timeout: float) -> worker_pb2.GetWorkerInfoResponse:
@@ -85,7 +86,7 @@ class WorkerRanks:
                 stub, ch = self._open_rank(address)
                 self.stubs.append(stub)
                 self._channels.append(ch)
-        infos = [await self._info(stub, deadline) for stub in self.stubs]
+        infos = self.infos = [await self._info(stub, deadline) for stub in self.stubs]
         info = infos[0]
         if any(i.num_kv_blocks != info.num_kv_blocks or i.block_size != info.block_size for i in infos):
             raise RuntimeError("worker ranks disagree on their KV cache")
@@ -163,6 +164,21 @@ def geometry(info: worker_pb2.GetWorkerInfoResponse) -> WorkerGeometry:
                           eos_token_ids=tuple(info.eos_token_ids), num_speculative_tokens=info.num_speculative_tokens,
                           speculative_disable_by_batch_size=info.speculative_disable_by_batch_size,
                           max_loras=info.max_loras)
+
+
+def same_worker(info: worker_pb2.GetWorkerInfoResponse, before: worker_pb2.GetWorkerInfoResponse | None) -> bool:
+    """Whether a worker that came back is the one the scheduler core was built for: the same model,
+    KV cache and limits. Its LoRA adapters may differ (a restart forgets those loaded at run time;
+    the scheduler loads them again)."""
+    if before is None:
+        return False
+    now, was = worker_pb2.GetWorkerInfoResponse(), worker_pb2.GetWorkerInfoResponse()
+    now.CopyFrom(info)
+    was.CopyFrom(before)
+    for message in (now, was):
+        message.ClearField("lora_adapters")
+        message.ClearField("lora_adapter_paths")
+    return now == was
 
 
 def describe(info: worker_pb2.GetWorkerInfoResponse) -> str:

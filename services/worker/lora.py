@@ -9,7 +9,11 @@ Per step the tokens are grouped by adapter (`LoraBatch`): one row of a padded in
 adapter present, base-model tokens in none. Each adapted linear then adds, on top of its base
 product, two batched matrix products over the groups (`torch.bmm` of the gathered tokens by
 their slot's A, then by its B) and one `index_add_` back onto the tokens' rows: the same few
-tensor ops however many requests or adapters share the step, no loop over rows.
+tensor ops however many requests or adapters share the step, no loop over rows. A padding entry
+names token 0 and has its low-rank product zeroed (one multiply by the step's mask), so the sum
+back needs no selection of the real entries. A step whose tokens all use one adapter skips the
+grouping: two dense products onto the base output. Everything a linear reads of the grouping is
+built once per step, not per linear (benchmarks/lora_step.py times the two against the base model).
 """
 
 from __future__ import annotations
@@ -52,6 +56,13 @@ class LoraBatch:
     # The slots as a range when they are consecutive (the usual case): each linear then reads its
     # stacks as a view rather than gathering a copy of them, twice per layer.
     slot_range: slice | None = None
+    # Every token of the step under this one slot: the linears skip gathering and scattering.
+    whole_step_slot: int | None = None
+
+    @property
+    def padded_index(self) -> torch.Tensor:
+        """token_index flattened, padding included (it names token 0)."""
+        return self.token_index.flatten()
 
     @classmethod
     def from_token_slots(cls, token_slots: torch.Tensor) -> LoraBatch | None:
@@ -74,11 +85,13 @@ class LoraBatch:
         first = int(slots[0])
         consecutive = bool(torch.equal(slots, torch.arange(first, first + len(slots))))
         return cls(slots=slots, token_index=token_index, valid=valid, flat_index=token_index[valid],
-                   slot_range=slice(first, first + len(slots)) if consecutive else None)
+                   slot_range=slice(first, first + len(slots)) if consecutive else None,
+                   whole_step_slot=first if len(slots) == 1 and len(adapted) == len(token_slots) else None)
 
     def to(self, device: torch.device) -> LoraBatch:
         return LoraBatch(slots=self.slots.to(device), token_index=self.token_index.to(device),
-                         valid=self.valid.to(device), flat_index=self.flat_index.to(device), slot_range=self.slot_range)
+                         valid=self.valid.to(device), flat_index=self.flat_index.to(device), slot_range=self.slot_range,
+                         whole_step_slot=self.whole_step_slot)
 
     def stacked(self, stack: torch.Tensor) -> torch.Tensor:
         """stack[slots]: a view where the slots are consecutive."""
@@ -86,10 +99,26 @@ class LoraBatch:
 
 
 class StepAdapters:
-    """The batch the adapted linears read during one forward pass (set by the model's forward)."""
+    """The batch the adapted linears read during one forward pass (set by the model's forward),
+    and what they derive from it, once per step."""
 
     def __init__(self) -> None:
         self.batch: LoraBatch | None = None
+        self.padded_index: torch.Tensor | None = None
+        self._padding_masks: dict[torch.dtype, torch.Tensor] = {}
+
+    def set(self, batch: LoraBatch | None) -> None:
+        self.batch = batch
+        self.padded_index = batch.padded_index if batch is not None else None
+        self._padding_masks = {}
+
+    def padding_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """[groups, longest group, 1]: 1 for a real entry, 0 for padding."""
+        assert self.batch is not None, "read during a step with adapted tokens"
+        mask = self._padding_masks.get(dtype)
+        if mask is None:
+            mask = self._padding_masks[dtype] = self.batch.valid.unsqueeze(-1).to(dtype)
+        return mask
 
 
 class LoraLinear:
@@ -121,10 +150,21 @@ class LoraLinear:
         if batch is None:
             return out
         flat = x.reshape(-1, x.shape[-1]).to(self.lora_a.dtype)
-        shrunk = torch.bmm(flat[batch.token_index], batch.stacked(self.lora_a))
-        expanded = torch.bmm(shrunk, batch.stacked(self.lora_b))
         out_rows = out.view(-1, out.shape[-1])
-        out_rows.index_add_(0, batch.flat_index, expanded[batch.valid].to(out.dtype))
+        if batch.whole_step_slot is not None:
+            slot = batch.whole_step_slot
+            if out.dtype == self.lora_b.dtype:
+                out_rows.addmm_(flat @ self.lora_a[slot], self.lora_b[slot])
+            else:
+                out_rows.add_((flat @ self.lora_a[slot] @ self.lora_b[slot]).to(out.dtype))
+            return out
+        groups, width = batch.token_index.shape
+        index = self.step.padded_index
+        assert index is not None, "set with the batch"
+        shrunk = torch.bmm(flat.index_select(0, index).view(groups, width, -1), batch.stacked(self.lora_a))
+        shrunk *= self.step.padding_mask(shrunk.dtype)  # padding adds nothing to token 0
+        expanded = torch.bmm(shrunk, batch.stacked(self.lora_b))
+        out_rows.index_add_(0, index, expanded.view(groups * width, -1).to(out.dtype))
         return out
 
 
@@ -207,6 +247,10 @@ class LoraManager:
     def names(self) -> list[str]:
         return list(self.id_of_name)
 
+    def paths(self) -> list[str]:
+        """Each adapter's directory, in `names`' order."""
+        return [self.adapters[adapter_id].path for adapter_id in self.id_of_name.values()]
+
     # --- per step ---------------------------------------------------------------------------
 
     def assign_rows(self, plan: StepPlan, batch: PersistentBatch) -> None:
@@ -222,7 +266,7 @@ class LoraManager:
         ids = torch.unique(token_adapters).tolist()
         needed = [i for i in ids if i != BASE_ADAPTER_ID]
         if not needed:
-            self.step.batch = None
+            self.step.set(None)
             return
         if len(needed) > self.max_loras:
             raise LoraStepError(f"a step uses {len(needed)} adapters; this worker has --max-loras {self.max_loras}")
@@ -231,7 +275,7 @@ class LoraManager:
         slot_table = torch.full((max(ids) + 1,), -1, dtype=torch.int64)
         slot_table[torch.tensor(needed)] = torch.tensor([self.slot_of_id[i] for i in needed])
         grouped = LoraBatch.from_token_slots(slot_table[token_adapters])
-        self.step.batch = grouped.to(device) if grouped is not None else None
+        self.step.set(grouped.to(device) if grouped is not None else None)
 
     def _make_resident(self, adapter_id: int, needed: list[int]) -> None:
         if adapter_id not in self.adapters:
@@ -250,4 +294,4 @@ class LoraManager:
         self.slot_of_id[adapter_id] = slot
 
     def end_step(self) -> None:
-        self.step.batch = None
+        self.step.set(None)

@@ -66,6 +66,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             num_speculative_tokens=runner.speculative.num_speculative_tokens if runner.speculative else 0,
             speculative_disable_by_batch_size=runner.speculative.disable_by_batch_size if runner.speculative else 0,
             lora_adapters=runner.lora.names() if runner.lora else [],
+            lora_adapter_paths=runner.lora.paths() if runner.lora else [],
             max_loras=runner.lora.max_loras if runner.lora else 0)
 
     async def LoadLoraAdapter(self, request, context):

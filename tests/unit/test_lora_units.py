@@ -16,7 +16,7 @@ from vmesh.services.frontend.prefix_routing import prefix_hashes
 from vmesh.services.scheduler.lora_metrics import LoraRequestsInfo
 from vmesh.services.scheduler.request import Request
 from vmesh.services.worker.config import parse_lora_modules
-from vmesh.services.worker.lora import LoraBatch
+from vmesh.services.worker.lora import LoraBatch, LoraLinear, StepAdapters
 from vmesh.v1 import common_pb2
 
 PROMPT = list(range(1, 18))  # four full blocks of 4, and one token more
@@ -76,13 +76,42 @@ def test_tokens_grouped_by_slot_with_padding_marked():
     assert batch.token_index.tolist() == [[2, 5, 0], [1, 3, 6]]
     assert batch.valid.tolist() == [[True, True, False], [True, True, True]]
     assert batch.flat_index.tolist() == [2, 5, 1, 3, 6]
-    assert batch.slot_range is None  # slots 0 and 2: gathered
+    assert batch.slot_range is None and batch.whole_step_slot is None  # slots 0 and 2: gathered
+    assert batch.padded_index.tolist() == [2, 5, 0, 1, 3, 6]  # padding names token 0
     stack = torch.arange(4.0)
     assert batch.stacked(stack).tolist() == [0.0, 2.0]
     consecutive = LoraBatch.from_token_slots(torch.tensor([3, 2, 2]))
     assert consecutive is not None and consecutive.slot_range == slice(2, 4)
     assert consecutive.stacked(stack).tolist() == [2.0, 3.0] and consecutive.stacked(stack)._base is stack
+    whole = LoraBatch.from_token_slots(torch.tensor([1, 1, 1]))
+    assert whole is not None and whole.whole_step_slot == 1 and consecutive.whole_step_slot is None
+    assert LoraBatch.from_token_slots(torch.tensor([1, -1])).whole_step_slot is None  # a base token too
     assert LoraBatch.from_token_slots(torch.tensor([-1, -1])) is None
+
+
+class _Dense:
+    def __init__(self, weight: torch.Tensor):
+        self.weight, self.out_features, self.in_features = weight, *weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T
+
+
+@pytest.mark.parametrize("token_slots", [[2, -1, 0, 2, 1, -1, 0, 2], [1, 1, 1, 1], [3, -1, 3], [-1, -1]])
+def test_an_adapted_linear_adds_each_tokens_own_slots_product(token_slots):
+    """Mixed steps (padding, base tokens), one adapter on every token (the dense path), and none."""
+    generator = torch.Generator().manual_seed(0)
+    base = _Dense(torch.randn(12, 8, generator=generator, dtype=torch.float64))
+    step = StepAdapters()
+    linear = LoraLinear(base, max_loras=4, band_width=3, step=step, dtype=torch.float64, device=torch.device("cpu"))
+    for slot in range(4):
+        linear.write_slot(slot, (torch.randn(8, 3, generator=generator, dtype=torch.float64),
+                                 torch.randn(3, 12, generator=generator, dtype=torch.float64)))
+    x = torch.randn(len(token_slots), 8, generator=generator, dtype=torch.float64)
+    step.set(LoraBatch.from_token_slots(torch.tensor(token_slots)))
+    expected = torch.stack([base(row) + (row @ linear.lora_a[s] @ linear.lora_b[s] if s >= 0 else 0)
+                            for row, s in zip(x, token_slots)])
+    torch.testing.assert_close(linear(x), expected, rtol=1e-12, atol=1e-12)
 
 
 def test_lora_modules_parse_as_vllm_writes_them():

@@ -130,13 +130,24 @@ class CacheUpdate(_message.Message):
     def __init__(self, snapshot: _Optional[bool] = ..., block_size: _Optional[int] = ..., hash_seed: _Optional[int] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., load: _Optional[_Union[SchedulerLoad, _Mapping]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class SchedulerLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "num_waiting_prompt_tokens")
+    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "num_waiting_prompt_tokens", "adapter_requests", "max_loras")
+    class AdapterRequestsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_cache_usage: float
     num_waiting_prompt_tokens: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_waiting_prompt_tokens: _Optional[int] = ...) -> None: ...
+    adapter_requests: _containers.ScalarMap[str, int]
+    max_loras: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_waiting_prompt_tokens: _Optional[int] = ..., adapter_requests: _Optional[_Mapping[str, int]] = ..., max_loras: _Optional[int] = ...) -> None: ...

@@ -12,7 +12,8 @@ def cache_update_to_proto(u: CacheUpdate) -> scheduler_pb2.CacheUpdate:
         snapshot=u.snapshot, block_size=u.block_size, hash_seed=u.hash_seed, stored=u.stored, removed=u.removed,
         load=scheduler_pb2.SchedulerLoad(num_running=load.num_running, num_waiting=load.num_waiting,
                                          kv_cache_usage=load.kv_cache_usage,
-                                         num_waiting_prompt_tokens=load.num_waiting_prompt_tokens),
+                                         num_waiting_prompt_tokens=load.num_waiting_prompt_tokens,
+                                         adapter_requests=dict(load.adapter_requests), max_loras=load.max_loras),
         incarnation=u.incarnation)
 
 
@@ -20,4 +21,5 @@ def cache_update_from_proto(m: scheduler_pb2.CacheUpdate) -> CacheUpdate:
     load = m.load
     return CacheUpdate(m.snapshot, m.block_size, m.hash_seed, list(m.stored), list(m.removed),
                        SchedulerLoad(load.num_running, load.num_waiting, load.kv_cache_usage,
-                                     load.num_waiting_prompt_tokens), m.incarnation)
+                                     load.num_waiting_prompt_tokens, tuple(sorted(load.adapter_requests.items())),
+                                     load.max_loras), m.incarnation)
