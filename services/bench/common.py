@@ -17,6 +17,7 @@ import torch
 
 from vmesh.services.bench.mesh import RunningMesh
 from vmesh.services.client import VmeshClient
+from vmesh.services.common.types import OutputMode
 from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 # The workloads that ship with vmesh; `--workload` takes these names or a file of the same form.
@@ -102,7 +103,7 @@ async def mesh_stats(mesh: RunningMesh) -> tuple[Any, Any]:
 
 
 async def mesh_generate(mesh: RunningMesh, prompts: list[list[int]], max_tokens: int,
-                        models: Sequence[str] = ()) -> dict[str, float]:
+                        models: Sequence[str] = (), output_mode: OutputMode = OutputMode.DELTA) -> dict[str, float]:
     """`models`: the models (LoRA adapters) the requests name in turn; none: the base model."""
     async with VmeshClient(mesh.address) as client:
         await client.complete(token_ids=prompts[0], max_tokens=2, temperature=0)  # warm-up
@@ -111,7 +112,8 @@ async def mesh_generate(mesh: RunningMesh, prompts: list[list[int]], max_tokens:
         started = time.perf_counter()
         results = await asyncio.gather(*(client.complete(token_ids=p, max_tokens=max_tokens, temperature=0.0,
                                                          ignore_eos=True, model=models[i % len(models)] if models
-                                                         else "") for i, p in enumerate(prompts)))
+                                                         else "", output_mode=output_mode.value)
+                                         for i, p in enumerate(prompts)))
         elapsed = time.perf_counter() - started
         s1, w1 = await mesh_stats(mesh)
     assert all(len(ids) == max_tokens for _t, ids, _l in results)

@@ -22,7 +22,7 @@ from vmesh.services.bench.mesh import RunningMesh, start_mesh
 from vmesh.services.bench.peers import PEER_BASELINES, PeerError, PeerProcess, default_peers_dir
 from vmesh.services.client import VmeshClient
 from vmesh.services.common.model_loading import embedded_model_file, resolve_model_dir
-from vmesh.services.common.types import SamplingParams
+from vmesh.services.common.types import OutputMode, SamplingParams
 
 
 def transformers_generate(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> Callable[[], float]:
@@ -119,6 +119,9 @@ MESH_VARIANTS = {"mesh": (), "mesh-native": ("--weights", "native"), "mesh-bf16"
                  # Every service but the workers 10 nicer, against the default (all equal).
                  "mesh-niced": ("--service-niceness", "10"),
                  "mesh-lora": ()}  # its flags name the adapters bench/lora.py writes
+# The plain mesh again, each request asking its whole output at once (final_only) rather than a
+# stream of deltas: what an offline batch client does, and what the engine's generate returns.
+FINAL_OUTPUTS = "mesh-final"
 
 
 def start_meshes(args: argparse.Namespace, baselines: set[str], model_dir: Path, work: dict[str, Any],
@@ -143,13 +146,21 @@ def start_meshes(args: argparse.Namespace, baselines: set[str], model_dir: Path,
             flags = lora_flags(adapters)
         mesh = meshes[variant] = start_mesh("--model", model, "--kv-cache-memory", args.kv_cache_memory, *flags)
         stack.callback(mesh.stop)
-        # The LoRA mesh runs the workload over its four adapters in turn, then under one of them.
-        for name, models in ({"mesh-lora": list(adapters), "mesh-lora-1": list(adapters)[:1]} if adapters
-                             else {variant: []}).items():
+        # The LoRA mesh runs the workload over its four adapters in turn, then under one of them;
+        # with mesh-final the plain mesh runs it twice too: streamed, then asking whole outputs.
+        arms: dict[str, tuple[list[str], OutputMode]] = {variant: ([], OutputMode.DELTA)}
+        if adapters:
+            arms = {"mesh-lora": (list(adapters), OutputMode.DELTA),
+                    "mesh-lora-1": (list(adapters)[:1], OutputMode.DELTA)}
+        elif variant == "mesh" and FINAL_OUTPUTS in baselines:
+            arms[FINAL_OUTPUTS] = ([], OutputMode.FINAL_ONLY)
+        for name, (models, mode) in arms.items():
             mesh_runs[name] = []
 
-            def run_mesh(mesh: RunningMesh = mesh, name: str = name, models: list[str] = models) -> float:
-                mesh_runs[name].append(asyncio.run(mesh_generate(mesh, work["prompts"], work["max_tokens"], models)))
+            def run_mesh(mesh: RunningMesh = mesh, name: str = name, models: list[str] = models,
+                         mode: OutputMode = mode) -> float:
+                mesh_runs[name].append(asyncio.run(mesh_generate(mesh, work["prompts"], work["max_tokens"], models,
+                                                                 output_mode=mode)))
                 return mesh_runs[name][-1]["tokens_per_s"]
 
             runs[name] = run_mesh
@@ -163,10 +174,10 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
     work = load_workload(args.workload, args.requests, args.max_tokens)
     model_dir = resolve_model_dir(args.model)
     baselines = set(args.baselines.split(","))
-    unknown = baselines - {"transformers", "engine"} - set(MESH_VARIANTS) - set(PEER_BASELINES)
+    unknown = baselines - {"transformers", "engine", FINAL_OUTPUTS} - set(MESH_VARIANTS) - set(PEER_BASELINES)
     if unknown:
         raise SystemExit(f"unknown baselines {sorted(unknown)}: choose from transformers, engine, "
-                         f"{', '.join(MESH_VARIANTS)}, {', '.join(PEER_BASELINES)}")
+                         f"{', '.join(MESH_VARIANTS)}, {FINAL_OUTPUTS}, {', '.join(PEER_BASELINES)}")
     prompt_tokens = sum(len(p) for p in work["prompts"])
     result: dict[str, Any] = {"mode": "offline", "workload": work["name"], "requests": len(work["prompts"]),
                               "prompt_tokens": prompt_tokens, "max_tokens": work["max_tokens"],

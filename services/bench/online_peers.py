@@ -115,7 +115,8 @@ def run_client(python: Path, base_url: str, model: str, tokenizer: Path, load: L
                    "--dataset-name", "random", "--random-input-len", str(args.input_len),
                    "--random-output-len", str(args.output_len), "--ignore-eos", "--num-prompts",
                    str(args.num_prompts), "--seed", str(args.seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
-                   "--metric-percentiles", "50,99", "--disable-tqdm", "--save-result", "--result-dir", out,
+                   "--metric-percentiles", "50,99", "--num-warmups", str(args.num_warmups), "--disable-tqdm",
+                   "--save-result", "--result-dir", out,
                    "--result-filename", "result.json", *load.client_flags()]
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=CLIENT_TIMEOUT_S)
@@ -231,6 +232,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-warmups", type=int, default=8,
+                        help="requests each client run sends first and leaves out of its figures (the servers' "
+                             "first-use costs, e.g. vmesh's first burst after start-up, fall outside the rounds)")
     parser.add_argument("--guidellm-rates", default="",
                         help="also a GuideLLM sweep over these constant rates (comma-separated requests/s) against "
                              "every server, after the rounds, e.g. 0.5,1,2,3 (needs setup.sh's guidellm environment)")

@@ -8,6 +8,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from vmesh.services.common.grpc_server import ServiceShell
 from vmesh.services.common.metrics import FrontendMetrics
 from vmesh.services.common.runtime.readiness import Announcement, announce
@@ -18,12 +20,12 @@ from vmesh.services.frontend.core import FrontendCore
 from vmesh.services.frontend.errors import RequestError
 from vmesh.services.frontend.settings import FrontendServiceSettings
 from vmesh.services.frontend.subscriptions import subscribe_over_grpc
-from vmesh.v1 import frontend_pb2, frontend_pb2_grpc
+from vmesh.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 
 
 class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
-    """Generate, Tokenize and GetModelInfo over the core, their messages translated by wire/public.py; a
-    RequestError becomes the call's status."""
+    """Generate, Tokenize, GetModelInfo and the LoRA loads over the core, their messages translated by
+    wire/public.py; a RequestError becomes the call's status."""
 
     def __init__(self, core: FrontendCore):
         self.core = core
@@ -61,6 +63,31 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
                                                      vocab_size=limits.vocab_size)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
+
+    async def LoadLoraAdapter(self, request, context):
+        await self._authorize(context)
+        try:
+            self._runtime_lora_updating()
+            await self.core.adapters.load(request.lora_name, request.lora_path)
+            return common_pb2.LoraAdapterResponse(lora_adapters=await self.core.adapters.refresh())
+        except RequestError as exc:
+            await context.abort(exc.code, exc.message)
+
+    async def UnloadLoraAdapter(self, request, context):
+        await self._authorize(context)
+        try:
+            self._runtime_lora_updating()
+            await self.core.adapters.unload(request.lora_name)
+            return common_pb2.LoraAdapterResponse(lora_adapters=await self.core.adapters.refresh())
+        except RequestError as exc:
+            await context.abort(exc.code, exc.message)
+
+    def _runtime_lora_updating(self) -> None:
+        """As the HTTP endpoints, which exist only with the flag."""
+        if not self.core.settings.allow_runtime_lora_updating:
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
+                               "loading LoRA adapters at run time is off (vmesh serve --allow-runtime-lora-updating)")
+        self.core.ready()
 
 
 async def serve(settings: FrontendServiceSettings, load_tokenizer: Callable[[], Any], server: ServerSettings,

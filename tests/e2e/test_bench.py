@@ -35,8 +35,8 @@ def positive(value) -> bool:
 
 def test_offline(tmp_path, tiny_model):
     r = bench(tmp_path, "offline", "--model", str(tiny_model), "--requests", "3", "--max-tokens", "4",
-              "--repeats", "2")
-    assert set(r["tokens_per_s"]) == set(r["runs_tokens_per_s"]) == {"transformers", "engine", "mesh"}
+              "--repeats", "2", "--baselines", "transformers,engine,mesh,mesh-final")
+    assert set(r["tokens_per_s"]) == set(r["runs_tokens_per_s"]) == {"transformers", "engine", "mesh", "mesh-final"}
     assert all(positive(v) for v in r["tokens_per_s"].values())
     assert all(len(runs) == 2 and all(positive(v) for v in runs) for runs in r["runs_tokens_per_s"].values())
     assert r["ratio_to_mesh"]["mesh"] == pytest.approx(1.0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 
+import grpc
 import httpx
 import pytest
 
@@ -92,3 +93,23 @@ def test_adapters_across_two_groups(adapters, chat_prompt_ids):
         gone = http.post("/unload_lora_adapter", json={"lora_name": "poet"})
         assert gone.status_code == 404
         http.close()
+        # The public gRPC API's load and unload: the same one operation for the mesh, the same refusals.
+        assert asyncio.run(_over_grpc(mesh, paths["poet"])) == (["poet", "sql"], grpc.StatusCode.INVALID_ARGUMENT,
+                                                                 ["sql"], grpc.StatusCode.NOT_FOUND)
+        assert all("poet" not in scheduler_stats(mesh, g).lora_adapters for g in ("scheduler-0", "scheduler-1"))
+
+
+async def _over_grpc(mesh, path: str) -> tuple[list[str] | grpc.StatusCode, ...]:
+    """Load `path` as poet, load it again (refused), unload it, unload it again (refused)."""
+    async with VmeshClient(mesh.address) as client:
+        async def call(rpc, name: str, lora_path: str = "") -> list[str] | grpc.StatusCode:
+            try:
+                reply = await rpc(common_pb2.LoraAdapterRequest(lora_name=name, lora_path=lora_path), timeout=120)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+            return sorted(reply.lora_adapters)
+
+        loaded = await call(client.stub.LoadLoraAdapter, "poet", path)
+        twice = await call(client.stub.LoadLoraAdapter, "poet", path)
+        unloaded = await call(client.stub.UnloadLoraAdapter, "poet")
+        return loaded, twice, unloaded, await call(client.stub.UnloadLoraAdapter, "poet")

@@ -55,9 +55,10 @@ def test_greedy_parity_in_every_mode(flags, chat_prompt_ids, reference_outputs):
 
 
 def test_greedy_parity_across_two_worker_groups(chat_prompt_ids, reference_outputs):
-    """Data parallelism: two worker groups (a worker and its scheduler each) behind one frontend."""
+    """Data parallelism: two worker groups (a worker and its scheduler each) behind one frontend,
+    half the prompts of the single-group checks (each group still serves several at once)."""
     with stops_cleanly(start_mesh("--data-parallel-size", "2", "--detokenizers", "2")) as mesh:
-        outputs = asyncio.run(_greedy_all(mesh.address, chat_prompt_ids))
+        outputs = asyncio.run(_greedy_all(mesh.address, chat_prompt_ids[:8]))
         for i, ids in enumerate(outputs):
             assert_greedy_match(ids, reference_outputs[i], label=f"data-parallel prompt {i}")
         for name in ("scheduler-0", "scheduler-1"):

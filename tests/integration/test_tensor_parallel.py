@@ -96,8 +96,9 @@ def engine_scenario(runner: ModelRunner, model: str) -> dict[str, Any]:
             dist.broadcast_object_list(["reset"], src=0, group=plans)
         engine = LLMEngine(runner, tokenizer, EngineConfig(max_num_batched_tokens=32, pipeline_depth=depth))
         outputs[f"depth{depth}"] = [o.token_ids for o in engine.generate(prompt_ids, params)]
-        # Every rank masks the same gathered logits with its own matchers: the same constrained tokens.
-        outputs[f"structured-depth{depth}"] = [o.token_ids for o in engine.generate(prompt_ids, STRUCTURED)]
+        if depth == 2:  # depth 1 against 2 with a grammar: test_structured_parity's (unsharded) check
+            # Every rank masks the same gathered logits with its own matchers: the same constrained tokens.
+            outputs["structured"] = [o.token_ids for o in engine.generate(prompt_ids, STRUCTURED)]
         engine.shutdown()
     if plans is not None:
         dist.broadcast_object_list([None], src=0, group=plans)
@@ -202,16 +203,14 @@ def test_tiny_kv_heads_replicated_beyond_their_count(tmp_path):
 
 def test_embedded_tp3_engine_depths(tmp_path, embedded_model_dir):
     """9 attention heads and 3 KV heads over three ranks, through the engine at depth 1 and 2,
-    unconstrained and with a JSON schema (the model's heads divide by 3, not by 2)."""
+    and with a JSON schema at depth 2 (the model's heads divide by 3, not by 2)."""
     expected = run_unsharded(str(embedded_model_dir), "engine", kv=16 << 20)
     assert expected["depth1"] == expected["depth2"]
     _codes, results = run_group(tmp_path, str(embedded_model_dir), 3, "engine", kv=16 << 20)
     assert results[0] is not None
     assert results[0]["depth1"] == expected["depth1"]
     assert results[0]["depth2"] == expected["depth2"]
-    assert expected["structured-depth1"] == expected["structured-depth2"]
-    assert results[0]["structured-depth1"] == expected["structured-depth1"]
-    assert results[0]["structured-depth2"] == expected["structured-depth2"]
+    assert results[0]["structured"] == expected["structured"]
 
 
 def test_a_rank_that_dies_ends_the_group(tmp_path):

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from vmesh.v1 import common_pb2 as vmesh_dot_v1_dot_common__pb2
 from vmesh.v1 import frontend_pb2 as vmesh_dot_v1_dot_frontend__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -49,6 +50,16 @@ class FrontendServiceStub:
                 request_serializer=vmesh_dot_v1_dot_frontend__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=vmesh_dot_v1_dot_frontend__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/vmesh.v1.FrontendService/LoadLoraAdapter',
+                request_serializer=vmesh_dot_v1_dot_common__pb2.LoraAdapterRequest.SerializeToString,
+                response_deserializer=vmesh_dot_v1_dot_common__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/vmesh.v1.FrontendService/UnloadLoraAdapter',
+                request_serializer=vmesh_dot_v1_dot_common__pb2.LoraAdapterRequest.SerializeToString,
+                response_deserializer=vmesh_dot_v1_dot_common__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class FrontendServiceServicer:
@@ -72,6 +83,21 @@ class FrontendServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter over gRPC, served with
+        --allow-runtime-lora-updating: one operation for the whole mesh (every group, every rank, or
+        none), answered with the adapters every group holds afterwards.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FrontendServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +115,16 @@ def add_FrontendServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=vmesh_dot_v1_dot_frontend__pb2.GetModelInfoRequest.FromString,
                     response_serializer=vmesh_dot_v1_dot_frontend__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=vmesh_dot_v1_dot_common__pb2.LoraAdapterRequest.FromString,
+                    response_serializer=vmesh_dot_v1_dot_common__pb2.LoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=vmesh_dot_v1_dot_common__pb2.LoraAdapterRequest.FromString,
+                    response_serializer=vmesh_dot_v1_dot_common__pb2.LoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +208,60 @@ class FrontendService:
             '/vmesh.v1.FrontendService/GetModelInfo',
             vmesh_dot_v1_dot_frontend__pb2.GetModelInfoRequest.SerializeToString,
             vmesh_dot_v1_dot_frontend__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vmesh.v1.FrontendService/LoadLoraAdapter',
+            vmesh_dot_v1_dot_common__pb2.LoraAdapterRequest.SerializeToString,
+            vmesh_dot_v1_dot_common__pb2.LoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vmesh.v1.FrontendService/UnloadLoraAdapter',
+            vmesh_dot_v1_dot_common__pb2.LoraAdapterRequest.SerializeToString,
+            vmesh_dot_v1_dot_common__pb2.LoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
