@@ -24,6 +24,7 @@ import torch
 from vmesh.services.common.step_types import StepPlan
 from vmesh.services.common.types import Pooling, PoolingType
 from vmesh.services.worker.persistent_batch import PersistentBatch, StepInputs
+from vmesh.services.worker.prompt_rows import PromptRows
 
 
 @dataclass
@@ -41,34 +42,14 @@ class PooledPositions:
     counts: list[int]  # positions pooled per asking row (0 for a chunk that holds none it pools)
 
 
-class Pooler:
-    def __init__(self) -> None:
-        self.pending: dict[int, _Pending] = {}  # by handle: rows that asked and have not sampled yet
-
-    def __bool__(self) -> bool:
-        return bool(self.pending)
-
-    def clear(self) -> None:
-        self.pending.clear()
-
+class Pooler(PromptRows[_Pending]):
     def follow(self, plan: StepPlan, batch: PersistentBatch) -> None:
-        """Track the plan's new asking rows and forget rows that left the batch (after batch.apply).
-        A request with outputs already has its vector (it came with its first token). A row added
-        at position 0 starts over; one added further on (a LAST row after a prefix-cache hit, or
-        the stateless worker's rebuild, every step) keeps what it has."""
-        for request in plan.new_requests:
-            pooling = request.sampling.pooling
-            if pooling is None or len(request.token_ids) > request.num_prompt_tokens:
-                continue
-            if request.num_computed_tokens == 0 or request.handle not in self.pending:
-                self.pending[request.handle] = _Pending(pooling)
-        if self.pending:
-            self.pending = {h: p for h, p in self.pending.items() if h in batch}
+        self.follow_asking(plan, batch, lambda r: None if r.sampling.pooling is None else _Pending(r.sampling.pooling))
 
     def positions(self, plan: StepPlan, inputs: StepInputs, batch: PersistentBatch) -> PooledPositions | None:
         """The positions to pool this step (before finish_step advances the computed counts), or
         None when no scheduled row asks."""
-        asking = [(i, h) for i, h in enumerate(plan.scheduled_handles) if h in self.pending]
+        asking = self.asking(plan)
         if not asking:
             return None
         index = torch.tensor([i for i, _ in asking], dtype=torch.int64)

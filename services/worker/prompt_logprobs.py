@@ -25,6 +25,7 @@ import torch
 from vmesh.services.common.step_types import StepPlan
 from vmesh.services.common.types import TokenLogprobs
 from vmesh.services.worker.persistent_batch import PersistentBatch, StepInputs
+from vmesh.services.worker.prompt_rows import PromptRows
 
 
 @dataclass
@@ -50,33 +51,15 @@ class ScoredPositions:
     counts: list[int]  # positions scored per asking row (0 for a chunk of its last position only)
 
 
-class PromptLogprobs:
-    def __init__(self) -> None:
-        self.pending: dict[int, _Pending] = {}  # by handle: rows that asked and have not sampled yet
-
-    def __bool__(self) -> bool:
-        return bool(self.pending)
-
-    def clear(self) -> None:
-        self.pending.clear()
-
+class PromptLogprobs(PromptRows[_Pending]):
     def follow(self, plan: StepPlan, batch: PersistentBatch) -> None:
-        """Track the plan's new asking rows and forget rows that left the batch (after batch.apply).
-        A request with outputs already has its prompt logprobs (they came with its first token).
-        A row added at position 0 starts over; one added further on (the stateless worker's
-        rebuild, every step) keeps the chunks it has."""
-        for request in plan.new_requests:
-            if request.sampling.prompt_logprobs is None or len(request.token_ids) > request.num_prompt_tokens:
-                continue
-            if request.num_computed_tokens == 0 or request.handle not in self.pending:
-                self.pending[request.handle] = _Pending(request.sampling.prompt_logprobs)
-        if self.pending:
-            self.pending = {h: p for h, p in self.pending.items() if h in batch}
+        self.follow_asking(plan, batch, lambda r: None if r.sampling.prompt_logprobs is None
+                           else _Pending(r.sampling.prompt_logprobs))
 
     def positions(self, plan: StepPlan, inputs: StepInputs, batch: PersistentBatch) -> ScoredPositions | None:
         """The positions to score this step (before finish_step advances the computed counts), or
         None when no scheduled row asks."""
-        asking = [(i, h) for i, h in enumerate(plan.scheduled_handles) if h in self.pending]
+        asking = self.asking(plan)
         if not asking:
             return None
         index = torch.tensor([i for i, _ in asking], dtype=torch.int64)
