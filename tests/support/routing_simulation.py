@@ -61,6 +61,21 @@ class Frontend:
     table: PrefixRouter = field(default_factory=PrefixRouter)
 
 
+def step_and_publish(mesh: list[Group]) -> None:
+    """One step of every group, then each group's cache-stream update (a request arrives every
+    third of a step)."""
+    for group in mesh:
+        group.step()
+        group.feed.publish()
+
+
+def drain(mesh: list[Group]) -> None:
+    """Step every group until none has work left."""
+    while any(group.scheduler.has_unfinished() for group in mesh):
+        for group in mesh:
+            group.step()
+
+
 def workload(requests: int = 360, seed: int = 7) -> list[list[int]]:
     """Few long shared prefixes (system prompts, documents), many short questions on them; one
     prefix is much hotter than the rest."""
@@ -105,12 +120,8 @@ def serve(routing: str, groups: int = 3, requests: int = 360) -> tuple[float, li
         group.scheduler.add_request(Request(f"{i % 2}/{i}", prompt, SamplingParams(max_tokens=6, ignore_eos=True)))
         group.taken += 1
         if i % 3 == 2:
-            for group in mesh:
-                group.step()
-                group.feed.publish()
-    while any(group.scheduler.has_unfinished() for group in mesh):
-        for group in mesh:
-            group.step()
+            step_and_publish(mesh)
+    drain(mesh)
     for group in mesh:
         assert group.scheduler.pool.num_free == group.scheduler.pool.num_blocks  # no leaked KV block
     queried = sum(group.scheduler.pool.prefix_queries for group in mesh)
@@ -167,10 +178,6 @@ def serve_adapters(aware: bool, groups: int = 4, requests: int = 240) -> Adapter
         seen.most_hot_groups = max(seen.most_hot_groups,
                                    sum(HOT_ADAPTER in _adapters_active(g.scheduler) for g in mesh))
         if i % 3 == 2:
-            for group in mesh:
-                group.step()
-                group.feed.publish()
-    while any(group.scheduler.has_unfinished() for group in mesh):
-        for group in mesh:
-            group.step()
+            step_and_publish(mesh)
+    drain(mesh)
     return seen
