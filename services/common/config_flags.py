@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
@@ -169,3 +170,18 @@ def forwarded_argv(config_class: type, section: str, args: argparse.Namespace,
             continue
         argv += [flag] if value is True else [flag, str(value)]
     return argv
+
+
+def json_object_flag(flag: str, text: str, known: Collection[str]) -> dict[str, Any]:
+    """A flag whose value is a JSON object (vLLM's --speculative-config, --pooler-config) with
+    keys among `known`; anything else is refused with ValueError naming the flag."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag} is not JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"{flag} must be a JSON object")
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise ValueError(f"{flag}: unknown key(s) {', '.join(unknown)} (known: {', '.join(known)})")
+    return raw

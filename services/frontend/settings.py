@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
-from vmesh.services.common.config_flags import setting
+from vmesh.services.common.config_flags import json_object_flag, setting
 from vmesh.services.common.runtime.discovery import DEFAULT_REFRESH_INTERVAL_S
 from vmesh.services.common.types import Pooling, PoolingType
 
@@ -38,15 +37,7 @@ _POOLER_KEYS = ("pooling_type", "normalize")
 def parse_pooler_config(text: str) -> Pooling:
     """vLLM's --pooler-config JSON, '{"pooling_type": "MEAN", "normalize": false}' -> Pooling (a
     key left out keeps DEFAULT_POOLING's value). Unknown keys and values are refused with ValueError."""
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--pooler-config is not JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ValueError("--pooler-config must be a JSON object")
-    unknown = sorted(set(raw) - set(_POOLER_KEYS))
-    if unknown:
-        raise ValueError(f"--pooler-config: unknown key(s) {', '.join(unknown)} (known: {', '.join(_POOLER_KEYS)})")
+    raw = json_object_flag("--pooler-config", text, _POOLER_KEYS)
     names = [t.value for t in PoolingType]
     pooling_type = raw.get("pooling_type", DEFAULT_POOLING.type.value)
     if pooling_type not in names:

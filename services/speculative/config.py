@@ -3,8 +3,9 @@ Free of torch (the worker's settings import it)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
+
+from vmesh.services.common.config_flags import json_object_flag
 
 METHODS = ("ngram", "suffix")
 # The JSON values each annotation takes (an int is a float's value too).
@@ -53,16 +54,8 @@ def parse_speculative_config(text: str) -> SpeculativeConfig | None:
     (no speculation). Unknown keys and wrong types are refused with ValueError."""
     if not text.strip():
         return None
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--speculative-config is not JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ValueError("--speculative-config must be a JSON object")
     known = {f.name: f for f in fields(SpeculativeConfig)}
-    unknown = sorted(set(raw) - set(known))
-    if unknown:
-        raise ValueError(f"--speculative-config: unknown key(s) {', '.join(unknown)} (known: {', '.join(known)})")
+    raw = json_object_flag("--speculative-config", text, known)
     for required in ("method", "num_speculative_tokens"):
         if required not in raw:
             raise ValueError(f"--speculative-config needs {required!r}")
