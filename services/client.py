@@ -3,6 +3,9 @@
     async with VmeshClient("127.0.0.1:50051") as client:
         async for out in client.generate(chat=[{"role": "user", "content": "Hi"}], max_tokens=32):
             print(out.text, end="")
+
+Given several frontends' addresses, a stream whose frontend goes away is resumed through the
+next one (GenerateRequest.resume), and the caller's iteration goes on with exactly what it lacked.
 """
 
 from __future__ import annotations
@@ -49,45 +52,69 @@ def generate_request(text: str | None = None, chat: Sequence[dict[str, str]] | N
 
 
 class VmeshClient:
-    def __init__(self, address: str, api_key: str | None = None, tls_ca: str | None = None):
-        """`api_key`: for a frontend started with --api-key; sent as `authorization: Bearer KEY`.
+    def __init__(self, address: str | Sequence[str], api_key: str | None = None, tls_ca: str | None = None,
+                 max_resumes: int = 3):
+        """`address`: a frontend's, or several (a list, or comma-separated): a stream that breaks
+        with UNAVAILABLE is resumed through the next, up to `max_resumes` times per request (sent
+        again whole if no response had come back).
+        `api_key`: for a frontend started with --api-key; sent as `authorization: Bearer KEY`.
         `tls_ca`: a PEM file of the CA that signed the frontend's public certificate, for a
         frontend started with --public-tls-cert; without it the connection is plaintext."""
-        self.address = address
+        self.addresses = address.split(",") if isinstance(address, str) else list(address)
         self.tls_ca = tls_ca
+        self.max_resumes = max_resumes
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: frontend_pb2_grpc.FrontendServiceStub | None = None
+        self._channels: list[grpc.aio.Channel] = []
+        self._stubs: list[frontend_pb2_grpc.FrontendServiceStub] = []
+        self._current = 0  # the frontend new calls go to: the last that answered
 
     async def __aenter__(self) -> VmeshClient:
-        if self.tls_ca:
-            credentials = grpc.ssl_channel_credentials(root_certificates=Path(self.tls_ca).read_bytes())
-            self._channel = grpc.aio.secure_channel(self.address, credentials, options=CHANNEL_OPTIONS)
-        else:
-            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
-        self._stub = frontend_pb2_grpc.FrontendServiceStub(self._channel)
+        credentials = (grpc.ssl_channel_credentials(root_certificates=Path(self.tls_ca).read_bytes())
+                       if self.tls_ca else None)
+        for address in self.addresses:
+            ch = (grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS) if credentials
+                  else grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
+            self._channels.append(ch)
+            self._stubs.append(frontend_pb2_grpc.FrontendServiceStub(ch))
         return self
 
     @property
     def stub(self) -> frontend_pb2_grpc.FrontendServiceStub:
-        if self._stub is None:
+        if not self._stubs:
             raise RuntimeError("VmeshClient is used inside `async with`")
-        return self._stub
+        return self._stubs[self._current]
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._channel is not None:
-            await self._channel.close()
+        for ch in self._channels:
+            await ch.close()
 
     async def generate(self, text: str | None = None, chat: Sequence[dict[str, str]] | None = None,
                        token_ids: Sequence[int] | None = None, *, timeout: float | None = None,
                        **sampling: Any) -> AsyncIterator[frontend_pb2.GenerateResponse]:
-        call = self.stub.Generate(generate_request(text, chat, token_ids, **sampling), timeout=timeout,
-                                  metadata=self.metadata)
-        try:
-            async for response in call:
-                yield response
-        finally:
-            call.cancel()  # a no-op when complete; aborts the request when the caller stops early
+        request = generate_request(text, chat, token_ids, **sampling)
+        received = OutputAccumulator[Any].for_mode(OutputMode(sampling.get("output_mode") or OutputMode.DELTA.value))
+        token = ""
+        for attempt in range(self.max_resumes + 1):
+            frontend = self._current
+            call = self._stubs[frontend].Generate(request, timeout=timeout, metadata=self.metadata)
+            try:
+                async for response in call:
+                    token = token or response.resume_token
+                    received.extend(response.text, response.token_ids)
+                    yield response
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.max_resumes:
+                    raise
+                # The same request again, through the next frontend, from where this stream broke
+                # (from the start when nothing came back: there is nothing to lose).
+                if self._current == frontend:  # and not already moved on by another call that broke
+                    self._current = (frontend + 1) % len(self._stubs)
+                if token:
+                    request.resume.CopyFrom(frontend_pb2.Resume(
+                        token=token, num_output_tokens=len(received.token_ids), text_length=len(received.text)))
+            finally:
+                call.cancel()  # a no-op when complete; aborts the request when the caller stops early
 
     async def complete(self, **kwargs: Any) -> tuple[str, list[int], frontend_pb2.GenerateResponse]:
         """The whole text and token ids of one request, and its last response (finish reason, usage)."""

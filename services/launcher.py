@@ -24,7 +24,7 @@ from vmesh.services.common.grpc_server import DRAIN_GRACE_S, STOP_GRACE_S, wait_
 from vmesh.services.common.runtime.readiness import Announcement, ReadyFiles
 from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.flag_groups import forwarded_flags, forwarded_secrets
-from vmesh.services.mesh_description import MeshDescription, ServiceEntry
+from vmesh.services.mesh_description import FrontendEntry, MeshDescription, ServiceEntry
 from vmesh.services.mesh_settings import mesh_settings
 from vmesh.services.process_priority import niceness_env
 
@@ -295,11 +295,12 @@ async def _run(mesh: Mesh) -> int:
                                                              *forwarded_flags(args, "scheduler")])
                   for x, ranks in zip(suffixes, workers)]
     await mesh.wait_ready(schedulers)
-    frontend = mesh.start("frontend", "frontend", ["--scheduler", ",".join(s.address for s in schedulers),
-                                                   "--detokenizer-addresses", detok_addresses, *model,
-                                                   *forwarded_flags(args, "frontend")],
-                          host=args.host, port=args.port, env=forwarded_secrets(args, "frontend"))
-    await mesh.wait_ready([frontend])
+    frontend_argv = ["--scheduler", ",".join(s.address for s in schedulers), "--detokenizer-addresses",
+                     detok_addresses, *model, *forwarded_flags(args, "frontend")]
+    frontends = [mesh.start(name, "frontend", argv, host=args.host, port=port, env=forwarded_secrets(args, "frontend"))
+                 for name, argv, port in _frontends(frontend_argv, mesh_settings(args).frontends, args.port)]
+    await mesh.wait_ready(frontends)
+    frontend = frontends[0]
     description = _describe(mesh, frontend)
     for name, entry in description.services.items():
         metrics = f", metrics {entry.metrics_url}" if entry.metrics_url else ""
@@ -321,6 +322,14 @@ async def _run(mesh: Mesh) -> int:
         ReadyFiles(args.ready_file).write(Announcement.ADDRESS, frontend.address)
     await mesh.supervise(on_change=describe)  # until a signal (or, with --fail-fast, a dead child)
     return 0
+
+
+def _frontends(argv: list[str], count: int, port: int) -> list[tuple[str, list[str], int]]:
+    """Each frontend's name, flags and port: the first on the given ports, the others on free ones."""
+    others = list(argv)
+    if "--http-port" in others:
+        others[others.index("--http-port") + 1] = "0"
+    return [("frontend", argv, port), *((f"frontend-{i}", others, 0) for i in range(1, count))]
 
 
 def _start_worker_group(mesh: Mesh, name: str, argv: list[str], group: int = 0) -> list[Child]:
@@ -356,12 +365,18 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def _http_url(mesh: Mesh, frontend: Child) -> str:
+    if not frontend.http_address:
+        return ""
+    return f"{'https' if mesh.args.public_tls_cert else 'http'}://{frontend.http_address}/v1"
+
+
 def _describe(mesh: Mesh, frontend: Child) -> MeshDescription:
-    http_url = ""
-    if frontend.http_address:
-        http_url = f"{'https' if mesh.args.public_tls_cert else 'http'}://{frontend.http_address}/v1"
+    http_url = _http_url(mesh, frontend)
+    frontends = [c for c in mesh.children if c.service == "frontend"]
     return MeshDescription(
         address=frontend.address, http_url=http_url,
+        frontends=[FrontendEntry(c.address, _http_url(mesh, c)) for c in frontends],
         certificates=str(mesh.certificates) if mesh.certificates is not None else "",
         services={c.name: ServiceEntry(c.address, c.process.pid,
                                        f"http://{c.metrics_address}/metrics" if c.metrics_address else "",
@@ -370,7 +385,7 @@ def _describe(mesh: Mesh, frontend: Child) -> MeshDescription:
 
 
 def serve_mesh(args: argparse.Namespace) -> int:
-    for flag in ("detokenizers", "data_parallel_size", "tensor_parallel_size"):
+    for flag in ("detokenizers", "frontends", "data_parallel_size", "tensor_parallel_size"):
         if getattr(args, flag) < 1:
             print(f"vmesh: --{flag.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 2

@@ -23,12 +23,19 @@ class ServiceEntry:
 
 
 @dataclass
+class FrontendEntry:
+    address: str  # its public gRPC address
+    http_url: str = ""  # its OpenAI-compatible API's base URL (…/v1), "" when off
+
+
+@dataclass
 class MeshDescription:
     address: str  # the frontend's public gRPC address
     http_url: str = ""  # the OpenAI-compatible API's base URL (…/v1), "" when off
     # The directory of the run's CA and admin certificate; "" with --no-internal-tls.
     certificates: str = ""
     services: dict[str, ServiceEntry] = field(default_factory=dict)  # worker, scheduler, detokenizer-0, …
+    frontends: list[FrontendEntry] = field(default_factory=list)  # every frontend, the one above first
 
     def admin_identity(self) -> tls.Identity | None:
         """The run's admin identity (what operator tools present to the internal services);
@@ -45,7 +52,8 @@ class MeshDescription:
     def from_json(cls, text: str) -> MeshDescription:
         raw = json.loads(text)
         services = {name: ServiceEntry(**entry) for name, entry in raw.pop("services").items()}
-        return cls(**raw, services=services)
+        frontends = [FrontendEntry(**entry) for entry in raw.pop("frontends", [])]
+        return cls(**raw, services=services, frontends=frontends)
 
 
 def role_of_service(name: str) -> str:

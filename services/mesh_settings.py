@@ -16,6 +16,10 @@ class MeshSettings:
     data_parallel_size: int = setting(
         1, section="mesh",
         help="worker groups, each a worker and its scheduler; the frontend spreads requests over them")
+    frontends: int = setting(
+        1, section="mesh",
+        help="frontends, each with its own gRPC and HTTP port (the first on --port and --http-port, the others on "
+             "free ports): a client whose frontend dies resumes its stream through another")
     metrics: bool = setting(False, section="mesh", help="every service serves Prometheus metrics on a free port")
     fail_fast: bool = setting(
         False, section="mesh",

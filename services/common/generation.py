@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from vmesh.services.common.resume import ResumePoint
 from vmesh.services.common.types import FinishReason, SamplingParams, TokenLogprobs, TraceContext, Usage
 
 
@@ -48,6 +49,10 @@ class GenerationRequest:
     max_tokens_from_context: bool = False
     model: str = ""  # "": the served model
     priority: int = 0
+    # The client's handle for resuming the stream ("": the frontend draws one), and, when this is
+    # a resume (the same request sent again after its stream broke), how far the client got.
+    resume_key: str = ""
+    resume_from: ResumePoint | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -70,6 +75,10 @@ class GenerationOutput:
     prompt_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     embedding: list[float] = field(default_factory=list)  # sampling.pooling set: in the piece with its first token
+    resume_key: str = ""  # the first piece's: the handle for resuming the stream should it break
+    # The first piece of a resumed stream: the text the client already has (a tool-call parser
+    # picks up where the client's left off).
+    resumed_text: str = ""
 
 
 @dataclass
@@ -86,3 +95,5 @@ class Submission:
     resumed_output_token_ids: list[int] = field(default_factory=list)
     resumed_text_length: int = 0  # characters of the resumed outputs' text the client has
     lora_name: str = ""  # the LoRA adapter the request's model names; "": the base model
+    resume_key: str = ""  # the client's handle, kept across failovers and frontends ("": not resumable)
+    prompt_digest: bytes = b""  # of prompt_token_ids, for a take-over's check

@@ -23,6 +23,7 @@ _ANY = frozenset(ROLES)
 CALLERS: dict[str, frozenset[str]] = {
     "/vmesh.v1.SchedulerService/SubmitRequest": frozenset({"frontend"}),
     "/vmesh.v1.SchedulerService/AbortRequest": frozenset({"frontend"}),
+    "/vmesh.v1.SchedulerService/TakeOverRequest": frozenset({"frontend"}),
     "/vmesh.v1.SchedulerService/GetSchedulerStats": frozenset({"frontend", "admin"}),
     "/vmesh.v1.SchedulerService/ResetPrefixCache": frozenset({"admin"}),
     "/vmesh.v1.SchedulerService/WatchCache": frozenset({"frontend", "admin"}),

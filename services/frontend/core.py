@@ -25,6 +25,7 @@ from vmesh.services.common import telemetry
 from vmesh.services.common.admission import InvalidRequest, admit, check_model, check_prompt_length
 from vmesh.services.common.generation import Chat, GenerationOutput, GenerationRequest, Prompt, Submission
 from vmesh.services.common.metrics import FrontendMetrics
+from vmesh.services.common.resume import new_resume_key, prompt_digest
 from vmesh.services.common.runtime.discovery import AddressBook
 from vmesh.services.common.runtime.peers import PeerSet
 from vmesh.services.common.runtime.retry import Backoff
@@ -39,6 +40,7 @@ from vmesh.services.frontend.inputs import encode_input, prompt_bytes
 from vmesh.services.frontend.lora_models import FrontendAdapters
 from vmesh.services.frontend.outbox import LostService, Outbox, PendingOutput
 from vmesh.services.frontend.request_clock import RequestClock
+from vmesh.services.frontend.resumption import take_over, text_the_client_has
 from vmesh.services.frontend.schedulers import SchedulerGroup, SchedulerPool
 from vmesh.services.frontend.settings import FrontendServiceSettings
 from vmesh.services.frontend.structured_requests import LazyGrammarCompiler, SpecCompiler, build_compiler, compile_spec
@@ -304,15 +306,26 @@ class FrontendCore:
         self.ready()  # a drain that began while this prompt was tokenizing counted no request in flight
         lora_name = await self.adapters.resolve(request.model, self.loaded_limits().name)
         params = await self._compiled(_admit(request, prompt, self.loaded_limits(), span, lora_name), span)
+        digest = prompt_digest(prompt)
+        resumed: list[int] = []
+        resumed_text = ""
+        if (resume := request.resume_from) is not None:
+            resumed = await take_over(self, resume, digest)
+            resumed_text = text_the_client_has(_loaded(self.tokenizer), params, prompt, resumed, resume.text_length)
+            span.add_event("vmesh.resume", {"vmesh.resumed_output_tokens": len(resumed)})
         outbox = Outbox(delta_text=params.output_mode is OutputMode.DELTA)
+        outbox.resume(resumed, len(resumed_text))
         # The frontend key names the request inside the mesh (with this frontend's id); the client
         # sees it as the request id.
         frontend_key = self.register(outbox)
         request_id = str(frontend_key)
         span.set_attribute("gen_ai.response.id", RequestRef(self.frontend_id, frontend_key).key)
+        resume_key = request.resume_key or new_resume_key()
         route = MeshPath(self, Submission(self.frontend_id, frontend_key, prompt, params, request.priority,
-                                          telemetry.trace_context(span), lora_name=lora_name), outbox, time_remaining,
-                         span)
+                                          telemetry.trace_context(span), resumed_output_token_ids=list(resumed),
+                                          resumed_text_length=len(resumed_text), lora_name=lora_name,
+                                          resume_key=resume_key, prompt_digest=digest),
+                         outbox, time_remaining, span)
         finished = False
         backend = params.grammar.backend if params.grammar is not None else ""
         scored_prompt = prompt if params.prompt_logprobs is not None else []  # sent with the first tokens
@@ -333,8 +346,9 @@ class FrontendCore:
                 if not out.error or out.text or out.token_ids:
                     yield GenerationOutput(request_id, out.text, out.token_ids, out.logprobs, out.finish_reason,
                                            out.usage, backend, scored_prompt if out.token_ids else [],
-                                           out.prompt_logprobs, out.embedding)
-                    backend, scored_prompt = "", scored_prompt if not out.token_ids else []  # said once
+                                           out.prompt_logprobs, out.embedding, resume_key, resumed_text)
+                    backend, resume_key, resumed_text = "", "", ""  # said once
+                    scored_prompt = scored_prompt if not out.token_ids else []
                 if finished:
                     return
                 if out.lost:

@@ -11,15 +11,16 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from dataclasses import InitVar, dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from vmesh.services.common.generation import GenerationOutput, GenerationRequest
-from vmesh.services.frontend import embeddings_api, responses_api, responses_events, utility_api
+from vmesh.services.common.generation import GenerationRequest
+from vmesh.services.common.types import Usage
+from vmesh.services.frontend import embeddings_api, http_resume, responses_api, responses_events, utility_api
 from vmesh.services.frontend import openai_protocol as oai
 from vmesh.services.frontend import openai_responses as render
 from vmesh.services.frontend.core import FrontendCore
@@ -34,10 +35,9 @@ from vmesh.services.frontend.http_middleware import (
     error_response,
     request_error_response,
 )
+from vmesh.services.frontend.http_reply import Reply, sse
 from vmesh.services.frontend.inputs import check_request_budget, check_request_tokens
 from vmesh.services.frontend.lora_http import adapter_cards, add_lora_routes
-from vmesh.services.frontend.structured_requests import BACKEND_HEADER
-from vmesh.services.frontend.tool_calls import ToolPlan
 from vmesh.services.frontend.tool_parsers import ContentDelta, Delta, ToolCallParser, make_parser
 
 if TYPE_CHECKING:  # a type only: /metrics imports prometheus_client when scraped
@@ -49,49 +49,6 @@ logger = logging.getLogger(__name__)
 # memory and a task on the frontend's one loop, so a flood of them must stop somewhere.
 LIMIT_CONCURRENCY = 4096
 KEEP_ALIVE_S = 15  # an idle keep-alive connection is closed after this long
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-@dataclass
-class Reply:
-    """One HTTP request's reply as it is built: what its body, or each of its streamed chunks, says
-    besides the outputs (`choices`: one per prompt and copy, in order)."""
-
-    model: str
-    chat: bool
-    prompts: InitVar[int]
-    n: int
-    stream: bool
-    include_usage: bool  # streamed: a last chunk with the usage
-    want_logprobs: bool
-    aliases: dict[str, str]  # the request's own names of fields (for errors' `param`)
-    tools: ToolPlan | None = None  # chat: what its tool fields asked for
-    responses: responses_api.ResponsesView | None = None  # a Responses API reply, built over this chat one
-    structured_backend: str = ""  # the grammar backend that constrains the output ("": none)
-    echo: render.Echo | None = None  # completions' echo
-    want_prompt_logprobs: bool = False  # vLLM's prompt_logprobs
-    request_id: str = field(init=False)
-    created: int = field(init=False)
-    choices: list[render.Choice] = field(init=False)
-
-    def __post_init__(self, prompts: int) -> None:
-        self.request_id = render.new_id("chatcmpl" if self.chat else "cmpl")
-        self.created = render.now()
-        self.choices = [render.Choice() for _ in range(prompts * self.n)]
-
-    def note(self, out: GenerationOutput) -> None:
-        self.structured_backend = self.structured_backend or out.structured_backend
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {BACKEND_HEADER: self.structured_backend} if self.structured_backend else {}
-
-    def chunk(self, choices: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
-        return {"id": self.request_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices, **fields}
 
 
 def tool_call_delta(delta: Delta) -> dict[str, Any]:
@@ -149,8 +106,15 @@ class OpenAIRoutes:
                 with refused_as_request_errors():
                     check_request_tokens(sum(map(len, prompts)), reply.n, budget.max_request_tokens)
             operation = "chat" if reply.chat else "text_completion"
-            fanout = Fanout([self.frontend.generate(r, trace_headers=http_request.headers, operation=operation)
-                             for r in oai.fan_out(requests, reply.n, prompts)])
+            choices = oai.fan_out(requests, reply.n, prompts)
+            reply.starts, reply.resuming = http_resume.resume_points(
+                http_request.headers.get(http_resume.HEADER), choices, reply.stream, reply.responses is None)
+            for index, start in enumerate(reply.starts):  # what the client had of a choice it saw end
+                if start.finished:
+                    reply.choices[index].usage = Usage(len(prompts[index // reply.n]), start.num_output_tokens, 0)
+            fanout = Fanout([http_resume.ended() if start.finished else self.frontend.generate(
+                http_resume.resumed_request(r, start, reply.resuming), trace_headers=http_request.headers,
+                operation=operation) for r, start in zip(choices, reply.starts, strict=True)])
             if reply.stream:
                 await fanout.started()
                 for _, out in fanout.pending:
@@ -197,27 +161,32 @@ class OpenAIRoutes:
             if fanout is not None and not handed_over:
                 await fanout.close()
 
-    async def _stream(self, fanout: Fanout, chunks: AsyncIterator[dict[str, Any]], reply: Reply) -> AsyncIterator[str]:
+    async def _stream(self, fanout: Fanout, events: AsyncIterator[list[dict[str, Any]]],
+                      reply: Reply) -> AsyncIterator[str]:
+        """Each output's chunks in one write; the last carries the event id, so that a client cut
+        off inside an output's chunks resumes from the output before."""
         try:
-            async for chunk in chunks:
-                yield _sse(chunk)
+            async for chunks in events:
+                yield "".join(sse(chunk, reply.event_id() if i == len(chunks) - 1 else "")
+                              for i, chunk in enumerate(chunks))
             if reply.include_usage:
-                yield _sse(reply.chunk([], usage=render.usage(reply.choices, reply.n)))
+                yield sse(reply.chunk([], usage=render.usage(reply.choices, reply.n)))
         except RequestError as exc:  # mid-stream: the status line is long gone; OpenAI's clients read this
-            yield _sse(oai.request_error_body(exc, reply.aliases)[1])
+            yield sse(oai.request_error_body(exc, reply.aliases)[1])
         except Exception as exc:
             logger.exception("HTTP stream failed")
-            yield _sse(oai.error_body(f"internal error: {type(exc).__name__}", "internal_error"))
+            yield sse(oai.error_body(f"internal error: {type(exc).__name__}", "internal_error"))
         finally:
             await fanout.close()
         yield "data: [DONE]\n\n"
 
-    async def _responses_stream(self, fanout: Fanout, chunks: AsyncIterator[dict[str, Any]], reply: Reply,
+    async def _responses_stream(self, fanout: Fanout, events: AsyncIterator[list[dict[str, Any]]], reply: Reply,
                                 view: responses_api.ResponsesView) -> AsyncIterator[str]:
         """The Responses API's events over the chat chunks, the usage chunk last."""
         async def with_usage() -> AsyncIterator[dict[str, Any]]:
-            async for chunk in chunks:
-                yield chunk
+            async for chunks in events:
+                for chunk in chunks:
+                    yield chunk
             yield reply.chunk([], usage=render.usage(reply.choices, reply.n))
 
         try:
@@ -226,7 +195,7 @@ class OpenAIRoutes:
         finally:
             await fanout.close()
 
-    async def _completion_events(self, fanout: Fanout, reply: Reply) -> AsyncIterator[dict[str, Any]]:
+    async def _completion_events(self, fanout: Fanout, reply: Reply) -> AsyncIterator[list[dict[str, Any]]]:
         async for index, out in fanout.events():
             choice = reply.choices[index]
             offset = len(choice.text)
@@ -235,32 +204,37 @@ class OpenAIRoutes:
                 continue
             logprobs = (render.completion_logprobs(out.logprobs, out.token_ids, self.tokens, offset)
                         if reply.want_logprobs else None)
-            yield reply.chunk([{"index": index, "text": out.text, "logprobs": logprobs,
-                                "finish_reason": render.finish_reason(out.finish_reason)}])
+            yield [reply.chunk([{"index": index, "text": out.text, "logprobs": logprobs,
+                                 "finish_reason": render.finish_reason(out.finish_reason)}])]
 
-    async def _chat_events(self, fanout: Fanout, reply: Reply) -> AsyncIterator[dict[str, Any]]:
+    async def _chat_events(self, fanout: Fanout, reply: Reply) -> AsyncIterator[list[dict[str, Any]]]:
         def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> dict:
             return reply.chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
 
         parsers = [make_parser(reply.tools) for _ in reply.choices]
-        for index in range(len(reply.choices)):  # OpenAI opens every choice with the role
-            yield chunk(index, {"role": "assistant", "content": ""})
+        if not reply.resuming:  # OpenAI opens every choice with the role (a resumed client has it)
+            yield [chunk(index, {"role": "assistant", "content": ""}) for index in range(len(reply.choices))]
         async for index, out in fanout.events():
             reply.choices[index].add(out)
+            parser = parsers[index]
+            if parser is not None and out.resumed_text:  # where the client's parser stood: its deltas were sent
+                parser.feed(out.resumed_text)
             if not (out.text or out.finish_reason or out.logprobs):
                 continue
             logprobs = (render.chat_logprobs(out.logprobs, out.token_ids, self.tokens)
                         if reply.want_logprobs else None)
-            parser = parsers[index]
             if parser is None:
-                yield chunk(index, {"content": out.text} if out.text else {}, logprobs,
-                            render.finish_reason(out.finish_reason))
+                yield [chunk(index, {"content": out.text} if out.text else {}, logprobs,
+                             render.finish_reason(out.finish_reason))]
                 continue
+            chunks = []
             for delta in _tool_deltas(parser, out.text, bool(out.finish_reason), logprobs is not None):
-                yield chunk(index, delta, logprobs)
+                chunks.append(chunk(index, delta, logprobs))
                 logprobs = None
             if out.finish_reason:
-                yield chunk(index, {}, None, render.finish_reason(out.finish_reason, parser.calls > 0))
+                chunks.append(chunk(index, {}, None, render.finish_reason(out.finish_reason, parser.calls > 0)))
+            if chunks:
+                yield chunks
 
     async def requested(self, model: str | None) -> str:
         """The model a body names: a LoRA adapter every group holds, else the served model."""

@@ -73,6 +73,12 @@ class Outbox:
         # What reached this outbox, hence the client: a failover resubmits the tokens and tells
         # the next replica how much of their text not to send again.
         self.received = OutputAccumulator[TokenLogprobs](delta_text)
+        self.resumed_text_length = 0  # a resumed stream's: text the client had before (delta mode)
+
+    def resume(self, token_ids: list[int], text_length: int) -> None:
+        """The client had these tokens, and this much of their text, before its stream was resumed here."""
+        self.received.token_ids[:] = token_ids
+        self.resumed_text_length = text_length if self.delta_text else 0  # other modes resend the whole text
 
     @property
     def received_token_ids(self) -> list[int]:
@@ -81,7 +87,7 @@ class Outbox:
     @property
     def received_text_length(self) -> int:
         """Characters; outside delta mode, the latest text's."""
-        return len(self.received.text)
+        return self.resumed_text_length + len(self.received.text)
 
     def put(self, out: PendingOutput) -> None:
         if self.closed:  # e.g. a scheduler lost after this request already finished

@@ -19,13 +19,14 @@ from vmesh.services.common import tls
 from vmesh.services.common.cache_events import CacheView
 from vmesh.services.common.generation import Submission
 from vmesh.services.common.grpc_server import channel
+from vmesh.services.common.resume import ResumePoint
 from vmesh.services.common.runtime.peers import Peer, PeerSet
 from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.common.runtime.stream import KeptStream
 from vmesh.services.common.runtime.tasks import TaskGroup
 from vmesh.services.common.types import ModelLimits
 from vmesh.services.common.wire.cache import cache_update_from_proto
-from vmesh.services.common.wire.submission import abort_to_proto, submission_to_proto
+from vmesh.services.common.wire.submission import abort_to_proto, submission_to_proto, take_over_to_proto
 from vmesh.services.frontend.prefix_routing import PrefixRouter, PromptRoute, order_by_cache
 from vmesh.services.frontend.settings import DEFAULT_ROUTING, ROUTING_POLICIES
 from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -58,6 +59,11 @@ class SchedulerGroup(Peer):
 
     async def abort(self, frontend_id: str, frontend_key: int, timeout: float) -> None:
         await self.stub.AbortRequest(abort_to_proto(frontend_id, frontend_key), timeout=timeout)
+
+    async def take_over(self, resume: ResumePoint, prompt_digest: bytes, timeout: float) -> list[int]:
+        """The first outputs of the request resumed under `resume.key` (which stops here)."""
+        reply = await self.stub.TakeOverRequest(take_over_to_proto(resume, prompt_digest), timeout=timeout)
+        return list(reply.output_token_ids)
 
 
 def health_stream(group: SchedulerGroup) -> AsyncIterator[health_pb2.HealthCheckResponse]:

@@ -47,6 +47,10 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # of full blocks, chained
     num_registered_blocks: int = 0  # leading blocks entered in the prefix cache
     lora_name: str = ""  # the LoRA adapter it runs with; "": the base model
+    # Its client's handle for resuming the stream elsewhere, and its prompt's digest
+    # (services/common/resume.py); the core only carries them. "": not resumable.
+    resume_key: str = ""
+    prompt_digest: bytes = b""
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vmesh.services.common.step_types import NewRequest, StepPlan, StepResult
@@ -81,6 +82,8 @@ class Scheduler:
         self._handles = itertools.count()
         self.num_preemptions = 0
         self.num_scheduled_tokens = 0
+        # Told of every request as it ends, whatever ended it (its shell keeps what a resumable one made).
+        self.on_finished: Callable[[Request], None] = lambda request: None
 
     @classmethod
     def for_worker(cls, settings: SchedulerSettings, worker: WorkerGeometry,
@@ -369,6 +372,7 @@ class Scheduler:
         del self.requests[request.request_id]
         if request.handle is not None:
             del self.by_handle[request.handle]
+        self.on_finished(request)
 
     def _leave_worker(self, request: Request) -> None:
         if request.on_worker:

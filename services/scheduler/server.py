@@ -22,6 +22,7 @@ from vmesh.services.common import telemetry
 from vmesh.services.common.admission import InvalidRequest, admit, check_adapter
 from vmesh.services.common.grpc_server import ServiceShell
 from vmesh.services.common.metrics import SchedulerMetrics, ScrapedMetrics
+from vmesh.services.common.resume import NothingToResume, ResumeRefused
 from vmesh.services.common.server_settings import ServerSettings
 from vmesh.services.common.types import PROMPT_TAIL_TOKENS, RequestRef, SamplingParams, StreamStart, TraceContext
 from vmesh.services.common.wire.cache import cache_update_to_proto
@@ -102,15 +103,28 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         sampling = sampling_from_proto(request.sampling)
         admit(request.prompt_token_ids, sampling, self.session.model_limits(), request.resumed_output_token_ids)
         check_adapter(request.lora_name, self.session.lora_adapters)
-        self.session.core().add_request(Request(key, list(request.prompt_token_ids), sampling,
-                                                priority=request.priority,
-                                                output_token_ids=list(request.resumed_output_token_ids),
-                                                lora_name=request.lora_name))
+        queued = Request(key, list(request.prompt_token_ids), sampling, priority=request.priority,
+                         output_token_ids=list(request.resumed_output_token_ids), lora_name=request.lora_name,
+                         resume_key=request.resume_key, prompt_digest=request.prompt_digest)
+        self.session.core().add_request(queued)
+        self.session.add_resumable(queued)
         return sampling
 
     async def AbortRequest(self, request, context):
         aborted = await self.session.abort(request_key(request.frontend_id, request.frontend_key))
         return scheduler_pb2.AbortRequestResponse(aborted=aborted)
+
+    async def TakeOverRequest(self, request, context):
+        if self.session.scheduler is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "not connected to a worker yet")
+        try:
+            tokens = await self.session.take_over(request.resume_key, request.prompt_digest,
+                                                  request.num_output_tokens)
+        except NothingToResume:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "this group holds no request under that resume key")
+        except ResumeRefused as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return scheduler_pb2.TakeOverRequestResponse(output_token_ids=tokens)
 
     async def GetSchedulerStats(self, request, context):
         session = self.session

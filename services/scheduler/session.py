@@ -17,6 +17,7 @@ from typing import Any
 
 from vmesh.services.common import telemetry
 from vmesh.services.common.metrics import SchedulerMetrics
+from vmesh.services.common.resume import EndedRequests, check_resume
 from vmesh.services.common.runtime.discovery import AddressBook
 from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.common.runtime.tasks import TaskGroup, wait_until
@@ -29,6 +30,7 @@ from vmesh.services.scheduler.detokenizer_router import DetokenizerRouter, OpenS
 from vmesh.services.scheduler.lifetimes import Lifetimes
 from vmesh.services.scheduler.lora_admin import restore_adapters
 from vmesh.services.scheduler.pipeline import StepPipeline
+from vmesh.services.scheduler.request import Request
 from vmesh.services.scheduler.scheduler import RequestUpdate, Scheduler
 from vmesh.services.scheduler.settings import SchedulerServiceSettings
 from vmesh.services.scheduler.worker_ranks import (
@@ -69,6 +71,9 @@ class SchedulerSession:
         self.detokenizers = AddressBook(settings.detokenizer_addresses)
         self.router = DetokenizerRouter(self._released_by_router, open_detokenizer_stream)
         self.lifetimes = Lifetimes()
+        # Resumable requests: those it holds by resume key (their request keys), and what ended ones made.
+        self.resumable: dict[str, str] = {}
+        self.ended = EndedRequests()
         self.metrics: SchedulerMetrics | None = None
         # Marked NOT_SERVING (False) while the worker is lost, SERVING once back.
         self.on_serving: Callable[[bool], None] = lambda serving: None
@@ -92,6 +97,7 @@ class SchedulerSession:
         self.limits = ModelLimits(info.model_name, info.max_model_len, info.vocab_size)
         self.lora_adapters = dict(zip(info.lora_adapters, info.lora_adapter_paths, strict=True))
         self.scheduler = Scheduler.for_worker(self.settings, geometry(info))
+        self.scheduler.on_finished = self._request_ended
         self.pipeline = StepPipeline(self.scheduler, self.settings.pipeline_depth)
         return info
 
@@ -148,6 +154,29 @@ class SchedulerSession:
             self.router.add_end(route)
             await self.router.flush()
         return aborted
+
+    def add_resumable(self, request: Request) -> None:
+        """A request its client may resume elsewhere (the core holds it already)."""
+        if request.resume_key:
+            self.resumable[request.resume_key] = request.request_id
+
+    def _request_ended(self, request: Request) -> None:
+        """Whatever ended a resumable request, what it made is kept for its client's resume."""
+        if not request.resume_key:
+            return
+        if self.resumable.get(request.resume_key) == request.request_id:  # not a later submission's
+            del self.resumable[request.resume_key]
+        self.ended.keep(request.resume_key, request.prompt_digest, request.output_token_ids)
+
+    async def take_over(self, resume_key: str, prompt_digest: bytes, num_output_tokens: int) -> list[int]:
+        """A client resumes its stream through another frontend: the request stops here (if it still
+        runs) and the first `num_output_tokens` of its outputs are handed over. Raises
+        NothingToResume or ResumeRefused (services/common/resume.py)."""
+        if (key := self.resumable.get(resume_key)) is not None and self.scheduler is not None:
+            request = self.scheduler.requests[key]
+            check_resume(request.prompt_digest, prompt_digest, len(request.output_token_ids), num_output_tokens)
+            await self.abort(key)  # which keeps what it made (_request_ended)
+        return self.ended.take(resume_key, prompt_digest, num_output_tokens)
 
     def release(self, key: str, finish_reason: str = FinishReason.ABORT.value) -> Route | None:
         """Close the request's route and end its lifetime; None if it has none (already released)."""

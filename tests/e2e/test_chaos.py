@@ -1,7 +1,8 @@
 """Lossless failover: under a steady load of greedy and seeded requests, kill -9 the worker, a
-detokenizer replica, the scheduler and the frontend, one test each on one mesh. `vmesh serve`
-restarts each in place; every request of the first three ends with exactly the text and tokens
-of an undisturbed run; the frontend's clients lose their connection, and their requests stop
+detokenizer replica, the scheduler and a frontend, one test each on one mesh of two frontends.
+`vmesh serve` restarts each in place; every request ends with exactly the text and tokens of an
+undisturbed run (a dead frontend's clients resume their streams through the other frontend, over
+gRPC and HTTP); a client that does not resume loses its connection and its request stops
 computing; no KV block is leaked."""
 
 from __future__ import annotations
@@ -70,11 +71,12 @@ async def one(client: VmeshClient, i: int, progress: list[int], max_tokens: int 
     return outcome
 
 
-async def load(address: str, kill: Callable[[], object] | None = None, max_tokens: int = MAX_TOKENS,
+async def load(address: str | list[str], kill: Callable[[], object] | None = None, max_tokens: int = MAX_TOKENS,
                kill_after_tokens: int = NUM_REQUESTS * MAX_TOKENS // 3) -> list[Outcome]:
-    """NUM_REQUESTS concurrent streams; `kill` runs once `kill_after_tokens` have streamed."""
+    """NUM_REQUESTS concurrent streams; `kill` runs once `kill_after_tokens` have streamed.
+    `address`: several frontends' to resume through the next when one goes away."""
     progress = [0] * NUM_REQUESTS
-    async with VmeshClient(address) as client:
+    async with VmeshClient(address, max_resumes=1) as client:
         tasks = [asyncio.create_task(one(client, i, progress, max_tokens)) for i in range(NUM_REQUESTS)]
         if kill is not None:
             await eventually(lambda: sum(progress) >= kill_after_tokens or any(t.done() for t in tasks),
@@ -110,8 +112,8 @@ class Chaos:
 @pytest.fixture(scope="module")
 def chaos() -> Iterator[Chaos]:
     # Recovery timeouts far beyond a restart here: on a slow machine a reload must not turn into a failure.
-    mesh = start_mesh("--detokenizers", "2", "--max-num-seqs", "4", "--metrics", "--worker-recovery-timeout", "120",
-                      "--failover-timeout", "120")
+    mesh = start_mesh("--detokenizers", "2", "--frontends", "2", "--max-num-seqs", "4", "--metrics",
+                      "--worker-recovery-timeout", "120", "--failover-timeout", "120")
     try:
         reference = asyncio.run(load(mesh.address))
         assert all(o.error is None and len(o.token_ids) == MAX_TOKENS for o in reference)
@@ -164,9 +166,24 @@ def test_a_killed_process_is_restarted_and_no_request_is_lost(chaos, victim):
     assert_no_block_leaked(mesh)
 
 
-def test_a_killed_frontend_s_requests_fail_and_stop_computing(chaos):
-    """Its clients' connections break (UNAVAILABLE); the requests stop computing long before they
-    could have finished; the restarted frontend serves the same outputs."""
+def test_a_killed_frontend_s_clients_resume_through_the_other_and_lose_nothing(chaos):
+    mesh = chaos.mesh
+    restarts = mesh.restarts["frontend"]
+    addresses = [entry.address for entry in mesh.description.frontends]
+    assert len(addresses) == 2
+    outcomes = asyncio.run(load(addresses, lambda: mesh.kill_service("frontend")))
+    for i, (got, want) in enumerate(zip(outcomes, chaos.reference)):
+        assert got.error is None, f"frontend killed: request {i} failed with {got.error}"
+        assert got.result == want.result, f"frontend killed: request {i} differs from the undisturbed run"
+    wait_restarted(mesh, "frontend", restarts + 1)
+    chaos.report["frontend resumed"] = f"{NUM_REQUESTS} resumed through frontend-1, 0 lost, longest pause " \
+                                       f"{max(o.longest_gap_s for o in outcomes):.1f} s"
+    assert_no_block_leaked(mesh)
+
+
+def test_a_killed_frontend_s_requests_that_nobody_resumes_stop_computing(chaos):
+    """Clients that know one frontend: their connections break (UNAVAILABLE); the requests stop
+    computing long before they could have finished; the restarted frontend serves the same outputs."""
     mesh = chaos.mesh
     restarts = mesh.restarts["frontend"]
     outcomes = asyncio.run(load(mesh.address, lambda: mesh.kill_service("frontend"), max_tokens=2000,

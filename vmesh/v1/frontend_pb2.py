@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from vmesh.v1 import common_pb2 as vmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17vmesh/v1/frontend.proto\x12\x08vmesh.v1\x1a\x15vmesh/v1/common.proto\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"j\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12&\n\ntool_calls\x18\x03 \x03(\x0b\x32\x12.vmesh.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"F\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.vmesh.v1.ChatMessage\x12\r\n\x05tools\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc8\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x16.vmesh.v1.ChatMessagesH\x00\x12\'\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x12.vmesh.v1.TokenIdsH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.vmesh.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x42\x07\n\x05input\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\\\n\x16GeneratedTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.vmesh.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xd5\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x32\n\x08logprobs\x18\x04 \x03(\x0b\x32 .vmesh.v1.GeneratedTokenLogprobs\x12-\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x16.vmesh.v1.FinishReason\x12\x1e\n\x05usage\x18\x06 \x01(\x0b\x32\x0f.vmesh.v1.Usage\x12!\n\x19structured_output_backend\x18\x07 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r\x12\x39\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32 .vmesh.v1.GeneratedTokenLogprobs\x12\x11\n\tembedding\x18\n \x03(\x02\"R\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x16.vmesh.v1.ChatMessagesH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x15\n\x13GetModelInfoRequest\"P\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r2\x8a\x03\n\x0f\x46rontendService\x12\x43\n\x08Generate\x12\x19.vmesh.v1.GenerateRequest\x1a\x1a.vmesh.v1.GenerateResponse0\x01\x12\x41\n\x08Tokenize\x12\x19.vmesh.v1.TokenizeRequest\x1a\x1a.vmesh.v1.TokenizeResponse\x12M\n\x0cGetModelInfo\x12\x1d.vmesh.v1.GetModelInfoRequest\x1a\x1e.vmesh.v1.GetModelInfoResponse\x12N\n\x0fLoadLoraAdapter\x12\x1c.vmesh.v1.LoraAdapterRequest\x1a\x1d.vmesh.v1.LoraAdapterResponse\x12P\n\x11UnloadLoraAdapter\x12\x1c.vmesh.v1.LoraAdapterRequest\x1a\x1d.vmesh.v1.LoraAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17vmesh/v1/frontend.proto\x12\x08vmesh.v1\x1a\x15vmesh/v1/common.proto\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"j\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12&\n\ntool_calls\x18\x03 \x03(\x0b\x32\x12.vmesh.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"F\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.vmesh.v1.ChatMessage\x12\r\n\x05tools\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xea\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x16.vmesh.v1.ChatMessagesH\x00\x12\'\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x12.vmesh.v1.TokenIdsH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.vmesh.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12 \n\x06resume\x18\x07 \x01(\x0b\x32\x10.vmesh.v1.ResumeB\x07\n\x05input\"G\n\x06Resume\x12\r\n\x05token\x18\x01 \x01(\t\x12\x19\n\x11num_output_tokens\x18\x02 \x01(\r\x12\x13\n\x0btext_length\x18\x03 \x01(\r\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\\\n\x16GeneratedTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.vmesh.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xeb\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x32\n\x08logprobs\x18\x04 \x03(\x0b\x32 .vmesh.v1.GeneratedTokenLogprobs\x12-\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x16.vmesh.v1.FinishReason\x12\x1e\n\x05usage\x18\x06 \x01(\x0b\x32\x0f.vmesh.v1.Usage\x12!\n\x19structured_output_backend\x18\x07 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r\x12\x39\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32 .vmesh.v1.GeneratedTokenLogprobs\x12\x11\n\tembedding\x18\n \x03(\x02\x12\x14\n\x0cresume_token\x18\x0b \x01(\t\"R\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x16.vmesh.v1.ChatMessagesH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x15\n\x13GetModelInfoRequest\"P\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r2\x8a\x03\n\x0f\x46rontendService\x12\x43\n\x08Generate\x12\x19.vmesh.v1.GenerateRequest\x1a\x1a.vmesh.v1.GenerateResponse0\x01\x12\x41\n\x08Tokenize\x12\x19.vmesh.v1.TokenizeRequest\x1a\x1a.vmesh.v1.TokenizeResponse\x12M\n\x0cGetModelInfo\x12\x1d.vmesh.v1.GetModelInfoRequest\x1a\x1e.vmesh.v1.GetModelInfoResponse\x12N\n\x0fLoadLoraAdapter\x12\x1c.vmesh.v1.LoraAdapterRequest\x1a\x1d.vmesh.v1.LoraAdapterResponse\x12P\n\x11UnloadLoraAdapter\x12\x1c.vmesh.v1.LoraAdapterRequest\x1a\x1d.vmesh.v1.LoraAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,23 +41,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=297
   _globals['_TOKENIDS']._serialized_end=320
   _globals['_GENERATEREQUEST']._serialized_start=323
-  _globals['_GENERATEREQUEST']._serialized_end=523
-  _globals['_TOKENLOGPROB']._serialized_start=525
-  _globals['_TOKENLOGPROB']._serialized_end=574
-  _globals['_GENERATEDTOKENLOGPROBS']._serialized_start=576
-  _globals['_GENERATEDTOKENLOGPROBS']._serialized_end=668
-  _globals['_USAGE']._serialized_start=670
-  _globals['_USAGE']._serialized_end=757
-  _globals['_GENERATERESPONSE']._serialized_start=760
-  _globals['_GENERATERESPONSE']._serialized_end=1101
-  _globals['_TOKENIZEREQUEST']._serialized_start=1103
-  _globals['_TOKENIZEREQUEST']._serialized_end=1185
-  _globals['_TOKENIZERESPONSE']._serialized_start=1187
-  _globals['_TOKENIZERESPONSE']._serialized_end=1224
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1226
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1247
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1249
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1329
-  _globals['_FRONTENDSERVICE']._serialized_start=1332
-  _globals['_FRONTENDSERVICE']._serialized_end=1726
+  _globals['_GENERATEREQUEST']._serialized_end=557
+  _globals['_RESUME']._serialized_start=559
+  _globals['_RESUME']._serialized_end=630
+  _globals['_TOKENLOGPROB']._serialized_start=632
+  _globals['_TOKENLOGPROB']._serialized_end=681
+  _globals['_GENERATEDTOKENLOGPROBS']._serialized_start=683
+  _globals['_GENERATEDTOKENLOGPROBS']._serialized_end=775
+  _globals['_USAGE']._serialized_start=777
+  _globals['_USAGE']._serialized_end=864
+  _globals['_GENERATERESPONSE']._serialized_start=867
+  _globals['_GENERATERESPONSE']._serialized_end=1230
+  _globals['_TOKENIZEREQUEST']._serialized_start=1232
+  _globals['_TOKENIZEREQUEST']._serialized_end=1314
+  _globals['_TOKENIZERESPONSE']._serialized_start=1316
+  _globals['_TOKENIZERESPONSE']._serialized_end=1353
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1355
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1376
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1378
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1458
+  _globals['_FRONTENDSERVICE']._serialized_start=1461
+  _globals['_FRONTENDSERVICE']._serialized_end=1855
 # @@protoc_insertion_point(module_scope)

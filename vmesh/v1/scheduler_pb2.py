@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from vmesh.v1 import common_pb2 as vmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18vmesh/v1/scheduler.proto\x12\x08vmesh.v1\x1a\x15vmesh/v1/common.proto\"\xc2\x02\n\x14SubmitRequestRequest\x12\x13\n\x0b\x66rontend_id\x18\x02 \x01(\t\x12\x14\n\x0c\x66rontend_key\x18\x03 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.vmesh.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12-\n\rtrace_context\x18\x07 \x01(\x0b\x32\x16.vmesh.v1.TraceContext\x12\x14\n\x0c\x64\x65tokenizers\x18\x08 \x03(\t\x12 \n\x18resumed_output_token_ids\x18\t \x03(\r\x12\x1b\n\x13resumed_text_length\x18\n \x01(\r\x12\x11\n\tlora_name\x18\x0b \x01(\tJ\x04\x08\x01\x10\x02R\nrequest_id\",\n\x15SubmitRequestResponse\x12\x13\n\x0b\x64\x65tokenizer\x18\x01 \x01(\t\"R\n\x13\x41\x62ortRequestRequest\x12\x13\n\x0b\x66rontend_id\x18\x01 \x01(\t\x12\x14\n\x0c\x66rontend_key\x18\x03 \x01(\x04J\x04\x08\x02\x10\x03R\nrequest_id\"\'\n\x14\x41\x62ortRequestResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x1a\n\x18GetSchedulerStatsRequest\"\xd3\x03\n\x19GetSchedulerStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x03 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x04\x12\r\n\x05steps\x18\t \x01(\x04\x12\x17\n\x0fplan_bytes_sent\x18\n \x01(\x04\x12\x16\n\x0epipeline_depth\x18\x0b \x01(\r\x12\x18\n\x10stateless_worker\x18\x0c \x01(\x08\x12\x12\n\nmodel_name\x18\r \x01(\t\x12\x15\n\rmax_model_len\x18\x0e \x01(\r\x12\x12\n\nvocab_size\x18\x0f \x01(\r\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x10 \x01(\x04\x12\x19\n\x11\x64\x65\x63ode_plan_bytes\x18\x11 \x01(\x04\x12\x13\n\x0bincarnation\x18\x12 \x01(\t\x12\x15\n\rlora_adapters\x18\x13 \x03(\t\"\x19\n\x17ResetPrefixCacheRequest\"6\n\x18ResetPrefixCacheResponse\x12\x1a\n\x12num_dropped_blocks\x18\x01 \x01(\r\"\x13\n\x11WatchCacheRequest\"\xa3\x01\n\x0b\x43\x61\x63heUpdate\x12\x10\n\x08snapshot\x18\x01 \x01(\x08\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x11\n\thash_seed\x18\x03 \x01(\x04\x12\x0e\n\x06stored\x18\x04 \x03(\x12\x12\x0f\n\x07removed\x18\x05 \x03(\x12\x12%\n\x04load\x18\x06 \x01(\x0b\x32\x17.vmesh.v1.SchedulerLoad\x12\x13\n\x0bincarnation\x18\x07 \x01(\t\"\x87\x02\n\rSchedulerLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12!\n\x19num_waiting_prompt_tokens\x18\x04 \x01(\x04\x12\x46\n\x10\x61\x64\x61pter_requests\x18\x05 \x03(\x0b\x32,.vmesh.v1.SchedulerLoad.AdapterRequestsEntry\x12\x11\n\tmax_loras\x18\x06 \x01(\r\x1a\x36\n\x14\x41\x64\x61pterRequestsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x32\xd2\x04\n\x10SchedulerService\x12P\n\rSubmitRequest\x12\x1e.vmesh.v1.SubmitRequestRequest\x1a\x1f.vmesh.v1.SubmitRequestResponse\x12M\n\x0c\x41\x62ortRequest\x12\x1d.vmesh.v1.AbortRequestRequest\x1a\x1e.vmesh.v1.AbortRequestResponse\x12\\\n\x11GetSchedulerStats\x12\".vmesh.v1.GetSchedulerStatsRequest\x1a#.vmesh.v1.GetSchedulerStatsResponse\x12Y\n\x10ResetPrefixCache\x12!.vmesh.v1.ResetPrefixCacheRequest\x1a\".vmesh.v1.ResetPrefixCacheResponse\x12\x42\n\nWatchCache\x12\x1b.vmesh.v1.WatchCacheRequest\x1a\x15.vmesh.v1.CacheUpdate0\x01\x12N\n\x0fLoadLoraAdapter\x12\x1c.vmesh.v1.LoraAdapterRequest\x1a\x1d.vmesh.v1.LoraAdapterResponse\x12P\n\x11UnloadLoraAdapter\x12\x1c.vmesh.v1.LoraAdapterRequest\x1a\x1d.vmesh.v1.LoraAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18vmesh/v1/scheduler.proto\x12\x08vmesh.v1\x1a\x15vmesh/v1/common.proto\"\xed\x02\n\x14SubmitRequestRequest\x12\x13\n\x0b\x66rontend_id\x18\x02 \x01(\t\x12\x14\n\x0c\x66rontend_key\x18\x03 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.vmesh.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12-\n\rtrace_context\x18\x07 \x01(\x0b\x32\x16.vmesh.v1.TraceContext\x12\x14\n\x0c\x64\x65tokenizers\x18\x08 \x03(\t\x12 \n\x18resumed_output_token_ids\x18\t \x03(\r\x12\x1b\n\x13resumed_text_length\x18\n \x01(\r\x12\x11\n\tlora_name\x18\x0b \x01(\t\x12\x12\n\nresume_key\x18\x0c \x01(\t\x12\x15\n\rprompt_digest\x18\r \x01(\x0cJ\x04\x08\x01\x10\x02R\nrequest_id\",\n\x15SubmitRequestResponse\x12\x13\n\x0b\x64\x65tokenizer\x18\x01 \x01(\t\"^\n\x16TakeOverRequestRequest\x12\x12\n\nresume_key\x18\x01 \x01(\t\x12\x15\n\rprompt_digest\x18\x02 \x01(\x0c\x12\x19\n\x11num_output_tokens\x18\x03 \x01(\r\"3\n\x17TakeOverRequestResponse\x12\x18\n\x10output_token_ids\x18\x01 \x03(\r\"R\n\x13\x41\x62ortRequestRequest\x12\x13\n\x0b\x66rontend_id\x18\x01 \x01(\t\x12\x14\n\x0c\x66rontend_key\x18\x03 \x01(\x04J\x04\x08\x02\x10\x03R\nrequest_id\"\'\n\x14\x41\x62ortRequestResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x1a\n\x18GetSchedulerStatsRequest\"\xd3\x03\n\x19GetSchedulerStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x03 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x04\x12\r\n\x05steps\x18\t \x01(\x04\x12\x17\n\x0fplan_bytes_sent\x18\n \x01(\x04\x12\x16\n\x0epipeline_depth\x18\x0b \x01(\r\x12\x18\n\x10stateless_worker\x18\x0c \x01(\x08\x12\x12\n\nmodel_name\x18\r \x01(\t\x12\x15\n\rmax_model_len\x18\x0e \x01(\r\x12\x12\n\nvocab_size\x18\x0f \x01(\r\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x10 \x01(\x04\x12\x19\n\x11\x64\x65\x63ode_plan_bytes\x18\x11 \x01(\x04\x12\x13\n\x0bincarnation\x18\x12 \x01(\t\x12\x15\n\rlora_adapters\x18\x13 \x03(\t\"\x19\n\x17ResetPrefixCacheRequest\"6\n\x18ResetPrefixCacheResponse\x12\x1a\n\x12num_dropped_blocks\x18\x01 \x01(\r\"\x13\n\x11WatchCacheRequest\"\xa3\x01\n\x0b\x43\x61\x63heUpdate\x12\x10\n\x08snapshot\x18\x01 \x01(\x08\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x11\n\thash_seed\x18\x03 \x01(\x04\x12\x0e\n\x06stored\x18\x04 \x03(\x12\x12\x0f\n\x07removed\x18\x05 \x03(\x12\x12%\n\x04load\x18\x06 \x01(\x0b\x32\x17.vmesh.v1.SchedulerLoad\x12\x13\n\x0bincarnation\x18\x07 \x01(\t\"\x87\x02\n\rSchedulerLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12!\n\x19num_waiting_prompt_tokens\x18\x04 \x01(\x04\x12\x46\n\x10\x61\x64\x61pter_requests\x18\x05 \x03(\x0b\x32,.vmesh.v1.SchedulerLoad.AdapterRequestsEntry\x12\x11\n\tmax_loras\x18\x06 \x01(\r\x1a\x36\n\x14\x41\x64\x61pterRequestsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x32\xaa\x05\n\x10SchedulerService\x12P\n\rSubmitRequest\x12\x1e.vmesh.v1.SubmitRequestRequest\x1a\x1f.vmesh.v1.SubmitRequestResponse\x12M\n\x0c\x41\x62ortRequest\x12\x1d.vmesh.v1.AbortRequestRequest\x1a\x1e.vmesh.v1.AbortRequestResponse\x12\\\n\x11GetSchedulerStats\x12\".vmesh.v1.GetSchedulerStatsRequest\x1a#.vmesh.v1.GetSchedulerStatsResponse\x12Y\n\x10ResetPrefixCache\x12!.vmesh.v1.ResetPrefixCacheRequest\x1a\".vmesh.v1.ResetPrefixCacheResponse\x12\x42\n\nWatchCache\x12\x1b.vmesh.v1.WatchCacheRequest\x1a\x15.vmesh.v1.CacheUpdate0\x01\x12N\n\x0fLoadLoraAdapter\x12\x1c.vmesh.v1.LoraAdapterRequest\x1a\x1d.vmesh.v1.LoraAdapterResponse\x12P\n\x11UnloadLoraAdapter\x12\x1c.vmesh.v1.LoraAdapterRequest\x1a\x1d.vmesh.v1.LoraAdapterResponse\x12V\n\x0fTakeOverRequest\x12 .vmesh.v1.TakeOverRequestRequest\x1a!.vmesh.v1.TakeOverRequestResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,29 +35,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCHEDULERLOAD_ADAPTERREQUESTSENTRY']._loaded_options = None
   _globals['_SCHEDULERLOAD_ADAPTERREQUESTSENTRY']._serialized_options = b'8\001'
   _globals['_SUBMITREQUESTREQUEST']._serialized_start=62
-  _globals['_SUBMITREQUESTREQUEST']._serialized_end=384
-  _globals['_SUBMITREQUESTRESPONSE']._serialized_start=386
-  _globals['_SUBMITREQUESTRESPONSE']._serialized_end=430
-  _globals['_ABORTREQUESTREQUEST']._serialized_start=432
-  _globals['_ABORTREQUESTREQUEST']._serialized_end=514
-  _globals['_ABORTREQUESTRESPONSE']._serialized_start=516
-  _globals['_ABORTREQUESTRESPONSE']._serialized_end=555
-  _globals['_GETSCHEDULERSTATSREQUEST']._serialized_start=557
-  _globals['_GETSCHEDULERSTATSREQUEST']._serialized_end=583
-  _globals['_GETSCHEDULERSTATSRESPONSE']._serialized_start=586
-  _globals['_GETSCHEDULERSTATSRESPONSE']._serialized_end=1053
-  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=1055
-  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=1080
-  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=1082
-  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=1136
-  _globals['_WATCHCACHEREQUEST']._serialized_start=1138
-  _globals['_WATCHCACHEREQUEST']._serialized_end=1157
-  _globals['_CACHEUPDATE']._serialized_start=1160
-  _globals['_CACHEUPDATE']._serialized_end=1323
-  _globals['_SCHEDULERLOAD']._serialized_start=1326
-  _globals['_SCHEDULERLOAD']._serialized_end=1589
-  _globals['_SCHEDULERLOAD_ADAPTERREQUESTSENTRY']._serialized_start=1535
-  _globals['_SCHEDULERLOAD_ADAPTERREQUESTSENTRY']._serialized_end=1589
-  _globals['_SCHEDULERSERVICE']._serialized_start=1592
-  _globals['_SCHEDULERSERVICE']._serialized_end=2186
+  _globals['_SUBMITREQUESTREQUEST']._serialized_end=427
+  _globals['_SUBMITREQUESTRESPONSE']._serialized_start=429
+  _globals['_SUBMITREQUESTRESPONSE']._serialized_end=473
+  _globals['_TAKEOVERREQUESTREQUEST']._serialized_start=475
+  _globals['_TAKEOVERREQUESTREQUEST']._serialized_end=569
+  _globals['_TAKEOVERREQUESTRESPONSE']._serialized_start=571
+  _globals['_TAKEOVERREQUESTRESPONSE']._serialized_end=622
+  _globals['_ABORTREQUESTREQUEST']._serialized_start=624
+  _globals['_ABORTREQUESTREQUEST']._serialized_end=706
+  _globals['_ABORTREQUESTRESPONSE']._serialized_start=708
+  _globals['_ABORTREQUESTRESPONSE']._serialized_end=747
+  _globals['_GETSCHEDULERSTATSREQUEST']._serialized_start=749
+  _globals['_GETSCHEDULERSTATSREQUEST']._serialized_end=775
+  _globals['_GETSCHEDULERSTATSRESPONSE']._serialized_start=778
+  _globals['_GETSCHEDULERSTATSRESPONSE']._serialized_end=1245
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=1247
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=1272
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=1274
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=1328
+  _globals['_WATCHCACHEREQUEST']._serialized_start=1330
+  _globals['_WATCHCACHEREQUEST']._serialized_end=1349
+  _globals['_CACHEUPDATE']._serialized_start=1352
+  _globals['_CACHEUPDATE']._serialized_end=1515
+  _globals['_SCHEDULERLOAD']._serialized_start=1518
+  _globals['_SCHEDULERLOAD']._serialized_end=1781
+  _globals['_SCHEDULERLOAD_ADAPTERREQUESTSENTRY']._serialized_start=1727
+  _globals['_SCHEDULERLOAD_ADAPTERREQUESTSENTRY']._serialized_end=1781
+  _globals['_SCHEDULERSERVICE']._serialized_start=1784
+  _globals['_SCHEDULERSERVICE']._serialized_end=2466
 # @@protoc_insertion_point(module_scope)

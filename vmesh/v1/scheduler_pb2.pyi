@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequestRequest(_message.Message):
-    __slots__ = ("frontend_id", "frontend_key", "prompt_token_ids", "sampling", "priority", "trace_context", "detokenizers", "resumed_output_token_ids", "resumed_text_length", "lora_name")
+    __slots__ = ("frontend_id", "frontend_key", "prompt_token_ids", "sampling", "priority", "trace_context", "detokenizers", "resumed_output_token_ids", "resumed_text_length", "lora_name", "resume_key", "prompt_digest")
     FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_KEY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,8 @@ class SubmitRequestRequest(_message.Message):
     RESUMED_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_TEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    RESUME_KEY_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     frontend_id: str
     frontend_key: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -29,13 +31,31 @@ class SubmitRequestRequest(_message.Message):
     resumed_output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     resumed_text_length: int
     lora_name: str
-    def __init__(self, frontend_id: _Optional[str] = ..., frontend_key: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., detokenizers: _Optional[_Iterable[str]] = ..., resumed_output_token_ids: _Optional[_Iterable[int]] = ..., resumed_text_length: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    resume_key: str
+    prompt_digest: bytes
+    def __init__(self, frontend_id: _Optional[str] = ..., frontend_key: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., detokenizers: _Optional[_Iterable[str]] = ..., resumed_output_token_ids: _Optional[_Iterable[int]] = ..., resumed_text_length: _Optional[int] = ..., lora_name: _Optional[str] = ..., resume_key: _Optional[str] = ..., prompt_digest: _Optional[bytes] = ...) -> None: ...
 
 class SubmitRequestResponse(_message.Message):
     __slots__ = ("detokenizer",)
     DETOKENIZER_FIELD_NUMBER: _ClassVar[int]
     detokenizer: str
     def __init__(self, detokenizer: _Optional[str] = ...) -> None: ...
+
+class TakeOverRequestRequest(_message.Message):
+    __slots__ = ("resume_key", "prompt_digest", "num_output_tokens")
+    RESUME_KEY_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    resume_key: str
+    prompt_digest: bytes
+    num_output_tokens: int
+    def __init__(self, resume_key: _Optional[str] = ..., prompt_digest: _Optional[bytes] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
+
+class TakeOverRequestResponse(_message.Message):
+    __slots__ = ("output_token_ids",)
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AbortRequestRequest(_message.Message):
     __slots__ = ("frontend_id", "frontend_key")

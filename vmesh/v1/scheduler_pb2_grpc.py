@@ -70,6 +70,11 @@ class SchedulerServiceStub:
                 request_serializer=vmesh_dot_v1_dot_common__pb2.LoraAdapterRequest.SerializeToString,
                 response_deserializer=vmesh_dot_v1_dot_common__pb2.LoraAdapterResponse.FromString,
                 _registered_method=True)
+        self.TakeOverRequest = channel.unary_unary(
+                '/vmesh.v1.SchedulerService/TakeOverRequest',
+                request_serializer=vmesh_dot_v1_dot_scheduler__pb2.TakeOverRequestRequest.SerializeToString,
+                response_deserializer=vmesh_dot_v1_dot_scheduler__pb2.TakeOverRequestResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServiceServicer:
@@ -122,6 +127,17 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TakeOverRequest(self, request, context):
+        """A frontend takes over a request whose client resumes its stream there (its first frontend
+        died, or the client reconnected): the request stops wherever it runs here, and the answer
+        holds the output tokens the client says it has, which the frontend submits again with.
+        NOT_FOUND: this group holds nothing under the resume key (never, or no longer);
+        FAILED_PRECONDITION: the prompt differs, or the client claims more tokens than were made.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -159,6 +175,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.UnloadLoraAdapter,
                     request_deserializer=vmesh_dot_v1_dot_common__pb2.LoraAdapterRequest.FromString,
                     response_serializer=vmesh_dot_v1_dot_common__pb2.LoraAdapterResponse.SerializeToString,
+            ),
+            'TakeOverRequest': grpc.unary_unary_rpc_method_handler(
+                    servicer.TakeOverRequest,
+                    request_deserializer=vmesh_dot_v1_dot_scheduler__pb2.TakeOverRequestRequest.FromString,
+                    response_serializer=vmesh_dot_v1_dot_scheduler__pb2.TakeOverRequestResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -350,6 +371,33 @@ class SchedulerService:
             '/vmesh.v1.SchedulerService/UnloadLoraAdapter',
             vmesh_dot_v1_dot_common__pb2.LoraAdapterRequest.SerializeToString,
             vmesh_dot_v1_dot_common__pb2.LoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TakeOverRequest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vmesh.v1.SchedulerService/TakeOverRequest',
+            vmesh_dot_v1_dot_scheduler__pb2.TakeOverRequestRequest.SerializeToString,
+            vmesh_dot_v1_dot_scheduler__pb2.TakeOverRequestResponse.FromString,
             options,
             channel_credentials,
             insecure,

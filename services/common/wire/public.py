@@ -12,6 +12,7 @@ from typing import Any
 from google.protobuf.descriptor import FieldDescriptor
 
 from vmesh.services.common.generation import Chat, ChatMessage, GenerationOutput, GenerationRequest, Prompt, ToolCall
+from vmesh.services.common.resume import ResumePoint
 from vmesh.services.common.types import TokenLogprobs, Usage
 from vmesh.services.common.wire.common import finish_to_proto
 from vmesh.services.common.wire.sampling import sampling_from_proto
@@ -46,9 +47,11 @@ def prompt_from_public(pb: frontend_pb2.GenerateRequest | frontend_pb2.TokenizeR
 
 def request_from_public(pb: frontend_pb2.GenerateRequest) -> GenerationRequest:
     """Unset sampling fields take the core defaults; max_tokens unset, the context's room."""
+    resume = (ResumePoint(pb.resume.token, pb.resume.num_output_tokens, pb.resume.text_length)
+              if pb.HasField("resume") else None)
     return GenerationRequest(prompt_from_public(pb), sampling_from_proto(pb.sampling),
                              max_tokens_from_context=not pb.sampling.HasField("max_tokens"), model=pb.model,
-                             priority=pb.priority)
+                             priority=pb.priority, resume_key=resume.key if resume else "", resume_from=resume)
 
 
 def logprobs_to_public(rows: Iterable[TokenLogprobs]) -> list[frontend_pb2.GeneratedTokenLogprobs]:
@@ -71,7 +74,8 @@ def output_to_public(out: GenerationOutput) -> frontend_pb2.GenerateResponse:
         request_id=out.request_id, text=out.text, token_ids=out.token_ids, logprobs=logprobs_to_public(out.logprobs),
         finish_reason=finish_to_proto(out.finish_reason), usage=usage_to_public(out.usage),
         structured_output_backend=out.structured_backend, prompt_token_ids=out.prompt_token_ids,
-        prompt_logprobs=logprobs_to_public(out.prompt_logprobs), embedding=out.embedding)
+        prompt_logprobs=logprobs_to_public(out.prompt_logprobs), embedding=out.embedding,
+        resume_token=out.resume_key)
 
 
 @cache

@@ -1,0 +1,69 @@
+"""One HTTP request's reply as the OpenAI routes build it (http_server.py): its id, its choices
+so far, what its chunks say besides the outputs, and the Server-Sent Events they are written as."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import InitVar, dataclass, field
+from typing import Any
+
+from vmesh.services.common.generation import GenerationOutput
+from vmesh.services.common.resume import ResumePoint, event_id
+from vmesh.services.frontend import openai_responses as render
+from vmesh.services.frontend import responses_api
+from vmesh.services.frontend.structured_requests import BACKEND_HEADER
+from vmesh.services.frontend.tool_calls import ToolPlan
+
+
+def sse(payload: dict[str, Any], event_id: str = "") -> str:
+    data = f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+    return f"id: {event_id}\n{data}" if event_id else data
+
+
+@dataclass
+class Reply:
+    """One HTTP request's reply as it is built: what its body, or each of its streamed chunks, says
+    besides the outputs (`choices`: one per prompt and copy, in order)."""
+
+    model: str
+    chat: bool
+    prompts: InitVar[int]
+    n: int
+    stream: bool
+    include_usage: bool  # streamed: a last chunk with the usage
+    want_logprobs: bool
+    aliases: dict[str, str]  # the request's own names of fields (for errors' `param`)
+    tools: ToolPlan | None = None  # chat: what its tool fields asked for
+    responses: responses_api.ResponsesView | None = None  # a Responses API reply, built over this chat one
+    structured_backend: str = ""  # the grammar backend that constrains the output ("": none)
+    echo: render.Echo | None = None  # completions' echo
+    want_prompt_logprobs: bool = False  # vLLM's prompt_logprobs
+    request_id: str = field(init=False)
+    created: int = field(init=False)
+    choices: list[render.Choice] = field(init=False)
+    # Each choice's point of departure: its resume key, and what the client had when it resumed.
+    starts: list[ResumePoint] = field(init=False, default_factory=list)
+    resuming: bool = field(init=False, default=False)
+
+    def __post_init__(self, prompts: int) -> None:
+        self.request_id = render.new_id("chatcmpl" if self.chat else "cmpl")
+        self.created = render.now()
+        self.choices = [render.Choice() for _ in range(prompts * self.n)]
+
+    def note(self, out: GenerationOutput) -> None:
+        self.structured_backend = self.structured_backend or out.structured_backend
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {BACKEND_HEADER: self.structured_backend} if self.structured_backend else {}
+
+    def event_id(self) -> str:
+        """How far the client is once it has every event so far (http_resume.py)."""
+        return event_id([ResumePoint(start.key, start.num_output_tokens + len(choice.token_ids),
+                                     start.text_length + len(choice.text),
+                                     start.finished or choice.finish_reason is not None)
+                         for start, choice in zip(self.starts, self.choices, strict=True)])
+
+    def chunk(self, choices: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
+        return {"id": self.request_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, **fields}
