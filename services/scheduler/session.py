@@ -96,10 +96,14 @@ class SchedulerSession:
         info = self.info = await self.workers.open(timeout)
         self.limits = ModelLimits(info.model_name, info.max_model_len, info.vocab_size)
         self.lora_adapters = dict(zip(info.lora_adapters, info.lora_adapter_paths, strict=True))
-        self.scheduler = Scheduler.for_worker(self.settings, geometry(info))
-        self.scheduler.on_finished = self._request_ended
-        self.pipeline = StepPipeline(self.scheduler, self.settings.pipeline_depth)
+        self.use_core(Scheduler.for_worker(self.settings, geometry(info)))
         return info
+
+    def use_core(self, scheduler: Scheduler) -> None:
+        """Plan with `scheduler` (built from the workers' geometry)."""
+        self.scheduler = scheduler
+        scheduler.on_finished = self._request_ended
+        self.pipeline = StepPipeline(scheduler, self.settings.pipeline_depth)
 
     def set_metrics(self, metrics: SchedulerMetrics) -> None:
         self.metrics = self.lifetimes.metrics = metrics

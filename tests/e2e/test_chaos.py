@@ -8,12 +8,14 @@ computing; no KV block is leaked."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
+import httpx
 import pytest
 
 from tests.e2e.conftest import wait_idle
@@ -207,3 +209,82 @@ def test_fail_fast_stops_the_mesh_naming_the_dead_service():
     finally:
         mesh.stop()
 
+
+
+# --- HTTP: a killed frontend's SSE streams resume through the other with Last-Event-ID -------------
+
+HTTP_BODIES = [
+    ("chat/completions", {"messages": [{"role": "user", "content": "Write a short story about a robot."}]}),
+    ("completions", {"prompt": "Once upon a time, a robot", "n": 2}),
+]
+
+
+def sse_events(lines: list[str]) -> list[tuple[str, dict]]:
+    """(id, payload) of each data event; an event without an id keeps the last one, as SSE says."""
+    events, event_id, last_id = [], "", ""
+    for line in lines:
+        if line.startswith("id: "):
+            event_id = line[4:]
+        elif line.startswith("data: ") and line != "data: [DONE]":
+            last_id = event_id or last_id
+            events.append((last_id, json.loads(line[6:])))
+            event_id = ""
+    return events
+
+
+def texts(events: list[tuple[str, dict]]) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for _, payload in events:
+        for choice in payload["choices"]:
+            piece = choice["delta"].get("content") if "delta" in choice else choice["text"]
+            out[choice["index"]] = out.get(choice["index"], "") + (piece or "")
+    return out
+
+
+async def http_stream(url: str, body: dict, lines: list[str], last_event_id: str = "") -> None:
+    headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
+    async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S) as http, \
+            http.stream("POST", url, json=body, headers=headers) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            lines.append(line)
+
+
+def test_a_killed_frontend_s_http_streams_resume_with_last_event_id(chaos):
+    mesh = chaos.mesh
+    first, second = (entry.http_url for entry in mesh.description.frontends)
+    bodies = [(path, {**body, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+                      "stream": True}) for path, body in HTTP_BODIES]
+
+    async def run() -> tuple[list[dict[int, str]], list[dict[int, str]]]:
+        references = []
+        for path, body in bodies:
+            lines: list[str] = []
+            await http_stream(f"{second}/{path}", body, lines)
+            references.append(texts(sse_events(lines)))
+        received: list[list[str]] = [[] for _ in bodies]
+        streams = [asyncio.create_task(http_stream(f"{first}/{path}", body, lines))
+                   for (path, body), lines in zip(bodies, received)]
+        await eventually(lambda: all(len(sse_events(lines)) >= 4 for lines in received), budget_s=CLIENT_TIMEOUT_S,
+                         interval_s=0.01)
+        mesh.kill_service("frontend")
+        for stream in streams:
+            with pytest.raises(httpx.HTTPError):  # the connection broke mid-stream
+                await stream
+        resumed = []
+        for (path, body), lines in zip(bodies, received):
+            events = sse_events(lines)
+            assert events and events[-1][0], "every event so far carries an id"
+            rest: list[str] = []
+            await http_stream(f"{second}/{path}", body, rest, last_event_id=events[-1][0])
+            whole = texts(events)
+            for index, text in texts(sse_events(rest)).items():
+                whole[index] = whole.get(index, "") + text
+            resumed.append(whole)
+        return references, resumed
+
+    restarts = mesh.restarts["frontend"]
+    references, resumed = asyncio.run(run())
+    assert resumed == references
+    wait_restarted(mesh, "frontend", restarts + 1)
+    assert_no_block_leaked(mesh)
