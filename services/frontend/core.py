@@ -126,7 +126,8 @@ class FrontendCore:
         self.tokenizer = await loop.run_in_executor(None, load_tokenizer)
         if locate_model is not None:
             self.model_dir = await loop.run_in_executor(None, locate_model)
-        logger.info("%s", self.tool_format.describe())
+        if self.tokenizer is not None:
+            logger.info("%s", self.tool_format.describe())
         await self.connect()
 
     @property
