@@ -9,8 +9,9 @@ transformers renders it: a sandboxed Jinja environment with the special tokens i
 result encoded without adding special tokens again.
 
 Tools (OpenAI's `tools` list) reach the template as its `tools` variable, as transformers passes
-them; a template that never references `tools` gets vmesh's built-in Hermes-style tool prompt
-instead (services/common/tool_prompt.py)."""
+them; a template that never references `tools` gets vmesh's built-in tool prompt instead
+(services/common/tool_prompt.py), in the format of the tokenizer's `tool_prompt` (Hermes-style
+unless the frontend serves another tool-call format)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from vmesh.services.common.families import family_of
 from vmesh.services.common.families.plan import UnsupportedModelError
-from vmesh.services.common.tool_prompt import prepare_chat
+from vmesh.services.common.tool_prompt import HERMES_PROMPT, ToolPrompt, prepare_chat
 
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -93,6 +94,7 @@ class ChatTokenizer:
         self.special_tokens = special_tokens
         self.chat_template = chat_template
         self.supports_tools = template_supports_tools(chat_template)
+        self.tool_prompt = HERMES_PROMPT  # the built-in prompt's format (the frontend sets the one it parses)
         self._template = _environment().from_string(chat_template) if chat_template else None
 
     @classmethod
@@ -140,7 +142,7 @@ class ChatTokenizer:
                     tools: Sequence[dict[str, Any]] | None = None) -> str:
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; send text or token ids")
-        messages, template_tools = prepare_chat(messages, tools, self.supports_tools)
+        messages, template_tools = prepare_chat(messages, tools, self.supports_tools, self.tool_prompt)
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          tools=template_tools, documents=None, **self.special_tokens)
@@ -166,7 +168,7 @@ def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]],
         return tokenizer.encode(tokenizer.render_chat(messages, add_generation_prompt, tools),
                                 add_special_tokens=add_special_tokens)
     messages, template_tools = prepare_chat(
-        messages, tools, template_supports_tools(getattr(tokenizer, "chat_template", None)))
+        messages, tools, template_supports_tools(getattr(tokenizer, "chat_template", None)), tool_prompt_of(tokenizer))
     extra = {"tools": template_tools} if template_tools else {}
     if add_special_tokens:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
@@ -174,6 +176,13 @@ def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]],
         return list(tokenizer.encode(text, add_special_tokens=True))
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
                                               return_dict=False, **extra))
+
+
+def tool_prompt_of(tokenizer: Any) -> ToolPrompt:
+    """The built-in tool prompt's format this tokenizer renders (ChatTokenizer's, or one the
+    frontend set on transformers' tokenizer)."""
+    prompt = getattr(tokenizer, "tool_prompt", None)
+    return prompt if isinstance(prompt, ToolPrompt) else HERMES_PROMPT
 
 
 def chat_template_text(path_or_template: str) -> str:

@@ -1,17 +1,20 @@
-"""vmesh's built-in tool-calling prompt format, Hermes-style: the tools listed as JSON inside
-<tools></tools> in the system message, each call answered as
-<tool_call>{"name": ..., "arguments": {...}}</tool_call>, each result sent back inside
-<tool_response></tool_response>.
+"""vmesh's built-in tool-calling prompt: the tools listed as JSON inside <tools></tools> in the
+system message, the way to call them said in the served tool-call format (by default
+Hermes-style, each call answered as <tool_call>{"name": ..., "arguments": {...}}</tool_call>),
+each result sent back inside <tool_response></tool_response>.
 
 A chat template that references `tools` renders them itself (transformers' convention); a
 template that does not (SmolLM2's ChatML, say) would drop them silently, so the conversation is
 rewritten into plain system/user/assistant messages in this format before that template renders
-it. The frontend's tool-call parser (services/frontend/tool_parsers.py) reads the same tags."""
+it. The frontend's tool-call parsers (services/frontend/tool_parsers/) read the same formats: each
+format's module there gives its ToolPrompt, and the frontend hands the served one to its
+tokenizer (`tool_prompt`); every other door keeps HERMES_PROMPT."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 TOOL_CALL_OPEN = "<tool_call>"
@@ -19,22 +22,44 @@ TOOL_CALL_CLOSE = "</tool_call>"
 TOOL_RESPONSE_OPEN = "<tool_response>"
 TOOL_RESPONSE_CLOSE = "</tool_response>"
 
-TOOLS_PREAMBLE = """# Tools
+TOOLS_LIST = """# Tools
 
 You can call functions to help answer the user. Their signatures, as JSON, are inside <tools></tools>:
 <tools>
 {tools}
 </tools>
 
-To call a function, answer with one JSON object per call, each inside its own <tool_call></tool_call> tags:
+"""
+RESULTS_NOTE = "\nEach call's result comes back inside <tool_response></tool_response>."
+HERMES_HOW_TO_CALL = """To call a function, answer with one JSON object per call, each inside its own \
+<tool_call></tool_call> tags:
 <tool_call>
-{{"name": "<function name>", "arguments": {{<arguments as a JSON object>}}}}
-</tool_call>
-Each call's result comes back inside <tool_response></tool_response>."""
+{"name": "<function name>", "arguments": {<arguments as a JSON object>}}
+</tool_call>"""
+
+Call = tuple[str, Any]  # a past call: its function's name and its arguments as a value
 
 
-def tools_preamble(tools: Sequence[dict[str, Any]]) -> str:
-    return TOOLS_PREAMBLE.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+@dataclass(frozen=True)
+class ToolPrompt:
+    """A tool-call format as the built-in prompt shows it: how to call (after the tools' list), and
+    how the assistant's past calls read in the history (in the format it is asked to write)."""
+
+    how_to_call: str
+    write_calls: Callable[[Sequence[Call]], str]
+
+
+def tool_call_text(name: str, arguments: Any) -> str:
+    return f"{TOOL_CALL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n" \
+           f"{TOOL_CALL_CLOSE}"
+
+
+HERMES_PROMPT = ToolPrompt(HERMES_HOW_TO_CALL, lambda calls: "\n".join(tool_call_text(n, a) for n, a in calls))
+
+
+def tools_preamble(tools: Sequence[dict[str, Any]], prompt: ToolPrompt = HERMES_PROMPT) -> str:
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return TOOLS_LIST.replace("{tools}", listed) + prompt.how_to_call + RESULTS_NOTE
 
 
 def _arguments(function: dict[str, Any]) -> Any:
@@ -46,11 +71,6 @@ def _arguments(function: dict[str, Any]) -> Any:
         except ValueError:
             return arguments
     return arguments
-
-
-def tool_call_text(name: str, arguments: Any) -> str:
-    return f"{TOOL_CALL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n" \
-           f"{TOOL_CALL_CLOSE}"
 
 
 def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -67,11 +87,11 @@ def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]
     return out
 
 
-def hermes_messages(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None
-                    ) -> list[dict[str, Any]]:
+def builtin_messages(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
+                     prompt: ToolPrompt = HERMES_PROMPT) -> list[dict[str, Any]]:
     """The conversation as plain system/user/assistant messages in the built-in format: the tools
     preamble appended to the system message (one is added first if there is none), assistant
-    calls written as <tool_call> blocks after the message's text, and consecutive tool results
+    calls written in `prompt`'s format after the message's text, and consecutive tool results
     folded into one user message of <tool_response> blocks (templates that know no "tool" role
     would refuse it or render it as an unknown speaker)."""
     out: list[dict[str, Any]] = []
@@ -84,13 +104,13 @@ def hermes_messages(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str
             else:
                 out.append({"role": "user", "content": block, "_tool_results": True})
             continue
-        calls = [tool_call_text(c["function"]["name"], _arguments(c["function"]))
-                 for c in message.get("tool_calls") or ()]
-        out.append({"role": role, "content": "\n".join([content, *calls] if content else calls)})
+        calls = [(c["function"]["name"], _arguments(c["function"])) for c in message.get("tool_calls") or ()]
+        written = prompt.write_calls(calls) if calls else ""
+        out.append({"role": role, "content": "\n".join(t for t in (content, written) if t)})
     for message in out:
         message.pop("_tool_results", None)
     if tools:
-        preamble = tools_preamble(tools)
+        preamble = tools_preamble(tools, prompt)
         if out and out[0]["role"] == "system":
             out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{preamble}" if out[0]["content"] else preamble}
         else:
@@ -103,11 +123,12 @@ def uses_tool_history(messages: Sequence[dict[str, Any]]) -> bool:
 
 
 def prepare_chat(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
-                 template_supports_tools: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+                 template_supports_tools: bool, prompt: ToolPrompt = HERMES_PROMPT
+                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages, tools) to render with a template: passed through to one that references
-    `tools`; otherwise rewritten into the built-in format (and no tools for the template)."""
+    `tools`; otherwise rewritten into the built-in format, `prompt`'s (and no tools for the template)."""
     if template_supports_tools:
         return template_messages(messages), list(tools) if tools else None
     if tools or uses_tool_history(messages):
-        return hermes_messages(messages, tools), None
+        return builtin_messages(messages, tools, prompt), None
     return list(messages), None

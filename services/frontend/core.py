@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import secrets
 import time
@@ -45,6 +46,7 @@ from vmesh.services.frontend.schedulers import SchedulerGroup, SchedulerPool
 from vmesh.services.frontend.settings import FrontendServiceSettings
 from vmesh.services.frontend.structured_requests import LazyGrammarCompiler, SpecCompiler, build_compiler, compile_spec
 from vmesh.services.frontend.subscriptions import Subscribe, Subscription, subscribe_over_grpc
+from vmesh.services.frontend.tool_parsers import ServedToolFormat, choose_tool_format
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,14 @@ TOKENIZER_THREADS = 2
 # Threads that wait on grammar compiles (the compiler bounds compiling and each wait): never the tokenizers'.
 GRAMMAR_WAITERS = 8
 Loaded = TypeVar("Loaded")
+
+
+def model_type(model_dir: Path | None) -> str:
+    """config.json's model_type ("": none to read)."""
+    try:
+        return str(json.loads((model_dir / "config.json").read_text()).get("model_type") or "") if model_dir else ""
+    except (OSError, ValueError, AttributeError):
+        return ""
 
 
 def _loaded(value: Loaded | None) -> Loaded:
@@ -105,6 +115,7 @@ class FrontendCore:
         self.grammar_compiler = grammar_compiler
         self.grammar_pool = concurrent.futures.ThreadPoolExecutor(GRAMMAR_WAITERS, thread_name_prefix="grammar")
         self.model_dir: Path | None = None
+        self._tool_format: tuple[Any, ServedToolFormat] | None = None  # (the tokenizer it was chosen for, it)
 
     @property
     def failover_timeout_s(self) -> float:
@@ -117,7 +128,20 @@ class FrontendCore:
         self.tokenizer = await loop.run_in_executor(None, load_tokenizer)
         if locate_model is not None:
             self.model_dir = await loop.run_in_executor(None, locate_model)
+        if self.tokenizer is not None:
+            logger.info("%s", self.tool_format.describe())
         await self.connect()
+
+    @property
+    def tool_format(self) -> ServedToolFormat:
+        """The tool-call format of the served model (--tool-call-parser), chosen once per tokenizer;
+        the tokenizer's built-in tool prompt asks for it."""
+        tokenizer = _loaded(self.tokenizer)
+        if self._tool_format is None or self._tool_format[0] is not tokenizer:
+            served = choose_tool_format(self.settings.tool_call_parser, tokenizer, model_type(self.model_dir))
+            tokenizer.tool_prompt = served.format.prompt
+            self._tool_format = (tokenizer, served)
+        return self._tool_format[1]
 
     async def connect(self) -> None:
         await self.join_schedulers()
@@ -247,6 +271,8 @@ class FrontendCore:
         """A request's input as token ids, tokenized on a worker thread so that a long prompt
         never stalls the streams of other requests."""
         tokenizer = _loaded(self.tokenizer)
+        if isinstance(prompt, Chat):
+            self.tool_format  # noqa: B018 - chosen before a chat renders: its built-in tool prompt asks for it
         try:
             size = prompt_bytes(prompt)
             if size > self.settings.max_prompt_bytes:

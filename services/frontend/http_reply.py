@@ -12,7 +12,7 @@ from vmesh.services.common.resume import ResumePoint, event_id
 from vmesh.services.frontend import openai_responses as render
 from vmesh.services.frontend import responses_api
 from vmesh.services.frontend.structured_requests import BACKEND_HEADER
-from vmesh.services.frontend.tool_calls import ToolPlan
+from vmesh.services.frontend.tool_parsers import ToolReader
 
 
 def sse(payload: dict[str, Any], event_id: str = "") -> str:
@@ -33,7 +33,7 @@ class Reply:
     include_usage: bool  # streamed: a last chunk with the usage
     want_logprobs: bool
     aliases: dict[str, str]  # the request's own names of fields (for errors' `param`)
-    tools: ToolPlan | None = None  # chat: what its tool fields asked for
+    tools: ToolReader | None = None  # chat: what its tool fields asked for, read in the served format
     responses: responses_api.ResponsesView | None = None  # a Responses API reply, built over this chat one
     structured_backend: str = ""  # the grammar backend that constrains the output ("": none)
     echo: render.Echo | None = None  # completions' echo

@@ -38,7 +38,8 @@ from vmesh.services.frontend.http_middleware import (
 from vmesh.services.frontend.http_reply import Reply, sse
 from vmesh.services.frontend.inputs import check_request_budget, check_request_tokens
 from vmesh.services.frontend.lora_http import adapter_cards, add_lora_routes
-from vmesh.services.frontend.tool_parsers import ContentDelta, Delta, ToolCallParser, make_parser
+from vmesh.services.frontend.tool_calls import ToolPlan
+from vmesh.services.frontend.tool_parsers import ContentDelta, Delta, ToolCallParser, ToolReader, make_parser
 
 if TYPE_CHECKING:  # a type only: /metrics imports prometheus_client when scraped
     from prometheus_client import CollectorRegistry
@@ -254,19 +255,26 @@ class OpenAIRoutes:
     async def chat_completions(self, body: oai.ChatCompletionRequest, request: Request) -> Response:
         model = await self.requested(body.model)
         tools = oai.chat_tools(body)
-        generation = replace(oai.chat_request(body, model, tools), model=model)
+        generation, reader = self._reading_tools(replace(oai.chat_request(body, model, tools), model=model), tools)
         return await self._run(request, [generation], Reply(
             model, chat=True, prompts=1, n=body.n, stream=body.stream,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
-            want_logprobs=body.logprobs, aliases=oai.param_aliases(body, tools), tools=tools,
+            want_logprobs=body.logprobs, aliases=oai.param_aliases(body, tools), tools=reader,
             want_prompt_logprobs=body.prompt_logprobs is not None))
 
     async def responses(self, body: responses_api.ResponsesRequest, request: Request) -> Response:
         """Stateless: served as the chat completion it translates into."""
         generation, view, tools = responses_api.translate(body, self.served())
+        generation, reader = self._reading_tools(generation, tools)
         return await self._run(request, [generation], Reply(
             view.model, chat=True, prompts=1, n=1, stream=body.stream, include_usage=True, want_logprobs=False,
-            aliases=view.aliases, responses=view, tools=tools))
+            aliases=view.aliases, responses=view, tools=reader))
+
+    def _reading_tools(self, generation: GenerationRequest, tools: ToolPlan | None
+                       ) -> tuple[GenerationRequest, ToolReader | None]:
+        """The request as the served tool-call format needs it decoded, and how its output is read."""
+        reader, sampling = self.frontend.tool_format.reader(tools, generation.sampling)
+        return replace(generation, sampling=sampling), reader
 
     async def models(self) -> dict[str, Any]:
         limits = self.frontend.loaded_limits()

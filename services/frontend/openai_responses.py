@@ -12,8 +12,7 @@ from typing import Any, Protocol
 from vmesh.services.common.generation import GenerationOutput, GenerationRequest
 from vmesh.services.common.output_accumulator import OutputAccumulator
 from vmesh.services.common.types import FinishReason, TokenLogprobs, Usage
-from vmesh.services.frontend.tool_calls import ToolPlan
-from vmesh.services.frontend.tool_parsers import make_parser, parse_text
+from vmesh.services.frontend.tool_parsers import ToolReader, make_parser, parse_text
 
 # JSON has no -inf: a logprob that underflowed is sent as this, as vLLM does.
 MIN_LOGPROB = -9999.0
@@ -208,7 +207,7 @@ def finish_reason(reason: FinishReason | None, made_calls: bool = False) -> str 
     return reason.value if reason in OPENAI_FINISH_REASONS else None
 
 
-def chat_message(choice: Choice, tools: ToolPlan | None) -> tuple[dict[str, Any], bool]:
+def chat_message(choice: Choice, tools: ToolReader | None) -> tuple[dict[str, Any], bool]:
     """The assistant's message for a choice's whole text, and whether it made tool calls: the
     text read by the same parser the streamed deltas go through (tool_parsers)."""
     parser = make_parser(tools)
@@ -241,7 +240,8 @@ def completion_body(request_id: str, created: int, model: str, choices: list[Cho
 
 
 def chat_body(request_id: str, created: int, model: str, choices: list[Choice], n: int, want_logprobs: bool,
-              tokens: TokenTexts, tools: ToolPlan | None = None, want_prompt_logprobs: bool = False) -> dict[str, Any]:
+              tokens: TokenTexts, tools: ToolReader | None = None, want_prompt_logprobs: bool = False
+              ) -> dict[str, Any]:
     """`want_prompt_logprobs`: vLLM's prompt_logprobs, once for the response (the choices share the prompt)."""
     rendered = []
     for i, c in enumerate(choices):

@@ -29,6 +29,11 @@ DEFAULT_FAILOVER_TIMEOUT_S = 60.0
 ROUTING_POLICIES = ("prefix", "least-busy")
 DEFAULT_ROUTING = "prefix"
 
+# --tool-call-parser: vLLM's names of the tool-call formats vmesh parses (services/frontend/tool_parsers/
+# registry.py holds one format per name), or auto, the served model's own (chosen from its chat template,
+# vocabulary and family as the frontend starts).
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "pythonic")
+
 # vLLM's embed default for decoder models: the last token's hidden state, scaled to unit norm.
 DEFAULT_POOLING = Pooling(PoolingType.LAST, normalize=True)
 _POOLER_KEYS = ("pooling_type", "normalize")
@@ -104,6 +109,14 @@ class FrontendSettings:
         help='how POST /v1/embeddings pools the prompt\'s final hidden states, vLLM\'s JSON: \'{"pooling_type": '
              '"LAST", "normalize": true}\' (pooling_type LAST, MEAN or CLS; a request\'s "normalize" overrides); '
              'default: LAST, normalized')
+    tool_call_parser: str = setting(
+        "auto", section="frontend", choices=TOOL_CALL_PARSERS,
+        help="how chat completions with tools (tool_choice auto) read the model's calls, vLLM's names: hermes "
+             "(<tool_call> JSON: Qwen2.5, Qwen3), llama3_json (JSON with \"parameters\", after <|python_tag|> or "
+             "alone: Llama 3.x), mistral ([TOOL_CALLS] then JSON), pythonic ([f(x=1)]: Gemma 3, Llama 3.2); "
+             "auto: the format the model's chat template writes, else the one whose special token its vocabulary "
+             "has, else pythonic for Gemma, else hermes. A template that does not render tools gets vmesh's "
+             "built-in prompt asking for the chosen format")
     failover_timeout_s: float = setting(
         DEFAULT_FAILOVER_TIMEOUT_S, section="frontend", flag="--failover-timeout",
         help="seconds a request whose scheduler or detokenizer replica was lost may wait for another (or the "

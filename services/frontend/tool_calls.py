@@ -1,7 +1,7 @@
 """OpenAI's tool calling on chat completions, request side: the `tools`/`tool_choice`/
 `parallel_tool_calls` fields (and the legacy `functions`/`function_call`) checked and reduced to
 a ToolPlan, which says what the prompt shows, how the model's text is read back
-(services/frontend/tool_parsers.py) and, for "required" or a named function, the JSON schema
+(services/frontend/tool_parsers/) and, for "required" or a named function, the JSON schema
 the output must match (`tool_choice_schema`), enforced as a grammar. Pure functions: no I/O.
 
 Output shape under "required" / a named function: a JSON array of calls,
