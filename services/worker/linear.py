@@ -45,8 +45,12 @@ PACKED_OUT_BLOCK = 64
 
 
 def onednn_packing_usable(weight: torch.Tensor) -> bool:
+    """oneDNN reorders float32 weights on any x86 CPU; bfloat16 ones only with AVX-512 (BW, VL,
+    DQ) or AVX-NE-CONVERT, which torch's AVX-512 capability stands for here (elsewhere the
+    product runs through F.linear, as torch's own bfloat16 linears do)."""
     return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and (weight.dtype == torch.float32 or torch.cpu._is_avx512_supported()))
 
 
 def packed_buffer(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
