@@ -173,3 +173,53 @@ class Balanced:
                     return i + 1
         self.seen = len(text)
         return None
+
+
+class MarkedCallParser(CallParser):
+    """A format whose calls follow a marker in the text ([TOOL_CALLS], <|python_tag|>): the text
+    held until it is judged, the state it is judged in, and the marker's search. A subclass
+    names its states' steps (`_steps`) and its first state."""
+
+    def __init__(self, marker: str, first_state: str, names: Iterable[str] | None = None,
+                 new_id: Callable[[], str] = new_call_id):
+        super().__init__(names, new_id)
+        self.marker = marker
+        self._pending = ""  # text not yet judged
+        self._state = first_state
+        self._space = ""  # the whitespace before a call (content again if no call follows)
+        self._raw = ""  # what followed the marker so far (read again as text if no call follows)
+        self._value = Balanced()
+
+    def _steps(self) -> dict[str, Callable[[list[Delta], bool], bool]]:
+        raise NotImplementedError
+
+    def feed(self, text: str) -> list[Delta]:
+        self._pending += text
+        return self._run(final=False)
+
+    def finish(self) -> list[Delta]:
+        out = self._run(final=True)
+        self.content.finish(self.calls > 0, out)
+        return out
+
+    def _run(self, final: bool) -> list[Delta]:
+        out: list[Delta] = []
+        steps = self._steps()
+        while steps[self._state](out, final):
+            pass
+        return out
+
+    def _text(self, out: list[Delta], final: bool) -> bool:
+        """Content up to the marker (a marker's start at the end is held); then the call opens."""
+        p = self._pending
+        at = p.find(self.marker)
+        if at < 0:
+            keep = len(p) if final else len(p) - partial_tag(p, self.marker)
+            self.content.write(p[:keep], out)
+            self._pending = p[keep:]
+            return False
+        self.content.write(p[:at], out)
+        self._pending = p[at + len(self.marker):]
+        self._space, self._raw, self._state = self.content.take_space(), "", "open"
+        return True
+

@@ -16,10 +16,9 @@ from vmesh.services.common.tool_prompt import Call, ToolPrompt
 from vmesh.services.frontend.tool_parsers.base import (
     WHITESPACE,
     Balanced,
-    CallParser,
     Delta,
+    MarkedCallParser,
     new_call_id,
-    partial_tag,
     read_call,
 )
 from vmesh.services.frontend.tool_parsers.format import ToolFormat
@@ -28,31 +27,14 @@ PYTHON_TAG = "<|python_tag|>"
 ARGUMENT_KEYS = ("parameters", "arguments")
 
 
-class Llama3JsonToolCallParser(CallParser):
+class Llama3JsonToolCallParser(MarkedCallParser):
     def __init__(self, names: Iterable[str] | None = None, new_id: Callable[[], str] = new_call_id):
-        super().__init__(names, new_id)
-        self._pending = ""  # text not yet judged
-        self._state = "start"  # start (the answer's first character), text, open (after the tag), body, between
-        self._space = ""  # the whitespace before a call (content again if it fails)
-        self._raw = ""  # the syntax before the object, tag aside (read again as text if it fails)
-        self._value = Balanced()
+        # States: start (the answer's first character), text, open (after the tag), body, between.
+        super().__init__(PYTHON_TAG, "start", names, new_id)
 
-    def feed(self, text: str) -> list[Delta]:
-        self._pending += text
-        return self._run(final=False)
-
-    def finish(self) -> list[Delta]:
-        out = self._run(final=True)
-        self.content.finish(self.calls > 0, out)
-        return out
-
-    def _run(self, final: bool) -> list[Delta]:
-        out: list[Delta] = []
-        step = {"start": self._start, "text": self._text, "open": self._open, "body": self._body,
+    def _steps(self) -> dict[str, Callable[[list[Delta], bool], bool]]:
+        return {"start": self._start, "text": self._text, "open": self._open, "body": self._body,
                 "between": self._between}
-        while step[self._state](out, final):
-            pass
-        return out
 
     def _start(self, out: list[Delta], final: bool) -> bool:
         p = self._pending
@@ -64,19 +46,6 @@ class Llama3JsonToolCallParser(CallParser):
             self._state, self._value = "body", Balanced()
         else:
             self._state = "text"
-        return True
-
-    def _text(self, out: list[Delta], final: bool) -> bool:
-        p = self._pending
-        at = p.find(PYTHON_TAG)
-        if at < 0:
-            keep = len(p) if final else len(p) - partial_tag(p, PYTHON_TAG)
-            self.content.write(p[:keep], out)
-            self._pending = p[keep:]
-            return False
-        self.content.write(p[:at], out)
-        self._pending = p[at + len(PYTHON_TAG):]
-        self._space, self._raw, self._state = self.content.take_space(), "", "open"
         return True
 
     def _open(self, out: list[Delta], final: bool) -> bool:

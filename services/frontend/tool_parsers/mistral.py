@@ -19,8 +19,8 @@ from vmesh.services.common.tool_prompt import Call, ToolPrompt
 from vmesh.services.frontend.tool_parsers.base import (
     WHITESPACE,
     Balanced,
-    CallParser,
     Delta,
+    MarkedCallParser,
     new_short_call_id,
     partial_tag,
     read_call,
@@ -33,44 +33,13 @@ _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 _NAME_SO_FAR = re.compile(r"[A-Za-z0-9_-]{0,64}")
 
 
-class MistralToolCallParser(CallParser):
+class MistralToolCallParser(MarkedCallParser):
     def __init__(self, names: Iterable[str] | None = None, new_id: Callable[[], str] = new_short_call_id):
-        super().__init__(names, new_id)
-        self._pending = ""  # text not yet judged
-        self._state = "text"  # text, open (after the marker or [ARGS]), name, body
-        self._space = ""  # the whitespace before the marker (content again if no calls follow)
-        self._raw = ""  # what followed the marker so far (read again as text if no calls follow)
+        super().__init__(MARKER, "text", names, new_id)  # states: text, open (after the marker or [ARGS]), name, body
         self._name: str | None = None  # the v11 form's name, read before its [ARGS]
-        self._value = Balanced()
 
-    def feed(self, text: str) -> list[Delta]:
-        self._pending += text
-        return self._run(final=False)
-
-    def finish(self) -> list[Delta]:
-        out = self._run(final=True)
-        self.content.finish(self.calls > 0, out)
-        return out
-
-    def _run(self, final: bool) -> list[Delta]:
-        out: list[Delta] = []
-        step = {"text": self._text, "open": self._open, "name": self._read_name, "body": self._body}
-        while step[self._state](out, final):
-            pass
-        return out
-
-    def _text(self, out: list[Delta], final: bool) -> bool:
-        p = self._pending
-        at = p.find(MARKER)
-        if at < 0:
-            keep = len(p) if final else len(p) - partial_tag(p, MARKER)
-            self.content.write(p[:keep], out)
-            self._pending = p[keep:]
-            return False
-        self.content.write(p[:at], out)
-        self._pending = p[at + len(MARKER):]
-        self._space, self._raw, self._state = self.content.take_space(), "", "open"
-        return True
+    def _steps(self) -> dict[str, Callable[[list[Delta], bool], bool]]:
+        return {"text": self._text, "open": self._open, "name": self._read_name, "body": self._body}
 
     def _open(self, out: list[Delta], final: bool) -> bool:
         p = self._pending
