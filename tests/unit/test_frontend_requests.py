@@ -189,6 +189,11 @@ def failover_scheduler() -> FakeScheduler:
     return FakeScheduler(ModelLimits("m", 100, 50), detokenizer=lambda n: f"d:{n}")
 
 
+def routed(f) -> bool:
+    """Every request the frontend holds has its replica: a replica lost from now on is theirs."""
+    return bool(f.outboxes) and all(o.detokenizer for o in f.outboxes.values())
+
+
 def output(key: int, text: str, token_ids: list[int], finish: int = 0) -> OutputBatch:
     return OutputBatch([StreamOutput(key, text, token_ids, finish_from_proto(finish), 3, 3, 0)])
 
@@ -202,7 +207,7 @@ def test_a_request_fails_over_with_what_the_client_has_and_ignores_its_old_key()
         f, scheduler = await serving_frontend(object(), failover_scheduler(), ("d:1", "d:2", "d:3"))
         request = GenerationRequest([1, 2, 3], SamplingParams(max_tokens=5))
         client = asyncio.create_task(drain(f.generate(request)))
-        await eventually(lambda: scheduler.submitted)
+        await eventually(lambda: routed(f))  # submitted, and the frontend knows the replica it went to
         first = scheduler.submitted[0].frontend_key
         f.dispatch(output(first, "Hel", [5, 6]))
         f.replica_lost("d:1", "the detokenizer serving this request became unavailable")
@@ -236,7 +241,7 @@ def test_a_failover_that_finds_no_taker_fails_unavailable_after_the_bounded_wait
                                               failover_timeout_s=0.2)
         request = GenerationRequest([1, 2, 3], SamplingParams(max_tokens=5))
         client = asyncio.create_task(drain(f.generate(request)))
-        await eventually(lambda: scheduler.submitted)
+        await eventually(lambda: routed(f))
         scheduler.refuse = True
         f.replica_lost("d:1", "the detokenizer serving this request became unavailable")
         with pytest.raises(RequestError) as err:
