@@ -27,7 +27,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)  /* F16C alone (AVX2 CPUs) needs it for _cvtsh_ss too */
 #include <immintrin.h>
 #endif
 
