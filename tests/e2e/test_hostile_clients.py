@@ -6,10 +6,12 @@ connections trickling their headers are closed while a normal client is served a
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import random
 import statistics
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 import grpc
@@ -28,6 +30,8 @@ IN_FLIGHT = 200  # at most this many of them at once, as a busy client pool woul
 LONGEST_LIFE_S = 0.05
 HEAD_TIMEOUT_S = 2
 SLOW_CONNECTIONS = 5000
+NORMAL_CLIENTS = 4  # their requests' latencies, before, during and after the slow connections
+BASELINE_SAMPLES = 400  # before, and as many after
 MIB = 1 << 20
 SETTLE_S = 1.0
 LONG_OUTPUT = 1500  # max_tokens of the requests whose clients leave: minutes of work if nobody stopped it
@@ -294,28 +298,62 @@ async def _trickle(host: str, port: int, opening: asyncio.Semaphore) -> bool:
         writer.close()
 
 
+def _trickle_from_another_process(host: str, port: int, started: Any, closed: Any) -> None:
+    """The slow connections, from a process of their own: the normal client's timings then measure
+    the server, not a client loop that juggles 5,000 connections beside it. Puts how many the
+    server closed."""
+    async def main() -> list[bool]:
+        opening = asyncio.Semaphore(512)
+        started.set()
+        return await asyncio.gather(*(_trickle(host, port, opening) for _ in range(SLOW_CONNECTIONS)))
+
+    closed.put(sum(asyncio.run(main())))
+
+
+def p99(samples: list[float]) -> float:
+    return statistics.quantiles(samples, n=100)[98]
+
+
 def test_thousands_of_trickling_connections_are_closed_and_a_normal_client_is_served(mesh):
     host, port = _http_address(mesh)
+    spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of this one's loops and threads
+    started, closed = spawn.Event(), spawn.Queue()
+    slow = spawn.Process(target=_trickle_from_another_process, args=(host, port, started, closed), daemon=True)
+    statuses: list[int] = []
 
-    async def main() -> tuple[float, list[float], list[bool], list[int]]:
+    async def main() -> tuple[list[float], list[float]]:
         async with httpx.AsyncClient(base_url=mesh.http_url, timeout=60) as http:
-            async def timed_models() -> float:
-                started = time.monotonic()
-                response = await http.get("/models")
-                statuses.append(response.status_code)
-                return time.monotonic() - started
+            async def timed_models(until: Callable[[], bool]) -> list[float]:
+                took = []
+                while not until():
+                    started_at = time.monotonic()
+                    response = await http.get("/models")
+                    statuses.append(response.status_code)
+                    took.append(time.monotonic() - started_at)
+                return took
 
-            statuses: list[int] = []
-            baseline = statistics.median([await timed_models() for _ in range(20)])
-            opening = asyncio.Semaphore(512)
-            slow = asyncio.gather(*(_trickle(host, port, opening) for _ in range(SLOW_CONNECTIONS)))
-            during = []
-            while not slow.done():
-                during.append(await timed_models())
-            return baseline, during, await slow, statuses
+            async def normal_clients(until: Callable[[], bool]) -> list[float]:
+                return [t for took in await asyncio.gather(*(timed_models(until) for _ in range(NORMAL_CLIENTS)))
+                        for t in took]
 
-    baseline, during, closed, statuses = asyncio.run(main())
-    assert all(closed) and len(closed) == SLOW_CONNECTIONS
+            def samples(count: int) -> Callable[[], bool]:
+                left = iter(range(count))
+                return lambda: next(left, None) is None
+
+            before = await normal_clients(samples(BASELINE_SAMPLES))
+            slow.start()
+            while not started.is_set():  # its interpreter starting up is not the attack
+                await asyncio.sleep(0.01)
+            during = await normal_clients(lambda: not slow.is_alive())
+            after = await normal_clients(samples(BASELINE_SAMPLES))
+            return before + after, during
+
+    baseline, during = asyncio.run(main())
+    assert closed.get(timeout=60) == SLOW_CONNECTIONS  # every slow connection was closed by the server
+    slow.join(timeout=60)
     assert set(statuses) == {200}
-    # The median, not a tail: on a shared CI machine the tail measures the neighbours.
-    assert statistics.median(during) <= 2 * baseline, (sorted(during), baseline)
+    # The tail, as the issue asks, over enough samples that the 99th percentile is not the
+    # maximum; the baseline pools the samples before and after, so a neighbour's burst in one
+    # of them neither hides nor fakes a slowdown.
+    assert len(during) >= 300, len(during)
+    assert p99(during) <= 2 * p99(baseline), (p99(during), p99(baseline), sorted(during)[-10:])
