@@ -157,6 +157,19 @@ class ChatTokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
+def render_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
+                add_generation_prompt: bool = True) -> str:
+    """A conversation's prompt as text, the chat template's output, which encode_chat tokenizes
+    (without the tokenizer's own special tokens, as transformers' apply_chat_template does)."""
+    if isinstance(tokenizer, ChatTokenizer):
+        return tokenizer.render_chat(messages, add_generation_prompt, tools)
+    messages, template_tools = prepare_chat(
+        messages, tools, template_supports_tools(getattr(tokenizer, "chat_template", None)))
+    extra = {"tools": template_tools} if template_tools else {}
+    return str(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             **extra))
+
+
 def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]],
                 tools: Sequence[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
                 add_special_tokens: bool = False) -> list[int]:
@@ -164,16 +177,12 @@ def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]],
     every door makes, on a ChatTokenizer or on transformers' tokenizer (same arguments, same ids).
     `tools`: OpenAI's tools list, for the template (or the built-in tool prompt).
     `add_special_tokens`: also the tokenizer's own (a BOS the template may already write)."""
-    if isinstance(tokenizer, ChatTokenizer):
-        return tokenizer.encode(tokenizer.render_chat(messages, add_generation_prompt, tools),
-                                add_special_tokens=add_special_tokens)
+    if isinstance(tokenizer, ChatTokenizer) or add_special_tokens:
+        return list(tokenizer.encode(render_chat(tokenizer, messages, tools, add_generation_prompt),
+                                     add_special_tokens=add_special_tokens))
     messages, template_tools = prepare_chat(
         messages, tools, template_supports_tools(getattr(tokenizer, "chat_template", None)), tool_prompt_of(tokenizer))
     extra = {"tools": template_tools} if template_tools else {}
-    if add_special_tokens:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-                                             **extra)
-        return list(tokenizer.encode(text, add_special_tokens=True))
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
                                               return_dict=False, **extra))
 

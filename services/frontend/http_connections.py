@@ -1,7 +1,8 @@
 """Guards on the HTTP API's connections, which clients hold at no cost to themselves: a request's
-head (request line and headers) must arrive within a timeout, one peer address may hold only so
-many connections, and past the public limit every path but the exempt ones (health, metrics)
-is answered 503, so that probes still reach the frontend while clients flood it."""
+head (request line and headers) must arrive within a timeout, and its body within another, one
+peer address may hold only so many connections, and past the public limit every path but the
+exempt ones (health, metrics) is answered 503, so that probes still reach the frontend while
+clients flood it."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from vmesh.services.frontend.http_middleware import error_response
+from vmesh.services.frontend.settings import DEFAULT_HTTP_BODY_TIMEOUT_S
 
 EXEMPT_PATHS = frozenset({"/health", "/metrics"})
 
@@ -24,11 +26,13 @@ EXEMPT_PATHS = frozenset({"/health", "/metrics"})
 class ConnectionGuard:
     """`head_timeout_s`: how long a connection may take to send a request's head, from its
     opening or from the previous response; `per_peer`: connections one peer address may hold (0:
-    any number); `limit`: connections, or requests in progress, past which only EXEMPT_PATHS are served."""
+    any number); `limit`: connections, or requests in progress, past which only EXEMPT_PATHS are
+    served; `body_timeout_s`: how long a request's body may take to arrive, from its head."""
 
     head_timeout_s: float
     per_peer: int
     limit: int
+    body_timeout_s: float = DEFAULT_HTTP_BODY_TIMEOUT_S
     open: int = 0
     in_progress: int = 0
     by_peer: Counter[str] = field(default_factory=Counter)
@@ -55,6 +59,7 @@ class GuardedProtocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self.peer: str | None = None
         self.head_timer: asyncio.TimerHandle | None = None
+        self.body_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -69,6 +74,7 @@ class GuardedProtocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._head_arrived()
+        self._body_arrived()
         guard = self.guard
         if self.peer is not None:
             guard.open -= 1
@@ -82,6 +88,10 @@ class GuardedProtocol(H11Protocol):
         super().handle_events()
         if self.conn.their_state is not h11.IDLE:  # a request line and its headers are in
             self._head_arrived()
+        if self.conn.their_state is h11.SEND_BODY:  # ... and its body is on its way
+            self._await_body()
+        else:
+            self._body_arrived()
 
     def on_response_complete(self) -> None:
         self._await_head()  # the next request's head, on a kept-alive connection
@@ -101,6 +111,22 @@ class GuardedProtocol(H11Protocol):
         self.head_timer = None
         if not self.transport.is_closing():
             self.transport.close()
+
+    def _await_body(self) -> None:
+        """From the head on, one deadline for the whole body (not one per read, which a client
+        sending a byte just in time would never miss)."""
+        if self.body_timer is None and not self.transport.is_closing():
+            self.body_timer = self.loop.call_later(self.guard.body_timeout_s, self._body_late)
+
+    def _body_arrived(self) -> None:
+        if self.body_timer is not None:
+            self.body_timer.cancel()
+            self.body_timer = None
+
+    def _body_late(self) -> None:
+        self.body_timer = None
+        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            self.transport.close()  # the app reading the body sees the client gone
 
 
 class ConnectionLimitMiddleware:

@@ -352,7 +352,8 @@ class HttpServer:
         bound = self.socket.getsockname()
         self.address = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
         settings = frontend.settings
-        self.guard = ConnectionGuard(settings.http_header_timeout_s, settings.http_connections_per_peer, limit)
+        self.guard = ConnectionGuard(settings.http_header_timeout_s, settings.http_connections_per_peer, limit,
+                                     settings.http_body_timeout_s)
         config = uvicorn.Config(build_app(frontend, registry, self.guard), log_config=None, access_log=False,
                                 lifespan="off", timeout_graceful_shutdown=5, http=self.guard.protocol(),
                                 timeout_keep_alive=KEEP_ALIVE_S, ssl_certfile=tls_cert, ssl_keyfile=tls_key)

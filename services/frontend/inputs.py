@@ -8,11 +8,11 @@ from typing import Any
 
 from vmesh.services.common.admission import InvalidRequest
 from vmesh.services.common.generation import Chat, ChatMessage, Prompt
-from vmesh.services.common.tokenizer import encode_chat
+from vmesh.services.common.tokenizer import encode_chat, render_chat
 
-# A text of more characters than this many per token the context holds is first tokenized in
-# part, its head that long: most texts too long for the context are refused on their head alone,
-# without paying for the rest, whose length the client chose.
+# A text (or a chat's rendered prompt) of more characters than this many per token the context
+# holds is first tokenized in part, its head that long: most prompts too long for the context are
+# refused on their head alone, without paying for the rest, whose length the client chose.
 HEAD_CHARS_PER_TOKEN = 8
 # Tokens wholly inside the head are the whole text's too; those around the cut may differ.
 CUT_SLACK_TOKENS = 16
@@ -68,8 +68,12 @@ def check_request_budget(prompts: Sequence[Prompt | None], n: int, max_request_b
                          max_request_tokens)
 
 
+def _head_chars(context: int) -> int:
+    return (context + 1) * HEAD_CHARS_PER_TOKEN
+
+
 def _check_head(tokenizer: Any, text: str, context: int) -> None:
-    head_chars = (context + 1) * HEAD_CHARS_PER_TOKEN
+    head_chars = _head_chars(context)
     if len(text) <= head_chars:
         return
     head = len(tokenizer.encode(text[:head_chars]))
@@ -94,7 +98,7 @@ def chat_messages(chat: Chat) -> list[dict[str, Any]]:
     return messages
 
 
-def _encode_chat(tokenizer: Any, chat: Chat) -> list[int]:
+def _encode_chat(tokenizer: Any, chat: Chat, context: int | None) -> list[int]:
     messages = chat_messages(chat)
     if not messages:
         raise InvalidRequest("chat", "no messages")
@@ -105,14 +109,20 @@ def _encode_chat(tokenizer: Any, chat: Chat) -> list[int]:
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise InvalidRequest("chat.tools", "must be a JSON array of tool objects")
     try:
+        if context is not None and prompt_bytes(chat) > _head_chars(context):
+            # Rendering is cheap beside tokenizing: the rendered prompt's head is checked as a
+            # text's is, and a chat too long for the context costs what such a text costs.
+            _check_head(tokenizer, render_chat(tokenizer, messages, tools), context)
         return encode_chat(tokenizer, messages, tools)
+    except InvalidRequest:
+        raise
     except Exception as exc:  # the template rejects the conversation (roles, order)
         raise InvalidRequest("chat", str(exc)) from exc
 
 
 def encode_input(tokenizer: Any, prompt: Prompt | None, context: int | None = None) -> list[int]:
-    """`context`: the model's context length, when known: a text whose head alone is longer is
-    refused without tokenizing the rest."""
+    """`context`: the model's context length, when known: a text, or a chat's rendered prompt,
+    whose head alone is longer is refused without tokenizing the rest."""
     if prompt is None:
         raise InvalidRequest("input", "one of text, chat or token_ids is required")
     if isinstance(prompt, str):
@@ -120,5 +130,5 @@ def encode_input(tokenizer: Any, prompt: Prompt | None, context: int | None = No
             _check_head(tokenizer, prompt, context)
         return tokenizer.encode(prompt) if prompt else []
     if isinstance(prompt, Chat):
-        return _encode_chat(tokenizer, prompt)
+        return _encode_chat(tokenizer, prompt, context)
     return list(prompt)

@@ -19,6 +19,10 @@ DEFAULT_MAX_REQUEST_TOKENS = 1 << 17
 # An HTTP connection that has not sent a request's head this long after it opened (or after its
 # previous response) is closed: a client trickling its headers holds a connection for free.
 DEFAULT_HTTP_HEADER_TIMEOUT_S = 10.0
+# ... and a request whose body has not all arrived this long after its head: a client trickling
+# its body holds a connection (and a request in progress) for free. 60 s carries the largest body
+# accepted (4 MiB + 64 KiB by default) at ~70 KB/s.
+DEFAULT_HTTP_BODY_TIMEOUT_S = 60.0
 # Connections one peer address may hold; more are closed as they open (one client cannot take
 # every connection). Behind a proxy, every client shares its address: raise it, or 0 for no cap.
 DEFAULT_HTTP_CONNECTIONS_PER_PEER = 1024
@@ -87,6 +91,10 @@ class FrontendSettings:
         DEFAULT_HTTP_HEADER_TIMEOUT_S, section="frontend", flag="--http-header-timeout",
         help="seconds an HTTP connection may take to send a request's line and headers (after opening, or after "
              "its previous response) before it is closed")
+    http_body_timeout_s: float = setting(
+        DEFAULT_HTTP_BODY_TIMEOUT_S, section="frontend", flag="--http-body-timeout",
+        help="seconds an HTTP request's body may take to arrive in full, from its headers, before the connection "
+             "is closed")
     http_connections_per_peer: int = setting(
         DEFAULT_HTTP_CONNECTIONS_PER_PEER, section="frontend",
         help="HTTP connections one client address may hold open (more are closed at once); 0: no cap")

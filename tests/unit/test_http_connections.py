@@ -1,5 +1,5 @@
 """The HTTP API's connection guards on a real socket: a connection that does not send its
-request's head in time is closed, one peer's connections past its cap are closed as they open,
+request's head, or then its body, in time is closed, one peer's connections past its cap are closed as they open,
 and past the connection limit the API answers 503 while /health still answers."""
 from __future__ import annotations
 
@@ -60,6 +60,42 @@ def test_a_kept_alive_connection_must_send_its_next_head_in_time_too():
 
     status, closed = asyncio.run(main())
     assert status.startswith(b"HTTP/1.1 200") and closed
+
+
+def test_a_request_whose_body_trickles_past_its_timeout_is_closed_and_one_sent_in_time_is_served():
+    """A byte every 0.1 s resets no per-read timer: the whole body has one deadline from its head."""
+    body = b'{"tokens": [104, 101, 108, 108, 111]}'
+    head = (b"POST /detokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+
+    async def main():
+        f, server, host, port = await _serving(http_body_timeout_s=0.5, http_header_timeout_s=0.5)
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(head)
+        started = asyncio.get_running_loop().time()
+        sent = 0
+        while not reader.at_eof() and sent < len(body):
+            writer.write(body[sent:sent + 1])
+            sent += 1
+            try:
+                await asyncio.wait_for(reader.read(), 0.1)  # b"" once the server closes
+            except asyncio.TimeoutError:
+                continue
+        trickled = sent, asyncio.get_running_loop().time() - started
+        # A body sent in time, in two parts, is served (and its connection kept): the timer is the
+        # body's, not the connection's.
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(head + body[:10])
+        await asyncio.sleep(0.3)
+        writer.write(body[10:])
+        status = await asyncio.wait_for(reader.readline(), HANG_S)
+        await server.stop()
+        await f.schedulers.close()
+        return trickled, status
+
+    (sent, took), status = asyncio.run(main())
+    assert sent < len(body) and took < HANG_S  # cut off before the body could complete
+    assert status.startswith(b"HTTP/1.1 200")
 
 
 def test_a_peer_past_its_connection_cap_is_closed_at_once():
