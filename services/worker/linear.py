@@ -42,6 +42,8 @@ PACKING_ROWS_HINT = 64
 SMALL_BATCH_ROWS = 4
 # The packed layout the small-batch kernel reads: output features in blocks of this many.
 PACKED_OUT_BLOCK = 64
+# The load-time layout check compares this many bytes of weight at a time, at most.
+LAYOUT_CHECK_CHUNK_BYTES = 16 << 20
 
 
 def onednn_packing_usable(weight: torch.Tensor) -> bool:
@@ -78,17 +80,31 @@ def packed_in_features(weight: torch.Tensor, packed: torch.Tensor) -> int | None
     if padded_in < in_features or (weight.dtype == torch.bfloat16 and padded_in % 2):
         return None
     raw = packed_blocks(packed, weight.dtype, padded_in)
-    for block in range(blocks):  # block by block: no transient copy of a whole weight
-        rows = weight[block * PACKED_OUT_BLOCK:(block + 1) * PACKED_OUT_BLOCK]
-        if weight.dtype == torch.float32:
-            if not torch.equal(raw[block, :in_features, :rows.shape[0]], rows.T):
-                return None
-            continue
-        padded = torch.zeros(rows.shape[0], padded_in, dtype=rows.dtype)
-        padded[:, :in_features] = rows
-        if not torch.equal(raw[block, :, :rows.shape[0]], padded.view(rows.shape[0], -1, 2).transpose(0, 1)):
+    # Whole blocks a chunk at a time, the last (partial) block alone: no transient copy of a whole
+    # weight, and few comparisons (each one may wake torch's thread pool: a loaded machine took
+    # seconds over the 768 blocks of a 49,152-row LM head compared one by one).
+    whole_blocks = out_features // PACKED_OUT_BLOCK
+    per_chunk = max(1, LAYOUT_CHECK_CHUNK_BYTES // (PACKED_OUT_BLOCK * padded_in * weight.element_size()))
+    chunks = [(first, min(whole_blocks, first + per_chunk)) for first in range(0, whole_blocks, per_chunk)]
+    if whole_blocks < blocks:
+        chunks.append((whole_blocks, blocks))
+    for first, end in chunks:
+        if not _blocks_hold(raw[first:end], weight[first * PACKED_OUT_BLOCK:end * PACKED_OUT_BLOCK], padded_in):
             return None
     return padded_in
+
+
+def _blocks_hold(raw: torch.Tensor, rows: torch.Tensor, padded_in: int) -> bool:
+    """Whether `raw` (consecutive packed blocks) holds `rows` (their output features' weight rows;
+    all 64 of each block, or fewer in the one last block)."""
+    count, in_features = rows.shape
+    blocks = raw.shape[0]
+    width = min(count, PACKED_OUT_BLOCK)  # features per block: 64, or the last block's remainder
+    if rows.dtype == torch.float32:
+        return torch.equal(raw[:, :in_features, :width], rows.reshape(blocks, width, in_features).transpose(1, 2))
+    padded = torch.zeros(count, padded_in, dtype=rows.dtype)
+    padded[:, :in_features] = rows
+    return torch.equal(raw[:, :, :width], padded.view(blocks, width, padded_in // 2, 2).transpose(1, 2))
 
 
 def packed_blocks(packed: torch.Tensor, dtype: torch.dtype, padded_in: int) -> torch.Tensor:

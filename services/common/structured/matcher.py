@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Protocol
 
 import llguidance
-import llguidance.torch
 import torch
 import xgrammar
 
@@ -64,7 +63,13 @@ class _LlguidanceRow:
             raise ValueError(f"llguidance cannot load the grammar: {self._matcher.get_error()}")
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+        # The matcher writes the row's words itself. Not through llguidance.torch: importing it
+        # compiles a kernel we never call (torch.compile at import), which pulls torch._dynamo and
+        # torch._inductor into every worker and costs seconds of each start and exit.
+        words = bitmask[row]
+        if bitmask.dtype != torch.int32 or not bitmask.is_cpu or not words.is_contiguous():
+            raise ValueError("the bitmask must be a contiguous CPU int32 tensor")
+        self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
 
     def accept(self, token_id: int) -> bool:
         if self._terminated or self._matcher.is_error():
