@@ -55,6 +55,7 @@ class KVCacheManager:
             raise ValueError("a KV cache has at least one group")
         self.pool = pool
         self.windows = tuple(windows)
+        self.num_freed_behind_windows = 0  # blocks given back by running requests' window groups
 
     @property
     def num_groups(self) -> int:
@@ -143,6 +144,7 @@ class KVCacheManager:
                 tables.ids[g][start:end] = [NO_BLOCK] * (end - start)
                 tables.skipped[g] = end
                 freed += end - start
+        self.num_freed_behind_windows += freed
         return freed
 
     def free(self, tables: BlockTables) -> None:

@@ -98,6 +98,9 @@ def test_tiny_family_through_the_engine(tiny, embedded_tokenizer, kind, depth):
         for i, out in enumerate(outs):
             assert_greedy_match(out.token_ids, references[i], label=f"{kind} engine depth {depth} prompt {i}")
         assert engine.scheduler.pool.num_free == engine.scheduler.pool.num_blocks
+        # Windowed layers gave back the blocks behind their window while the requests ran.
+        windowed = any(layer.attention.window for layer in runner.spec.layers)
+        assert (engine.scheduler.kv.num_freed_behind_windows > 0) == windowed
     finally:
         engine.shutdown()
 
