@@ -76,9 +76,12 @@ class KVCacheManager:
         for g, window in enumerate(self.windows):
             if window is None:  # a plain prefix
                 hit = next((i for i, block in enumerate(found[g][:hit]) if block is None), hit)
-        for g, window in enumerate(self.windows):
-            if window is not None:
-                hit = self._window_hit(found[g], window, hit)
+        settled = False
+        while not settled:  # a shorter hit sees other blocks: every window group checks it again
+            settled = True
+            for g, window in enumerate(self.windows):
+                if window is not None and (shorter := self._window_hit(found[g], window, hit)) < hit:
+                    hit, settled = shorter, False
         pool.prefix_queries += len(hashes)
         pool.prefix_hits += hit
         tables = BlockTables([[] for _ in self.windows])

@@ -188,3 +188,17 @@ def test_a_long_request_holds_its_window_in_window_groups_and_everything_in_glob
     assert held_at_end <= entries + 5 * 5
     assert most_held <= entries + 5 * (-(-(16 - 1 + 32) // BLOCK) + 1)
     assert scheduler.pool.num_free == 1024
+
+
+def test_a_hit_shortened_by_one_window_group_is_checked_again_by_the_others():
+    kv = _manager(64, (None, 8, 8))
+    tokens = list(range(1, 26))
+    hashes, tables = _computed_blocks(kv, tokens)
+    kv.free(tables)
+    kv.pool._forget(tables.ids[1][3])  # group 1 serves 6 blocks (they see blocks 4, 5), not 5 or 4 (3 is gone)
+    kv.pool._forget(tables.ids[2][5])  # group 2 serves 5 blocks at most (blocks 3, 4)
+    hit = kv.cached_prefix(tokens, hashes)  # 5 fails group 1 again: 3 blocks (blocks 1, 2) suit both
+    assert len(hit) == 3 and hit.skipped == [0, 1, 1]
+    assert hit.ids[1][1:] == tables.ids[1][1:3] and hit.ids[2][1:] == tables.ids[2][1:3]
+    kv.free(hit)
+    assert kv.pool.num_free == 64
