@@ -64,7 +64,7 @@ def runner(gemma3):
                                          max_model_len=1024))
 
 
-def _engine(runner, tokenizer, depth: int, num_blocks: int | None = None) -> LLMEngine:
+def _engine(runner, tokenizer, depth: int, budget: int, num_blocks: int | None = None) -> LLMEngine:
     runner.batch = PersistentBatch(runner.batch.max_num_reqs, runner.max_model_len, runner.kv_cache.block_size,
                                    runner.model.device, runner.kv_cache.num_blocks, runner.batch.grammar_tokenizer,
                                    runner.kv_cache.num_groups)
@@ -73,8 +73,7 @@ def _engine(runner, tokenizer, depth: int, num_blocks: int | None = None) -> LLM
     if num_blocks is not None:
         runner.kv_cache.num_blocks = num_blocks  # the scheduler hands out only the first num_blocks
     try:
-        # Chunks of 200 tokens: the long prompt's third chunk straddles the window's edge.
-        return LLMEngine(runner, tokenizer, EngineConfig(max_num_batched_tokens=200, pipeline_depth=depth))
+        return LLMEngine(runner, tokenizer, EngineConfig(max_num_batched_tokens=budget, pipeline_depth=depth))
     finally:
         runner.kv_cache.num_blocks = saved
 
@@ -94,18 +93,23 @@ def _record_blocks_held(scheduler, request_id: str) -> list[tuple[int, int, int]
     return seen
 
 
-@pytest.mark.parametrize("depth, num_blocks", [(2, None), (1, 260)])
-def test_gemma3_greedy_matches_transformers_on_the_same_gguf(gemma3, runner, depth, num_blocks):
+# Chunks of 200 tokens (the long prompt's third straddles the window's edge), or of 72 (the
+# eighth does) in a pool of 235 blocks: the long request's window groups peak at 226 blocks, and
+# with the short ones running it is preempted, then readmitted on its own cached blocks (a prefix
+# hit in every group). 235 is just above the most one 664-token request may need (232).
+@pytest.mark.parametrize("depth, budget, num_blocks", [(2, 200, None), (1, 72, 235)])
+def test_gemma3_greedy_matches_transformers_on_the_same_gguf(gemma3, runner, depth, budget, num_blocks):
     _model_dir, tokenizer, prompts, references = gemma3
     assert len(prompts[-1]) > WINDOW
     windows = runner.kv_cache.layout.windows
     assert windows == (None,) + (WINDOW,) * 5 and runner.kv_cache.layout.slots_per_block == 3
-    engine = _engine(runner, tokenizer, depth, num_blocks)
-    held = _record_blocks_held(engine.scheduler, "2")  # the long prompt's request (ids count from 0)
+    engine = _engine(runner, tokenizer, depth, budget, num_blocks)
+    held = _record_blocks_held(engine.scheduler, "req-2")  # the long prompt's request (the engine counts from 0)
     try:
         outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
         assert engine.scheduler.pool.num_free == engine.scheduler.pool.num_blocks
         assert (engine.scheduler.num_preemptions > 0) == (num_blocks is not None)
+        assert (engine.scheduler.pool.prefix_hits > 0) == (num_blocks is not None)
     finally:
         engine.shutdown()
     for i, out in enumerate(outs):
