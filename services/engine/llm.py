@@ -89,7 +89,7 @@ class LLMEngine:
             block_size=kv.block_size, eos_token_ids=tuple(runner.spec.eos_token_ids),
             num_speculative_tokens=runner.speculative.num_speculative_tokens if runner.speculative else 0,
             speculative_disable_by_batch_size=runner.speculative.disable_by_batch_size if runner.speculative else 0,
-            max_loras=runner.lora.max_loras if runner.lora else 0))
+            max_loras=runner.lora.max_loras if runner.lora else 0, kv_cache_windows=kv.layout.windows))
         self.core = EngineCore(scheduler, runner, config.pipeline_depth, model_thread)
         self.outputs: OutputProcessor[str] = OutputProcessor(self.backend_tokenizer)  # by request id
         self._ids = itertools.count()

@@ -5,6 +5,11 @@ A full block's hash covers its parent's hash and its own tokens, so equal hashes
 prefixes; the stored tokens are compared too, so a hash collision is a miss, never a wrong
 hit. A freed block keeps its hash and stays reusable until it is evicted, least recently
 freed first.
+
+With KV cache groups (services/common/kv_cache_groups.py) every group draws blocks from this
+one pool, and each group has its own prefix cache: the same prefix is held once per group, in
+different blocks. Group 0 (global attention whenever the model has any) is the one whose changes
+the routing feed journals (cache_feed.py).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ class PoolStats:
 
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_seed: int | None = None):
+                 hash_seed: int | None = None, num_groups: int = 1):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -42,13 +47,19 @@ class BlockPool:
         self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_key: list[tuple[int, tuple[int, ...]] | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # hash -> block id
+        self.block_group = [0] * num_blocks  # the KV cache group whose prefix cache holds the block
+        self.cached_by_group: list[dict[int, int]] = [{} for _ in range(num_groups)]  # hash -> block id
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.evictions = 0
         # While the cache is watched (cache_feed.py): block hash -> cached now, the last change
         # of each block since the journal was read; None, at no cost, while nobody watches.
         self.journal: dict[int, bool] | None = None
+
+    @property
+    def cached(self) -> dict[int, int]:
+        """Group 0's prefix cache: hash -> block id."""
+        return self.cached_by_group[0]
 
     @property
     def num_free(self) -> int:
@@ -69,20 +80,32 @@ class BlockPool:
         if not self.enable_prefix_caching:
             return []
         found: list[int] = []
-        bs = self.block_size
         for i, h in enumerate(hashes):
-            block = self.cached.get(h)
+            block = self.find(h, token_ids, i)
             if block is None:
-                break
-            key = self.block_key[block]
-            if key is None or key[1] != tuple(token_ids[i * bs:(i + 1) * bs]):
                 break
             found.append(block)
         self.prefix_queries += len(hashes)
         self.prefix_hits += len(found)
-        for block in found:
-            self._take(block)
+        self.take(found)
         return found
+
+    def find(self, block_hash: int, token_ids: Sequence[int], index: int, group: int = 0) -> int | None:
+        """The block `group` caches for block `index` of `token_ids` (whose chained hash is
+        `block_hash`), not taken; None if it has none."""
+        block = self.cached_by_group[group].get(block_hash)
+        if block is None:
+            return None
+        key = self.block_key[block]
+        bs = self.block_size
+        if key is None or key[1] != tuple(token_ids[index * bs:(index + 1) * bs]):
+            return None
+        return block
+
+    def take(self, blocks: Sequence[int]) -> None:
+        """One more reference to each of `blocks` (cached ones found by `find`)."""
+        for block in blocks:
+            self._take(block)
 
     def allocate(self, n: int) -> list[int] | None:
         """n fresh blocks (ref 1), evicting cached free blocks LRU first; None if too few are free."""
@@ -107,16 +130,19 @@ class BlockPool:
             if count == 0:
                 self.free_blocks[block] = None
 
-    def register(self, block: int, block_hash: int, parent: int | None, tokens: Sequence[int]) -> None:
-        """Enter a full block (whose KV is computed or being computed) in the prefix cache."""
+    def register(self, block: int, block_hash: int, parent: int | None, tokens: Sequence[int],
+                 group: int = 0) -> None:
+        """Enter a full block (whose KV is computed or being computed) in `group`'s prefix cache."""
         if not self.enable_prefix_caching or self.block_hash[block] is not None:
             return
-        if block_hash in self.cached:  # the same prefix computed twice: keep the older block
+        cached = self.cached_by_group[group]
+        if block_hash in cached:  # the same prefix computed twice: keep the older block
             return
         self.block_hash[block] = block_hash
         self.block_key[block] = (self.hash_seed if parent is None else parent, tuple(tokens))
-        self.cached[block_hash] = block
-        if self.journal is not None:
+        self.block_group[block] = group
+        cached[block_hash] = block
+        if self.journal is not None and group == 0:
             self.journal[block_hash] = True
 
     def reset_prefix_cache(self) -> int:
@@ -141,10 +167,11 @@ class BlockPool:
     def _forget(self, block: int) -> None:
         block_hash = self.block_hash[block]
         assert block_hash is not None, "only a cached block is forgotten"
-        del self.cached[block_hash]
+        group = self.block_group[block]
+        del self.cached_by_group[group][block_hash]
         self.block_hash[block] = None
         self.block_key[block] = None
-        if self.journal is not None:
+        if self.journal is not None and group == 0:
             self.journal[block_hash] = False
 
     def watch(self) -> list[int]:

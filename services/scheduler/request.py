@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from vmesh.services.common.types import FinishReason, SamplingParams
+from vmesh.services.scheduler.kv_cache_manager import BlockTables
 
 
 class RequestStatus(Enum):
@@ -43,7 +44,8 @@ class Request:
     on_worker: bool = False  # the worker holds a row for this request
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
+    # Its block table in each KV cache group (services/scheduler/kv_cache_manager.py).
+    tables: BlockTables = field(default_factory=lambda: BlockTables([[]]))
     block_hashes: list[int] = field(default_factory=list)  # of full blocks, chained
     num_registered_blocks: int = 0  # leading blocks entered in the prefix cache
     lora_name: str = ""  # the LoRA adapter it runs with; "": the base model
@@ -59,6 +61,11 @@ class Request:
     @property
     def num_tokens_with_placeholders(self) -> int:
         return self.num_tokens + self.num_placeholders
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Every KV block the request holds, in every group."""
+        return self.tables.held()
 
     @property
     def all_token_ids(self) -> list[int]:

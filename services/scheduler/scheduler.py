@@ -9,6 +9,9 @@ last result is back, so every scheduled step that will sample adds placeholder o
 (1 + its draft slots); results replace them. Stops known in advance (max_tokens, the context
 length) count placeholders, so they never over-schedule; token-dependent stops are seen one
 step late and the extra token is dropped.
+
+KV blocks are held per KV cache group (kv_cache_manager.py): a request has one block table per
+group, and a sliding-window group returns the blocks behind its window as the request advances.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 from vmesh.services.common.step_types import NewRequest, StepPlan, StepResult
 from vmesh.services.common.types import FinishReason, TokenLogprobs
 from vmesh.services.scheduler.block_pool import BlockPool
+from vmesh.services.scheduler.kv_cache_manager import KVCacheManager
 from vmesh.services.scheduler.request import Request, RequestStatus, adapter_fits
 from vmesh.services.scheduler.settings import SchedulerConfig, SchedulerSettings, WorkerGeometry
 from vmesh.services.scheduler.speculation import DraftPolicy, SpecDecodeStats, settle_step
@@ -65,13 +69,18 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool, eos_token_ids: tuple[int, ...] = (),
-                 draft_policy: DraftPolicy | None = None):
+                 draft_policy: DraftPolicy | None = None, kv_cache_windows: tuple[int | None, ...] = (None,)):
+        """`kv_cache_windows`: each KV cache group's sliding window (None: global), in the
+        worker's group order; `pool` has a prefix cache for each."""
         self.config = config
         self.draft_policy = draft_policy or DraftPolicy()
         self.spec_stats = SpecDecodeStats()
         self.pool = pool
+        self.kv = KVCacheManager(pool, kv_cache_windows)
         # A request may never need more KV than the whole pool, or preemption could not help it.
-        self.max_model_len = min(config.max_model_len, pool.num_blocks * pool.block_size)
+        # (A step computes at most the token budget, and drafts of this step and one in flight.)
+        chunk = config.max_num_batched_tokens + 2 * self.draft_policy.num_speculative_tokens
+        self.max_model_len = self.kv.max_context(config.max_model_len, chunk)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.by_handle: dict[int, Request] = {}
@@ -90,11 +99,12 @@ class Scheduler:
                    hash_seed: int | None = None) -> Scheduler:
         """The scheduler for `worker`: its KV blocks, its limits and these settings. `hash_seed`:
         the prefix cache's (None: a random one per process; tests fix it)."""
-        pool = BlockPool(worker.num_kv_blocks, worker.block_size, settings.enable_prefix_caching, hash_seed)
+        pool = BlockPool(worker.num_kv_blocks, worker.block_size, settings.enable_prefix_caching, hash_seed,
+                         num_groups=len(worker.kv_cache_windows))
         # A stateless worker is resent whole requests with exact computed counts: it never speculates.
         drafts = 0 if settings.stateless_worker else worker.num_speculative_tokens
         return cls(SchedulerConfig.for_worker(settings, worker), pool, worker.eos_token_ids,
-                   DraftPolicy(drafts, worker.speculative_disable_by_batch_size))
+                   DraftPolicy(drafts, worker.speculative_disable_by_batch_size), worker.kv_cache_windows)
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -106,6 +116,7 @@ class Scheduler:
         if len(request.prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(request.prompt_token_ids)} tokens leaves no room in the "
                              f"context of {self.max_model_len}")
+        request.tables = self.kv.empty_tables()
         self.requests[request.request_id] = request
         self._enqueue(request)
 
@@ -126,12 +137,12 @@ class Scheduler:
         results of the plans in flight never come. The prefix cache goes too: its blocks' contents
         were on the lost worker. Returns the requests affected, in queue order."""
         for request in self.running:
-            self.pool.free(request.block_ids)
+            self.kv.free(request.tables)
             request.status = RequestStatus.WAITING
             self._enqueue(request)
         self.running = []
         for request in self.waiting:
-            request.block_ids, request.block_hashes = [], []
+            request.tables, request.block_hashes = self.kv.empty_tables(), []
             request.num_registered_blocks = request.num_computed_tokens = request.num_placeholders = 0
             request.draft_slots_in_flight.clear()
             request.on_worker = False
@@ -171,17 +182,19 @@ class Scheduler:
             if n == 0:  # a prefill chunk when this step's prefill budget is spent: next step
                 continue
             drafts = self.draft_policy.slots(request, n, len(self.running), budget - n, self.max_model_len)
-            need = -(-(request.num_computed_tokens + n + drafts) // block_size) - len(request.block_ids)
-            new_blocks = self.pool.allocate(need) if need > 0 else []
+            # Drafts in flight may be rejected: only the tokens before them are surely computed.
+            self.kv.free_behind_windows(request.tables,
+                                        request.num_computed_tokens - sum(request.draft_slots_in_flight))
+            entries = -(-(request.num_computed_tokens + n + drafts) // block_size)
+            new_blocks = self.kv.allocate(request.tables, entries)
             while new_blocks is None:
                 victim = self._pick_victim(exclude=scheduled)
                 self._preempt(victim)
                 if victim is request:
                     break
-                new_blocks = self.pool.allocate(need)
+                new_blocks = self.kv.allocate(request.tables, entries)
             if new_blocks is None:
                 continue
-            request.block_ids += new_blocks
             self._schedule(plan, request, n, new_blocks, drafts)
             scheduled.add(id(request))
             budget -= n + drafts
@@ -225,17 +238,16 @@ class Scheduler:
         # Never take the last token from the cache: its logits are needed.
         cacheable = (len(tokens) - 1) // block_size
         request.block_hashes = self.pool.hash_blocks(tokens[:cacheable * block_size], lora_name=request.lora_name)
-        cached = self.pool.lookup_prefix(tokens, request.reusable_block_hashes)
-        computed = len(cached) * block_size
+        tables = self.kv.cached_prefix(tokens, request.reusable_block_hashes)
+        computed = len(tables) * block_size
         n = min(len(tokens) - computed, budget)
-        new_blocks = self.pool.allocate(-(-(computed + n) // block_size) - len(cached))
-        if new_blocks is None:
-            self.pool.free(cached)
+        if self.kv.allocate(tables, -(-(computed + n) // block_size)) is None:
+            self.kv.free(tables)
             return False
         self.waiting.remove(request)
         request.status = RequestStatus.RUNNING
-        request.block_ids = cached + new_blocks
-        request.num_registered_blocks = len(cached)
+        request.tables = tables
+        request.num_registered_blocks = computed // block_size
         request.num_computed_tokens = computed
         if request.handle is None:  # first admission (not after a preemption or a lost worker)
             # A resumed request's outputs may be cached too: they are not prompt.
@@ -244,18 +256,21 @@ class Scheduler:
             self.by_handle[request.handle] = request
         self.running.append(request)
         plan.new_requests.append(NewRequest(request.handle, tokens, len(request.prompt_token_ids),
-                                            request.sampling, list(request.block_ids), computed, request.lora_name))
+                                            request.sampling, request.tables.flat(), computed, request.lora_name))
         request.on_worker = True
-        self._schedule(plan, request, n, [])
+        self._schedule(plan, request, n)
         return True
 
-    def _schedule(self, plan: StepPlan, request: Request, n: int, new_blocks: list[int], drafts: int = 0) -> None:
-        """`drafts`: slots reserved for speculative tokens after the step's last (services/scheduler/speculation.py)."""
+    def _schedule(self, plan: StepPlan, request: Request, n: int, new_blocks: list[list[int]] | None = None,
+                  drafts: int = 0) -> None:
+        """`new_blocks`: those each group's table gained (none: no group's did). `drafts`: slots
+        reserved for speculative tokens after the step's last (services/scheduler/speculation.py)."""
         assert request.handle is not None, "a scheduled request has a worker handle"
         plan.scheduled_handles.append(request.handle)
         plan.num_scheduled_tokens.append(n)
-        plan.num_new_blocks.append(len(new_blocks))
-        plan.new_block_ids += new_blocks
+        plan.num_new_blocks.append(len(new_blocks[0]) if new_blocks else 0)
+        for group_blocks in new_blocks or ():
+            plan.new_block_ids += group_blocks
         if self.draft_policy.num_speculative_tokens:
             plan.num_draft_slots.append(drafts)
         request.num_computed_tokens += n
@@ -286,8 +301,8 @@ class Scheduler:
                                                           request.lora_name)
         for i in range(request.num_registered_blocks, full):
             parent = request.block_hashes[i - 1] if i else None
-            self.pool.register(request.block_ids[i], request.block_hashes[i], parent,
-                               tokens[i * block_size:(i + 1) * block_size])
+            self.kv.register(request.tables, i, request.block_hashes[i], parent,
+                             tokens[i * block_size:(i + 1) * block_size])
         request.num_registered_blocks = full
 
     def _pick_victim(self, exclude: set[int]) -> Request:
@@ -299,8 +314,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Recompute later: free every block, forget computed tokens, back to the queue front."""
         self.running.remove(request)
-        self.pool.free(request.block_ids)
-        request.block_ids, request.block_hashes = [], []
+        self.kv.free(request.tables)
+        request.tables, request.block_hashes = self.kv.empty_tables(), []
         request.num_registered_blocks = 0
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -364,8 +379,8 @@ class Scheduler:
             self._register_full_blocks(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
-        self.pool.free(request.block_ids)
-        request.block_ids = []
+        self.kv.free(request.tables)
+        request.tables = self.kv.empty_tables()
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self._leave_worker(request)

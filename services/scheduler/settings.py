@@ -66,6 +66,9 @@ class WorkerGeometry:
     num_speculative_tokens: int = 0  # the worker proposes drafts (0: it does not)
     speculative_disable_by_batch_size: int = 0
     max_loras: int = 0  # LoRA adapters one step may use (0: the worker serves none)
+    # Each KV cache group's sliding window (None: global attention), in the worker's group order
+    # (services/common/kv_cache_groups.py): a plan carries one block table per group.
+    kv_cache_windows: tuple[int | None, ...] = (None,)
 
 
 @dataclass

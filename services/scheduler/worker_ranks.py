@@ -88,7 +88,8 @@ class WorkerRanks:
                 self._channels.append(ch)
         infos = self.infos = [await self._info(stub, deadline) for stub in self.stubs]
         info = infos[0]
-        if any(i.num_kv_blocks != info.num_kv_blocks or i.block_size != info.block_size for i in infos):
+        if any(i.num_kv_blocks != info.num_kv_blocks or i.block_size != info.block_size
+               or i.kv_cache_group_windows != info.kv_cache_group_windows for i in infos):
             raise RuntimeError("worker ranks disagree on their KV cache")
         group_sizes = {max(1, i.tensor_parallel_size) for i in infos}
         if group_sizes != {1} and group_sizes != {len(infos)}:
@@ -154,7 +155,7 @@ def plan_message(plan: StepPlan, scheduler: Scheduler, full_state: bool) -> work
     for worker_handle, n in zip(plan.scheduled_handles, plan.num_scheduled_tokens):
         r = scheduler.by_handle[worker_handle]
         full.new_requests.append(NewRequest(worker_handle, r.all_token_ids, len(r.prompt_token_ids), r.sampling,
-                                            list(r.block_ids), r.num_computed_tokens - n, r.lora_name))
+                                            r.tables.flat(), r.num_computed_tokens - n, r.lora_name))
     return plan_to_proto(full, full_state=True)
 
 
@@ -163,7 +164,8 @@ def geometry(info: worker_pb2.GetWorkerInfoResponse) -> WorkerGeometry:
                           num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
                           eos_token_ids=tuple(info.eos_token_ids), num_speculative_tokens=info.num_speculative_tokens,
                           speculative_disable_by_batch_size=info.speculative_disable_by_batch_size,
-                          max_loras=info.max_loras)
+                          max_loras=info.max_loras,
+                          kv_cache_windows=tuple(w or None for w in info.kv_cache_group_windows) or (None,))
 
 
 def same_worker(info: worker_pb2.GetWorkerInfoResponse, before: worker_pb2.GetWorkerInfoResponse | None) -> bool:

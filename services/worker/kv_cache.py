@@ -1,12 +1,18 @@
-"""The KV block pool: per layer, one preallocated tensor of fixed-size blocks."""
+"""The KV block pool: preallocated tensors of fixed-size blocks, laid out by KV cache group.
+
+A block is a page of `slots_per_block` layers (services/common/kv_cache_groups.py): there is
+one key and one value tensor per slot, and layer i reads and writes slot slot_of_layer[i] of
+the blocks in its group's block table. A model without sliding windows has one group of every
+layer: one tensor per layer, as a plain paged cache."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from vmesh.services.common.kv_cache_groups import KVCacheLayout, kv_cache_layout
 from vmesh.services.common.model_spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -14,9 +20,17 @@ logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 
 
-def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+def model_kv_layout(spec: ModelSpec, max_model_len: int) -> KVCacheLayout:
+    """The KV cache groups of `spec`'s layers, whose windows count up to `max_model_len`."""
+    return kv_cache_layout([layer.attention.window for layer in spec.layers], max_model_len)
+
+
+def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype, layout: KVCacheLayout | None = None) -> int:
+    """One block's keys and values: every layer's without `layout` (one global group), else its
+    slots' (each group's layers share the page)."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * element
+    slots = spec.num_layers if layout is None else layout.slots_per_block
+    return 2 * slots * block_size * spec.num_kv_heads * spec.head_dim * element
 
 
 def kv_cache_budget(device: torch.device, kv_cache_memory: int | None, memory_fraction: float) -> int:
@@ -30,28 +44,42 @@ def kv_cache_budget(device: torch.device, kv_cache_memory: int | None, memory_fr
 
 @dataclass
 class KVCache:
-    key_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, kv_heads, head_dim]
+    key_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, kv_heads, head_dim] (slots shared)
     value_caches: list[torch.Tensor]
     num_blocks: int
     block_size: int
+    layout: KVCacheLayout
+    group_of_layer: list[int] = field(default_factory=list)  # the KV cache group each layer reads
+
+    def __post_init__(self) -> None:
+        if not self.group_of_layer:
+            self.group_of_layer = self.layout.group_of_layer()
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.layout.groups)
 
     @classmethod
     def allocate(cls, spec: ModelSpec, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype) -> KVCache:
+                 dtype: torch.dtype, layout: KVCacheLayout) -> KVCache:
         if num_blocks < 1:
             raise ValueError("the KV cache budget does not hold a single block")
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(spec.num_layers)]
-        values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(spec.num_layers)]
-        return cls(keys, values, num_blocks, block_size)
+        keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layout.slots_per_block)]
+        values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layout.slots_per_block)]
+        slot = layout.slot_of_layer()
+        return cls([keys[s] for s in slot], [values[s] for s in slot], num_blocks, block_size, layout)
 
     @classmethod
     def from_budget(cls, spec: ModelSpec, budget_bytes: int, block_size: int, device: torch.device,
-                    dtype: torch.dtype) -> KVCache:
-        per_block = bytes_per_block(spec, block_size, dtype)
+                    dtype: torch.dtype, max_model_len: int) -> KVCache:
+        layout = model_kv_layout(spec, max_model_len)
+        per_block = bytes_per_block(spec, block_size, dtype, layout)
         num_blocks = budget_bytes // per_block
         if num_blocks < 1:
             raise ValueError(f"KV cache memory {budget_bytes} B is less than one block ({per_block} B)")
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), at most %d tokens in flight",
-                    num_blocks, block_size, num_blocks * per_block / (1 << 30), num_blocks * block_size)
-        return cls.allocate(spec, num_blocks, block_size, device, dtype)
+        windows = ", ".join("global" if w is None else f"window {w}" for w in layout.windows)
+        logger.info("KV cache: %d blocks of %d tokens x %d layers (%.2f GiB), %d group(s) (%s)", num_blocks,
+                    block_size, layout.slots_per_block, num_blocks * per_block / (1 << 30), len(layout.groups),
+                    windows)
+        return cls.allocate(spec, num_blocks, block_size, device, dtype, layout)

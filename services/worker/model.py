@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -357,23 +357,29 @@ class DecoderModel:
                 f"{self.fused_ops(backend).description}; residual stream {residual}")
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: KVCache, backend: AttentionBackend, logits_indices: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata | Sequence[AttentionMetadata], kv_cache: KVCache, backend: AttentionBackend,
+                logits_indices: torch.Tensor) -> torch.Tensor:
         """The logits at `logits_indices` of the step's flattened positions."""
         return self.compute_logits(self.final_hidden(input_ids, positions, meta, kv_cache, backend, logits_indices))
 
     @torch.inference_mode()
-    def final_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                     kv_cache: KVCache, backend: AttentionBackend, indices: torch.Tensor) -> torch.Tensor:
+    def final_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     meta: AttentionMetadata | Sequence[AttentionMetadata], kv_cache: KVCache,
+                     backend: AttentionBackend, indices: torch.Tensor) -> torch.Tensor:
         """The final hidden states at `indices` of the step's flattened positions: after the final
-        norm, what the LM head reads (an embedding request pools them)."""
+        norm, what the LM head reads (an embedding request pools them). `meta`: one per KV cache
+        group, each layer reading its group's (a single one serves a one-group cache)."""
+        metas = [meta] if isinstance(meta, AttentionMetadata) else list(meta)
+        if len(metas) != kv_cache.num_groups:
+            raise ValueError(f"{len(metas)} attention metadata for {kv_cache.num_groups} KV cache groups")
         hidden, residual = self.embed_tokens(input_ids), None
         ropes = {key: rotary.tables(positions) for key, rotary in self.rotaries.items()}
         ops = self.fused_ops(backend)
         for i, layer in enumerate(self.layers):
             rope = ropes[layer.plan.attention.rope_key]
-            hidden, residual = layer.forward(hidden, residual, rope, kv_cache.key_caches[i],
-                                             kv_cache.value_caches[i], meta, backend, ops)
+            hidden, residual = layer.forward(hidden, residual, rope, kv_cache.key_caches[i], kv_cache.value_caches[i],
+                                             metas[kv_cache.group_of_layer[i]], backend, ops)
         assert residual is not None, "the model has at least one layer"
         last, _ = ops.rms_norm(hidden[indices], self.final_norm, self.spec.rms_norm_eps, residual[indices])
         return last

@@ -68,7 +68,7 @@ class ModelRunner:
         self.backend = backend
         self.max_model_len = max_model_len
         self.batch = PersistentBatch(max_num_seqs, max_model_len, kv_cache.block_size, model.device,
-                                     kv_cache.num_blocks, grammar_tokenizer)
+                                     kv_cache.num_blocks, grammar_tokenizer, kv_cache.num_groups)
         self.sampler = Sampler()
         self.prompt_logprobs = PromptLogprobs()  # the rows asking for them, until their first token
         self.pooler = Pooler()  # the embedding requests' rows, until their first token
@@ -118,7 +118,7 @@ class ModelRunner:
         if parallel is not None:  # equal block counts on every rank, however their free memory differs
             budget = parallel.agree_loaded(budget)
         # model.spec: a tensor-parallel rank caches only its own KV heads.
-        kv_cache = KVCache.from_budget(model.spec, budget, config.block_size, device, dtype)
+        kv_cache = KVCache.from_budget(model.spec, budget, config.block_size, device, dtype, max_model_len)
         backend = make_attention_backend(config.attention_backend, device, cache_dir_path(config.cache_dir))
         placement = model.describe_placement(backend, dtype)
         # Said once, and loudly where the bfloat16 model lost its C kernels: no silent slow path.

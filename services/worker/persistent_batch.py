@@ -1,7 +1,7 @@
 """The worker's persistent batch: one row per running request, changed only by step diffs.
 
-Rows live in fixed preallocated tensors (token ids, computed-token counts, block table,
-sampling parameters). A plan removes rows (the last row moves into the hole, so rows stay
+Rows live in fixed preallocated tensors (token ids, computed-token counts, one block table per
+KV cache group, sampling parameters). A plan removes rows (the last row moves into the hole, so rows stay
 dense), adds rows for new requests, appends block ids, and names the tokens to compute.
 The step's input tensors are gathered from the rows in the plan's order, so they depend
 only on the requests' states, never on where their rows happen to sit. A row whose request
@@ -34,7 +34,7 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     logits_indices: torch.Tensor  # [num_logits] each request's last scheduled token, and its drafts'
-    attention: AttentionMetadata
+    attention: list[AttentionMetadata]  # one per KV cache group: its block tables and slots
     num_scheduled: torch.Tensor  # [num_reqs] tokens computed before any drafts
     # Speculation: each request computes its drafts after its scheduled tokens and samples at
     # 1 + num_drafts positions; logits row i belongs to request logits_request[i], samples at
@@ -50,7 +50,8 @@ class StepInputs:
 # Sampling parameters kept as columns, and the SamplingParams attribute each one mirrors.
 class PersistentBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device,
-                 num_kv_blocks: int | None = None, grammar_tokenizer: GrammarTokenizer | None = None):
+                 num_kv_blocks: int | None = None, grammar_tokenizer: GrammarTokenizer | None = None,
+                 num_kv_groups: int = 1):
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -63,7 +64,9 @@ class PersistentBatch:
         self.num_tokens = torch.zeros(max_num_reqs, dtype=torch.int64)
         self.num_prompt_tokens = torch.zeros(max_num_reqs, dtype=torch.int64)
         self.num_computed_tokens = torch.zeros(max_num_reqs, dtype=torch.int64)
-        self.block_table = torch.zeros((max_num_reqs, max_blocks), dtype=torch.int64)
+        # [row, KV cache group, entry]: a plan's block ids carry each group's entries in turn.
+        self.num_kv_groups = num_kv_groups
+        self.block_table = torch.zeros((max_num_reqs, num_kv_groups, max_blocks), dtype=torch.int64)
         self.num_blocks = torch.zeros(max_num_reqs, dtype=torch.int64)
         self.float_params = {name: torch.zeros(max_num_reqs, dtype=torch.float32) for name in FLOAT_SAMPLING_FIELDS}
         self.top_k = torch.full((max_num_reqs,), -1, dtype=torch.int64)
@@ -104,9 +107,10 @@ class PersistentBatch:
         if plan.new_block_ids:
             offset = 0
             for handle, count in zip(plan.scheduled_handles, plan.num_new_blocks):
-                if count:
-                    self.append_blocks(handle, plan.new_block_ids[offset:offset + count])
-                    offset += count
+                if count:  # that many entries in each group's table, group after group
+                    ids = count * self.num_kv_groups
+                    self.append_blocks(handle, plan.new_block_ids[offset:offset + ids])
+                    offset += ids
             if offset != len(plan.new_block_ids):
                 raise PlanError("new_block_ids does not match num_new_blocks")
 
@@ -177,15 +181,19 @@ class PersistentBatch:
         return row
 
     def _write_blocks(self, row: int, block_ids: list[int]) -> None:
+        """Append `block_ids`: the same number of entries to each group's table, group after group."""
+        count, rest = divmod(len(block_ids), self.num_kv_groups)
+        if rest:
+            raise PlanError(f"{len(block_ids)} block ids do not split into {self.num_kv_groups} KV cache groups")
         start = int(self.num_blocks[row])
-        end = start + len(block_ids)
-        if end > self.block_table.shape[1]:
-            raise PlanError(f"block table of row {row} overflows ({end} > {self.block_table.shape[1]})")
+        end = start + count
+        if end > self.block_table.shape[2]:
+            raise PlanError(f"block table of row {row} overflows ({end} > {self.block_table.shape[2]})")
         limit = self.num_kv_blocks
         if block_ids and limit is not None and not 0 <= min(block_ids) <= max(block_ids) < limit:
             raise PlanError(f"block ids {min(block_ids)}..{max(block_ids)} fall outside the worker's "
                             f"{self.num_kv_blocks} KV blocks")
-        self.block_table[row, start:end] = torch.tensor(block_ids, dtype=torch.int64)
+        self.block_table[row, :, start:end] = torch.tensor(block_ids, dtype=torch.int64).view(self.num_kv_groups, count)
         self.num_blocks[row] = end
 
     def _move_row(self, src: int, dst: int) -> None:
@@ -225,19 +233,21 @@ class PersistentBatch:
         row_of_token = rows[request_of_token]
         positions = torch.arange(total) - query_start[request_of_token] + start[request_of_token]
         input_ids = self.token_ids[row_of_token, positions]
-        slots = self.block_table[row_of_token, positions // self.block_size] * self.block_size
-        slots += positions % self.block_size
         max_blocks = -(-int(seq_lens.max()) // self.block_size)
         device = self.device
-        meta = AttentionMetadata(
-            slot_mapping=slots.to(device, non_blocking=True),
-            query_start_loc=query_start.to(device=device, dtype=torch.int32, non_blocking=True),
-            seq_lens=seq_lens.to(device=device, dtype=torch.int32, non_blocking=True),
-            block_tables=self.block_table[rows, :max_blocks].to(device=device, dtype=torch.int32,
-                                                                  non_blocking=True),
-            query_lens_cpu=num_scheduled_with_drafts.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-        )
+        query_start_device = query_start.to(device=device, dtype=torch.int32, non_blocking=True)
+        seq_lens_device = seq_lens.to(device=device, dtype=torch.int32, non_blocking=True)
+        query_lens_cpu, seq_lens_cpu = num_scheduled_with_drafts.tolist(), seq_lens.tolist()
+        entries, offsets = positions // self.block_size, positions % self.block_size
+        metas = []
+        for group in range(self.num_kv_groups):
+            slots = self.block_table[row_of_token, group, entries] * self.block_size + offsets
+            metas.append(AttentionMetadata(
+                slot_mapping=slots.to(device, non_blocking=True), query_start_loc=query_start_device,
+                seq_lens=seq_lens_device,
+                block_tables=self.block_table[rows, group, :max_blocks].to(device=device, dtype=torch.int32,
+                                                                            non_blocking=True),
+                query_lens_cpu=query_lens_cpu, seq_lens_cpu=seq_lens_cpu))
         samples = num_drafts + 1
         logits_request = torch.repeat_interleave(torch.arange(len(rows)), samples, output_size=int(samples.sum()))
         first_sample = torch.cumsum(samples, 0) - samples
@@ -249,7 +259,7 @@ class PersistentBatch:
             input_ids=input_ids.to(device, non_blocking=True),
             positions=positions.to(device, non_blocking=True),
             logits_indices=logits_indices.to(device, non_blocking=True),
-            attention=meta,
+            attention=metas,
             num_scheduled=num_scheduled,
             num_drafts=num_drafts,
             logits_request=logits_request,

@@ -67,7 +67,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             speculative_disable_by_batch_size=runner.speculative.disable_by_batch_size if runner.speculative else 0,
             lora_adapters=runner.lora.names() if runner.lora else [],
             lora_adapter_paths=runner.lora.paths() if runner.lora else [],
-            max_loras=runner.lora.max_loras if runner.lora else 0)
+            max_loras=runner.lora.max_loras if runner.lora else 0,
+            kv_cache_group_windows=[window or 0 for window in runner.kv_cache.layout.windows])
 
     async def LoadLoraAdapter(self, request, context):
         return await self._change_adapters(context, request.lora_name, request.lora_path)

@@ -98,6 +98,41 @@ def test_tiny_family_through_the_engine(tiny, embedded_tokenizer, kind, depth):
         for i, out in enumerate(outs):
             assert_greedy_match(out.token_ids, references[i], label=f"{kind} engine depth {depth} prompt {i}")
         assert engine.scheduler.pool.num_free == engine.scheduler.pool.num_blocks
+        # Windowed layers gave back the blocks behind their window while the requests ran.
+        windowed = any(layer.attention.window for layer in runner.spec.layers)
+        assert (engine.scheduler.kv.num_freed_behind_windows > 0) == windowed
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("kind, backend", [("gemma3", "auto"), ("mistral", "auto"), ("gemma3", "triton")])
+def test_window_groups_through_preemption_and_prefix_hits(tiny, embedded_tokenizer, kind, backend):
+    """KV cache groups on a real model: the window groups give back the blocks behind their
+    window while requests run, a pool too small for every request preempts, and the same prompts
+    again hit the prefix cache (global and window groups), token for token both times."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    path, _model, prompts, references = tiny[kind]
+    runner = ModelRunner.load(WorkerConfig(model=str(path), kv_cache_memory=4 << 20, max_num_seqs=8,
+                                           attention_backend=backend))
+    num_blocks, runner.kv_cache.num_blocks = runner.kv_cache.num_blocks, 6 * runner.kv_cache.num_groups
+    try:  # the scheduler hands out only the first blocks
+        engine = LLMEngine(runner, embedded_tokenizer, EngineConfig(max_num_batched_tokens=10, pipeline_depth=2))
+    finally:
+        runner.kv_cache.num_blocks = num_blocks
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    try:
+        for i, out in enumerate(engine.generate(prompts, params)):
+            assert_greedy_match(out.token_ids, references[i], label=f"{kind} {backend} prompt {i}")
+        scheduler = engine.scheduler
+        assert scheduler.num_preemptions > 0 and scheduler.kv.num_freed_behind_windows > 0
+        long = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+        for round_ in ("again", "cached"):  # the second run finds the first's blocks in every group
+            hits = scheduler.pool.prefix_hits
+            [out] = engine.generate([prompts[long]], params)
+            assert_greedy_match(out.token_ids, references[long], label=f"{kind} {backend} {round_} prompt {long}")
+        assert scheduler.pool.prefix_hits - hits == (len(prompts[long]) - 1) // runner.kv_cache.block_size > 0
+        assert scheduler.pool.num_free == scheduler.pool.num_blocks
     finally:
         engine.shutdown()
 

@@ -14,7 +14,7 @@ def make_scheduler(*, num_blocks: int, block_size: int = 4, max_model_len: int =
                    eos_token_ids: tuple[int, ...] = (), hash_seed: int | None = None,
                    num_speculative_tokens: int = 0, speculative_disable_by_batch_size: int = 0,
                    max_prefill_tokens_with_decodes: int = DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODES,
-                   max_loras: int = 0) -> Scheduler:
+                   max_loras: int = 0, kv_cache_windows: tuple[int | None, ...] = (None,)) -> Scheduler:
     """A scheduler core for a worker of this geometry, through the product's one factory. The
     waiting queue is unbounded unless `max_waiting` says otherwise (the service bounds it)."""
     settings = SchedulerSettings(max_num_batched_tokens=max_num_batched_tokens, policy=policy, max_waiting=max_waiting,
@@ -22,7 +22,8 @@ def make_scheduler(*, num_blocks: int, block_size: int = 4, max_model_len: int =
     worker = WorkerGeometry(max_model_len=max_model_len, max_num_seqs=max_num_seqs, num_kv_blocks=num_blocks,
                             block_size=block_size, eos_token_ids=eos_token_ids,
                             num_speculative_tokens=num_speculative_tokens,
-                            speculative_disable_by_batch_size=speculative_disable_by_batch_size, max_loras=max_loras)
+                            speculative_disable_by_batch_size=speculative_disable_by_batch_size, max_loras=max_loras,
+                            kv_cache_windows=kv_cache_windows)
     return Scheduler.for_worker(settings, worker, hash_seed=hash_seed)
 
 

@@ -20,7 +20,7 @@ class DrivenRequest:
     lora_name: str = ""  # the LoRA adapter it runs with ("": the base model)
     handle: int = -1
     computed: int = 0
-    blocks: list[int] = field(default_factory=list)
+    blocks: list[list[int]] = field(default_factory=list)  # one table per KV cache group
     output: list[int] = field(default_factory=list)
     logprob_results: list[tuple[float, int, list[int], list[float]]] = field(default_factory=list)
     sent: bool = False
@@ -35,10 +35,11 @@ class DrivenRequest:
 
 
 def drive(runner: ModelRunner, requests: list[DrivenRequest], chunk: int = 1 << 30, step_offset: int = 0) -> None:
-    block_size = runner.kv_cache.block_size
+    block_size, groups = runner.kv_cache.block_size, runner.kv_cache.num_groups
     next_block = 0
     for i, r in enumerate(requests):
         r.handle = i
+        r.blocks = [[] for _ in range(groups)]
     step = step_offset
     while not all(r.done for r in requests):
         plan = StepPlan(step=step)
@@ -46,18 +47,19 @@ def drive(runner: ModelRunner, requests: list[DrivenRequest], chunk: int = 1 << 
             if r.done or step - step_offset < r.join_step:
                 continue
             n = min(chunk, r.num_tokens - r.computed)
-            need = -(-(r.computed + n) // block_size) - len(r.blocks)
-            new_blocks = list(range(next_block, next_block + need))
-            next_block += need
-            r.blocks += new_blocks
+            need = -(-(r.computed + n) // block_size) - len(r.blocks[0])
+            new_blocks = list(range(next_block, next_block + need * groups))  # each group's in turn
+            next_block += need * groups
+            for g, table in enumerate(r.blocks):
+                table += new_blocks[g * need:(g + 1) * need]
             if not r.sent:
                 plan.new_requests.append(NewRequest(r.handle, list(r.prompt), len(r.prompt), r.sampling,
-                                                    list(r.blocks), lora_name=r.lora_name))
+                                                    [b for table in r.blocks for b in table], lora_name=r.lora_name))
                 r.sent = True
-                new_blocks = []
+                need, new_blocks = 0, []
             plan.scheduled_handles.append(r.handle)
             plan.num_scheduled_tokens.append(n)
-            plan.num_new_blocks.append(len(new_blocks))
+            plan.num_new_blocks.append(need)
             plan.new_block_ids += new_blocks
             r.computed += n
         assert next_block <= runner.kv_cache.num_blocks, "test KV pool too small"

@@ -8,13 +8,15 @@ from types import SimpleNamespace
 import pytest
 
 from vmesh.services.common.admission import MAX_STOP_STRINGS, InvalidRequest
+from vmesh.services.common.kv_cache_groups import single_group_layout
 from vmesh.services.common.types import SamplingParams
 from vmesh.services.engine.llm import EngineConfig, LLMEngine
 
 
 def engine() -> LLMEngine:
     """An engine over a runner that is never stepped: admission happens before any step."""
-    runner = SimpleNamespace(kv_cache=SimpleNamespace(num_blocks=8, block_size=4), max_model_len=32,
+    runner = SimpleNamespace(kv_cache=SimpleNamespace(num_blocks=8, block_size=4, layout=single_group_layout(1)),
+                             max_model_len=32,
                              batch=SimpleNamespace(max_num_reqs=4),
                              spec=SimpleNamespace(eos_token_ids=[0], vocab_size=100), speculative=None, lora=None)
     return LLMEngine(runner, SimpleNamespace(backend_tokenizer=None), EngineConfig())  # type: ignore[arg-type]

@@ -48,7 +48,7 @@ def assert_same_inputs(a: PersistentBatch, b: PersistentBatch, plan: StepPlan) -
     for name in ("input_ids", "positions", "logits_indices", "num_scheduled"):
         assert torch.equal(getattr(x, name), getattr(y, name)), name
     for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
-        assert torch.equal(getattr(x.attention, name), getattr(y.attention, name)), name
+        assert torch.equal(getattr(x.attention[0], name), getattr(y.attention[0], name)), name
     for name, column in a.float_params.items():
         assert torch.equal(column[x.rows], b.float_params[name][y.rows]), name
     assert torch.equal(a.top_k[x.rows], b.top_k[y.rows])
@@ -138,3 +138,26 @@ def test_plan_errors_name_the_problem():
             assert message in str(exc)
         else:
             raise AssertionError(f"no PlanError for {message}")
+
+
+def test_each_kv_cache_group_gets_its_own_table_and_slots():
+    """A plan's block ids carry each group's entries in turn; a step's metadata, one per group,
+    maps each token to its slot in that group's blocks."""
+    batch = PersistentBatch(max_num_reqs=2, max_model_len=16, block_size=4, device=torch.device("cpu"),
+                            num_kv_blocks=16, num_kv_groups=2)
+    batch.apply(StepPlan(0, new_requests=[NewRequest(3, list(range(1, 7)), 6, SamplingParams(), [5, 9, 0, 7])]))
+    inputs = batch.prepare_inputs(StepPlan(0, scheduled_handles=[3], num_scheduled_tokens=[6]))
+    global_group, window_group = inputs.attention
+    assert global_group.block_tables.tolist() == [[5, 9]] and window_group.block_tables.tolist() == [[0, 7]]
+    assert global_group.slot_mapping.tolist() == [20, 21, 22, 23, 36, 37]
+    assert window_group.slot_mapping.tolist() == [0, 1, 2, 3, 28, 29]
+    batch.finish_step(inputs, torch.tensor([42]))
+    batch.apply(StepPlan(1, scheduled_handles=[3], num_scheduled_tokens=[1], new_block_ids=[11, 12],
+                         num_new_blocks=[1]))
+    assert batch.block_table[0, :, :3].tolist() == [[5, 9, 11], [0, 7, 12]]
+    try:
+        batch.append_blocks(3, [1, 2, 3])
+    except PlanError as exc:
+        assert "do not split into 2 KV cache groups" in str(exc)
+    else:
+        raise AssertionError("an odd number of block ids for two groups was accepted")

@@ -15,6 +15,7 @@ import pytest
 import tokenizers
 import torch
 
+from vmesh.services.common.kv_cache_groups import single_group_layout
 from vmesh.services.common.step_types import StepResult
 from vmesh.services.common.types import CompiledGrammar, FinishReason, SamplingParams, StructuredOutput
 from vmesh.services.common.wire.step import result_from_proto, result_to_proto
@@ -54,7 +55,7 @@ def decode(grammar_tokenizer):
 
 
 def make_runner(grammar_tokenizer, seed: int = 0) -> ModelRunner:
-    kv_cache = SimpleNamespace(block_size=16, num_blocks=256)
+    kv_cache = SimpleNamespace(block_size=16, num_blocks=256, num_groups=1, layout=single_group_layout(1))
     return ModelRunner(RandomLogitsModel(seed), kv_cache, None, 8, 512, grammar_tokenizer)  # type: ignore[arg-type]
 
 

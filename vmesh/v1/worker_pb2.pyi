@@ -12,7 +12,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetWorkerInfoResponse(_message.Message):
-    __slots__ = ("model_name", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "max_num_seqs", "tensor_parallel_size", "num_speculative_tokens", "speculative_disable_by_batch_size", "lora_adapters", "max_loras", "lora_adapter_paths")
+    __slots__ = ("model_name", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "max_num_seqs", "tensor_parallel_size", "num_speculative_tokens", "speculative_disable_by_batch_size", "lora_adapters", "max_loras", "lora_adapter_paths", "kv_cache_group_windows")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class GetWorkerInfoResponse(_message.Message):
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTER_PATHS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_GROUP_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     num_kv_blocks: int
     block_size: int
@@ -39,7 +40,8 @@ class GetWorkerInfoResponse(_message.Message):
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
     max_loras: int
     lora_adapter_paths: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_name: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_num_seqs: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., speculative_disable_by_batch_size: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., lora_adapter_paths: _Optional[_Iterable[str]] = ...) -> None: ...
+    kv_cache_group_windows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model_name: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_num_seqs: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., speculative_disable_by_batch_size: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., lora_adapter_paths: _Optional[_Iterable[str]] = ..., kv_cache_group_windows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NewRequest(_message.Message):
     __slots__ = ("handle", "token_ids", "num_prompt_tokens", "sampling", "block_ids", "num_computed_tokens", "trace_context", "lora_name")
