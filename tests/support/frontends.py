@@ -42,3 +42,23 @@ async def serving_frontend(tokenizer: Any, scheduler: FakeScheduler | None = Non
     await f.join_schedulers()
     listening(f, *listening_to)
     return f, scheduler
+
+
+def openai_client(f: FrontendCore) -> Any:
+    """The real `openai` client, talking to `f`'s HTTP app in process."""
+    import httpx
+    import openai
+
+    from vmesh.services.frontend.http_server import build_app
+
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(f, None)), base_url="http://frontend")
+    return openai.AsyncOpenAI(base_url="http://frontend/v1", api_key="x", http_client=http, max_retries=0)
+
+
+async def chat_completion(client: Any, body: dict[str, Any], stream: bool) -> Any:
+    """One chat completion, whole or streamed (then assembled by the client)."""
+    if not stream:
+        return await client.chat.completions.create(**body)
+    async with client.chat.completions.stream(**body) as events:
+        return await events.get_final_completion()
+

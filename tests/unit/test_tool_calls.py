@@ -10,21 +10,18 @@ import itertools
 import json
 from typing import Any
 
-import httpx
 import jsonschema
-import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.support.frontends import serving_frontend
+from tests.support.frontends import chat_completion, openai_client, serving_frontend
 from tests.unit.test_openai_http import CharTokenizer, emit
 from vmesh.services.common.generation import Chat
 from vmesh.services.common.tokenizer import ChatTokenizer, encode_chat, template_supports_tools
 from vmesh.services.common.tool_prompt import tool_call_text
 from vmesh.services.frontend import openai_protocol as oai
 from vmesh.services.frontend.errors import RequestError
-from vmesh.services.frontend.http_server import build_app
 from vmesh.services.frontend.tool_calls import ToolPlan, check_tools, tool_choice_schema, tool_plan
 from vmesh.services.frontend.tool_parsers import (
     ContentDelta,
@@ -292,23 +289,15 @@ SCRIPT = ['Checking. <tool', '_call>\n{"name": "get_weather", "argu', 'ments": {
 def test_http_tool_calls_assemble_to_the_same_message_through_the_openai_client(stream):
     async def main() -> tuple[Any, list[int]]:
         f, scheduler = await serving_frontend(CharTokenizer())
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(f, None)), base_url="http://frontend")
-        client = openai.AsyncOpenAI(base_url="http://frontend/v1", api_key="x", http_client=http, max_retries=0)
+        client = openai_client(f)
         body = {"model": "m", "messages": HI, "tools": [WEATHER], "max_tokens": 200}
-
-        async def call() -> Any:
-            if not stream:
-                return await client.chat.completions.create(**body)
-            async with client.chat.completions.stream(**body) as events:
-                return await events.get_final_completion()
-
-        task = asyncio.create_task(call())
+        task = asyncio.create_task(chat_completion(client, body, stream))
         await scheduler.until_submitted(1)
         for piece in SCRIPT[:-1]:
             emit(f, piece)
         emit(f, SCRIPT[-1], STOP)
         result = await task
-        await http.aclose()
+        await client.close()
         return result, list(scheduler.submitted[0].prompt_token_ids)
 
     completion, prompt = asyncio.run(main())

@@ -11,20 +11,17 @@ import json
 import re
 from typing import Any
 
-import httpx
-import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support.fake_scheduler import FakeScheduler
-from tests.support.frontends import serving_frontend
+from tests.support.frontends import chat_completion, openai_client, serving_frontend
 from tests.unit.test_tool_calls import ARGUMENTS, HI, WEATHER, check_split_invariance, ids, split_feed
 from vmesh.services.common.tokenizer import ChatTokenizer
 from vmesh.services.common.types import FinishReason, ModelLimits, OutputBatch, SamplingParams, StreamOutput
 from vmesh.services.common.wire.sampling import sampling_from_proto
 from vmesh.services.detokenizer.incremental import IncrementalDetokenizer
-from vmesh.services.frontend.http_server import build_app
 from vmesh.services.frontend.settings import TOOL_CALL_PARSERS, FrontendSettings
 from vmesh.services.frontend.tool_calls import ToolPlan, check_tools
 from vmesh.services.frontend.tool_parsers import (
@@ -331,17 +328,9 @@ def test_a_mistral_format_answer_becomes_tool_calls_through_the_openai_client(st
     async def main() -> tuple[Any, Any]:
         vocabulary = tokenizer.backend_tokenizer.get_vocab_size()
         f, scheduler = await serving_frontend(tokenizer, FakeScheduler(ModelLimits("m", 4096, vocabulary)))
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(f, None)), base_url="http://frontend")
-        client = openai.AsyncOpenAI(base_url="http://frontend/v1", api_key="x", http_client=http, max_retries=0)
+        client = openai_client(f)
         body = {"model": "m", "messages": HI, "tools": [WEATHER], "max_tokens": 200}
-
-        async def call() -> Any:
-            if not stream:
-                return await client.chat.completions.create(**body)
-            async with client.chat.completions.stream(**body) as events:
-                return await events.get_final_completion()
-
-        task = asyncio.create_task(call())
+        task = asyncio.create_task(chat_completion(client, body, stream))
         submission = asyncio.create_task(scheduler.until_submitted(1))
         await asyncio.wait([task, submission], return_when=asyncio.FIRST_COMPLETED)
         if task.done():  # refused before it was submitted: say why
@@ -358,7 +347,7 @@ def test_a_mistral_format_answer_becomes_tool_calls_through_the_openai_client(st
             f.dispatch(OutputBatch([StreamOutput(key, text, [token], FinishReason.STOP if last else None,
                                                  len(submitted.prompt_token_ids), i + 1, 0)]))
         result = await task
-        await http.aclose()
+        await client.close()
         return result, submitted
 
     completion, submitted = asyncio.run(main())
