@@ -5,6 +5,7 @@ binding, and an orderly shutdown on SIGTERM (health NOT_SERVING -> stop acceptin
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -143,6 +144,7 @@ class ServiceShell:
             os._exit(0)
         stopped.cancel()
         warming.result()
+        freeze_startup_heap()
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         await self.set_serving(True)
         logger.info("serving %s on %s", ", ".join(self.service_names), self.address)
@@ -157,6 +159,16 @@ class ServiceShell:
         if self.health_server is not None:
             await self.health_server.stop(None)
         telemetry.shutdown_tracing()
+
+
+def freeze_startup_heap() -> None:
+    """Exempt everything a service built while starting (imported modules, a tokenizer, a model's
+    Python objects) from the collector's full passes. Those objects live as long as the process, and
+    a full pass over them stalls the service's event loop for as long as it takes: measured 0.24-0.36
+    s in a frontend's loop when 5,000 connections arrived at once, every other client waiting."""
+    gc.collect()
+    gc.freeze()
+    logger.debug("%d objects exempt from garbage collection", gc.get_freeze_count())
 
 
 def channel(address: str, peer: str | None = None, secure: bool = True,

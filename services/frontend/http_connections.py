@@ -2,13 +2,18 @@
 head (request line and headers) must arrive within a timeout, and its body within another, one
 peer address may hold only so many connections, and past the public limit every path but the
 exempt ones (health, metrics) is answered 503, so that probes still reach the frontend while
-clients flood it."""
+clients flood it.
+
+The frontend serves everything on one event loop, so a flood must never cost one loop turn much:
+connections are accepted a few per turn (the kernel's listen queue holds the rest), and
+connections that missed a deadline are closed a bounded batch per turn; thousands opened or
+timed out at once then cost many short turns, between which other clients are served."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +25,36 @@ from vmesh.services.frontend.http_middleware import error_response
 from vmesh.services.frontend.settings import DEFAULT_HTTP_BODY_TIMEOUT_S
 
 EXEMPT_PATHS = frozenset({"/health", "/metrics"})
+# uvicorn hands its backlog to asyncio, which accepts up to that many connections in one loop turn
+# and builds a protocol for each; the listen queue is deepened again once the server is up.
+ACCEPTS_PER_LOOP_TURN = 16
+LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
+CLOSES_PER_LOOP_TURN = 32
+
+
+class BoundedCloser:
+    """Closes transports at most CLOSES_PER_LOOP_TURN per event-loop turn, oldest first: a
+    connection's deadline passing is no reason to answer within the same turn, and a thousand
+    deadlines that pass together would otherwise stall every other client for that turn."""
+
+    def __init__(self) -> None:
+        self.pending: deque[asyncio.Transport] = deque()
+        self.scheduled = False
+
+    def close(self, transport: asyncio.Transport) -> None:
+        self.pending.append(transport)
+        if not self.scheduled:
+            self.scheduled = True
+            asyncio.get_running_loop().call_soon(self._close_some)
+
+    def _close_some(self) -> None:
+        for _ in range(min(CLOSES_PER_LOOP_TURN, len(self.pending))):
+            transport = self.pending.popleft()
+            if not transport.is_closing():
+                transport.close()
+        self.scheduled = bool(self.pending)
+        if self.scheduled:
+            asyncio.get_running_loop().call_soon(self._close_some)
 
 
 @dataclass
@@ -36,6 +71,7 @@ class ConnectionGuard:
     open: int = 0
     in_progress: int = 0
     by_peer: Counter[str] = field(default_factory=Counter)
+    closer: BoundedCloser = field(default_factory=BoundedCloser)
 
     def protocol(self) -> type[H11Protocol]:
         """uvicorn's HTTP/1.1 protocol class under this guard (uvicorn builds one per connection)."""
@@ -68,7 +104,8 @@ class GuardedProtocol(H11Protocol):
         self.peer = self.client[0] if self.client else ""
         guard.by_peer[self.peer] += 1
         if guard.per_peer and guard.by_peer[self.peer] > guard.per_peer:
-            transport.close()  # at once: it has not cost a request yet
+            transport.pause_reading()  # it may not send a request before its turn to be closed
+            guard.closer.close(transport)
             return
         self._await_head()
 
@@ -110,7 +147,7 @@ class GuardedProtocol(H11Protocol):
     def _head_late(self) -> None:
         self.head_timer = None
         if not self.transport.is_closing():
-            self.transport.close()
+            self.guard.closer.close(self.transport)
 
     def _await_body(self) -> None:
         """From the head on, one deadline for the whole body (not one per read, which a client
@@ -126,7 +163,7 @@ class GuardedProtocol(H11Protocol):
     def _body_late(self) -> None:
         self.body_timer = None
         if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
-            self.transport.close()  # the app reading the body sees the client gone
+            self.guard.closer.close(self.transport)  # the app reading the body sees the client gone
 
 
 class ConnectionLimitMiddleware:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -26,7 +27,13 @@ from vmesh.services.frontend import openai_responses as render
 from vmesh.services.frontend.core import FrontendCore
 from vmesh.services.frontend.errors import RequestError, refused_as_request_errors
 from vmesh.services.frontend.fanout import ClientGone, Fanout, FanoutStreamingResponse, until_disconnect
-from vmesh.services.frontend.http_connections import ConnectionGuard, ConnectionLimitMiddleware, bind
+from vmesh.services.frontend.http_connections import (
+    ACCEPTS_PER_LOOP_TURN,
+    LISTEN_BACKLOG,
+    ConnectionGuard,
+    ConnectionLimitMiddleware,
+    bind,
+)
 from vmesh.services.frontend.http_middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
@@ -340,6 +347,11 @@ class _Server(uvicorn.Server):
         # uvicorn's own handlers would replace its handlers and stop HTTP before the drain.
         yield
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        for sock in sockets or []:
+            sock.listen(LISTEN_BACKLOG)  # asyncio listened with the per-turn accept count
+
 
 class HttpServer:
     """uvicorn on the running event loop, bound at construction so that port 0 is known at once."""
@@ -356,7 +368,8 @@ class HttpServer:
                                      settings.http_body_timeout_s)
         config = uvicorn.Config(build_app(frontend, registry, self.guard), log_config=None, access_log=False,
                                 lifespan="off", timeout_graceful_shutdown=5, http=self.guard.protocol(),
-                                timeout_keep_alive=KEEP_ALIVE_S, ssl_certfile=tls_cert, ssl_keyfile=tls_key)
+                                timeout_keep_alive=KEEP_ALIVE_S, ssl_certfile=tls_cert, ssl_keyfile=tls_key,
+                                backlog=ACCEPTS_PER_LOOP_TURN)
         self.server = _Server(config)
         self.task: asyncio.Task | None = None
 
