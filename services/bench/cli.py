@@ -13,6 +13,8 @@ from vmesh.services.bench import __doc__ as bench_doc
 from vmesh.services.bench.claims import claims
 from vmesh.services.bench.common import RESULTS, WORKLOADS, save
 from vmesh.services.bench.detokenizer import detokenizer
+from vmesh.services.bench.groups import HOT_PREFIX_WORKLOAD, serving_groups
+from vmesh.services.bench.groups import add_arguments as add_group_arguments
 from vmesh.services.bench.offline import offline
 from vmesh.services.bench.online_peers import add_arguments as add_online_arguments
 from vmesh.services.bench.online_peers import online
@@ -32,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"{' or '.join(WORKLOADS)} (64 x 128 tokens after short prompts; 16 x 64 after "
                              "2,000-token prompts; 64 x 128 repeating the prompts' passages), or a workload JSON file "
                              "of the same form; serving also takes "
-                             f"{STRUCTURED_WORKLOAD} (the standard prompts answered in JSON, with and without schemas)")
+                             f"{STRUCTURED_WORKLOAD} (the standard prompts answered in JSON, with and without schemas) "
+                             f"and {HOT_PREFIX_WORKLOAD} (shared prefixes, one hot, over 1-3 worker groups and two "
+                             "frontend routings)")
     common.add_argument("--max-tokens", type=int, default=None, help="default: the workload's")
     off = sub.add_parser("offline", parents=[common])
     off.add_argument("--requests", type=int, default=None)
@@ -74,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "response_format), unconstrained (the same prompts without), or both, in turn, "
                           "reporting the throughput ratio; after a constrained arm the unconstrained one "
                           "decodes as many tokens per request")
+    add_group_arguments(srv)
     cl = sub.add_parser("claims", parents=[common])
     cl.add_argument("--requests", type=int, default=None)
     cl.add_argument("--models", default="embedded,tiny")
@@ -96,9 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.kv_cache_memory_bytes = parse_memory_size(args.kv_cache_memory)
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    if args.workload == STRUCTURED_WORKLOAD and args.mode != "serving":
-        raise SystemExit(f"vmesh bench {args.mode}: the {STRUCTURED_WORKLOAD} workload runs only in serving mode")
-    run = serving_structured if args.workload == STRUCTURED_WORKLOAD else MODES[args.mode]
+    serving_only = {STRUCTURED_WORKLOAD: serving_structured, HOT_PREFIX_WORKLOAD: serving_groups}
+    if args.workload in serving_only and args.mode != "serving":
+        raise SystemExit(f"vmesh bench {args.mode}: the {args.workload} workload runs only in serving mode")
+    run = serving_only.get(args.workload, MODES[args.mode])
     # A terminated benchmark stops the servers it started (SystemExit unwinds their stacks); by
     # default SIGTERM would leave them running.
     previous = signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))

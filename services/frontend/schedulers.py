@@ -90,13 +90,15 @@ class SchedulerPool:
         """`on_lost(group)`: the group's scheduler went away (its process died or restarted); what
         it held is gone, including requests still queued there that no detokenizer knows of.
         `loss_grace_s`: how long a broken connection may take to reach the same process again
-        before its requests are given up. `routing`: "prefix" (prefix-aware, load as tie-breaker)
-        or "least-busy". `join_retry`: the wait before asking a group that did not answer again;
+        before its requests are given up. `routing`: "prefix" (prefix-aware on the groups' cache
+        streams, load as tie-breaker), "prefix-table" (the same on this frontend's own table) or
+        "least-busy". `join_retry`: the wait before asking a group that did not answer again;
         `watch_retry`: before trying again to reach a lost group's new process; `cache_retry`: before
         opening a group's broken cache stream again."""
         if routing not in ROUTING_POLICIES:
             raise ValueError(f"unknown routing {routing!r} ({' or '.join(ROUTING_POLICIES)})")
-        self.prefix_router = PrefixRouter() if routing == "prefix" else None
+        self.prefix_router = PrefixRouter() if routing.startswith("prefix") else None
+        self.follows_cache_streams = routing == "prefix"
         self._connect = connect
         self._on_lost = on_lost
         self._health_stream = health_stream
@@ -138,7 +140,7 @@ class SchedulerPool:
         """Join the group, then hold a health Watch stream open to its scheduler: it breaks the
         moment the process goes, which is how requests that never produced a token learn of it."""
         if await self._join(group):
-            follow = asyncio.create_task(self._follow_cache(group)) if self.prefix_router is not None else None
+            follow = asyncio.create_task(self._follow_cache(group)) if self.follows_cache_streams else None
             try:
                 await KeptStream(group, lambda opened: self._watch(group), lambda exc: self._lost(group, exc),
                                  Backoff.none()).run()  # _lost waits as long as reaching the scheduler again takes

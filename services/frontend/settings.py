@@ -29,8 +29,10 @@ DEFAULT_HTTP_CONNECTIONS_PER_PEER = 1024
 # How long a request may wait for a scheduler group and a detokenizer replica to take it (a lost
 # one restarting, say) before it fails with UNAVAILABLE.
 DEFAULT_FAILOVER_TIMEOUT_S = 60.0
-# How a request picks among scheduler groups (data parallelism).
-ROUTING_POLICIES = ("prefix", "least-busy")
+# How a request picks among scheduler groups (data parallelism). prefix-table: prefix routing on
+# this frontend's own record only, never the groups' cache streams (what every frontend did
+# before the streams; a baseline for benchmarks, or for schedulers that must not be watched).
+ROUTING_POLICIES = ("prefix", "prefix-table", "least-busy")
 DEFAULT_ROUTING = "prefix"
 
 # --tool-call-parser: vLLM's names of the tool-call formats vmesh parses (services/frontend/tool_parsers/
@@ -110,7 +112,8 @@ class FrontendSettings:
         DEFAULT_ROUTING, section="frontend", choices=ROUTING_POLICIES,
         help="how a request picks among scheduler groups (data parallelism): prefix = the group most likely to "
              "hold its prompt's prefix in cache (load breaks ties; an overloaded group is passed over); "
-             "least-busy = the fewest of this frontend's requests in flight")
+             "prefix-table = the same from this frontend's own record of what it sent where, without the "
+             "groups' cache streams; least-busy = the fewest of this frontend's requests in flight")
     # The server's pooling for POST /v1/embeddings; None: DEFAULT_POOLING (the `pooling` property).
     pooler_config: Pooling | None = setting(
         None, section="frontend", parse_flag=checked_pooler_config, to_field=parse_pooler_config,

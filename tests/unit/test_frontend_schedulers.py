@@ -228,3 +228,38 @@ def test_a_groups_cache_view_follows_its_stream_and_is_dropped_while_it_is_down(
         await pool.close()
 
     asyncio.run(main())
+
+
+def test_prefix_table_routing_never_opens_a_cache_stream():
+    """`--routing prefix-table`: prefix routing on the frontend's own record alone, the baseline
+    the cache streams are measured against."""
+    from vmesh.services.frontend.prefix_routing import PromptRoute
+
+    class Counting(FakeScheduler):
+        def __init__(self) -> None:
+            super().__init__(ModelLimits("m", 2048, 100))
+            self.streams = 0
+
+        async def WatchCache(self, request, **kwargs):
+            self.streams += 1
+            await asyncio.Event().wait()
+            yield  # pragma: no cover - a stream
+
+    async def main() -> tuple[int, int]:
+        counts = []
+        for routing in ("prefix", "prefix-table"):
+            schedulers = {"a:1": Counting(), "b:1": Counting()}
+            pool = SchedulerPool(lambda address, s=schedulers: (s[address], FakeChannel()),
+                                 health_stream=healthy_forever, routing=routing)
+            group_a, group_b = pool.add("a:1"), pool.add("b:1")
+            await asyncio.gather(group_a.joined.wait(), group_b.joined.wait())
+            for _ in range(20):
+                await asyncio.sleep(0)
+            route = PromptRoute(list(range(64)))
+            pool.routed(group_b, route)
+            assert pool.candidates(route)[0] is group_b  # the table still routes by prefix
+            counts.append(sum(s.streams for s in schedulers.values()))
+            await pool.close()
+        return counts[0], counts[1]
+
+    assert asyncio.run(main()) == (2, 0)

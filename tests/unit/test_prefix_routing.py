@@ -71,7 +71,7 @@ def test_the_scheduler_pool_orders_candidates_by_prefix():
 
     async def main():
         orders = {}
-        for routing in ("prefix", "least-busy"):
+        for routing in ("prefix", "prefix-table", "least-busy"):
             pool = SchedulerPool(lambda address: (FakeScheduler(), FakeChannel()), health_stream=healthy_forever,
                                  routing=routing)
             a, b = pool.add("a:1"), pool.add("b:1")
@@ -83,4 +83,5 @@ def test_the_scheduler_pool_orders_candidates_by_prefix():
             await pool.close()
         return orders
 
-    assert asyncio.run(main()) == {"prefix": ["b:1", "a:1"], "least-busy": ["a:1", "b:1"]}
+    assert asyncio.run(main()) == {"prefix": ["b:1", "a:1"], "prefix-table": ["b:1", "a:1"],
+                                   "least-busy": ["a:1", "b:1"]}
