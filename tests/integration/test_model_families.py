@@ -137,6 +137,33 @@ def test_window_groups_through_preemption_and_prefix_hits(tiny, embedded_tokeniz
         engine.shutdown()
 
 
+@pytest.mark.parametrize("kind", ["gemma3", "mistral"])
+def test_speculation_on_window_groups_changes_no_token(tiny, embedded_tokenizer, kind):
+    """n-gram drafts on a model with sliding-window layers, at depth 2 in a small pool (Gemma 3's
+    requests are preempted in it): the draft slots a window group reserves and the blocks it frees
+    behind the window agree, token for token with transformers."""
+    from vmesh.services.speculative.config import SpeculativeConfig
+
+    path, _model, prompts, references = tiny[kind]
+    runner = ModelRunner.load(WorkerConfig(model=str(path), kv_cache_memory=4 << 20, max_num_seqs=8))
+    runner.speculative = SpeculativeConfig("ngram", 4, prompt_lookup_min=1, prompt_lookup_max=3)
+    num_blocks, runner.kv_cache.num_blocks = runner.kv_cache.num_blocks, 6 * runner.kv_cache.num_groups
+    try:
+        engine = LLMEngine(runner, embedded_tokenizer, EngineConfig(max_num_batched_tokens=10, pipeline_depth=2))
+    finally:
+        runner.kv_cache.num_blocks = num_blocks
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    try:
+        for i, out in enumerate(engine.generate(prompts, params)):
+            assert_greedy_match(out.token_ids, references[i], label=f"{kind} speculative prompt {i}")
+        scheduler = engine.scheduler
+        assert scheduler.spec_stats.num_draft_tokens > 0 and scheduler.kv.num_freed_behind_windows > 0
+        assert scheduler.pool.num_free == scheduler.pool.num_blocks
+    finally:
+        engine.shutdown()
+        runner.speculative = None
+
+
 def test_the_window_matters_in_these_tests(tiny, tmp_path):
     """The same Mistral weights declared without a window diverge from transformers' windowed
     output: the parity above could not pass with the window ignored."""
