@@ -27,7 +27,7 @@ from vmesh.services.common.admission import InvalidRequest, admit, check_model, 
 from vmesh.services.common.generation import Chat, GenerationOutput, GenerationRequest, Prompt, Submission
 from vmesh.services.common.metrics import FrontendMetrics
 from vmesh.services.common.resume import new_resume_key, prompt_digest
-from vmesh.services.common.runtime.discovery import AddressBook
+from vmesh.services.common.runtime.discovery import AddressBook, resolve_spec
 from vmesh.services.common.runtime.peers import PeerSet
 from vmesh.services.common.runtime.retry import Backoff
 from vmesh.services.common.runtime.stream import KeptStream
@@ -81,13 +81,15 @@ class FrontendCore:
                  scheduler_health: Callable[[SchedulerGroup], Any] = schedulers.health_stream,
                  subscribe: Subscribe = subscribe_over_grpc, resubscribe: Backoff = RESUBSCRIBE,
                  metrics: FrontendMetrics | None = None, genai_metrics: telemetry.GenAIServerMetrics | None = None,
-                 grammar_compiler: SpecCompiler | None = None):
+                 grammar_compiler: SpecCompiler | None = None,
+                 resolve: Callable[[str], list[str]] = resolve_spec):
         """`tokenizer`, `limits`, `grammar_compiler`: when already loaded (else `start` loads the
         tokenizer, the limits are the schedulers' answer, and the compiler is built from both).
         `connect_scheduler`, `scheduler_health`: how a scheduler group is reached and watched
         (SchedulerPool's). `subscribe(frontend_id, address, dispatch, opened)`: one subscription to
         a detokenizer replica, read until it breaks; `resubscribe`: the wait before subscribing
-        again to a replica whose subscription broke."""
+        again to a replica whose subscription broke. `resolve(spec)`: the addresses an address
+        spec stands for now (discovery's AddressBook), asked again every refresh interval."""
         self.settings = settings
         self.tokenizer = tokenizer
         self.limits = limits
@@ -95,11 +97,11 @@ class FrontendCore:
         self.background = TaskGroup()  # aborts that outlive their request
         self.aborted = RecentKeys()
         self.frontend_id = f"frontend-{uuid.uuid4().hex[:12]}"
-        self.scheduler_addresses = AddressBook(settings.scheduler_addresses)
+        self.scheduler_addresses = AddressBook(settings.scheduler_addresses, resolve)
         self.schedulers = SchedulerPool(connect_scheduler, on_lost=self.scheduler_lost, health_stream=scheduler_health,
                                         routing=settings.routing)
         self.adapters = FrontendAdapters(self.schedulers)  # LoRA adapters: models besides the base one
-        self.detokenizers = AddressBook(settings.detokenizer_addresses)
+        self.detokenizers = AddressBook(settings.detokenizer_addresses, resolve)
         self.outboxes: dict[int, Outbox] = {}  # by frontend key
         self._subscribe = subscribe
         self.resubscribe = resubscribe

@@ -4,7 +4,8 @@ directory the compose `certs` job fills), started in depends_on order and gated 
 compose healthcheck command; one request is served end to end over the stack's mutual TLS, and
 both worker groups serve requests; then a real Prometheus server, with the compose scrape
 configuration mapped the same way, scrapes every service, the key series must have moved, and
-the KEDA overlay's scaling queries must be answered from the schedulers' series."""
+the KEDA overlay's scaling queries must be answered from the schedulers' series. Last, the two
+groups scaled as Kubernetes scales them behind one DNS name: one joins, one is removed, under load."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -28,8 +30,11 @@ import yaml
 
 from tests.support.checkout import ROOT
 from tests.support.deployment import K8S_SETS, VMESH_SERVICES, by_kind, compose_services, render
+from tests.support.eventually import eventually
 from tests.support.prerequisites import missing
 from vmesh.services.client import VmeshClient
+from vmesh.services.common.grpc_server import DRAIN_GRACE_S
+from vmesh.services.common.runtime.discovery import resolve_spec
 
 CERT_VOLUME = "/var/lib/vmesh/certs"
 PORTS = ("grpc", "metrics", "health", "http")
@@ -381,3 +386,190 @@ def test_a_restarted_scheduler_takes_over_its_workers(stack):
     while scheduler_stats(stack, "scheduler").steps == 0:
         assert time.monotonic() - back_at < 15, "the frontend took too long to reconnect to the restarted scheduler"
         asyncio.run(burst())
+
+
+class ScaledName:
+    """The scheduler tier's DNS name as a headless Service answers it while groups come and go
+    (loopback cannot give one name several addresses): the test sets its addresses, and counts
+    the frontend's look-ups of it (one per refresh interval)."""
+
+    SPEC = "dns:///vmesh-scheduler:50052"
+
+    def __init__(self, *addresses: str):
+        self.addresses = list(addresses)
+        self.lookups = 0
+        self._lock = threading.Lock()  # the frontend looks up from a thread of its own
+
+    def answer(self, *addresses: str) -> int:
+        """From now on, answer `addresses`; returns the number of the first look-up that gets them."""
+        with self._lock:
+            self.addresses = list(addresses)
+            return self.lookups + 1
+
+    def __call__(self, spec: str) -> list[str]:
+        if spec != self.SPEC:
+            return resolve_spec(spec)
+        with self._lock:
+            self.lookups += 1
+            return list(self.addresses)
+
+
+# One prompt per client, short (no full KV block: no prefix hits), short greedy outputs; a
+# refresh interval long beside the few round trips of a group's join on a loaded machine.
+SCALING_PROMPTS = [f"Name a colour, number {i}." for i in range(4)]
+SCALING_TOKENS = 8
+SCALING_REFRESH_S = 2.0
+SCALING_BUDGET_S = 120.0
+
+
+async def greedy(core, prompt: str) -> list[int] | str:
+    """The request's output tokens, or its error."""
+    from vmesh.services.common.generation import GenerationRequest
+    from vmesh.services.common.types import SamplingParams
+    from vmesh.services.frontend.errors import RequestError
+
+    tokens: list[int] = []
+    try:
+        async for out in core.generate(GenerationRequest(prompt, SamplingParams(
+                temperature=0.0, max_tokens=SCALING_TOKENS, ignore_eos=True))):
+            tokens += out.token_ids
+    except RequestError as exc:
+        return f"{exc.code.name}: {exc}"
+    return tokens
+
+
+class StreamingLoad:
+    """One client per prompt, each sending its prompt again as soon as it has an answer, until
+    told to stop: new requests keep arriving, and some are always running."""
+
+    def __init__(self, core):
+        self.results: list[tuple[int, list[int] | str]] = []  # (prompt index, outcome), as they end
+        self.stopping = asyncio.Event()
+        self.clients = [asyncio.create_task(self._client(core, i)) for i in range(len(SCALING_PROMPTS))]
+
+    async def _client(self, core, i: int) -> None:
+        while not self.stopping.is_set():
+            self.results.append((i, await greedy(core, SCALING_PROMPTS[i])))
+
+    async def stop(self, cancel: bool = False) -> list[tuple[int, list[int] | str]]:
+        """Once each client's request in flight has ended (`cancel`: at once)."""
+        self.stopping.set()
+        for client in self.clients:
+            if cancel:
+                client.cancel()
+        await asyncio.gather(*self.clients, return_exceptions=cancel)
+        return self.results
+
+
+def test_a_group_joins_under_load_within_one_refresh_and_one_removed_loses_no_request(stack, embedded_tokenizer):
+    """Kubernetes scaling worker groups, seen by a frontend that finds them by DNS (in this
+    process, its resolver the test's): under a steady greedy load on one group, a second
+    group's address appears in the name's answer: the frontend joins it at its first look-up
+    after, and the requests it sends next go there. Then, while that group runs some,
+    its address leaves the answer and its scheduler gets SIGTERM at once (the pod deleted,
+    without even the preStop wait): it drains (NOT_SERVING, new submissions go to the other
+    group, its running requests finish) and exits 0. No request fails or fails over, every
+    output equals the undisturbed first round's, the frontend lets the group go, and the
+    remaining group holds no KV block once idle."""
+    from functools import partial
+
+    from prometheus_client import CollectorRegistry
+
+    from vmesh.services.common import tls
+    from vmesh.services.common.grpc_server import channel
+    from vmesh.services.common.metrics import FrontendMetrics
+    from vmesh.services.frontend import schedulers
+    from vmesh.services.frontend.core import FrontendCore
+    from vmesh.services.frontend.settings import FrontendServiceSettings
+    from vmesh.services.frontend.subscriptions import subscribe_over_grpc
+    from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+    remaining, leaving = stack.address("scheduler"), stack.address("scheduler-2")
+    victim = stack.process_of["scheduler-2", 0]
+    name = ScaledName(remaining)
+    identity = tls.Identity.from_files(stack.certs / "frontend.crt", stack.certs / "frontend.key",
+                                       stack.certs / "ca.crt")
+    registry = CollectorRegistry()
+
+    async def main():
+        core = FrontendCore(FrontendServiceSettings(
+            scheduler_addresses=[ScaledName.SPEC], replica_refresh_interval_s=SCALING_REFRESH_S,
+            detokenizer_addresses=[stack.address("detokenizer", i) for i in range(2)]),
+            tokenizer=embedded_tokenizer, metrics=FrontendMetrics(registry, ""), resolve=name,
+            connect_scheduler=partial(schedulers.connect, identity=identity),
+            subscribe=partial(subscribe_over_grpc, identity=identity))
+        load = None
+        async with channel(remaining, "scheduler", identity=stack.admin()) as a, \
+                channel(leaving, "scheduler", identity=stack.admin()) as b:
+            async def stats(ch) -> scheduler_pb2.GetSchedulerStatsResponse:
+                return await scheduler_pb2_grpc.SchedulerServiceStub(ch).GetSchedulerStats(
+                    scheduler_pb2.GetSchedulerStatsRequest(), timeout=5)
+
+            def new_group() -> schedulers.SchedulerGroup | None:
+                group = core.schedulers.groups.get(leaving)
+                return group if group is not None and group.routable else None
+
+            try:
+                await core.connect()
+                load = StreamingLoad(core)
+                # The first round is the undisturbed run: one group, nothing changing.
+                await eventually(lambda: len({i for i, _ in load.results}) == len(SCALING_PROMPTS),
+                                 "the first round did not end", budget_s=SCALING_BUDGET_S)
+                steps_before = (await stats(b)).steps
+                listed = name.answer(remaining, leaving)  # the new group is Ready: the Service lists it
+                await eventually(new_group, "the frontend never joined the new group", budget_s=SCALING_BUDGET_S)
+                joined_at = name.lookups
+                earlier = set(core.outboxes)  # requests in flight before it joined
+
+                def sent_since() -> list[schedulers.SchedulerGroup]:
+                    return [o.group for key, o in core.outboxes.items() if key not in earlier and o.group is not None]
+
+                # Each client's next request (one of them may go to the first group while both are idle).
+                await eventually(lambda: len(sent_since()) >= len(SCALING_PROMPTS),
+                                 "the clients sent nothing after the group joined", budget_s=SCALING_BUDGET_S)
+                first_sent_to = sorted(group.address for group in sent_since())
+                running = await eventually_async(lambda: stats(b),
+                                                 lambda s: s.num_running > 0 and s.steps > steps_before)
+                unlisted = name.answer(remaining)  # the pod is deleted: its address leaves the Service...
+                victim.send_signal(signal.SIGTERM)  # ...and its scheduler is told to stop at once
+                signalled = time.monotonic()
+                exit_code = await asyncio.to_thread(victim.wait, SCALING_BUDGET_S)
+                drained_s = time.monotonic() - signalled
+                await eventually(lambda: name.lookups >= unlisted and leaving not in core.schedulers.groups,
+                                 "the frontend kept the removed group", budget_s=SCALING_BUDGET_S)
+                results = await load.stop()  # the requests sent since, all to the remaining group, end too
+                idle = await eventually_async(lambda: stats(a), lambda s: s.num_running == s.num_waiting == 0)
+                return listed, joined_at, first_sent_to, running, exit_code, drained_s, results, idle
+            finally:
+                if load is not None and not load.stopping.is_set():  # failed: nothing may outlive the core
+                    await load.stop(cancel=True)
+                await core.close()
+
+    # Last in the module: the removed group stays stopped (starting it again would only cost time).
+    listed, joined_at, first_sent_to, running, exit_code, drained_s, results, idle = asyncio.run(
+        asyncio.wait_for(main(), 3 * SCALING_BUDGET_S))
+    assert joined_at == listed, "the frontend did not join the group at the first look-up that listed it"
+    assert leaving in first_sent_to, f"requests sent after the new group joined went to {first_sent_to}"
+    assert running.num_running > 0  # the removed group was computing when told to stop
+    assert exit_code == 0, "the removed group's scheduler did not drain and exit cleanly"
+    reference = {}
+    for i, outcome in results:
+        reference.setdefault(i, outcome)  # the first round's
+    assert all(isinstance(r, list) and len(r) == SCALING_TOKENS for r in reference.values()), reference
+    assert [outcome for _, outcome in results] == [reference[i] for i, _ in results]
+    failovers = sum(s.value for metric in registry.collect() if metric.name == "vmesh:request_failovers"
+                    for s in metric.samples if s.name.endswith("_total"))
+    # Its running requests finished there, unless the drain's grace ran out first (a machine so
+    # loaded that a step takes seconds): then they continued on the other group, as lossless.
+    assert failovers == 0 or drained_s >= DRAIN_GRACE_S, \
+        f"the drain cut requests short after {drained_s:.1f} s: {failovers:.0f} failed over"
+    assert idle.num_used_blocks == 0, "KV blocks leaked on the remaining group"
+
+
+async def eventually_async(ask, condition, budget_s: float = SCALING_BUDGET_S):
+    """`await ask()`'s first answer of which `condition` holds, asked every 50 ms."""
+    deadline = time.monotonic() + budget_s
+    while not condition(answer := await ask()):
+        assert time.monotonic() < deadline, f"never held; last: {answer}"
+        await asyncio.sleep(0.05)
+    return answer
