@@ -222,7 +222,11 @@ class SchedulerPool:
         if stats is not None and stats.incarnation == group.incarnation:
             logger.warning("scheduler %s: connection broke (%s), same process reached again", group.address, reason)
         else:
-            logger.error("scheduler %s lost (%s); its requests fail over", group.address, reason)
+            if group.draining and group.in_flight == 0:  # a drained group that stopped, as a scale-down's
+                logger.info("scheduler %s stopped after draining (%s), holding none of this frontend's requests",
+                            group.address, reason)
+            else:
+                logger.error("scheduler %s lost (%s); its requests fail over", group.address, reason)
             if self.prefix_router is not None:  # a restarted scheduler starts with an empty cache
                 self.prefix_router.forget(group.address)
             self._on_lost(group)

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from tests.support.eventually import eventually
 from tests.support.fake_scheduler import FakeScheduler
@@ -145,6 +147,8 @@ async def _break_once(outcome: str) -> tuple[list, bool]:
 
     async def health(group):
         yield "SERVING"
+        if outcome == "drained":
+            yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
         await broken.wait()
         broken.clear()
         raise rpc_error(grpc.StatusCode.UNAVAILABLE)
@@ -160,7 +164,7 @@ async def _break_once(outcome: str) -> tuple[list, bool]:
     assert lost == []
     if outcome == "restarted":
         scheduler.incarnation = "second"
-    elif outcome == "dead":
+    elif outcome in ("dead", "drained"):
         scheduler.down = True
     broken.set()
     for _ in range(50):
@@ -187,6 +191,16 @@ def test_a_dead_scheduler_is_reported_lost_and_takes_no_new_requests():
     detokenizer knows of, are failed instead of waiting for the client's deadline."""
     lost, ready = asyncio.run(_break_once("dead"))
     assert [g.address for g in lost] == ["a:1"] and not ready
+
+
+def test_a_group_that_stops_after_draining_is_let_go_without_an_error(caplog):
+    """A scale-down: the group drained (NOT_SERVING) and held none of this frontend's requests,
+    so its exit is news, not an error; it is treated as gone all the same."""
+    with caplog.at_level(logging.INFO, logger="vmesh.services.frontend.schedulers"):
+        lost, ready = asyncio.run(_break_once("drained"))
+    assert [g.address for g in lost] == ["a:1"] and not ready
+    levels = {r.levelname for r in caplog.records if "a:1" in r.getMessage()}
+    assert "INFO" in levels and "ERROR" not in levels
 
 
 def test_a_groups_cache_view_follows_its_stream_and_is_dropped_while_it_is_down():
