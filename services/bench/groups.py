@@ -5,8 +5,9 @@ large share of the requests, each followed by a short distinct question: the sha
 agents sharing a system prompt. For every group count in `--groups` and every frontend routing in
 `--routings`, a fresh `vmesh serve --data-parallel-size G --frontends F` takes the same Poisson
 schedule, requests spread over its frontends in turn. Reported per run: throughput, TTFT p50/p99,
-the prefix-cache hit rate over all groups (blocks found over blocks looked up) against the ideal
-(each prefix computed once), and the requests each group finished (busiest over idlest).
+the prefix-cache hit rate (prompt tokens each request found cached when first admitted, its
+`usage.cached_prompt_tokens`, over all prompt tokens) against the ideal (each prefix computed
+once), and the requests each group finished (busiest over idlest).
 """
 
 from __future__ import annotations
@@ -16,18 +17,19 @@ import asyncio
 import contextlib
 import random
 import urllib.request
+from collections.abc import AsyncIterator
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from vmesh.services.bench.common import load_workload, machine
+from vmesh.services.bench.common import load_workload, machine, timed_outputs
 from vmesh.services.bench.mesh import RunningMesh, start_mesh
-from vmesh.services.bench.serving import request_sender, serve_load, summarize
+from vmesh.services.bench.serving import serve_load, summarize
+from vmesh.services.client import VmeshClient
 from vmesh.services.common.model_loading import resolve_model_dir
-from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 HOT_PREFIX_WORKLOAD = "hot-prefix"
-BLOCK_TOKENS = 16  # the scheduler's default block size: what the ideal hit rate counts in
+BLOCK_TOKENS = 16  # the scheduler's default block size (the benchmark's meshes keep it): a hit is whole blocks
 
 
 def hot_prefix_workload(requests: int, prefixes: int, prefix_tokens: int, hot_share: float,
@@ -36,6 +38,8 @@ def hot_prefix_workload(requests: int, prefixes: int, prefix_tokens: int, hot_sh
     long = load_workload("long", None, None)["prompts"]
     if prefixes > len(long):
         raise SystemExit(f"--prefixes: at most {len(long)} (the long workload's prompts)")
+    if prefixes < 2:
+        raise SystemExit("--prefixes: at least 2 (one hot, the others behind the rest)")
     rng = random.Random(seed)
     prompts = []
     for i in range(requests):
@@ -48,31 +52,35 @@ def hot_prefix_workload(requests: int, prefixes: int, prefix_tokens: int, hot_sh
 
 
 def ideal_hit_rate(prompts: list[list[int]], prefix_tokens: int) -> float:
-    """Each prefix's full blocks computed once, found by every later request that shares it."""
+    """Cached prompt tokens over prompt tokens when each prefix's full blocks are computed once
+    and found by every later request that shares it."""
     seen: set[tuple[int, ...]] = set()
-    hits = looked_up = 0
-    full_blocks = prefix_tokens // BLOCK_TOKENS
+    cached = 0
     for prompt in prompts:
-        looked_up += (len(prompt) - 1) // BLOCK_TOKENS  # the last token is always computed
         key = tuple(prompt[:prefix_tokens])
         if key in seen:
-            hits += full_blocks
+            cached += prefix_tokens // BLOCK_TOKENS * BLOCK_TOKENS
         seen.add(key)
-    return hits / looked_up if looked_up else 0.0
+    return cached / sum(len(p) for p in prompts)
 
 
-async def group_figures(mesh: RunningMesh) -> tuple[int, int, dict[str, int]]:
-    """Prefix-cache hits and look-ups over every group, and the requests each group finished."""
-    hits = queries = 0
-    finished: dict[str, int] = {}
-    for name in sorted(n for n in mesh.services if n.startswith("scheduler")):
-        async with mesh.channel(name) as ch:
-            stats = await scheduler_pb2_grpc.SchedulerServiceStub(ch).GetSchedulerStats(
-                scheduler_pb2.GetSchedulerStatsRequest(), timeout=10)
-        hits += stats.prefix_cache_hits
-        queries += stats.prefix_cache_queries
-        finished[name] = _finished_requests(mesh.metrics[name])
-    return hits, queries, finished
+async def timed_with_cache(client: VmeshClient, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """timed_request's figures, and the prompt tokens the request found cached (its usage)."""
+    cached = [0]
+
+    async def outputs() -> AsyncIterator[Any]:
+        async for out in client.generate(token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
+            if out.HasField("usage"):
+                cached[0] = out.usage.cached_prompt_tokens
+            yield out
+
+    result = await timed_outputs(outputs(), lambda out: len(out.token_ids))
+    return {**result, "prompt_tokens": len(prompt), "cached_tokens": cached[0]}
+
+
+async def finished_per_group(mesh: RunningMesh) -> dict[str, int]:
+    return {name: _finished_requests(mesh.metrics[name]) for name in sorted(mesh.metrics)
+            if name.startswith("scheduler")}
 
 
 def _finished_requests(metrics_url: str) -> int:
@@ -87,18 +95,19 @@ def _finished_requests(metrics_url: str) -> int:
 async def _one_run(mesh: RunningMesh, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
     addresses = [f.address for f in mesh.description.frontends] or [mesh.address]
     async with contextlib.AsyncExitStack() as stack:
-        senders = [await stack.enter_async_context(request_sender("grpc", address, None, None))
-                   for address in addresses]
-        before = await group_figures(mesh)
+        clients = [await stack.enter_async_context(VmeshClient(address)) for address in addresses]
+        senders = [lambda prompt, max_tokens, c=c: timed_with_cache(c, prompt, max_tokens) for c in clients]
+        before = await finished_per_group(mesh)
         results, elapsed = await serve_load([senders[i % len(senders)] for i in range(len(prompts))], prompts,
                                              args.max_tokens or 16, args.request_rate, args.max_concurrency,
                                              args.seed)
-        after = await group_figures(mesh)
-    hits, queries = after[0] - before[0], after[1] - before[1]
-    finished = {name: after[2][name] - before[2].get(name, 0) for name in after[2]}
+        after = await finished_per_group(mesh)
+    finished = {name: after[name] - before.get(name, 0) for name in after}
     summary = summarize(results, elapsed, args)
-    return {**summary, "hit_rate": hits / queries if queries else 0.0, "finished_per_group": finished,
-            "busiest_over_idlest": max(finished.values()) / max(1, min(finished.values()))}
+    hit_rate = sum(r["cached_tokens"] for r in results) / sum(r["prompt_tokens"] for r in results)
+    idlest = min(finished.values())
+    return {**summary, "hit_rate": hit_rate, "finished_per_group": finished,
+            "busiest_over_idlest": max(finished.values()) / idlest if idlest else float("inf")}
 
 
 def serving_groups(args: argparse.Namespace) -> dict[str, Any]:

@@ -14,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import h11
+import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from vmesh.services.frontend.http_middleware import error_response
@@ -42,6 +44,7 @@ class BoundedCloser:
         self.scheduled = False
 
     def close(self, transport: asyncio.Transport) -> None:
+        transport.pause_reading()  # nothing more of it is read (no request starts) while it waits
         self.pending.append(transport)
         if not self.scheduled:
             self.scheduled = True
@@ -51,7 +54,7 @@ class BoundedCloser:
         for _ in range(min(CLOSES_PER_LOOP_TURN, len(self.pending))):
             transport = self.pending.popleft()
             if not transport.is_closing():
-                transport.close()
+                transport.abort()  # no graceful TLS shutdown: a late connection gets no more of our time
         self.scheduled = bool(self.pending)
         if self.scheduled:
             asyncio.get_running_loop().call_soon(self._close_some)
@@ -104,8 +107,7 @@ class GuardedProtocol(H11Protocol):
         self.peer = self.client[0] if self.client else ""
         guard.by_peer[self.peer] += 1
         if guard.per_peer and guard.by_peer[self.peer] > guard.per_peer:
-            transport.pause_reading()  # it may not send a request before its turn to be closed
-            guard.closer.close(transport)
+            guard.closer.close(transport)  # before it can cost a request
             return
         self._await_head()
 
@@ -198,3 +200,24 @@ def bind(host: str, port: int) -> socket.socket:
         raise OSError(exc.errno, f"cannot bind the HTTP API to {host}:{port}: {exc.strerror}") from exc
     sock.set_inheritable(True)
     return sock
+
+
+def guarded_config(app: Any, guard: ConnectionGuard, **options: Any) -> uvicorn.Config:
+    """uvicorn's configuration for `app` behind `guard`, accepting ACCEPTS_PER_LOOP_TURN
+    connections per loop turn (GuardedServer deepens the listen queue again)."""
+    return uvicorn.Config(app, http=guard.protocol(), backlog=ACCEPTS_PER_LOOP_TURN, **options)
+
+
+class GuardedServer(uvicorn.Server):
+    """uvicorn on a running event loop that someone else owns (its signals included)."""
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # The frontend's ServiceShell owns SIGTERM/SIGINT (health NOT_SERVING, drain, stop);
+        # uvicorn's own handlers would replace its handlers and stop HTTP before the drain.
+        yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        for sock in sockets or []:
+            sock.listen(LISTEN_BACKLOG)  # asyncio listened with the per-turn accept count

@@ -8,14 +8,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
@@ -28,11 +25,11 @@ from vmesh.services.frontend.core import FrontendCore
 from vmesh.services.frontend.errors import RequestError, refused_as_request_errors
 from vmesh.services.frontend.fanout import ClientGone, Fanout, FanoutStreamingResponse, until_disconnect
 from vmesh.services.frontend.http_connections import (
-    ACCEPTS_PER_LOOP_TURN,
-    LISTEN_BACKLOG,
     ConnectionGuard,
     ConnectionLimitMiddleware,
+    GuardedServer,
     bind,
+    guarded_config,
 )
 from vmesh.services.frontend.http_middleware import (
     ApiKeyMiddleware,
@@ -340,19 +337,6 @@ def build_app(frontend: FrontendCore, registry: CollectorRegistry | None,
     return app
 
 
-class _Server(uvicorn.Server):
-    @contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        # The frontend's ServiceShell owns SIGTERM/SIGINT (health NOT_SERVING, drain, stop);
-        # uvicorn's own handlers would replace its handlers and stop HTTP before the drain.
-        yield
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        for sock in sockets or []:
-            sock.listen(LISTEN_BACKLOG)  # asyncio listened with the per-turn accept count
-
-
 class HttpServer:
     """uvicorn on the running event loop, bound at construction so that port 0 is known at once."""
 
@@ -366,11 +350,10 @@ class HttpServer:
         settings = frontend.settings
         self.guard = ConnectionGuard(settings.http_header_timeout_s, settings.http_connections_per_peer, limit,
                                      settings.http_body_timeout_s)
-        config = uvicorn.Config(build_app(frontend, registry, self.guard), log_config=None, access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=5, http=self.guard.protocol(),
-                                timeout_keep_alive=KEEP_ALIVE_S, ssl_certfile=tls_cert, ssl_keyfile=tls_key,
-                                backlog=ACCEPTS_PER_LOOP_TURN)
-        self.server = _Server(config)
+        config = guarded_config(build_app(frontend, registry, self.guard), self.guard, log_config=None,
+                                access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+                                timeout_keep_alive=KEEP_ALIVE_S, ssl_certfile=tls_cert, ssl_keyfile=tls_key)
+        self.server = GuardedServer(config)
         self.task: asyncio.Task | None = None
 
     def start(self) -> None:

@@ -97,7 +97,7 @@ class SchedulerPool:
         opening a group's broken cache stream again."""
         if routing not in ROUTING_POLICIES:
             raise ValueError(f"unknown routing {routing!r} ({' or '.join(ROUTING_POLICIES)})")
-        self.prefix_router = PrefixRouter() if routing.startswith("prefix") else None
+        self.prefix_router = PrefixRouter() if routing in ("prefix", "prefix-table") else None
         self.follows_cache_streams = routing == "prefix"
         self._connect = connect
         self._on_lost = on_lost
@@ -222,9 +222,9 @@ class SchedulerPool:
         if stats is not None and stats.incarnation == group.incarnation:
             logger.warning("scheduler %s: connection broke (%s), same process reached again", group.address, reason)
         else:
-            if group.draining and group.in_flight == 0:  # a drained group that stopped, as a scale-down's
-                logger.info("scheduler %s stopped after draining (%s), holding none of this frontend's requests",
-                            group.address, reason)
+            if group.draining and group.in_flight == 0:  # most often a drained group stopping: a scale-down
+                logger.warning("scheduler %s went away while not serving (%s: draining, or recovering its worker), "
+                               "holding none of this frontend's requests", group.address, reason)
             else:
                 logger.error("scheduler %s lost (%s); its requests fail over", group.address, reason)
             if self.prefix_router is not None:  # a restarted scheduler starts with an empty cache

@@ -21,6 +21,5 @@ def test_ideal_hit_rate_counts_each_prefix_computed_once():
     a, b = list(range(2 * BLOCK_TOKENS)), list(range(100, 100 + 2 * BLOCK_TOKENS))
     question = list(range(1000, 1000 + BLOCK_TOKENS))
     prompts = [a + question, a + question, b + question, a + question]
-    # each prompt looks up its 2 prefix blocks and its question's block (the last token is always
-    # computed, so a 3-block prompt looks up (48 - 1) // 16 = 2 blocks); the repeats of a find 2 each
-    assert ideal_hit_rate(prompts, 2 * BLOCK_TOKENS) == (2 + 2) / (4 * 2)
+    # the two repeats of a find its 2 full blocks cached; b and a's first request find nothing
+    assert ideal_hit_rate(prompts, 2 * BLOCK_TOKENS) == (2 * 2 * BLOCK_TOKENS) / (4 * 3 * BLOCK_TOKENS)

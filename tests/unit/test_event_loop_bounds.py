@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 
 from vmesh.services.common.grpc_server import ServiceShell, wait_until_serving
 from vmesh.services.common.server_settings import ServerSettings
@@ -17,11 +18,15 @@ class _Transport:
     def __init__(self, log: list[tuple[int, int]], turn: list[int], index: int):
         self.log, self.turn, self.index = log, turn, index
         self.closed = False
+        self.reading = True
 
     def is_closing(self) -> bool:
         return self.closed
 
-    def close(self) -> None:
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def abort(self) -> None:
         self.closed = True
         self.log.append((self.turn[0], self.index))
 
@@ -41,7 +46,7 @@ def test_deadline_closes_are_spread_over_loop_turns_oldest_first():
         return log, transports
 
     log, transports = asyncio.run(run())
-    assert all(t.closed for t in transports)
+    assert all(t.closed and not t.reading for t in transports)
     assert [index for _, index in log] == [i for i in range(len(transports)) if i != 7]
     per_turn: dict[int, int] = {}
     for turn, _ in log:
@@ -73,3 +78,56 @@ def test_what_a_service_builds_while_starting_is_exempt_from_full_collections():
     finally:
         gc.unfreeze()
     assert seen_while_serving == [False]
+
+
+def test_a_burst_of_connections_waits_in_the_listen_queue_and_is_accepted_a_few_per_turn():
+    """100 clients connect while the loop is busy: the kernel's queue holds them all (the listen
+    backlog was deepened after asyncio's listen), and the loop then makes at most
+    ACCEPTS_PER_LOOP_TURN connections per turn, not the whole burst in one."""
+    import socket
+    import threading
+
+    from vmesh.services.frontend.http_connections import (
+        ACCEPTS_PER_LOOP_TURN,
+        ConnectionGuard,
+        GuardedServer,
+        bind,
+        guarded_config,
+    )
+
+    burst = 100
+
+    async def app(scope, receive, send) -> None:  # never reached: the clients send nothing
+        raise AssertionError(scope)
+
+    async def run() -> tuple[list[int], list[socket.socket]]:
+        guard = ConnectionGuard(head_timeout_s=60, per_peer=0, limit=10_000)
+        sock = bind("127.0.0.1", 0)
+        server = GuardedServer(guarded_config(app, guard, log_config=None, lifespan="off"))
+        serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started:
+            await asyncio.sleep(0.01)
+        clients: list[socket.socket] = []
+
+        def connect_all() -> None:
+            for _ in range(burst):
+                clients.append(socket.create_connection(sock.getsockname(), timeout=0.5))
+
+        connecting = threading.Thread(target=connect_all)
+        connecting.start()
+        connecting.join()  # the loop does not run meanwhile: only the kernel's queue can take them
+        opened: list[int] = []
+        while guard.open < burst and len(opened) < 10 * burst:
+            opened.append(guard.open)
+            await asyncio.sleep(0)
+        opened.append(guard.open)
+        server.should_exit = True
+        for client in clients:
+            client.close()
+        await serving
+        return opened, clients
+
+    opened, clients = asyncio.run(run())
+    assert len(clients) == burst and opened[-1] == burst
+    per_turn = [b - a for a, b in itertools.pairwise(opened)]
+    assert max(per_turn) <= ACCEPTS_PER_LOOP_TURN, per_turn

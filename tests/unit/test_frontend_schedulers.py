@@ -193,14 +193,14 @@ def test_a_dead_scheduler_is_reported_lost_and_takes_no_new_requests():
     assert [g.address for g in lost] == ["a:1"] and not ready
 
 
-def test_a_group_that_stops_after_draining_is_let_go_without_an_error(caplog):
+def test_a_group_that_stops_while_not_serving_is_let_go_without_an_error(caplog):
     """A scale-down: the group drained (NOT_SERVING) and held none of this frontend's requests,
-    so its exit is news, not an error; it is treated as gone all the same."""
+    so its exit is a warning, not an error; it is treated as gone all the same."""
     with caplog.at_level(logging.INFO, logger="vmesh.services.frontend.schedulers"):
         lost, ready = asyncio.run(_break_once("drained"))
     assert [g.address for g in lost] == ["a:1"] and not ready
     levels = {r.levelname for r in caplog.records if "a:1" in r.getMessage()}
-    assert "INFO" in levels and "ERROR" not in levels
+    assert "WARNING" in levels and "ERROR" not in levels
 
 
 def test_a_groups_cache_view_follows_its_stream_and_is_dropped_while_it_is_down():
