@@ -119,7 +119,12 @@ def check_resume(kept_digest: bytes, digest: bytes, num_made: int, num_claimed: 
 # Last-Event-ID header): each choice's progress, "KEY.TOKENS.CHARS", with ".f" when the client has
 # its end, comma-separated in choice order. Keys are URL-safe base64, so neither separator occurs.
 def event_id(points: Sequence[ResumePoint]) -> str:
-    return ",".join(f"{p.key}.{p.num_output_tokens}.{p.text_length}{'.f' if p.finished else ''}" for p in points)
+    return ",".join(progress_entry(p.key, p.num_output_tokens, p.text_length, p.finished) for p in points)
+
+
+def progress_entry(key: str, num_output_tokens: int, text_length: int, finished: bool) -> str:
+    """One choice's entry of an event id (written for every streamed event: no ResumePoint built)."""
+    return f"{key}.{num_output_tokens}.{text_length}.f" if finished else f"{key}.{num_output_tokens}.{text_length}"
 
 
 def points_from_event_id(text: str) -> list[ResumePoint]:

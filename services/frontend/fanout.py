@@ -27,7 +27,11 @@ class Fanout:
     def __init__(self, streams: list[AsyncGenerator[GenerationOutput, None]]):
         self.queue: asyncio.Queue[tuple[int, GenerationOutput | None, BaseException | None]] = (
             asyncio.Queue(maxsize=max(1, len(streams))))
-        self.tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
+        # One stream (most requests) is read in the reader's own task: no pump task and no queue
+        # between them, which would cost a task switch and two queue operations per output.
+        self.single = streams[0] if len(streams) == 1 else None
+        self.tasks = [] if self.single is not None else [asyncio.create_task(self._pump(i, s))
+                                                         for i, s in enumerate(streams)]
         self.pending: list[tuple[int, GenerationOutput]] = []
         self.open = len(streams)
 
@@ -45,6 +49,13 @@ class Fanout:
             await self.queue.put((index, None, exc))
 
     async def _next(self) -> tuple[int, GenerationOutput] | None:
+        if self.single is not None:
+            if self.open:
+                try:
+                    return 0, await anext(self.single)
+                except StopAsyncIteration:
+                    self.open = 0
+            return None
         while self.open:
             index, out, error = await self.queue.get()
             if error is not None:
@@ -67,12 +78,18 @@ class Fanout:
     async def events(self) -> AsyncIterator[tuple[int, GenerationOutput]]:
         while self.pending:
             yield self.pending.pop(0)
+        if self.single is not None and self.open:
+            async for out in self.single:
+                yield 0, out
+            self.open = 0
         while (item := await self._next()) is not None:
             yield item
 
     async def close(self) -> None:
         """Cancel what still runs: each stream's request is then aborted in the scheduler. Safe
         to call more than once."""
+        if self.single is not None:
+            await self.single.aclose()  # runs its cleanup (the abort) unless it has ended
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)

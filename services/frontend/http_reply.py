@@ -8,15 +8,21 @@ from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from vmesh.services.common.generation import GenerationOutput
-from vmesh.services.common.resume import ResumePoint, event_id
+from vmesh.services.common.resume import ResumePoint, progress_entry
 from vmesh.services.frontend import openai_responses as render
 from vmesh.services.frontend import responses_api
 from vmesh.services.frontend.structured_requests import BACKEND_HEADER
 from vmesh.services.frontend.tool_parsers import ToolReader
 
+# A streamed chunk: its fields, or (Reply.plain_chunk) its JSON already rendered.
+Chunk = dict[str, Any] | str
+# json.dumps(payload, separators=(",", ":")) without building an encoder for every event.
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+_json_string = json.encoder.encode_basestring_ascii  # a str as _COMPACT writes it (ASCII, escaped)
 
-def sse(payload: dict[str, Any], event_id: str = "") -> str:
-    data = f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+def sse(payload: Chunk, event_id: str = "") -> str:
+    data = f"data: {payload if isinstance(payload, str) else _COMPACT.encode(payload)}\n\n"
     return f"id: {event_id}\n{data}" if event_id else data
 
 
@@ -44,6 +50,7 @@ class Reply:
     # Each choice's point of departure: its resume key, and what the client had when it resumed.
     starts: list[ResumePoint] = field(init=False, default_factory=list)
     resuming: bool = field(init=False, default=False)
+    _chunk_head: str | None = field(init=False, default=None, repr=False)  # plain_chunk's, rendered once
 
     def __post_init__(self, prompts: int) -> None:
         self.request_id = render.new_id("chatcmpl" if self.chat else "cmpl")
@@ -59,11 +66,30 @@ class Reply:
 
     def event_id(self) -> str:
         """How far the client is once it has every event so far (http_resume.py)."""
-        return event_id([ResumePoint(start.key, start.num_output_tokens + len(choice.token_ids),
-                                     start.text_length + len(choice.text),
-                                     start.finished or choice.finish_reason is not None)
-                         for start, choice in zip(self.starts, self.choices, strict=True)])
+        if len(self.choices) == 1:  # most replies: no generator and join for every event
+            return _progress(self.starts[0], self.choices[0])
+        return ",".join(_progress(start, choice) for start, choice in zip(self.starts, self.choices, strict=True))
 
     def chunk(self, choices: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
         return {"id": self.request_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, **fields}
+
+    def plain_chunk(self, index: int, text: str, finish_reason: str | None) -> str:
+        """The JSON of `chunk` with one choice and no logprobs, byte for byte, written straight from
+        the reply's fields rendered once: most streamed events are this one, one per token per
+        client. Chat's delta holds the text only when there is some; a completion's always."""
+        if self._chunk_head is None:
+            head = _COMPACT.encode(self.chunk([]))
+            self._chunk_head = head[:-len("[]}")] + "["  # everything before the choices' entries
+        if self.chat:
+            body = f'"delta":{{"content":{_json_string(text)}}}' if text else '"delta":{}'
+        else:
+            body = f'"text":{_json_string(text)}'
+        finish = _json_string(finish_reason) if finish_reason is not None else "null"
+        return f'{self._chunk_head}{{"index":{index},{body},"logprobs":null,"finish_reason":{finish}}}]}}'
+
+
+def _progress(start: ResumePoint, choice: render.Choice) -> str:
+    """A choice's entry of the event id: where it started, plus what it has received since."""
+    return progress_entry(start.key, start.num_output_tokens + len(choice.token_ids),
+                          start.text_length + len(choice.text), start.finished or choice.finish_reason is not None)

@@ -39,7 +39,7 @@ from vmesh.services.frontend.http_middleware import (
     error_response,
     request_error_response,
 )
-from vmesh.services.frontend.http_reply import Reply, sse
+from vmesh.services.frontend.http_reply import Chunk, Reply, sse
 from vmesh.services.frontend.inputs import check_request_budget, check_request_tokens
 from vmesh.services.frontend.lora_http import adapter_cards, add_lora_routes
 from vmesh.services.frontend.tool_calls import ToolPlan
@@ -166,14 +166,15 @@ class OpenAIRoutes:
             if fanout is not None and not handed_over:
                 await fanout.close()
 
-    async def _stream(self, fanout: Fanout, events: AsyncIterator[list[dict[str, Any]]],
+    async def _stream(self, fanout: Fanout, events: AsyncIterator[list[Chunk]],
                       reply: Reply) -> AsyncIterator[str]:
         """Each output's chunks in one write; the last carries the event id, so that a client cut
         off inside an output's chunks resumes from the output before."""
         try:
             async for chunks in events:
-                yield "".join(sse(chunk, reply.event_id() if i == len(chunks) - 1 else "")
-                              for i, chunk in enumerate(chunks))
+                *before, last = chunks
+                written = sse(last, reply.event_id())
+                yield "".join([*map(sse, before), written]) if before else written
             if reply.include_usage:
                 yield sse(reply.chunk([], usage=render.usage(reply.choices, reply.n)))
         except RequestError as exc:  # mid-stream: the status line is long gone; OpenAI's clients read this
@@ -185,12 +186,13 @@ class OpenAIRoutes:
             await fanout.close()
         yield "data: [DONE]\n\n"
 
-    async def _responses_stream(self, fanout: Fanout, events: AsyncIterator[list[dict[str, Any]]], reply: Reply,
+    async def _responses_stream(self, fanout: Fanout, events: AsyncIterator[list[Chunk]], reply: Reply,
                                 view: responses_api.ResponsesView) -> AsyncIterator[str]:
         """The Responses API's events over the chat chunks, the usage chunk last."""
         async def with_usage() -> AsyncIterator[dict[str, Any]]:
             async for chunks in events:
                 for chunk in chunks:
+                    assert not isinstance(chunk, str), "rendered chunks are SSE's alone (no Responses view)"
                     yield chunk
             yield reply.chunk([], usage=render.usage(reply.choices, reply.n))
 
@@ -200,19 +202,21 @@ class OpenAIRoutes:
         finally:
             await fanout.close()
 
-    async def _completion_events(self, fanout: Fanout, reply: Reply) -> AsyncIterator[list[dict[str, Any]]]:
+    async def _completion_events(self, fanout: Fanout, reply: Reply) -> AsyncIterator[list[Chunk]]:
         async for index, out in fanout.events():
             choice = reply.choices[index]
             offset = len(choice.text)
             choice.add(out)
             if not (out.text or out.finish_reason or out.logprobs):
                 continue
-            logprobs = (render.completion_logprobs(out.logprobs, out.token_ids, self.tokens, offset)
-                        if reply.want_logprobs else None)
+            if not reply.want_logprobs:
+                yield [reply.plain_chunk(index, out.text, render.finish_reason(out.finish_reason))]
+                continue
+            logprobs = render.completion_logprobs(out.logprobs, out.token_ids, self.tokens, offset)
             yield [reply.chunk([{"index": index, "text": out.text, "logprobs": logprobs,
                                  "finish_reason": render.finish_reason(out.finish_reason)}])]
 
-    async def _chat_events(self, fanout: Fanout, reply: Reply) -> AsyncIterator[list[dict[str, Any]]]:
+    async def _chat_events(self, fanout: Fanout, reply: Reply) -> AsyncIterator[list[Chunk]]:
         def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> dict:
             return reply.chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
 
@@ -229,10 +233,13 @@ class OpenAIRoutes:
             logprobs = (render.chat_logprobs(out.logprobs, out.token_ids, self.tokens)
                         if reply.want_logprobs else None)
             if parser is None:
+                if logprobs is None and reply.responses is None:  # the Responses API reads the chunks' fields
+                    yield [reply.plain_chunk(index, out.text, render.finish_reason(out.finish_reason))]
+                    continue
                 yield [chunk(index, {"content": out.text} if out.text else {}, logprobs,
                              render.finish_reason(out.finish_reason))]
                 continue
-            chunks = []
+            chunks: list[Chunk] = []
             for delta in _tool_deltas(parser, out.text, bool(out.finish_reason), logprobs is not None):
                 chunks.append(chunk(index, delta, logprobs))
                 logprobs = None

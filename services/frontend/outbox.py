@@ -95,9 +95,11 @@ class Outbox:
         self.closed = out.finished
         if not out.error:
             self.received.extend(out.text, out.token_ids)
-        if self.pending is None:
-            self.pending = PendingOutput(self.delta_text)
-        self.pending.merge(out)
+        if self.pending is None:  # the output is the outbox's now: taken as it is, not copied into a new one
+            out.delta_text = self.delta_text
+            self.pending = out
+        else:
+            self.pending.merge(out)
         self.ready.set()
 
     def reopen(self) -> None:

@@ -6,6 +6,7 @@ ends, bounded fan-out memory, body limits, cancellation, aborted requests and lo
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,6 +25,7 @@ from vmesh.services.frontend.core import FrontendCore
 from vmesh.services.frontend.errors import RequestError
 from vmesh.services.frontend.fanout import Fanout, until_disconnect
 from vmesh.services.frontend.http_middleware import body_limit
+from vmesh.services.frontend.http_reply import Reply, sse
 from vmesh.services.frontend.http_server import build_app
 from vmesh.v1 import common_pb2
 
@@ -135,15 +137,17 @@ def test_a_stream_starts_with_its_first_choice_and_its_other_choices_follow():
     asyncio.run(main())
 
 
-def test_a_stream_whose_client_left_as_it_started_aborts_its_requests():
+# n = 1 is read in the response's own task (no pump task between), n > 1 through the fan-out's queue.
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_stream_whose_client_left_as_it_started_aborts_its_requests(n: int):
     """Starlette may stop a streaming response before its body generator runs (here: sending the
     response start fails); the fan-out must be closed all the same."""
 
     async def main():
         f, scheduler = await serving_frontend(CharTokenizer())
-        call = Call(build_app(f, None), "/v1/completions", {"prompt": [1, 2], "n": 2, "max_tokens": 500,
+        call = Call(build_app(f, None), "/v1/completions", {"prompt": [1, 2], "n": n, "max_tokens": 500,
                                                             "stream": True}, spec_version="2.4", fail_on_start=True)
-        await scheduler.until_submitted(2)
+        await scheduler.until_submitted(n)
         emit(f, "a")
         await asyncio.gather(call.task, return_exceptions=True)
         await eventually(lambda: f.in_flight == 0 and not f.background)
@@ -153,11 +157,12 @@ def test_a_stream_whose_client_left_as_it_started_aborts_its_requests():
     assert aborted == submitted
 
 
-def test_a_non_streaming_request_whose_client_left_aborts_its_requests():
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_non_streaming_request_whose_client_left_aborts_its_requests(n: int):
     async def main():
         f, scheduler = await serving_frontend(CharTokenizer())
-        call = Call(build_app(f, None), "/v1/completions", {"prompt": [1, 2], "n": 2, "max_tokens": 500})
-        await scheduler.until_submitted(2)
+        call = Call(build_app(f, None), "/v1/completions", {"prompt": [1, 2], "n": n, "max_tokens": 500})
+        await scheduler.until_submitted(n)
         emit(f, "a")
         call.inbox.put_nowait({"type": "http.disconnect"})
         await call.task
@@ -166,6 +171,46 @@ def test_a_non_streaming_request_whose_client_left_aborts_its_requests():
 
     status, aborted, submitted = asyncio.run(main())
     assert status == 499 and aborted == submitted
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_stream_whose_client_left_midway_aborts_its_requests(n: int):
+    async def main():
+        f, scheduler = await serving_frontend(CharTokenizer())
+        call = Call(build_app(f, None), "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                                 "n": n, "max_tokens": 500, "stream": True})
+        await scheduler.until_submitted(n)
+        emit(f, "a")
+        await eventually(lambda: len(call.events()) == 2 * n)  # each choice's role, then its "a"
+        emit(f, "b")
+        call.inbox.put_nowait({"type": "http.disconnect"})
+        await call.task
+        await eventually(lambda: f.in_flight == 0 and not f.background)
+        return sorted(scheduler.aborted), sorted(s.frontend_key for s in scheduler.submitted)
+
+    aborted, submitted = asyncio.run(main())
+    assert aborted == submitted
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_plain_chunks_are_the_chunks_json_byte_for_byte(chat: bool):
+    """Reply.plain_chunk writes a chunk without building it: the same bytes as json.dumps of the
+    chunk, for any text (escapes, non-ASCII, a lone surrogate) and model name."""
+    texts = ["", "a", " hello", 'quo"te \\ back', "tab\tnew\nline\r\x00\x1f\x7f", "café Über", "🦊 \u2028",
+             "\ud800", "</script>"]
+    for model in ("m", 'we"ird\\ módel 🦊'):
+        reply = Reply(model, chat=chat, prompts=1, n=1, stream=True, include_usage=False, want_logprobs=False,
+                      aliases={})
+        for index, text, finish in itertools.product((0, 7), texts, (None, "stop", "length")):
+            if chat:
+                choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": None,
+                          "finish_reason": finish}
+            else:
+                choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+            expected = json.dumps(reply.chunk([choice]), separators=(",", ":"))
+            assert reply.plain_chunk(index, text, finish) == expected
+            assert sse(reply.plain_chunk(index, text, finish), "k.1.2") == sse(reply.chunk([choice]), "k.1.2")
+            assert sse(reply.chunk([choice])) == f"data: {expected}\n\n"
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -22,6 +22,18 @@ def test_outputs_merge_until_read():
     assert out.text == "ab" and out.token_ids == [1, 2] and not out.finished
 
 
+def test_cumulative_texts_merge_as_the_latest_whole():
+    """The first output waiting in a cumulative outbox is taken as it is; a later one replaces its text."""
+    async def main():
+        box = Outbox(delta_text=False)
+        box.put(PendingOutput(text="He", token_ids=[1]))
+        box.put(PendingOutput(text="Hello", token_ids=[2]))
+        return await box.get()
+
+    out = asyncio.run(main())
+    assert out.text == "Hello" and out.token_ids == [1, 2]
+
+
 def test_an_error_after_the_finish_does_not_spoil_a_finished_request():
     """A scheduler lost (or a replica failing) just after a request finished, while its last
     output waits for a slow client: the client still gets its finished output."""

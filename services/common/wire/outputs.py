@@ -42,7 +42,11 @@ def from_proto(pb: detokenizer_pb2.SubscribeResponse) -> OutputBatch:
     logprobs = unpack_owned(owners_of_counts(pb.num_logprobs_rows), pb.logprobs)
     prompt_logprobs = unpack_owned(owners_of_counts(pb.num_prompt_logprobs_rows), pb.prompt_logprobs)
     embeddings = unpack_vectors([i for i, size in enumerate(pb.embedding_sizes) if size], pb.embeddings)
-    token_ids, num_tokens = list(pb.token_ids), list(pb.num_tokens)  # repeated fields index slowly
+    # Repeated fields index slowly: each column is read into a list once (every step, every request).
+    token_ids, num_tokens, texts = list(pb.token_ids), list(pb.num_tokens), list(pb.texts)
+    finishes = [finish_from_proto(code) for code in pb.finish_reasons]
+    usage = [_column(pb.num_prompt_tokens, n_keys), _column(pb.num_output_tokens, n_keys),
+             _column(pb.num_cached_prompt_tokens, n_keys)]
     errors = list(pb.errors) or [""] * n_keys  # per key, or absent when nothing failed
     resumable = list(pb.resumable) or [False] * n_keys
     outputs = []
@@ -50,13 +54,13 @@ def from_proto(pb: detokenizer_pb2.SubscribeResponse) -> OutputBatch:
     for i, frontend_key in enumerate(pb.frontend_keys):
         n = num_tokens[i]
         outputs.append(StreamOutput(
-            frontend_key, pb.texts[i], token_ids[offset:offset + n], finish_from_proto(pb.finish_reasons[i]),
-            _at(pb.num_prompt_tokens, i), _at(pb.num_output_tokens, i), _at(pb.num_cached_prompt_tokens, i),
+            frontend_key, texts[i], token_ids[offset:offset + n], finishes[i], usage[0][i], usage[1][i], usage[2][i],
             logprobs.get(i, []), errors[i], resumable[i], prompt_logprobs.get(i, []), embeddings.get(i, [])))
         offset += n
     return OutputBatch(outputs)
 
 
-def _at(column, i: int) -> int:
-    """A usage column's value; a batch that only fails requests may leave usage out."""
-    return column[i] if i < len(column) else 0
+def _column(column, n: int) -> list[int]:
+    """A usage column's values, 0 past its end: a batch that only fails requests may leave usage out."""
+    values = list(column)
+    return values + [0] * (n - len(values))
