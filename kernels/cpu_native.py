@@ -107,6 +107,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "quantized_linear_int8_f32": ([P, P, INT, P, P, I64, I64, I64], INT),  # x rounded to int8 per block
     "int8_linear_f32": ([P, P, P, P, P, P, I64, I64, I64], INT),
     "quantized_rows_f32": ([P, INT, P, I64, I64, I64, P], INT),
+    "apply_token_bitmask_f32": ([P, I64, P, I64, P, I64, I64], None),
 }
 # The C kernels' name suffix per model dtype. bfloat16 is the mixed model's: bfloat16 activations,
 # weights and KV cache around a float32 residual stream, attention computed in float32.
@@ -292,6 +293,29 @@ class CpuKernels:
                                                  blocks.shape[0], in_features, out.data_ptr(), torch.get_num_threads()):
             raise ValueError(f"ids must lie in [0, {blocks.shape[0]})")
         return out
+
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
+        """Set logits[r, t] to -inf wherever bit t of bitmask[r] is clear, for each r in `rows`
+        (None: every logits row): kernels/cpu/token_bitmask.c. logits: float32 [B, vocab] with
+        contiguous rows; bitmask: int32 [>= B, ceil(vocab / 32)] with contiguous rows, both on
+        the CPU. Checked here: the call writes through raw pointers."""
+        if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2 or logits.stride(1) != 1:
+            raise ValueError("logits must be a CPU float32 [rows, vocab] tensor with contiguous rows")
+        if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.dim() != 2 or bitmask.stride(1) != 1:
+            raise ValueError("the bitmask must be a CPU int32 [rows, words] tensor with contiguous rows")
+        vocab = logits.shape[1]
+        if bitmask.shape[1] * 32 < vocab:
+            raise ValueError(f"a bitmask of {bitmask.shape[1]} words per row does not cover {vocab} logits")
+        limit = min(logits.shape[0], bitmask.shape[0])
+        if rows is None and bitmask.shape[0] < logits.shape[0]:
+            raise ValueError(f"a bitmask of {bitmask.shape[0]} rows does not cover {logits.shape[0]} logits rows")
+        if rows and (min(rows) < 0 or max(rows) >= limit):
+            raise ValueError(f"rows must lie in [0, {limit})")
+        indices = None if rows is None else torch.tensor(rows, dtype=torch.int64)
+        num_rows = logits.shape[0] if indices is None else indices.numel()
+        self._functions["apply_token_bitmask_f32"](logits.data_ptr(), logits.stride(0), bitmask.data_ptr(),
+                                                   bitmask.stride(0), 0 if indices is None else indices.data_ptr(),
+                                                   num_rows, vocab, torch.get_num_threads())
 
     def supports(self, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
         """float32 queries over a float32 or bfloat16 cache, in the kernels' size limits."""

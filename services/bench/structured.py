@@ -8,8 +8,9 @@ as many tokens as its constrained run produced (`max_tokens` = that count, `igno
 arms decode the same number of tokens per request, so that the throughput ratio measures what
 the grammar costs, not how much shorter a JSON answer is than free text. Before each arm a
 request per schema (or one plain one) warms the server up: compiling a schema, which servers
-cache, is measured on its own, not here. Throughput compares best with every request at once
-(`--request-rate 0`)."""
+cache, is measured on its own, not here; then the arm's first --max-concurrency requests, cut to
+2 tokens, at once: a server's first batch that large is its slowest. Throughput compares best
+with every request at once (`--request-rate 0`)."""
 
 from __future__ import annotations
 
@@ -110,6 +111,14 @@ def warmup_bodies(work: dict[str, Any], arm: str, model: str | None) -> list[dic
     return [chat_body(p, 2, constrained=arm == "constrained", model=model) for p in firsts.values()]
 
 
+def burst_bodies(bodies: list[dict[str, Any]], concurrency: int) -> list[dict[str, Any]]:
+    """The arm's first `concurrency` requests cut to 2 tokens, sent at once before its load: the
+    server's first batch that large costs it more than any later one (fresh KV cache pages and
+    allocations, measured at 1.6-2.4x a later burst's worker time), which would otherwise fall on
+    whichever arm runs first."""
+    return [{**body, "max_tokens": 2} for body in bodies[:max(1, concurrency)]]
+
+
 def parse_arms(text: str) -> list[str]:
     arms = [a for a in text.split(",") if a]
     if not arms or set(arms) - set(ARMS) or len(set(arms)) != len(arms):
@@ -130,6 +139,8 @@ async def _run_arm(bodies: list[dict[str, Any]], warmups: list[dict[str, Any]], 
     async with httpx.AsyncClient(timeout=None, limits=limits) as http:
         for body in warmups:
             await timed_openai_stream(http, url, body, _chat_text)
+        await asyncio.gather(*(timed_openai_stream(http, url, body, _chat_text)
+                               for body in burst_bodies(bodies, args.max_concurrency or len(bodies))))
         if mesh is not None:
             await reset_prefix_cache(mesh)  # each arm starts cold on the same prompts
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from vmesh.kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
+from vmesh.kernels.cpu_native import CpuKernelBuildError, CpuKernels, load_cpu_kernels
 from vmesh.services.common.model_loading import (
     ModelLoadError,
     cache_dir_path,
@@ -61,7 +61,7 @@ def release_freed_heap() -> None:
 class ModelRunner:
     def __init__(self, model: DecoderModel, kv_cache: KVCache, backend: AttentionBackend,
                  max_num_seqs: int, max_model_len: int, grammar_tokenizer: GrammarTokenizer | None = None,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, cpu_kernels: CpuKernels | None = None):
         self.model = model
         self.speculative = speculative  # proposes drafts where a plan reserves slots for them
         self.kv_cache = kv_cache
@@ -69,7 +69,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.batch = PersistentBatch(max_num_seqs, max_model_len, kv_cache.block_size, model.device,
                                      kv_cache.num_blocks, grammar_tokenizer, kv_cache.num_groups)
-        self.sampler = Sampler()
+        self.sampler = Sampler(cpu_kernels)
         self.prompt_logprobs = PromptLogprobs()  # the rows asking for them, until their first token
         self.pooler = Pooler()  # the embedding requests' rows, until their first token
         self.last_step = -1
@@ -124,7 +124,7 @@ class ModelRunner:
         # Said once, and loudly where the bfloat16 model lost its C kernels: no silent slow path.
         logger.log(logging.WARNING if model.mixed and backend.name != "cpu" else logging.INFO, "%s", placement)
         runner = cls(model, kv_cache, backend, config.max_num_seqs, max_model_len,
-                     GrammarTokenizer.for_model(model_dir, spec), config.speculative_config)
+                     GrammarTokenizer.for_model(model_dir, spec), config.speculative_config, cpu_kernels)
         if config.lora_enabled:
             runner.lora = LoraManager.for_config(model, spec, config)
         release_freed_heap()

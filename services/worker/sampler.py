@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vmesh.kernels.cpu_native import CpuKernels
 from vmesh.services.common.structured import apply_token_bitmask
 from vmesh.services.common.types import GREEDY_TEMPERATURE_EPS
 
@@ -118,11 +119,14 @@ def restrict_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
 
 
 class Sampler:
+    def __init__(self, cpu_kernels: CpuKernels | None = None):
+        self.cpu_kernels = cpu_kernels  # masks CPU float32 logits with a grammar's bitmask
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raw = logits
         if batch.token_bitmask is not None:
             logits = logits.clone() if bool((batch.num_logprobs >= 0).any()) else logits
-            apply_token_bitmask(logits, batch.token_bitmask, batch.bitmask_rows)
+            apply_token_bitmask(logits, batch.token_bitmask, batch.bitmask_rows, self.cpu_kernels)
         if batch.seen_token_ids is not None or batch.output_token_ids is not None:
             logits = apply_penalties(logits, batch)
         if batch.banned is not None:

@@ -18,6 +18,7 @@ from vmesh.services.bench.serving import timed_openai_stream
 from vmesh.services.bench.structured import (
     SCHEMAS,
     arm_bodies,
+    burst_bodies,
     chat_body,
     chat_messages,
     load_structured_workload,
@@ -112,6 +113,15 @@ def test_warmup_compiles_each_schema_once(work):
     assert names == set(work["schemas"]) and len(warmup_bodies(work, "constrained", None)) == len(names)
     [plain] = warmup_bodies(work, "unconstrained", None)
     assert "response_format" not in plain and plain["max_tokens"] == 2
+
+
+def test_each_arm_is_preceded_by_a_short_burst_of_its_own_requests(work):
+    for arm in ("constrained", "unconstrained"):
+        bodies = arm_bodies(work, arm, None)
+        burst = burst_bodies(bodies, 32)
+        assert len(burst) == 32 and all(b["max_tokens"] == 2 for b in burst)
+        assert [{**b, "max_tokens": 0} for b in burst] == [{**b, "max_tokens": 0} for b in bodies[:32]]
+    assert len(burst_bodies(bodies, 0)) == 1
 
 
 def test_arms_option():

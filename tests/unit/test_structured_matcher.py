@@ -1,13 +1,15 @@
 """The worker's matchers over grammars compiled with the embedded model's tokenizer, for both
 backends: random walks through the allowed tokens decode to text that validates, stop tokens
 are allowed only where the grammar accepts, replay and rollback restore a matcher, and the
-bitmask masks exactly the disallowed logits."""
+bitmask masks exactly the disallowed logits; a tokenizer.json is read once while it is unchanged."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import shutil
 
 import jsonschema
 import pytest
@@ -19,6 +21,7 @@ from vmesh.services.common.structured import (
     allocate_token_bitmask,
     apply_token_bitmask,
     load_matcher,
+    vocabulary,
 )
 from vmesh.services.common.types import StructuredOutput
 
@@ -184,3 +187,20 @@ def test_string_lengths_beside_a_pattern_hold_under_auto(compiler, tokenizer_jso
                                          StructuredOutput("json_schema", json.dumps(schema), grammar.backend), seed)
         assert terminated
         jsonschema.validate(json.loads(tokenizer.decode(tokens)), schema)
+
+
+def test_a_tokenizer_file_is_read_again_only_once_it_changes(tokenizer_json, tmp_path, monkeypatch) -> None:
+    # The worker asks for the vocabulary with every constrained request: reading and hashing the
+    # file each time cost 20-60 ms of its step loop per request.
+    copy = tmp_path / "tokenizer.json"
+    shutil.copy(tokenizer_json, copy)
+    reads: list[object] = []
+    read = vocabulary.tokenizer_json_text
+    monkeypatch.setattr(vocabulary, "tokenizer_json_text", lambda source: reads.append(source) or read(source))
+    first = vocabulary.shared_vocabulary(copy, VOCAB_SIZE, [EOS])
+    assert vocabulary.shared_vocabulary(str(copy), VOCAB_SIZE, [EOS]) is first
+    assert len(reads) == 1
+    mtime = copy.stat().st_mtime_ns + 10**9
+    os.utime(copy, ns=(mtime, mtime))
+    assert vocabulary.shared_vocabulary(copy, VOCAB_SIZE, [EOS]) is first  # the same text: the same vocabulary
+    assert len(reads) == 2
