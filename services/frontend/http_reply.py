@@ -50,6 +50,7 @@ class Reply:
     # Each choice's point of departure: its resume key, and what the client had when it resumed.
     starts: list[ResumePoint] = field(init=False, default_factory=list)
     resuming: bool = field(init=False, default=False)
+    event_ids: bool = field(init=False, default=False)  # streamed events carry ids (http_resume.py)
     _chunk_head: str | None = field(init=False, default=None, repr=False)  # plain_chunk's, rendered once
 
     def __post_init__(self, prompts: int) -> None:

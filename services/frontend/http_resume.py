@@ -1,11 +1,13 @@
-"""Resuming an HTTP stream: every event of a streamed chat or completion carries an SSE `id:`
-with each choice's progress (services/common/resume.py's event id); a client whose stream broke
-sends the same request again, to any frontend, with the last id it received as the
-`Last-Event-ID` header, and gets exactly the rest."""
+"""Resuming an HTTP stream: a streamed chat or completion asked for with the `Vmesh-Resumable: 1`
+header (or resumed) carries an SSE `id:` on its events with each choice's progress
+(services/common/resume.py's event id); a client whose stream broke sends the same request again,
+to any frontend, with the last id it received as the `Last-Event-ID` header, and gets exactly the
+rest. Without the header no event has an id: SSE readers that take every event for a `data:`
+line alone (vLLM's benchmark client among them) read vmesh's streams as they read vLLM's."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import replace
 
 from vmesh.services.common.generation import GenerationOutput, GenerationRequest
@@ -13,6 +15,12 @@ from vmesh.services.common.resume import ResumePoint, new_resume_key, points_fro
 from vmesh.services.frontend.errors import Code, RequestError
 
 HEADER = "last-event-id"
+OPT_IN_HEADER = "vmesh-resumable"
+
+
+def wants_event_ids(headers: Mapping[str, str]) -> bool:
+    """Whether a request's stream carries event ids: asked for, or already being resumed."""
+    return headers.get(OPT_IN_HEADER, "").strip().lower() in ("1", "true", "yes") or bool(headers.get(HEADER))
 
 
 def resume_points(last_event_id: str | None, choices: list[GenerationRequest], stream: bool,

@@ -114,6 +114,7 @@ class OpenAIRoutes:
             choices = oai.fan_out(requests, reply.n, prompts)
             reply.starts, reply.resuming = http_resume.resume_points(
                 http_request.headers.get(http_resume.HEADER), choices, reply.stream, reply.responses is None)
+            reply.event_ids = http_resume.wants_event_ids(http_request.headers)
             for index, start in enumerate(reply.starts):  # what the client had of a choice it saw end
                 if start.finished:
                     reply.choices[index].usage = Usage(len(prompts[index // reply.n]), start.num_output_tokens, 0)
@@ -168,12 +169,12 @@ class OpenAIRoutes:
 
     async def _stream(self, fanout: Fanout, events: AsyncIterator[list[Chunk]],
                       reply: Reply) -> AsyncIterator[str]:
-        """Each output's chunks in one write; the last carries the event id, so that a client cut
-        off inside an output's chunks resumes from the output before."""
+        """Each output's chunks in one write; the last carries the event id (when the client asked
+        for ids), so that a client cut off inside an output's chunks resumes from the output before."""
         try:
             async for chunks in events:
                 *before, last = chunks
-                written = sse(last, reply.event_id())
+                written = sse(last, reply.event_id() if reply.event_ids else "")
                 yield "".join([*map(sse, before), written]) if before else written
             if reply.include_usage:
                 yield sse(reply.chunk([], usage=render.usage(reply.choices, reply.n)))

@@ -242,7 +242,7 @@ def texts(events: list[tuple[str, dict]]) -> dict[int, str]:
 
 
 async def http_stream(url: str, body: dict, lines: list[str], last_event_id: str = "") -> None:
-    headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
+    headers = {"Vmesh-Resumable": "1", **({"Last-Event-ID": last_event_id} if last_event_id else {})}
     async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S) as http, \
             http.stream("POST", url, json=body, headers=headers) as response:
         assert response.status_code == 200, await response.aread()

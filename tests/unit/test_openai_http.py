@@ -64,7 +64,7 @@ class Call:
     transport hands back a streamed body only once it is complete)."""
 
     def __init__(self, app: Any, path: str, body: dict, spec_version: str = "2.3",
-                 fail_on_start: bool = False):
+                 fail_on_start: bool = False, headers: dict[str, str] | None = None):
         raw = json.dumps(body).encode()
         self.sent: list[dict] = []
         self.inbox: asyncio.Queue[dict] = asyncio.Queue()
@@ -73,7 +73,8 @@ class Call:
         scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec_version}, "http_version": "1.1",
                  "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
                  "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
-                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]}
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()),
+                             *((k.lower().encode(), v.encode()) for k, v in (headers or {}).items())]}
         self.task = asyncio.create_task(app(scope, self.inbox.get, self._send))
 
     async def _send(self, message: dict) -> None:
