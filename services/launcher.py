@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -332,20 +332,28 @@ def _frontends(argv: list[str], count: int, port: int) -> list[tuple[str, list[s
     return [("frontend", argv, port), *((f"frontend-{i}", others, 0) for i in range(1, count))]
 
 
+def worker_threads(cores: int, workers: int, environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment that gives each of `workers` worker processes on this machine its share of
+    the cores: several workers (tensor-parallel ranks, data-parallel groups) whose OpenMP teams each
+    took every core would spin against each other at every step. Nothing for a lone worker, or
+    when the operator set OMP_NUM_THREADS."""
+    if workers <= 1 or "OMP_NUM_THREADS" in environ:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, cores // workers))}
+
+
 def _start_worker_group(mesh: Mesh, name: str, argv: list[str], group: int = 0) -> list[Child]:
     """One worker, or with --tensor-parallel-size N the N ranks that share its model (named
     `<name>-rank<R>`), meeting at a rendezvous address of their own. On a GPU machine rank R of
     data-parallel group G sees only GPU G * N + R (unless CUDA_VISIBLE_DEVICES is set already):
     groups must not share GPUs, and NCCL refuses two ranks on one."""
     size = mesh.args.tensor_parallel_size
-    if size == 1:
-        return [mesh.start(name, "worker", argv)]
-    rendezvous = f"{INTERNAL_HOST}:{free_port()}"
-    # The ranks share this machine's cores: each gets its share of threads (unless told otherwise), or
-    # their OpenMP teams would spin against each other at every collective.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    share = str(max(1, cores // (size * mesh.args.data_parallel_size)))
-    threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": share}
+    threads = worker_threads(cores, size * mesh.args.data_parallel_size, os.environ)
+    if size == 1:
+        return [mesh.start(name, "worker", argv, env=threads)]
+    rendezvous = f"{INTERNAL_HOST}:{free_port()}"
+
     def env(rank: int) -> dict[str, str]:
         gpu = {} if "CUDA_VISIBLE_DEVICES" in os.environ else {"CUDA_VISIBLE_DEVICES": str(group * size + rank)}
         return {**threads, **gpu}

@@ -102,3 +102,15 @@ def test_fail_fast_raises_on_the_first_death(tmp_path, monkeypatch):
     finally:
         mesh.stop()
     assert len(mesh.spawned) == 1
+
+
+def test_workers_on_one_machine_share_its_cores():
+    """Tensor-parallel ranks and data-parallel groups each get their share of the cores; a lone
+    worker, or one whose operator chose OMP_NUM_THREADS, is left alone."""
+    from vmesh.services.launcher import worker_threads
+
+    assert worker_threads(2, 1, {}) == {}
+    assert worker_threads(2, 2, {}) == {"OMP_NUM_THREADS": "1"}  # two groups, or two ranks
+    assert worker_threads(16, 3, {}) == {"OMP_NUM_THREADS": "5"}
+    assert worker_threads(2, 6, {}) == {"OMP_NUM_THREADS": "1"}
+    assert worker_threads(16, 4, {"OMP_NUM_THREADS": "8"}) == {}
