@@ -277,12 +277,17 @@ def test_bodies_of_maximal_prompts_are_refused_at_once_and_leave_no_memory_behin
     assert frontend.memory_info().rss - rss_before < 50 * MIB
 
 
-async def _trickle(host: str, port: int, opening: asyncio.Semaphore) -> bool:
+# Where the slow connections come from: other loopback addresses than the normal client's, each
+# under the frontend's per-peer cap (1,024), so that all of them are held open and trickle.
+SLOW_PEERS = [f"127.0.0.{i}" for i in range(2, 8)]
+
+
+async def _trickle(host: str, port: int, opening: asyncio.Semaphore, peer: str) -> bool:
     """One connection from another loopback address that sends a request's head a byte a second;
     whether the server closed it (rather than the head completing)."""
     head = b"GET /v1/models HTTP/1.1\r\nHost: vmesh\r\nX-Slow: " + b"z" * 64 + b"\r\n\r\n"
     async with opening:  # a listen backlog's worth at a time
-        reader, writer = await asyncio.open_connection(host, port, local_addr=("127.0.0.2", 0))
+        reader, writer = await asyncio.open_connection(host, port, local_addr=(peer, 0))
     try:
         for byte in head:
             writer.write(bytes([byte]))
@@ -305,7 +310,8 @@ def _trickle_from_another_process(host: str, port: int, started: Any, closed: An
     async def main() -> list[bool]:
         opening = asyncio.Semaphore(512)
         started.set()
-        return await asyncio.gather(*(_trickle(host, port, opening) for _ in range(SLOW_CONNECTIONS)))
+        return await asyncio.gather(*(_trickle(host, port, opening, SLOW_PEERS[i % len(SLOW_PEERS)])
+                                      for i in range(SLOW_CONNECTIONS)))
 
     closed.put(sum(asyncio.run(main())))
 
