@@ -72,6 +72,7 @@ class ConnectionGuard:
     limit: int
     body_timeout_s: float = DEFAULT_HTTP_BODY_TIMEOUT_S
     open: int = 0
+    awaiting_head: int = 0  # open connections that have not sent a request's head yet
     in_progress: int = 0
     by_peer: Counter[str] = field(default_factory=Counter)
     closer: BoundedCloser = field(default_factory=BoundedCloser)
@@ -88,7 +89,9 @@ class ConnectionGuard:
 
     @property
     def over_limit(self) -> bool:
-        return self.open > self.limit or self.in_progress >= self.limit
+        # A connection still sending its head is bounded by the head timeout and the per-peer cap,
+        # not by this limit: counted here, a slow-header flood would deny everyone else service.
+        return self.open - self.awaiting_head > self.limit or self.in_progress >= self.limit
 
 
 class GuardedProtocol(H11Protocol):
@@ -140,14 +143,17 @@ class GuardedProtocol(H11Protocol):
         self._head_arrived()
         if not self.transport.is_closing():
             self.head_timer = self.loop.call_later(self.guard.head_timeout_s, self._head_late)
+            self.guard.awaiting_head += 1
 
     def _head_arrived(self) -> None:
         if self.head_timer is not None:
             self.head_timer.cancel()
             self.head_timer = None
+            self.guard.awaiting_head -= 1
 
     def _head_late(self) -> None:
         self.head_timer = None
+        self.guard.awaiting_head -= 1
         if not self.transport.is_closing():
             self.guard.closer.close(self.transport)
 

@@ -131,3 +131,15 @@ def test_a_burst_of_connections_waits_in_the_listen_queue_and_is_accepted_a_few_
     assert len(clients) == burst and opened[-1] == burst
     per_turn = [b - a for a, b in itertools.pairwise(opened)]
     assert max(per_turn) <= ACCEPTS_PER_LOOP_TURN, per_turn
+
+
+def test_connections_still_sending_their_head_do_not_count_toward_the_limit():
+    """A slow-header flood is bounded by the head timeout and the per-peer cap; were it counted
+    toward the public limit, it would get every other client a 503."""
+    from vmesh.services.frontend.http_connections import ConnectionGuard
+
+    guard = ConnectionGuard(head_timeout_s=10, per_peer=0, limit=2)
+    guard.open, guard.awaiting_head = 5000, 4999
+    assert not guard.over_limit
+    guard.awaiting_head = 4997  # three of them sent a head: past the limit
+    assert guard.over_limit

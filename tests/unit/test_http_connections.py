@@ -119,6 +119,10 @@ def test_past_the_connection_limit_the_api_is_503_but_health_answers():
     async def main():
         f, server, host, port = await _serving(http_connections_per_peer=0, limit=8)
         held = [await asyncio.open_connection(host, port) for _ in range(8)]
+        for _, writer in held:  # requests under way (their bodies never come): they count
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
+        while server.guard.in_progress < 8:
+            await asyncio.sleep(0.01)
         async with httpx.AsyncClient(base_url=f"http://{host}:{port}") as http:
             models = await http.get("/v1/models")
             health = await http.get("/health")
