@@ -105,6 +105,16 @@ def test_tiny_family_through_the_engine(tiny, embedded_tokenizer, kind, depth):
         engine.shutdown()
 
 
+def _small_pool_engine(runner: ModelRunner, tokenizer) -> LLMEngine:
+    """An engine at depth 2 in 10-token steps whose scheduler hands out only 6 blocks per KV
+    cache group: too few for every request at once."""
+    num_blocks, runner.kv_cache.num_blocks = runner.kv_cache.num_blocks, 6 * runner.kv_cache.num_groups
+    try:
+        return LLMEngine(runner, tokenizer, EngineConfig(max_num_batched_tokens=10, pipeline_depth=2))
+    finally:
+        runner.kv_cache.num_blocks = num_blocks
+
+
 @pytest.mark.parametrize("kind, backend", [("gemma3", "auto"), ("mistral", "auto"), ("gemma3", "triton")])
 def test_window_groups_through_preemption_and_prefix_hits(tiny, embedded_tokenizer, kind, backend):
     """KV cache groups on a real model: the window groups give back the blocks behind their
@@ -115,11 +125,7 @@ def test_window_groups_through_preemption_and_prefix_hits(tiny, embedded_tokeniz
     path, _model, prompts, references = tiny[kind]
     runner = ModelRunner.load(WorkerConfig(model=str(path), kv_cache_memory=4 << 20, max_num_seqs=8,
                                            attention_backend=backend))
-    num_blocks, runner.kv_cache.num_blocks = runner.kv_cache.num_blocks, 6 * runner.kv_cache.num_groups
-    try:  # the scheduler hands out only the first blocks
-        engine = LLMEngine(runner, embedded_tokenizer, EngineConfig(max_num_batched_tokens=10, pipeline_depth=2))
-    finally:
-        runner.kv_cache.num_blocks = num_blocks
+    engine = _small_pool_engine(runner, embedded_tokenizer)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     try:
         for i, out in enumerate(engine.generate(prompts, params)):
@@ -148,11 +154,7 @@ def test_speculation_on_window_groups_changes_no_token(tiny, embedded_tokenizer,
     path, _model, prompts, references = tiny[kind]
     runner = ModelRunner.load(WorkerConfig(model=str(path), kv_cache_memory=4 << 20, max_num_seqs=8))
     runner.speculative = SpeculativeConfig("ngram", 4, prompt_lookup_min=1, prompt_lookup_max=3)
-    num_blocks, runner.kv_cache.num_blocks = runner.kv_cache.num_blocks, 6 * runner.kv_cache.num_groups
-    try:
-        engine = LLMEngine(runner, embedded_tokenizer, EngineConfig(max_num_batched_tokens=10, pipeline_depth=2))
-    finally:
-        runner.kv_cache.num_blocks = num_blocks
+    engine = _small_pool_engine(runner, embedded_tokenizer)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     try:
         for i, out in enumerate(engine.generate(prompts, params)):

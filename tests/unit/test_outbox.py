@@ -5,33 +5,27 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from vmesh.services.common.types import FinishReason
 from vmesh.services.frontend.outbox import Outbox, PendingOutput
 
 STOP = FinishReason.STOP
 
 
-def test_outputs_merge_until_read():
+@pytest.mark.parametrize("delta_text, texts, merged", [
+    (True, ("a", "b"), "ab"),  # new text each time: appended
+    (False, ("He", "Hello"), "Hello"),  # the whole text each time: the first taken as it is, then replaced
+])
+def test_outputs_merge_until_read(delta_text: bool, texts: tuple[str, str], merged: str):
     async def main():
-        box = Outbox(delta_text=True)
-        box.put(PendingOutput(text="a", token_ids=[1]))
-        box.put(PendingOutput(text="b", token_ids=[2]))
+        box = Outbox(delta_text=delta_text)
+        box.put(PendingOutput(text=texts[0], token_ids=[1]))
+        box.put(PendingOutput(text=texts[1], token_ids=[2]))
         return await box.get()
 
     out = asyncio.run(main())
-    assert out.text == "ab" and out.token_ids == [1, 2] and not out.finished
-
-
-def test_cumulative_texts_merge_as_the_latest_whole():
-    """The first output waiting in a cumulative outbox is taken as it is; a later one replaces its text."""
-    async def main():
-        box = Outbox(delta_text=False)
-        box.put(PendingOutput(text="He", token_ids=[1]))
-        box.put(PendingOutput(text="Hello", token_ids=[2]))
-        return await box.get()
-
-    out = asyncio.run(main())
-    assert out.text == "Hello" and out.token_ids == [1, 2]
+    assert out.text == merged and out.token_ids == [1, 2] and not out.finished
 
 
 def test_an_error_after_the_finish_does_not_spoil_a_finished_request():
