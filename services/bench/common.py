@@ -42,6 +42,28 @@ def load_workload(workload: str | Path, requests: int | None, max_tokens: int | 
             "max_tokens": max_tokens or data["max_new_tokens"], "latency_prompt": data["latency_prompt_token_ids"]}
 
 
+def for_model(work: dict[str, Any], model_dir: Path, embedded_dir: Path, scratch: Path) -> dict[str, Any]:
+    """`work` for another model than the one its token ids come from: its prompts' text tokenized
+    by `model_dir`'s tokenizer, written beside `scratch` (peers read the workload from a file)."""
+    if model_dir == embedded_dir:
+        return work
+    data = json.loads(Path(work["path"]).read_text())
+    if "prompts" not in data or "latency_prompt" not in data:
+        raise SystemExit(f"workload {work['name']!r} holds token ids only: it cannot be tokenized for {model_dir.name}")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    n = len(work["prompts"])
+    data["prompt_token_ids"] = [tokenizer.encode(text) for text in data["prompts"][:n]]
+    data["latency_prompt_token_ids"] = tokenizer.encode(data["latency_prompt"])
+    data["n_requests"] = n
+    data["description"] = f"{data['description']} Tokenized for {model_dir.name}."
+    path = scratch / Path(work["path"]).name
+    path.write_text(json.dumps(data))
+    return {**work, "path": path, "prompts": data["prompt_token_ids"],
+            "latency_prompt": data["latency_prompt_token_ids"]}
+
+
 def machine() -> dict[str, Any]:
     return {"machine": platform.machine(), "processor": platform.processor(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d")}

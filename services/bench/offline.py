@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from vmesh.services.bench.common import load_workload, machine, mesh_generate, timed_request
+from vmesh.services.bench.common import for_model, load_workload, machine, mesh_generate, timed_request
 from vmesh.services.bench.lora import lora_flags, write_random_adapters
 from vmesh.services.bench.memory import PeakPss
 from vmesh.services.bench.mesh import RunningMesh, start_mesh
 from vmesh.services.bench.peers import PEER_BASELINES, PeerError, PeerProcess, default_peers_dir
 from vmesh.services.client import VmeshClient
-from vmesh.services.common.model_loading import embedded_model_file, resolve_model_dir
+from vmesh.services.common.model_loading import gguf_model_file, resolve_model_dir
 from vmesh.services.common.types import OutputMode, SamplingParams
 
 
@@ -80,18 +80,14 @@ def engine_generate(model_dir: Path, prompts: list[list[int]], max_tokens: int, 
 def start_peer(name: str, args: argparse.Namespace, work: dict[str, Any], model_dir: Path) -> PeerProcess:
     """A peer engine loaded on the same weights: vLLM on vmesh's checkpoint of the model,
     llama.cpp on its GGUF file."""
-    if args.model is None:
-        gguf = embedded_model_file()
-    elif str(args.model).endswith(".gguf"):
-        gguf = Path(args.model)
-    elif name == "llama.cpp":
-        raise SystemExit("the llama.cpp baseline needs a GGUF model (--model FILE.gguf, or the embedded one)")
-    else:
-        gguf = Path()
+    gguf = gguf_model_file(args.model)
+    if gguf is None and name == "llama.cpp":
+        raise SystemExit("the llama.cpp baseline needs a GGUF model (--model FILE.gguf, gemma3-270m or the "
+                         "embedded one)")
     longest = max(len(p) for p in [*work["prompts"], work["latency_prompt"]])
     try:
         return PeerProcess(name, Path(args.peers_dir) if args.peers_dir else default_peers_dir(), model_dir=model_dir,
-                           gguf=gguf, workload=work["path"], requests=len(work["prompts"]),
+                           gguf=gguf or Path(), workload=work["path"], requests=len(work["prompts"]),
                            max_tokens=work["max_tokens"], max_model_len=longest + work["max_tokens"] + 16,
                            threads=torch.get_num_threads(), kv_cache_bytes=args.kv_cache_memory_bytes)
     except PeerError as exc:
@@ -113,9 +109,12 @@ async def mesh_latency(mesh: RunningMesh, prompt: list[int], max_tokens: int,
 
 
 # The mesh in its precision modes: `mesh` (float32) always runs; the others on request.
+NGRAM_4 = '{"method": "ngram", "num_speculative_tokens": 4}'
 MESH_VARIANTS = {"mesh": (), "mesh-native": ("--weights", "native"), "mesh-bf16": ("--dtype", "bfloat16"),
                  "mesh-int8": ("--weights", "int8"), "mesh-plaintext": ("--no-internal-tls",),
-                 "mesh-spec": ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'),
+                 "mesh-spec": ("--speculative-config", NGRAM_4),
+                 # The GGUF's own blocks with speculation: single-stream latency against llama.cpp on that file.
+                 "mesh-native-spec": ("--weights", "native", "--speculative-config", NGRAM_4),
                  # Every service but the workers 10 nicer, against the default (all equal).
                  "mesh-niced": ("--service-niceness", "10"),
                  "mesh-lora": ()}  # its flags name the adapters bench/lora.py writes
@@ -135,11 +134,12 @@ def start_meshes(args: argparse.Namespace, baselines: set[str], model_dir: Path,
         if variant != "mesh" and variant not in baselines:
             continue
         model = str(model_dir)
-        if variant == "mesh-native":  # the GGUF file itself: its blocks are what this mode reads
-            if args.model is not None and not str(args.model).endswith(".gguf"):
-                raise SystemExit("the mesh-native baseline needs a GGUF model (--model FILE.gguf, or the "
-                                 "embedded one)")
-            model = str(args.model or embedded_model_file())
+        if "--weights" in flags and "native" in flags:  # the GGUF file itself: its blocks are what it reads
+            gguf = gguf_model_file(args.model)
+            if gguf is None:
+                raise SystemExit(f"the {variant} baseline needs a GGUF model (--model FILE.gguf, gemma3-270m or "
+                                 "the embedded one)")
+            model = str(gguf)
         adapters: dict[str, str] = {}
         if variant == "mesh-lora":
             adapters = write_random_adapters(model_dir, Path(stack.enter_context(tempfile.TemporaryDirectory())))
@@ -171,8 +171,10 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
     """Each baseline loads once; then `--repeats` rounds run transformers, engine and mesh in
     turn, so that the machine's drift (runs here vary by ~10 %) reaches all three alike. The
     figures reported are each run's median over the rounds."""
-    work = load_workload(args.workload, args.requests, args.max_tokens)
     model_dir = resolve_model_dir(args.model)
+    scratch = tempfile.TemporaryDirectory()
+    work = for_model(load_workload(args.workload, args.requests, args.max_tokens), model_dir, resolve_model_dir(),
+                     Path(scratch.name))
     baselines = set(args.baselines.split(","))
     unknown = baselines - {"transformers", "engine", FINAL_OUTPUTS} - set(MESH_VARIANTS) - set(PEER_BASELINES)
     if unknown:
@@ -184,6 +186,7 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
                               "repeats": args.repeats, **machine(), "tokens_per_s": {}, "runs_tokens_per_s": {}}
     runs: dict[str, Callable[[], float]] = {}
     with contextlib.ExitStack() as stack:
+        stack.enter_context(scratch)  # the tokenized workload file, for as long as the peers read it
         if "transformers" in baselines:
             runs["transformers"] = transformers_generate(model_dir, work["prompts"], work["max_tokens"])
         if "engine" in baselines:

@@ -1,0 +1,36 @@
+"""The shipped workloads, tokenized for another model than the embedded one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vmesh.services.bench.common import for_model, load_workload
+from vmesh.services.common.model_loading import resolve_model_dir
+
+
+@pytest.mark.parametrize("name", ["standard", "overlap"])
+def test_tokenizing_a_workload_s_text_again_gives_its_shipped_ids(name: str, tmp_path: Path) -> None:
+    """Told the embedded model is another one, the workload is tokenized from its text by that
+    model's tokenizer into a file the peers read: the embedded tokenizer must give back the ids
+    the workload ships."""
+    embedded = resolve_model_dir()
+    shipped = load_workload(name, 8, None)
+    work = for_model(shipped, embedded, tmp_path / "not-the-embedded-model", tmp_path)
+    assert work["path"] != shipped["path"] and work["path"].parent == tmp_path
+    assert work["prompts"] == shipped["prompts"] and work["latency_prompt"] == shipped["latency_prompt"]
+    written = json.loads(work["path"].read_text())
+    assert written["n_requests"] == 8 and written["prompt_token_ids"] == shipped["prompts"]
+
+
+def test_the_embedded_model_reads_the_shipped_file(tmp_path: Path) -> None:
+    embedded = resolve_model_dir()
+    shipped = load_workload("standard", None, None)
+    assert for_model(shipped, embedded, embedded, tmp_path) is shipped
+
+
+def test_a_workload_of_ids_only_cannot_serve_another_model(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="token ids only"):
+        for_model(load_workload("long", 2, None), resolve_model_dir(), tmp_path / "other", tmp_path)
