@@ -36,7 +36,14 @@ from vmesh.services.common.types import ModelLimits, OutputBatch, OutputMode, Re
 from vmesh.services.frontend import schedulers
 from vmesh.services.frontend.auth import check_api_key
 from vmesh.services.frontend.errors import Code, RequestError
-from vmesh.services.frontend.failover import DETOKENIZER_LOST, MeshPath, RecentKeys, TimeRemaining, abort_stray
+from vmesh.services.frontend.failover import (
+    ABORT_TIMEOUT_S,
+    DETOKENIZER_LOST,
+    MeshPath,
+    RecentKeys,
+    TimeRemaining,
+    abort_stray,
+)
 from vmesh.services.frontend.inputs import encode_input, prompt_bytes
 from vmesh.services.frontend.lora_models import FrontendAdapters
 from vmesh.services.frontend.outbox import LostService, Outbox, PendingOutput
@@ -175,6 +182,9 @@ class FrontendCore:
         self._tasks.cancel()
         for subscription in self.replicas:
             subscription.stop()
+        # Aborts still on their way must reach their schedulers before the channels close, or
+        # those requests compute for nobody.
+        await self.background.settle(ABORT_TIMEOUT_S)
         await self.schedulers.close()
         self.tokenizer_pool.shutdown(wait=False)
         self.grammar_pool.shutdown(wait=False)

@@ -3,6 +3,7 @@ wait, a kept-open stream's reopening, and the ready files."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Callable
 
 import pytest
@@ -34,6 +35,37 @@ def test_a_task_group_holds_its_tasks_until_done_and_cancels_the_rest():
         with pytest.raises(asyncio.CancelledError):
             await waiting
         assert not group
+
+    asyncio.run(main())
+
+
+def test_settling_a_task_group_lets_work_finish_then_cancels_and_collects_the_rest():
+    """What a frontend's close does with its aborts in flight: the ones that end within the time
+    given end (their effect happens), the rest are cancelled, and a failure is collected rather
+    than reported at exit as an exception never retrieved."""
+    async def main() -> None:
+        group = TaskGroup()
+        finished: list[str] = []
+
+        async def slow_but_in_time() -> None:
+            await asyncio.sleep(0.05)
+            finished.append("in time")
+
+        async def fails() -> None:
+            raise RuntimeError("its scheduler is gone")
+
+        in_time, stuck = group.spawn(slow_but_in_time()), group.spawn(asyncio.Event().wait())
+        group.spawn(fails())  # unreferenced here, as a frontend's aborts are
+        loop = asyncio.get_running_loop()
+        unretrieved: list[dict] = []
+        loop.set_exception_handler(lambda _loop, context: unretrieved.append(context))
+        started = loop.time()
+        await group.settle(timeout=0.5)
+        assert finished == ["in time"] and in_time.done() and not in_time.cancelled()
+        assert stuck.cancelled() and 0.5 <= loop.time() - started < 5 and not group
+        await group.settle(timeout=0.5)  # nothing left: returns at once
+        gc.collect()
+        assert unretrieved == []
 
     asyncio.run(main())
 

@@ -28,6 +28,17 @@ class TaskGroup:
         for task in list(self._tasks):
             task.cancel()
 
+    async def settle(self, timeout: float) -> None:
+        """Let the tasks finish for up to `timeout` seconds, cancel what is left, and collect every
+        outcome (so that none is reported as an exception never retrieved)."""
+        tasks = list(self._tasks)
+        if not tasks:
+            return
+        _done, pending = await asyncio.wait(tasks, timeout=timeout)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     def __len__(self) -> int:
         return len(self._tasks)
 
