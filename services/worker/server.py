@@ -311,7 +311,9 @@ def _warm_step(runner: ModelRunner) -> None:
     """Run one tiny request through the model so the first real step pays no first-call costs,
     then leave the runner as if nothing happened (step numbering restarts at 0)."""
     handle = -1
-    runner.execute(StepPlan(0, new_requests=[NewRequest(handle, [0, 1], 2, SamplingParams(temperature=0), [0])],
+    one_block_per_group = list(range(runner.kv_cache.num_groups))  # a windowed model's KV has several groups
+    runner.execute(StepPlan(0, new_requests=[NewRequest(handle, [0, 1], 2, SamplingParams(temperature=0),
+                                                        one_block_per_group)],
                             scheduled_handles=[handle], num_scheduled_tokens=[2]))
     runner.execute(StepPlan(1, removed_handles=[handle]))
     runner.reset()

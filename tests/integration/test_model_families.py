@@ -280,14 +280,16 @@ def test_mixture_of_experts_tp2_matches_tp1(tiny, tmp_path, kind):
     assert rank0["seeded"] == expected["seeded"]
 
 
-def test_sliding_window_experts_through_a_tensor_parallel_mesh(tiny):
-    """Mixtral (window and experts) served by `vmesh serve` with two tensor-parallel worker ranks,
-    over gRPC: greedy tokens equal to transformers'."""
+@pytest.mark.parametrize("kind, ranks", [("mixtral", 2), ("gemma3", 1)])
+def test_sliding_window_models_through_the_mesh(tiny, kind, ranks):
+    """Served by `vmesh serve` over gRPC, greedy tokens equal to transformers': Mixtral (window
+    and experts) on two tensor-parallel worker ranks, and Gemma 3 (local and global layers: KV
+    cache groups, which the worker's start-up step must hand a block each)."""
     from tests.support.meshes import stops_cleanly
     from vmesh.services.bench.mesh import start_mesh
     from vmesh.services.client import VmeshClient
 
-    path, _model, prompts, references = tiny["mixtral"]
+    path, _model, prompts, references = tiny[kind]
 
     async def greedy_all(address: str) -> list[list[int]]:
         async with VmeshClient(address) as client:
@@ -295,8 +297,8 @@ def test_sliding_window_experts_through_a_tensor_parallel_mesh(tiny):
                                                              ignore_eos=True) for p in prompts))
         return [ids for _text, ids, _last in results]
 
-    with stops_cleanly(start_mesh("--model", str(path), "--tensor-parallel-size", "2",
+    with stops_cleanly(start_mesh("--model", str(path), "--tensor-parallel-size", str(ranks),
                                   "--max-num-batched-tokens", "10")) as mesh:
         outputs = asyncio.run(greedy_all(mesh.address))
     for i, ids in enumerate(outputs):
-        assert_greedy_match(ids, references[i], label=f"mixtral mesh prompt {i}")
+        assert_greedy_match(ids, references[i], label=f"{kind} mesh prompt {i}")
