@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from vmesh.kernels.cpu_native import QUANTIZED_BLOCK, QUANTIZED_FORMATS, CpuKernelBuildError, load_cpu_kernels
+from vmesh.kernels.cpu_native import QUANTIZED_FORMATS, CpuKernelBuildError, load_cpu_kernels
 from vmesh.services.common.model_loading import ModelLoadError, gguf_model_file
 from vmesh.services.common.model_spec import ModelSpec
 from vmesh.services.worker.gguf_names import NORMS_STORED_PLUS_ONE, gguf_to_hf_names
@@ -113,7 +113,7 @@ class QuantizedWeight:
 def _block_geometry(block_format: int) -> tuple[int, int]:
     """(weights per block, bytes per block)."""
     if block_format in QUANTIZED_FORMATS:
-        return QUANTIZED_BLOCK, QUANTIZED_FORMATS[block_format].block_bytes
+        return QUANTIZED_FORMATS[block_format].block_values, QUANTIZED_FORMATS[block_format].block_bytes
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     return GGML_QUANT_SIZES[GGMLQuantizationType(block_format)]
