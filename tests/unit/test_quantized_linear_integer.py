@@ -10,7 +10,8 @@ import logging
 import pytest
 import torch
 
-from tests.unit.test_quantized_linear import FORMATS, Q4_1, layer, random_blocks, shapes_of
+from tests.support.gguf_blocks import FORMATS, Q4_1, random_blocks
+from tests.unit.test_quantized_linear import layer, shapes_of
 from vmesh.kernels.cpu_native import QUANTIZED_FORMATS
 from vmesh.services.worker.quantized_linear import (
     DOT_ENV,
