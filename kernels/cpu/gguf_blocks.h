@@ -26,6 +26,7 @@
 #define VMESH_GGUF_BLOCKS_H
 
 #include <stdint.h>
+#include <string.h>
 
 enum { FORMAT_Q4_0 = 2, FORMAT_Q4_1 = 3, FORMAT_Q5_0 = 6, FORMAT_Q8_0 = 8, FORMAT_Q4_K = 12, FORMAT_Q6_K = 14 };
 #define SUB_BLOCK 32 /* values per sub-block: one activation block of integer_linear.c */
@@ -77,5 +78,21 @@ static inline void q4k_scale_min(const uint8_t *packed, int j, int *scale, int *
         *min = (packed[j + 4] >> 4) | ((packed[j] >> 6) << 4);
     }
 }
+
+#if defined(__AVX512F__)
+/* Q4_K: a super-block's eight scales times d in lanes 0-7 and eight mins times -dmin in 8-15, from
+ * the same 12 bytes, four sub-blocks at a time (q4k_scale_min's layout, byte by byte in 32-bit
+ * words). Needs <immintrin.h>, which the kernels include first. */
+static inline __m512 q4k_scales_mins(const uint8_t *packed, float d, float dmin) {
+    uint32_t w[3];
+    memcpy(w, packed, sizeof w);
+    const uint32_t scales_low = w[0] & 0x3f3f3f3fu, mins_low = w[1] & 0x3f3f3f3fu;
+    const uint32_t scales_high = (w[2] & 0x0f0f0f0fu) | ((w[0] >> 2) & 0x30303030u);
+    const uint32_t mins_high = ((w[2] >> 4) & 0x0f0f0f0fu) | ((w[1] >> 2) & 0x30303030u);
+    const __m128i six_bits = _mm_set_epi32((int)mins_high, (int)mins_low, (int)scales_high, (int)scales_low);
+    const __m512 factors = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(d), _mm512_set1_ps(-dmin));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(six_bits)), factors);
+}
+#endif
 
 #endif

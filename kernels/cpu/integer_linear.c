@@ -161,19 +161,26 @@ typedef struct {
     __m512 scale, offset;
 } WeightPair;
 
+/* What a block's pairs share, decoded once per block: Q4_K's scales and mins (q4k_scales_mins). */
+static inline __attribute__((always_inline)) __m512 block_header(const uint8_t *block, const int format) {
+    if (format != FORMAT_Q4_K) return _mm512_setzero_ps();
+    return q4k_scales_mins(block + 4, half(block), half(block + 2));
+}
+
+/* Pairs per block whose header weight_pair takes: a K-quant super-block's four, else one. */
+static inline int pairs_per_header(int format) { return format == FORMAT_Q4_K ? 4 : 1; }
+
 /* Sub-blocks 2q and 2q + 1 of a Q4_K super-block: run q of its nibble bytes. */
-static inline __attribute__((always_inline)) WeightPair q4k_pair(const uint8_t *block, int q) {
+static inline __attribute__((always_inline)) WeightPair q4k_pair(const uint8_t *block, int q, __m512 header) {
     const __m256i packed = _mm256_loadu_si256((const __m256i *)(block + 16 + 32 * q));
     const __m256i nibble = _mm256_set1_epi8(0x0f);
     WeightPair w;
     w.codes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, nibble)),
                                  _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble), 1);
-    int scale0, min0, scale1, min1;
-    q4k_scale_min(block + 4, 2 * q, &scale0, &min0);
-    q4k_scale_min(block + 4, 2 * q + 1, &scale1, &min1);
-    const float d = half(block), dmin = half(block + 2);
-    w.scale = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(d * (float)scale0), _mm512_set1_ps(d * (float)scale1));
-    w.offset = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(-dmin * (float)min0), _mm512_set1_ps(-dmin * (float)min1));
+    const __m512i first = _mm512_set1_epi32(2 * q), second = _mm512_set1_epi32(2 * q + 1);
+    const __m512i lanes = _mm512_mask_blend_epi32(0xff00, first, second);
+    w.scale = _mm512_permutexvar_ps(lanes, header);
+    w.offset = _mm512_permutexvar_ps(_mm512_add_epi32(lanes, _mm512_set1_epi32(8)), header);
     return w;
 }
 
@@ -201,9 +208,10 @@ static inline __attribute__((always_inline)) WeightPair q6k_pair(const uint8_t *
     return w;
 }
 
+/* `header`: block_header of the block holding the pair. */
 static inline __attribute__((always_inline)) WeightPair weight_pair(const uint8_t *row, int64_t pair, int64_t blocks,
-                                                                    const int format) {
-    if (format == FORMAT_Q4_K) return q4k_pair(row + pair / 4 * block_bytes(format), (int)(pair % 4));
+                                                                    const int format, __m512 header) {
+    if (format == FORMAT_Q4_K) return q4k_pair(row + pair / 4 * block_bytes(format), (int)(pair % 4), header);
     if (format == FORMAT_Q6_K) return q6k_pair(row + pair / 4 * block_bytes(format), (int)(pair % 4));
     const int bytes = block_bytes(format);
     const uint8_t *first = row + 2 * pair * bytes, *second = first + bytes;
@@ -260,10 +268,11 @@ static inline __attribute__((always_inline)) void stream_features(const Activati
     const int64_t blocks = in_features / SUB_BLOCK, bytes = row_bytes(format, in_features), pairs = a->pairs;
     for (int64_t o = first; o < last; ++o) {
         const uint8_t *row = w + o * bytes;
-        __m512 acc[SMALL_ROWS];
+        __m512 acc[SMALL_ROWS], header = _mm512_setzero_ps();
         for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
         for (int64_t p = 0; p < pairs; ++p) {
-            const WeightPair wp = weight_pair(row, p, blocks, format);
+            if (p % pairs_per_header(format) == 0) header = block_header(row + p / 4 * block_bytes(format), format);
+            const WeightPair wp = weight_pair(row, p, blocks, format, header);
             for (int r = 0; r < ROWS; ++r) {
                 const int64_t at = r * pairs + p;
                 const __m512i start = _mm512_load_si512((const void *)(a->starts + at * 16));
@@ -316,17 +325,21 @@ static void unpack_tile(const uint8_t *w, int format, int64_t first, int64_t cou
     const int64_t blocks = in_features / SUB_BLOCK, bytes = row_bytes(format, in_features);
     for (int64_t f = 0; f < TILE_OUT; ++f) {
         const uint8_t *row = w + (first + (f < count ? f : 0)) * bytes;
+        __m512 header = _mm512_setzero_ps();
         for (int64_t p = 0; p < a->pairs; ++p) {
             WeightPair wp = {_mm512_setzero_si512(), _mm512_setzero_ps(), _mm512_setzero_ps()};
             /* a partial last tile: zero features keep the product's shape fixed */
             if (f < count) {
                 switch (format) {
-                case FORMAT_Q4_0: wp = weight_pair(row, p, blocks, FORMAT_Q4_0); break;
-                case FORMAT_Q4_1: wp = weight_pair(row, p, blocks, FORMAT_Q4_1); break;
-                case FORMAT_Q5_0: wp = weight_pair(row, p, blocks, FORMAT_Q5_0); break;
-                case FORMAT_Q4_K: wp = weight_pair(row, p, blocks, FORMAT_Q4_K); break;
-                case FORMAT_Q6_K: wp = weight_pair(row, p, blocks, FORMAT_Q6_K); break;
-                default: wp = weight_pair(row, p, blocks, FORMAT_Q8_0); break;
+                case FORMAT_Q4_0: wp = weight_pair(row, p, blocks, FORMAT_Q4_0, header); break;
+                case FORMAT_Q4_1: wp = weight_pair(row, p, blocks, FORMAT_Q4_1, header); break;
+                case FORMAT_Q5_0: wp = weight_pair(row, p, blocks, FORMAT_Q5_0, header); break;
+                case FORMAT_Q4_K:
+                    if (p % 4 == 0) header = block_header(row + p / 4 * block_bytes(format), FORMAT_Q4_K);
+                    wp = weight_pair(row, p, blocks, FORMAT_Q4_K, header);
+                    break;
+                case FORMAT_Q6_K: wp = weight_pair(row, p, blocks, FORMAT_Q6_K, header); break;
+                default: wp = weight_pair(row, p, blocks, FORMAT_Q8_0, header); break;
                 }
             }
             _mm512_store_si512((void *)(tile->codes + (p * TILE_OUT + f) * 64), wp.codes);

@@ -101,9 +101,16 @@ static inline void dequantize_sub_block(const uint8_t *row, int64_t b, const int
 #if defined(__AVX512F__)
 static inline __m512 bytes_to_floats(__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)); }
 
-/* Sub-block b of a row as two vectors: features 0-15 and 16-31. FORMAT is a constant at every call. */
+/* What a block's sub-blocks share, decoded once per block: Q4_K's scales and mins (q4k_scales_mins). */
+static inline __attribute__((always_inline)) __m512 block_header(const uint8_t *block, const int format) {
+    if (format != FORMAT_Q4_K) return _mm512_setzero_ps();
+    return q4k_scales_mins(block + 4, half_to_float(block), half_to_float(block + 2));
+}
+
+/* Sub-block b of a row as two vectors: features 0-15 and 16-31, `header` its block's. FORMAT is a
+ * constant at every call. */
 static inline __attribute__((always_inline)) void sub_block_vectors(const uint8_t *row, int64_t b, const int format,
-                                                                    __m512 *lo, __m512 *hi) {
+                                                                    __m512 header, __m512 *lo, __m512 *hi) {
     const uint8_t *block = sub_block_home(row, b, format);
     const int part = sub_block_part(b, format);
     const __m128i nibble = _mm_set1_epi8(0x0f);
@@ -114,10 +121,8 @@ static inline __attribute__((always_inline)) void sub_block_vectors(const uint8_
         *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(first)), d);
         *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(second)), d);
     } else if (format == FORMAT_Q4_K) {
-        int scale, min;
-        q4k_scale_min(block + 4, part, &scale, &min);
-        const __m512 d = _mm512_set1_ps(half_to_float(block) * (float)scale);
-        const __m512 m = _mm512_set1_ps(-half_to_float(block + 2) * (float)min);
+        const __m512 d = _mm512_permutexvar_ps(_mm512_set1_epi32(part), header);
+        const __m512 m = _mm512_permutexvar_ps(_mm512_set1_epi32(part + 8), header);
         const uint8_t *codes = block + 16 + 32 * (part / 2);
         const __m128i shift = _mm_cvtsi32_si128(4 * (part % 2));
         const __m128i first = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)codes), shift), nibble);
@@ -169,19 +174,24 @@ static inline __attribute__((always_inline)) void stream_features(const float *x
                                                                   int64_t out_features, int64_t in_features,
                                                                   const int format, const int ROWS) {
     const int64_t blocks = in_features / SUB_BLOCK, bytes = row_bytes(format, in_features);
+    const int per_block = block_values(format) / SUB_BLOCK;
+    (void)per_block; /* the vector loop's */
     for (int64_t o = first; o < last; ++o) {
         const uint8_t *row = w + o * bytes;
         float sums[SMALL_ROWS];
 #if defined(__AVX512F__)
         __m512 acc[SMALL_ROWS][2];
         for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-        for (int64_t b = 0; b < blocks; ++b) {
-            __m512 lo, hi;
-            sub_block_vectors(row, b, format, &lo, &hi);
-            for (int r = 0; r < ROWS; ++r) {
-                const float *xb = x + r * in_features + b * SUB_BLOCK;
-                acc[r][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), acc[r][1]);
+        for (int64_t first_sub = 0; first_sub < blocks; first_sub += per_block) {
+            const __m512 header = block_header(sub_block_home(row, first_sub, format), format);
+            for (int64_t b = first_sub; b < first_sub + per_block; ++b) {
+                __m512 lo, hi;
+                sub_block_vectors(row, b, format, header, &lo, &hi);
+                for (int r = 0; r < ROWS; ++r) {
+                    const float *xb = x + r * in_features + b * SUB_BLOCK;
+                    acc[r][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), acc[r][0]);
+                    acc[r][1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), acc[r][1]);
+                }
             }
         }
         for (int r = 0; r < ROWS; ++r) sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
@@ -225,6 +235,25 @@ static void stream_range(const float *x, const uint8_t *w, const float *bias, fl
 
 /* ---- more rows: expand a tile of features, then a register-blocked product ---- */
 
+/* One row of `blocks` sub-blocks as float32. */
+static inline __attribute__((always_inline)) void expand_row(const uint8_t *row, int64_t blocks, const int format,
+                                                             float *out) {
+#if defined(__AVX512F__)
+    const int per_block = block_values(format) / SUB_BLOCK;
+    for (int64_t first_sub = 0; first_sub < blocks; first_sub += per_block) {
+        const __m512 header = block_header(sub_block_home(row, first_sub, format), format);
+        for (int64_t b = first_sub; b < first_sub + per_block; ++b) {
+            __m512 lo, hi;
+            sub_block_vectors(row, b, format, header, &lo, &hi);
+            _mm512_storeu_ps(out + b * SUB_BLOCK, lo);
+            _mm512_storeu_ps(out + b * SUB_BLOCK + 16, hi);
+        }
+    }
+#else
+    for (int64_t b = 0; b < blocks; ++b) dequantize_sub_block(row, b, format, out + b * SUB_BLOCK);
+#endif
+}
+
 /* Features first .. first + count - 1 as float32 rows of in_features. */
 static void expand_rows(const uint8_t *w, int format, int64_t first, int64_t count, int64_t in_features,
                         float *tile) {
@@ -232,22 +261,13 @@ static void expand_rows(const uint8_t *w, int format, int64_t first, int64_t cou
     for (int64_t j = 0; j < count; ++j) {
         const uint8_t *row = w + (first + j) * bytes;
         float *out = tile + j * in_features;
-        for (int64_t b = 0; b < blocks; ++b) {
-#if defined(__AVX512F__)
-            __m512 lo, hi;
-            switch (format) {
-            case FORMAT_Q4_0: sub_block_vectors(row, b, FORMAT_Q4_0, &lo, &hi); break;
-            case FORMAT_Q4_1: sub_block_vectors(row, b, FORMAT_Q4_1, &lo, &hi); break;
-            case FORMAT_Q5_0: sub_block_vectors(row, b, FORMAT_Q5_0, &lo, &hi); break;
-            case FORMAT_Q4_K: sub_block_vectors(row, b, FORMAT_Q4_K, &lo, &hi); break;
-            case FORMAT_Q6_K: sub_block_vectors(row, b, FORMAT_Q6_K, &lo, &hi); break;
-            default: sub_block_vectors(row, b, FORMAT_Q8_0, &lo, &hi); break;
-            }
-            _mm512_storeu_ps(out + b * SUB_BLOCK, lo);
-            _mm512_storeu_ps(out + b * SUB_BLOCK + 16, hi);
-#else
-            dequantize_sub_block(row, b, format, out + b * SUB_BLOCK);
-#endif
+        switch (format) {
+        case FORMAT_Q4_0: expand_row(row, blocks, FORMAT_Q4_0, out); break;
+        case FORMAT_Q4_1: expand_row(row, blocks, FORMAT_Q4_1, out); break;
+        case FORMAT_Q5_0: expand_row(row, blocks, FORMAT_Q5_0, out); break;
+        case FORMAT_Q4_K: expand_row(row, blocks, FORMAT_Q4_K, out); break;
+        case FORMAT_Q6_K: expand_row(row, blocks, FORMAT_Q6_K, out); break;
+        default: expand_row(row, blocks, FORMAT_Q8_0, out); break;
         }
     }
 }
