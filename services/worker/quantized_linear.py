@@ -1,9 +1,9 @@
 """Linear layers over a GGUF file's quantized blocks (`--weights native`).
 
-A Q4_1 weight is 20 bytes per 32 values where float32 takes 128 (Q4_K 18, Q6_K 26), and a single stream's decode
-step is a pass over every weight: keeping the file's blocks and multiplying them directly
-(`kernels/cpu/quantized_linear.c`) reads about a sixth of the bytes, and the worker holds a
-sixth of the memory. No float32 copy of a whole weight is made at any point.
+A Q4_1 weight is 20 bytes per 32 values where float32 takes 128 (Q4_K 18, Q6_K 26.25), and a
+single stream's decode step is a pass over every weight: keeping the file's blocks and
+multiplying them directly (`kernels/cpu/quantized_linear.c`) reads about a sixth of the bytes,
+and the worker holds a sixth of the memory. No float32 copy of a whole weight is made at any point.
 
 The file's tensors are read with the gguf package's GGUFReader and renamed to the Hugging Face
 names the model expects (services/worker/gguf_names.py). Linears whose blocks the kernels read
@@ -17,9 +17,8 @@ row permutation of the quantized bytes is exact.
 
 Where the CPU has AVX-512 VNNI the layers round their activations to int8 per block of 32 (one
 scale each, as llama.cpp's q8 activations; a K-quant's sub-blocks of 32 each meet one) and
-multiply on integer dot products
-(`kernels/cpu/integer_linear.c`); elsewhere, or with VMESH_QUANTIZED_DOT=float, they keep the
-float32 kernel. The load-time log says which.
+multiply on integer dot products (`kernels/cpu/integer_linear.c`); elsewhere, or with
+VMESH_QUANTIZED_DOT=float, they keep the float32 kernel. The load-time log says which.
 """
 
 from __future__ import annotations
