@@ -57,6 +57,9 @@ static inline int64_t row_bytes(int format, int64_t in_features) {
     return in_features / block_values(format) * block_bytes(format);
 }
 
+/* Where the 16 nibble bytes of a Q4_0, Q4_1 or Q5_0 block start. */
+static inline int nibbles_at(int format) { return format == FORMAT_Q4_0 ? 2 : format == FORMAT_Q4_1 ? 4 : 6; }
+
 /* The block holding sub-block b of a row, and b's place in it (0 for 32-value formats). */
 static inline const uint8_t *sub_block_home(const uint8_t *row, int64_t b, int format) {
     const int per_block = block_values(format) / SUB_BLOCK;

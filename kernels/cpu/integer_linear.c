@@ -150,7 +150,7 @@ static void free_activations(Activations *a) {
 static inline __attribute__((always_inline)) __m256i block_codes(const uint8_t *block, const int format) {
     if (format == FORMAT_Q8_0)
         return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(block + 2)), _mm256_set1_epi8((char)0x80));
-    const __m128i packed = _mm_loadu_si128((const __m128i *)(block + (format == FORMAT_Q4_0 ? 2 : format == FORMAT_Q4_1 ? 4 : 6)));
+    const __m128i packed = _mm_loadu_si128((const __m128i *)(block + nibbles_at(format)));
     const __m128i nibble = _mm_set1_epi8(0x0f);
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble), _mm_and_si128(packed, nibble));
 }

@@ -86,7 +86,7 @@ static inline void dequantize_sub_block(const uint8_t *row, int64_t b, const int
     } else {
         const float d = half_to_float(block);
         const float m = format == FORMAT_Q4_1 ? half_to_float(block + 2) : (format == FORMAT_Q5_0 ? -16.0f : -8.0f) * d;
-        const uint8_t *codes = block + (format == FORMAT_Q4_0 ? 2 : 4) + (format == FORMAT_Q5_0 ? 2 : 0);
+        const uint8_t *codes = block + nibbles_at(format);
         uint32_t fifth = 0;
         if (format == FORMAT_Q5_0) memcpy(&fifth, block + 2, sizeof fifth);
         for (int j = 0; j < SUB_BLOCK / 2; ++j) {
@@ -138,20 +138,20 @@ static inline __attribute__((always_inline)) void sub_block_vectors(const uint8_
         const __m512i offset = _mm512_set1_epi32(32);
         __m512 *out[2] = {lo, hi};
         for (int t = 0; t < 2; ++t) {
-            const __m128i l = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)(low + 16 * t)), low_shift),
-                                            nibble);
-            const __m128i h = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)(high + 16 * t)), high_shift),
-                                            _mm_set1_epi8(3));
+            const __m128i l_bytes = _mm_loadu_si128((const __m128i *)(low + 16 * t));
+            const __m128i h_bytes = _mm_loadu_si128((const __m128i *)(high + 16 * t));
+            const __m128i l = _mm_and_si128(_mm_srl_epi16(l_bytes, low_shift), nibble);
+            const __m128i h = _mm_and_si128(_mm_srl_epi16(h_bytes, high_shift), _mm_set1_epi8(3));
             const __m512i q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_or_si128(l, _mm_slli_epi16(h, 4))), offset);
-            *out[t] = _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(d * (float)(int8_t)block[192 + 2 * part + t]));
+            const float scale = d * (float)(int8_t)block[192 + 2 * part + t];
+            *out[t] = _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(scale));
         }
     } else {
         const float d_scalar = half_to_float(block);
         const __m512 d = _mm512_set1_ps(d_scalar);
         const __m512 m = _mm512_set1_ps(format == FORMAT_Q4_1 ? half_to_float(block + 2)
                                                               : (format == FORMAT_Q5_0 ? -16.0f : -8.0f) * d_scalar);
-        const __m128i codes =
-            _mm_loadu_si128((const __m128i *)(block + (format == FORMAT_Q4_0 ? 2 : 4) + (format == FORMAT_Q5_0 ? 2 : 0)));
+        const __m128i codes = _mm_loadu_si128((const __m128i *)(block + nibbles_at(format)));
         __m512i low = _mm512_cvtepu8_epi32(_mm_and_si128(codes, nibble));
         __m512i high = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(codes, 4), nibble));
         if (format == FORMAT_Q5_0) {
@@ -213,14 +213,15 @@ static inline __attribute__((always_inline)) void stream_features(const float *x
     }
 }
 
+#define STREAM(FORMAT, ROWS) stream_features(x, w, bias, y, first, last, out_features, in_features, FORMAT, ROWS)
 #define STREAM_FORMAT(ROWS)                                                                                       \
     switch (format) {                                                                                             \
-    case FORMAT_Q4_0: stream_features(x, w, bias, y, first, last, out_features, in_features, FORMAT_Q4_0, ROWS); break; \
-    case FORMAT_Q4_1: stream_features(x, w, bias, y, first, last, out_features, in_features, FORMAT_Q4_1, ROWS); break; \
-    case FORMAT_Q5_0: stream_features(x, w, bias, y, first, last, out_features, in_features, FORMAT_Q5_0, ROWS); break; \
-    case FORMAT_Q4_K: stream_features(x, w, bias, y, first, last, out_features, in_features, FORMAT_Q4_K, ROWS); break; \
-    case FORMAT_Q6_K: stream_features(x, w, bias, y, first, last, out_features, in_features, FORMAT_Q6_K, ROWS); break; \
-    default: stream_features(x, w, bias, y, first, last, out_features, in_features, FORMAT_Q8_0, ROWS); break;    \
+    case FORMAT_Q4_0: STREAM(FORMAT_Q4_0, ROWS); break;                                                           \
+    case FORMAT_Q4_1: STREAM(FORMAT_Q4_1, ROWS); break;                                                           \
+    case FORMAT_Q5_0: STREAM(FORMAT_Q5_0, ROWS); break;                                                           \
+    case FORMAT_Q4_K: STREAM(FORMAT_Q4_K, ROWS); break;                                                           \
+    case FORMAT_Q6_K: STREAM(FORMAT_Q6_K, ROWS); break;                                                           \
+    default: STREAM(FORMAT_Q8_0, ROWS); break;                                                                    \
     }
 
 static void stream_range(const float *x, const uint8_t *w, const float *bias, float *y, int64_t rows, int64_t first,
