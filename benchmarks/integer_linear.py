@@ -1,7 +1,9 @@
 """`--weights native` kernels: int8 dot products (kernels/cpu/integer_linear.c) against the float32
 block kernel (kernels/cpu/quantized_linear.c) and oneDNN's packed float32 linear (`--weights
-dequantized`), same run, on the embedded model's layer shapes and random GGUF blocks of each format;
-and `--weights int8` (kernels/cpu/int8_linear.c) on the same weights.
+dequantized`), same run, on the embedded model's layer shapes (or with `--model gemma3`, Gemma 3
+270M's) and random GGUF blocks of each format (a K-quant only on the shapes whose input width is a
+multiple of its 256-value super-block); and `--weights int8` (kernels/cpu/int8_linear.c) on the same
+weights.
 
 For each shape, format and row count, `--rounds` rounds alternate the three paths (so that each
 sees the same machine state), each timing `--calls` calls; the median per call is reported as
@@ -9,6 +11,7 @@ GFLOP/s (2 x rows x out x in per call) and as the ratio integer / float32-blocks
 `--threads 1` the clock is the thread's CPU time (see `main`), else wall time.
 
     .venv/bin/python -m benchmarks.integer_linear [--rows 1 4 16 64] [--formats Q4_0 Q4_1 Q8_0] [--threads 2]
+        [--model smollm2|gemma3]
 """
 
 from __future__ import annotations
@@ -20,28 +23,23 @@ import statistics
 import time
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
+from tests.support.gguf_blocks import random_blocks
 from vmesh.kernels.cpu_native import QUANTIZED_FORMATS, load_cpu_kernels
 from vmesh.services.common.model_loading import cache_dir_path
 from vmesh.services.worker.int8_linear import Int8Linear
 from vmesh.services.worker.linear import Linear
 
 FORMAT_IDS = {fmt.name: type_id for type_id, fmt in QUANTIZED_FORMATS.items()}
-# The embedded model's linears (SmolLM2-135M): (name, out, in).
-SHAPES = [("qkv_proj", 960, 576), ("o_proj", 576, 576), ("gate_up_proj", 3072, 576), ("down_proj", 576, 1536),
-          ("lm_head", 49152, 576)]
-
-
-def random_blocks(type_id: int, out_features: int, in_features: int) -> torch.Tensor:
-    rng = np.random.default_rng(0)
-    blocks = out_features * in_features // 32
-    raw = rng.integers(0, 256, size=(blocks, QUANTIZED_FORMATS[type_id].block_bytes), dtype=np.uint8)
-    raw[:, 0:2] = rng.uniform(0.001, 0.05, blocks).astype(np.float16)[:, None].view(np.uint8)
-    if QUANTIZED_FORMATS[type_id].name == "Q4_1":
-        raw[:, 2:4] = rng.uniform(-0.2, 0.2, blocks).astype(np.float16)[:, None].view(np.uint8)
-    return torch.from_numpy(raw.reshape(out_features, -1))
+# Each model's linears, (name, out, in): the embedded SmolLM2-135M's and Gemma 3 270M's (whose GGUF
+# stores o_proj as Q4_K, down_proj as Q4_K or Q6_K, the rest, 640 wide, as Q5_0 or Q8_0).
+MODEL_SHAPES = {
+    "smollm2": [("qkv_proj", 960, 576), ("o_proj", 576, 576), ("gate_up_proj", 3072, 576), ("down_proj", 576, 1536),
+                ("lm_head", 49152, 576)],
+    "gemma3": [("qkv_proj", 1536, 640), ("o_proj", 640, 1024), ("gate_up_proj", 4096, 640), ("down_proj", 640, 2048),
+               ("lm_head", 262144, 640)],
+}
 
 
 def median_call(fn: Callable[[], object], rounds_out: list[float], calls: int, clock: Callable[[], float]) -> None:
@@ -55,7 +53,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--formats", nargs="+", default=["Q4_0", "Q4_1", "Q8_0"], choices=sorted(FORMAT_IDS))
-    parser.add_argument("--shapes", nargs="+", default=[name for name, _, _ in SHAPES])
+    parser.add_argument("--model", default="smollm2", choices=sorted(MODEL_SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=[name for name, _, _ in MODEL_SHAPES["smollm2"]])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -69,10 +68,12 @@ def main() -> None:
     if not kernels.integer_dot:
         raise SystemExit("this CPU has no AVX-512 VNNI: there is no integer kernel to measure")
     results = []
-    for name, out_features, in_features in (shape for shape in SHAPES if shape[0] in args.shapes):
+    for name, out_features, in_features in (shape for shape in MODEL_SHAPES[args.model] if shape[0] in args.shapes):
         for fmt in args.formats:
             type_id = FORMAT_IDS[fmt]
-            blocks = random_blocks(type_id, out_features, in_features)
+            if in_features % QUANTIZED_FORMATS[type_id].block_values:
+                continue
+            blocks = torch.from_numpy(random_blocks(type_id, out_features, in_features))
             weight = kernels.quantized_rows(blocks, type_id, in_features, torch.arange(out_features))
             dense = Linear(weight, small_batch_kernels=kernels)
             int8 = Int8Linear(weight, None, kernels)  # `--weights int8` on the same values
@@ -92,7 +93,8 @@ def main() -> None:
                 flops = 2 * rows * out_features * in_features
                 gflops = {path: flops / statistics.median(t) / 1e9 for path, t in times.items()}
                 ratio = gflops["integer"] / gflops["float_blocks"]
-                results.append({"layer": name, "format": fmt, "out": out_features, "in": in_features, "rows": rows,
+                results.append({"model": args.model, "layer": name, "format": fmt, "out": out_features,
+                                "in": in_features, "rows": rows,
                                 **{f"{path}_gflops": value for path, value in gflops.items()},
                                 "integer_over_float_blocks": ratio,
                                 "integer_over_onednn": gflops["integer"] / gflops["onednn_f32"],

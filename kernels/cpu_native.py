@@ -44,12 +44,18 @@ CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-s
 
 class QuantizedFormat(NamedTuple):
     name: str
-    block_bytes: int  # per block of QUANTIZED_BLOCK weights
+    block_values: int  # weights per block: 32, or a K-quant's super-block of 256
+    block_bytes: int
+
+    def row_bytes(self, in_features: int) -> int:
+        return in_features // self.block_values * self.block_bytes
 
 
-# GGUF's quantized block formats that quantized_linear.c reads, by GGML type id.
-QUANTIZED_FORMATS = {2: QuantizedFormat("Q4_0", 18), 3: QuantizedFormat("Q4_1", 20), 8: QuantizedFormat("Q8_0", 34)}
-QUANTIZED_BLOCK = 32  # weights per block, in each of them
+# GGUF's quantized block formats that quantized_linear.c and integer_linear.c read, by GGML type id:
+# the table of kernels/cpu/gguf_blocks.h, for Python.
+QUANTIZED_FORMATS = {2: QuantizedFormat("Q4_0", 32, 18), 3: QuantizedFormat("Q4_1", 32, 20),
+                     6: QuantizedFormat("Q5_0", 32, 22), 8: QuantizedFormat("Q8_0", 32, 34),
+                     12: QuantizedFormat("Q4_K", 256, 144), 14: QuantizedFormat("Q6_K", 256, 210)}
 
 
 class CpuKernelBuildError(RuntimeError):
@@ -240,8 +246,8 @@ class CpuKernels:
     def quantized_linear(self, x: torch.Tensor, blocks: torch.Tensor, block_format: int, in_features: int,
                          bias: torch.Tensor | None, *, integer: bool = False) -> torch.Tensor:
         """x [rows, in] @ W.T + bias with W [out, in] held as GGUF blocks: `blocks` is uint8
-        [out, in / 32 * block bytes] in `block_format` (a GGML type id: 2 Q4_0, 3 Q4_1, 8 Q8_0; see
-        kernels/cpu/quantized_linear.c). `integer`: x rounded to int8 per block of 32 and multiplied
+        [out, in / block values * block bytes] in `block_format` (a GGML type id of QUANTIZED_FORMATS;
+        see kernels/cpu/gguf_blocks.h). `integer`: x rounded to int8 per block of 32 and multiplied
         on integer dot products (kernels/cpu/integer_linear.c; needs `integer_dot`). Checked here:
         the call reads raw pointers."""
         _require_quantized(blocks, block_format, in_features)
@@ -407,9 +413,11 @@ def _require_quantized(blocks: torch.Tensor, block_format: int, in_features: int
     require_contiguous_cpu(("blocks", blocks, torch.uint8))
     if block_format not in QUANTIZED_FORMATS:
         raise ValueError(f"unsupported block format {block_format} (supported: {sorted(QUANTIZED_FORMATS)})")
-    if in_features <= 0 or in_features % QUANTIZED_BLOCK:
-        raise ValueError(f"in_features must be a positive multiple of {QUANTIZED_BLOCK}, got {in_features}")
-    row_bytes = in_features // QUANTIZED_BLOCK * QUANTIZED_FORMATS[block_format].block_bytes
+    block = QUANTIZED_FORMATS[block_format]
+    if in_features <= 0 or in_features % block.block_values:
+        raise ValueError(f"in_features must be a positive multiple of {block.block_values} for {block.name}, "
+                         f"got {in_features}")
+    row_bytes = block.row_bytes(in_features)
     if blocks.dim() != 2 or blocks.shape[1] != row_bytes:
         raise ValueError(f"blocks must be [out, {row_bytes}] for {in_features} features, got {tuple(blocks.shape)}")
 

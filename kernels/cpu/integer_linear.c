@@ -1,18 +1,21 @@
-/* GGUF Q4_0 / Q4_1 / Q8_0 linears on integer dot products (AVX-512 VNNI).
+/* GGUF blocks (gguf_blocks.h: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) on integer dot products (AVX-512 VNNI).
  *
  * quantized_linear.c expands every weight block to floats and multiplies in float32: 16 products
  * per instruction, plus the expansion. Here the activations are quantized instead, per row and per
  * block of 32 features, to int8 codes a in [-127, 127] with one float scale da each (max |x| / 127,
  * rounded to nearest, ties to even), and each pair of blocks is one VPDPBUSD: 64 int8 products
- * summed into 16 int32 lanes, 8 lanes per block. Each block's sum is then scaled by dw * da in
- * float32 and accumulated.
+ * summed into 16 int32 lanes, 8 lanes per block, 4 per 16 features. Each lane's sum is then scaled by
+ * dw * da in float32 and accumulated. A weight's sub-block of 32 (a 32-value format's block, an
+ * eighth of a K-quant super-block) meets one activation block; Q6_K's sub-blocks of 16 each scale
+ * their 4 lanes.
  *
  * VPDPBUSD multiplies unsigned bytes by signed bytes: the weights are the unsigned side, the
- * activations the signed one. Q4_0's nibble q is w + 8, so sum(q a) = sum(w a) + 8 sum(a); Q8_0's
- * signed byte w is flipped to w + 128, so sum((w + 128) a) = sum(w a) + 128 sum(a). The correction
- * -K sum(a) (K = 8, 128) is the accumulator each row's block dot starts from, taken once when the
- * row is quantized, so it costs nothing per weight. Q4_1's nibble is its code (value q d + m); its
- * offset adds m da sum(a) per block, a short product over blocks added once per output.
+ * activations the signed one. The formats whose value is (q - K) dw (Q4_0: K = 8, Q5_0: 16, Q6_K:
+ * 32; Q8_0's signed byte w is flipped to q = w + 128, K = 128) give sum(q a) = sum((q - K) a) +
+ * K sum(a): the correction -K sum(a), per 16 features so that Q6_K's two scales of a block each get
+ * their own, is the accumulator the lanes' dot starts from, taken once when the row is quantized,
+ * so it costs nothing per weight. Q4_1's value q d + m and Q4_K's q (d s) - dmin m instead add an
+ * offset (m, -dmin m) times da sum(a) per block: a short product over blocks, added per output.
  *
  * Exact apart from float32 rounding: each block's integer sum is exact, so the result equals
  * dequant(W) times the int8-rounded activations up to the order of float32 accumulation.
@@ -20,7 +23,7 @@
  * Two paths, as in quantized_linear.c: up to SMALL_ROWS rows one streaming pass over the blocks
  * (each thread a run of output features; a block pair is unpacked in registers and used by every
  * row); with more rows each thread unpacks a tile of TILE_OUT features once per chunk of rows into a
- * scratch of ready vectors (codes and scales, pair by pair) and runs 4 rows x 4 features over it.
+ * scratch of ready vectors (codes and scales, pair by pair) and runs 3 rows x 4 features over it.
  * Without VNNI this file builds to a stub that reports so; callers keep quantized_linear.c.
  */
 #include <omp.h>
@@ -35,21 +38,33 @@
 #define HAVE_INTEGER_DOT 0
 #endif
 
+#include "gguf_blocks.h"
+
 int vmesh_integer_dot_available(void) { return HAVE_INTEGER_DOT; }
 
 #if HAVE_INTEGER_DOT
 
-enum { FORMAT_Q4_0 = 2, FORMAT_Q4_1 = 3, FORMAT_Q8_0 = 8 };
-#define QBLOCK 32
 #define SMALL_ROWS 4
 #define TILE_OUT 16
 #define MICRO_ROWS_N 3  /* rows x features of the micro product: 12 accumulators leave registers for */
 #define MICRO 4         /* the features' codes and scales, which 4 x 4 spilled */
 #define ROW_CHUNK 256
 
-static int block_bytes(int format) {
-    return format == FORMAT_Q4_0 ? 18 : format == FORMAT_Q4_1 ? 20 : format == FORMAT_Q8_0 ? 34 : 0;
+/* K of the formats whose value is (q - K) dw; 0 for those with an offset instead. */
+static inline int code_offset(int format) {
+    switch (format) {
+    case FORMAT_Q4_0: return 8;
+    case FORMAT_Q5_0: return 16;
+    case FORMAT_Q6_K: return 32;
+    case FORMAT_Q8_0: return 128;
+    default: return 0;
+    }
 }
+
+static inline int has_offset(int format) { return format == FORMAT_Q4_1 || format == FORMAT_Q4_K; }
+
+/* Corrections per block of 32 in the tiled path: Q6_K's two scales each need their own. */
+static inline int corrections_per_block(int format) { return format == FORMAT_Q6_K ? 2 : 1; }
 
 static inline float half(const uint8_t *p) {
     uint16_t h;
@@ -58,11 +73,12 @@ static inline float half(const uint8_t *p) {
 }
 
 /* Activations, quantized. Per row: `pairs` vectors of 64 signed codes; per pair 16 lanes of scales
- * (block 2p's da in lanes 0-7, 2p + 1's in 8-15), of accumulator starts (-K sum(a) in lanes 0 and 8,
- * so that the lanes' sum counts it once per block) and, for Q4_1, of da sum(a) (lanes 0 and 8 too).
- * The tiled path instead takes each block's correction in float32 after its loop, from `padded`
- * (blocks rounded up to 16) floats per row: -K da sum(a), or Q4_1's da sum(a). A missing last
- * block is zeros throughout. */
+ * (block 2p's da in lanes 0-7, 2p + 1's in 8-15), of accumulator starts (-K sum(a) over features
+ * 0-15 of a block in its first lane, over 16-31 in its fifth: lanes 0, 4, 8 and 12, so that the
+ * lanes' sum counts each once) and, for the offset formats, of da sum(a) (lanes 0 and 8).
+ * The tiled path instead takes the corrections in float32 after its loop, from `padded` floats per
+ * row (corrections_per_block per block, rounded up to 16): -K da sum(a) per block or half-block,
+ * or the offset formats' da sum(a) per block. A missing last block is zeros throughout. */
 typedef struct {
     int8_t *codes;
     float *scales, *offsets, *offsets_by_block;
@@ -70,7 +86,8 @@ typedef struct {
     int64_t pairs, padded;
 } Activations;
 
-static void quantize_row(const float *x, int64_t blocks, const Activations *a, int64_t r, int correction) {
+static void quantize_row(const float *x, int64_t blocks, const Activations *a, int64_t r, int correction,
+                         int halves) {
     int8_t *codes = a->codes + r * a->pairs * 64;
     float *scales = a->scales + r * a->pairs * 16, *offsets = a->offsets + r * a->pairs * 16;
     int32_t *starts = a->starts + r * a->pairs * 16;
@@ -81,36 +98,42 @@ static void quantize_row(const float *x, int64_t blocks, const Activations *a, i
     memset(starts, 0, (size_t)a->pairs * 16 * sizeof(int32_t));
     memset(by_block, 0, (size_t)a->padded * sizeof(float));
     for (int64_t b = 0; b < blocks; ++b) {
-        const __m512 lo = _mm512_loadu_ps(x + b * QBLOCK), hi = _mm512_loadu_ps(x + b * QBLOCK + 16);
+        const __m512 lo = _mm512_loadu_ps(x + b * SUB_BLOCK), hi = _mm512_loadu_ps(x + b * SUB_BLOCK + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
         const float d = amax / 127.0f, inverse = amax > 0.0f ? 1.0f / d : 0.0f;
         const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inverse)));
         const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inverse)));
-        const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-        _mm_storeu_si128((__m128i *)(codes + b * QBLOCK), _mm512_cvtepi32_epi8(qlo));
-        _mm_storeu_si128((__m128i *)(codes + b * QBLOCK + 16), _mm512_cvtepi32_epi8(qhi));
+        const int sums[2] = {_mm512_reduce_add_epi32(qlo), _mm512_reduce_add_epi32(qhi)}, sum = sums[0] + sums[1];
+        _mm_storeu_si128((__m128i *)(codes + b * SUB_BLOCK), _mm512_cvtepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i *)(codes + b * SUB_BLOCK + 16), _mm512_cvtepi32_epi8(qhi));
         const int64_t lane = (b / 2) * 16 + (b % 2) * 8;
         for (int j = 0; j < 8; ++j) scales[lane + j] = d;
-        starts[lane] = -correction * sum;
+        starts[lane] = -correction * sums[0];
+        starts[lane + 4] = -correction * sums[1];
         offsets[lane] = d * (float)sum;
-        by_block[b] = correction ? -(float)correction * d * (float)sum : d * (float)sum;
+        if (halves == 2) {
+            for (int t = 0; t < 2; ++t) by_block[2 * b + t] = -(float)correction * d * (float)sums[t];
+        } else {
+            by_block[b] = correction ? -(float)correction * d * (float)sum : d * (float)sum;
+        }
     }
 }
 
 static int quantize_activations(const float *x, int64_t rows, int64_t in_features, int format, Activations *a,
                                 int threads) {
-    const int64_t blocks = in_features / QBLOCK;
+    const int64_t blocks = in_features / SUB_BLOCK;
+    const int halves = corrections_per_block(format);
     a->pairs = (blocks + 1) / 2;
-    a->padded = (blocks + 15) / 16 * 16;
+    a->padded = (blocks * halves + 15) / 16 * 16;
     a->codes = aligned_alloc(64, (size_t)rows * a->pairs * 64);
     a->scales = aligned_alloc(64, (size_t)rows * a->pairs * 16 * sizeof(float));
     a->offsets = aligned_alloc(64, (size_t)rows * a->pairs * 16 * sizeof(float));
     a->starts = aligned_alloc(64, (size_t)rows * a->pairs * 16 * sizeof(int32_t));
     a->offsets_by_block = aligned_alloc(64, (size_t)rows * a->padded * sizeof(float));
     if (!a->codes || !a->scales || !a->offsets || !a->starts || !a->offsets_by_block) return 2;
-    const int correction = format == FORMAT_Q4_0 ? 8 : format == FORMAT_Q8_0 ? 128 : 0;
+    const int correction = code_offset(format);
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows > 16)
-    for (int64_t r = 0; r < rows; ++r) quantize_row(x + r * in_features, blocks, a, r, correction);
+    for (int64_t r = 0; r < rows; ++r) quantize_row(x + r * in_features, blocks, a, r, correction, halves);
     return 0;
 }
 
@@ -122,29 +145,87 @@ static void free_activations(Activations *a) {
     free(a->offsets_by_block);
 }
 
-/* One block's 32 weights as unsigned bytes for VPDPBUSD (see the top). */
+/* One 32-value block's weights as unsigned bytes for VPDPBUSD (see the top); Q5_0's fifth bits are
+ * added by weight_pair. */
 static inline __attribute__((always_inline)) __m256i block_codes(const uint8_t *block, const int format) {
     if (format == FORMAT_Q8_0)
         return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(block + 2)), _mm256_set1_epi8((char)0x80));
-    const __m128i packed = _mm_loadu_si128((const __m128i *)(block + (format == FORMAT_Q4_1 ? 4 : 2)));
+    const __m128i packed = _mm_loadu_si128((const __m128i *)(block + nibbles_at(format)));
     const __m128i nibble = _mm_set1_epi8(0x0f);
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble), _mm_and_si128(packed, nibble));
 }
 
-/* Block pair `pair` of a weight row: codes, dw per lane and (Q4_1) m per lane. */
+/* Block pair `pair` of a weight row: codes, dw per lane and, for the offset formats, the offset per lane. */
 typedef struct {
     __m512i codes;
     __m512 scale, offset;
 } WeightPair;
 
+/* What a block's pairs share, decoded once per block: Q4_K's scales and mins (q4k_scales_mins). */
+static inline __attribute__((always_inline)) __m512 block_header(const uint8_t *block, const int format) {
+    if (format != FORMAT_Q4_K) return _mm512_setzero_ps();
+    return q4k_scales_mins(block + 4, half(block), half(block + 2));
+}
+
+/* Pairs per block whose header weight_pair takes: a K-quant super-block's four, else one. */
+static inline int pairs_per_header(int format) { return format == FORMAT_Q4_K ? 4 : 1; }
+
+/* Sub-blocks 2q and 2q + 1 of a Q4_K super-block: run q of its nibble bytes. */
+static inline __attribute__((always_inline)) WeightPair q4k_pair(const uint8_t *block, int q, __m512 header) {
+    const __m256i packed = _mm256_loadu_si256((const __m256i *)(block + 16 + 32 * q));
+    const __m256i nibble = _mm256_set1_epi8(0x0f);
+    WeightPair w;
+    w.codes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, nibble)),
+                                 _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble), 1);
+    const __m512i first = _mm512_set1_epi32(2 * q), second = _mm512_set1_epi32(2 * q + 1);
+    const __m512i lanes = _mm512_mask_blend_epi32(0xff00, first, second);
+    w.scale = _mm512_permutexvar_ps(lanes, header);
+    w.offset = _mm512_permutexvar_ps(_mm512_add_epi32(lanes, _mm512_set1_epi32(8)), header);
+    return w;
+}
+
+/* Sub-blocks 2q and 2q + 1 of a Q6_K super-block: half q / 2, runs 2 (q % 2) and 2 (q % 2) + 1. */
+static inline __attribute__((always_inline)) WeightPair q6k_pair(const uint8_t *block, int q) {
+    const int half_index = q / 2, upper = q % 2;
+    const __m512i low = _mm512_and_si512(
+        _mm512_srl_epi16(_mm512_loadu_si512((const void *)(block + 64 * half_index)), _mm_cvtsi32_si128(4 * upper)),
+        _mm512_set1_epi8(0x0f));
+    /* The 32 pair bytes in both halves; runs 2 upper and 2 upper + 1 take bits 4 upper and 4 upper + 2. */
+    const __m512i pairs = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(block + 128 + 32 * half_index)));
+    const __m512i shifts = _mm512_set_epi64(4 * upper + 2, 4 * upper + 2, 4 * upper + 2, 4 * upper + 2, 4 * upper,
+                                            4 * upper, 4 * upper, 4 * upper);
+    const __m512i high = _mm512_and_si512(_mm512_srlv_epi64(pairs, shifts), _mm512_set1_epi8(3));
+    WeightPair w;
+    w.codes = _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
+    /* Sub-blocks of 16: 4q .. 4q + 3, one per 4 lanes. */
+    int32_t packed_scales;
+    memcpy(&packed_scales, block + 192 + 4 * q, sizeof packed_scales);
+    const __m128 scales = _mm_mul_ps(_mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(packed_scales))),
+                                     _mm_set1_ps(half(block + 208)));
+    w.scale = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                    _mm512_castps128_ps512(scales));
+    w.offset = _mm512_setzero_ps();
+    return w;
+}
+
+/* `header`: block_header of the block holding the pair. */
 static inline __attribute__((always_inline)) WeightPair weight_pair(const uint8_t *row, int64_t pair, int64_t blocks,
-                                                                    const int format) {
+                                                                    const int format, __m512 header) {
+    if (format == FORMAT_Q4_K) return q4k_pair(row + pair / 4 * block_bytes(format), (int)(pair % 4), header);
+    if (format == FORMAT_Q6_K) return q6k_pair(row + pair / 4 * block_bytes(format), (int)(pair % 4));
     const int bytes = block_bytes(format);
     const uint8_t *first = row + 2 * pair * bytes, *second = first + bytes;
     const int has_second = 2 * pair + 1 < blocks;
     WeightPair w;
     w.codes = _mm512_inserti64x4(_mm512_castsi256_si512(block_codes(first, format)),
                                  has_second ? block_codes(second, format) : _mm256_setzero_si256(), 1);
+    if (format == FORMAT_Q5_0) {
+        uint32_t fifth_first, fifth_second = 0;
+        memcpy(&fifth_first, first + 2, sizeof fifth_first);
+        if (has_second) memcpy(&fifth_second, second + 2, sizeof fifth_second);
+        const __mmask64 fifth = (__mmask64)fifth_second << 32 | fifth_first;
+        w.codes = _mm512_or_si512(w.codes, _mm512_maskz_mov_epi8(fifth, _mm512_set1_epi8(16)));
+    }
     /* Both blocks' heads (d, then Q4_1's m) as halves in one conversion: [d0, m0, d1, m1]. */
     uint32_t head_first, head_second = 0;
     memcpy(&head_first, first, sizeof head_first);
@@ -157,6 +238,26 @@ static inline __attribute__((always_inline)) WeightPair weight_pair(const uint8_
     return w;
 }
 
+/* What each of a row's `padded` tiled-path corrections multiplies (see Activations): per block its
+ * d (K formats) or offset (Q4_1's m, Q4_K's -dmin m), per half-block for Q6_K (d s); zeros past the end. */
+static void correction_weights(const uint8_t *row, int64_t blocks, int format, int64_t padded, float *out) {
+    const int bytes = block_bytes(format);
+    memset(out, 0, (size_t)padded * sizeof(float));
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t *block = sub_block_home(row, b, format);
+        const int part = sub_block_part(b, format);
+        if (format == FORMAT_Q4_K) {
+            int scale, min;
+            q4k_scale_min(block + 4, part, &scale, &min);
+            out[b] = -half(block + 2) * (float)min;
+        } else if (format == FORMAT_Q6_K) {
+            for (int t = 0; t < 2; ++t) out[2 * b + t] = half(block + 208) * (float)(int8_t)block[192 + 2 * part + t];
+        } else {
+            out[b] = half(row + b * bytes + (format == FORMAT_Q4_1 ? 2 : 0));
+        }
+    }
+}
+
 /* ---- 1 to SMALL_ROWS rows ---- */
 
 static inline __attribute__((always_inline)) void stream_features(const Activations *a, const uint8_t *w,
@@ -164,13 +265,14 @@ static inline __attribute__((always_inline)) void stream_features(const Activati
                                                                   int64_t last, int64_t out_features,
                                                                   int64_t in_features, const int format,
                                                                   const int ROWS) {
-    const int64_t blocks = in_features / QBLOCK, row_bytes = blocks * block_bytes(format), pairs = a->pairs;
+    const int64_t blocks = in_features / SUB_BLOCK, bytes = row_bytes(format, in_features), pairs = a->pairs;
     for (int64_t o = first; o < last; ++o) {
-        const uint8_t *row = w + o * row_bytes;
-        __m512 acc[SMALL_ROWS];
+        const uint8_t *row = w + o * bytes;
+        __m512 acc[SMALL_ROWS], header = _mm512_setzero_ps();
         for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
         for (int64_t p = 0; p < pairs; ++p) {
-            const WeightPair wp = weight_pair(row, p, blocks, format);
+            if (p % pairs_per_header(format) == 0) header = block_header(row + p / 4 * block_bytes(format), format);
+            const WeightPair wp = weight_pair(row, p, blocks, format, header);
             for (int r = 0; r < ROWS; ++r) {
                 const int64_t at = r * pairs + p;
                 const __m512i start = _mm512_load_si512((const void *)(a->starts + at * 16));
@@ -178,7 +280,7 @@ static inline __attribute__((always_inline)) void stream_features(const Activati
                                                         _mm512_load_si512((const void *)(a->codes + at * 64)));
                 const __m512 scale = _mm512_mul_ps(wp.scale, _mm512_load_ps(a->scales + at * 16));
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
-                if (format == FORMAT_Q4_1)
+                if (has_offset(format))
                     acc[r] = _mm512_fmadd_ps(wp.offset, _mm512_load_ps(a->offsets + at * 16), acc[r]);
             }
         }
@@ -192,6 +294,9 @@ static inline __attribute__((always_inline)) void stream_features(const Activati
     switch (format) {                                                                                             \
     case FORMAT_Q4_0: STREAM(FORMAT_Q4_0, ROWS); break;                                                           \
     case FORMAT_Q4_1: STREAM(FORMAT_Q4_1, ROWS); break;                                                           \
+    case FORMAT_Q5_0: STREAM(FORMAT_Q5_0, ROWS); break;                                                           \
+    case FORMAT_Q4_K: STREAM(FORMAT_Q4_K, ROWS); break;                                                           \
+    case FORMAT_Q6_K: STREAM(FORMAT_Q6_K, ROWS); break;                                                           \
     default: STREAM(FORMAT_Q8_0, ROWS); break;                                                                    \
     }
 
@@ -208,8 +313,8 @@ static void stream_range(const Activations *a, const uint8_t *w, const float *bi
 /* ---- more rows: a tile of unpacked weight pairs, reused by every row of a chunk ---- */
 
 /* Pair-major, so that the 4 features of a micro product are adjacent: codes [pairs][TILE_OUT][64],
- * scales [pairs][TILE_OUT][16]; and per feature and block [TILE_OUT][padded] what the row's
- * correction multiplies: dw, or Q4_1's m. */
+ * scales [pairs][TILE_OUT][16]; and per feature [TILE_OUT][padded] what the row's corrections
+ * multiply (correction_weights). */
 typedef struct {
     uint8_t *codes;
     float *scales, *offsets_by_block;
@@ -217,26 +322,34 @@ typedef struct {
 
 static void unpack_tile(const uint8_t *w, int format, int64_t first, int64_t count, int64_t in_features,
                         const Activations *a, const Tile *tile) {
-    const int64_t blocks = in_features / QBLOCK, bytes = block_bytes(format), row_bytes = blocks * bytes;
+    const int64_t blocks = in_features / SUB_BLOCK, bytes = row_bytes(format, in_features);
     for (int64_t f = 0; f < TILE_OUT; ++f) {
-        const uint8_t *row = w + (first + (f < count ? f : 0)) * row_bytes;
+        const uint8_t *row = w + (first + (f < count ? f : 0)) * bytes;
+        __m512 header = _mm512_setzero_ps();
         for (int64_t p = 0; p < a->pairs; ++p) {
             WeightPair wp = {_mm512_setzero_si512(), _mm512_setzero_ps(), _mm512_setzero_ps()};
             /* a partial last tile: zero features keep the product's shape fixed */
             if (f < count) {
                 switch (format) {
-                case FORMAT_Q4_0: wp = weight_pair(row, p, blocks, FORMAT_Q4_0); break;
-                case FORMAT_Q4_1: wp = weight_pair(row, p, blocks, FORMAT_Q4_1); break;
-                default: wp = weight_pair(row, p, blocks, FORMAT_Q8_0); break;
+                case FORMAT_Q4_0: wp = weight_pair(row, p, blocks, FORMAT_Q4_0, header); break;
+                case FORMAT_Q4_1: wp = weight_pair(row, p, blocks, FORMAT_Q4_1, header); break;
+                case FORMAT_Q5_0: wp = weight_pair(row, p, blocks, FORMAT_Q5_0, header); break;
+                case FORMAT_Q4_K:
+                    if (p % 4 == 0) header = block_header(row + p / 4 * block_bytes(format), FORMAT_Q4_K);
+                    wp = weight_pair(row, p, blocks, FORMAT_Q4_K, header);
+                    break;
+                case FORMAT_Q6_K: wp = weight_pair(row, p, blocks, FORMAT_Q6_K, header); break;
+                default: wp = weight_pair(row, p, blocks, FORMAT_Q8_0, header); break;
                 }
             }
             _mm512_store_si512((void *)(tile->codes + (p * TILE_OUT + f) * 64), wp.codes);
             _mm512_store_ps(tile->scales + (p * TILE_OUT + f) * 16, wp.scale);
         }
         float *by_block = tile->offsets_by_block + f * a->padded;
-        const int at = format == FORMAT_Q4_1 ? 2 : 0;
-        for (int64_t b = 0; b < a->padded; ++b)
-            by_block[b] = f < count && b < blocks ? half(row + b * bytes + at) : 0.0f;
+        if (f < count)
+            correction_weights(row, blocks, format, a->padded, by_block);
+        else
+            memset(by_block, 0, (size_t)a->padded * sizeof(float));
     }
 }
 
@@ -332,7 +445,7 @@ static int tiled_product(const Activations *a, const uint8_t *w, int format, con
 int quantized_linear_int8_f32(const float *x, const uint8_t *w, int format, const float *bias, float *y,
                               int64_t rows, int64_t out_features, int64_t in_features, int num_threads) {
 #if HAVE_INTEGER_DOT
-    if (!block_bytes(format) || rows < 0 || out_features < 0 || in_features <= 0 || in_features % QBLOCK) return 1;
+    if (!readable_shape(format, in_features) || rows < 0 || out_features < 0) return 1;
     if (rows == 0 || out_features == 0) return 0;
     const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
     Activations a;

@@ -1,27 +1,23 @@
 /* y = x @ dequant(w)^T (+ bias) with w kept in a GGUF file's quantized blocks, on CPU.
  *
- * A GGUF weight [out, in] is stored row by row, each row in blocks of 32 consecutive input
- * features; a block is a float16 scale d (and for Q4_1 a float16 offset m) followed by 32 codes:
- *   Q4_0 (18 bytes): d, 16 bytes of nibbles;   value = (code - 8) * d
- *   Q4_1 (20 bytes): d, m, 16 bytes of nibbles; value = code * d + m
- *   Q8_0 (34 bytes): d, 32 signed bytes;        value = code * d
- * For the nibble formats byte j holds feature j in its low nibble and feature j + 16 in its high
- * one. Every product above is exact in float32 (at most 15 significant bits), so a dequantized
- * value here equals the one a float32 conversion of the file holds, bit for bit.
+ * The formats (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) and their layouts: gguf_blocks.h. Every
+ * dequantized value is exact in float32, so a value expanded here equals the one a float32
+ * conversion of the file holds, bit for bit. Rows are expanded in sub-blocks of 32 values (a
+ * K-quant super-block holds eight), each as two vectors of 16 floats.
  *
- * Formats are named by their GGML type ids (2, 3, 8), the ones GGUF files and the gguf package use.
  * Activations, accumulation and output are float32. Built with -fopenmp (see paged_attention.c).
  *
  * Two paths:
  * - up to SMALL_ROWS rows (single streams, small decode batches) the layer is one pass over its
- *   quantized bytes: each thread takes a contiguous run of output features, expands each block
+ *   quantized bytes: each thread takes a contiguous run of output features, expands each sub-block
  *   into two vectors of 16 floats in registers and multiplies it with every row of x at once.
- *   Decoding is bound by the bytes of weight read, and this reads about a sixth of float32's.
+ *   Decoding is bound by the bytes of weight read, and this reads a sixth to a quarter of float32's.
  * - with more rows, each thread expands a tile of TILE_OUT output features into a small float32
  *   scratch (row-major, so the expansion is plain vector stores), then runs a register-blocked
  *   product of 4 rows x 4 features over it: 16 accumulators, 8 loads per 16 FMAs. Rows go in
  *   chunks that stay in L2 while every tile passes over them; a tile is expanded once per chunk.
- * No float32 copy of a whole weight exists at any time.
+ * No float32 copy of a whole weight exists at any time. Without AVX-512 a portable expansion
+ * (dequantize_sub_block) and plain loops compute the same values.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -31,21 +27,12 @@
 #include <immintrin.h>
 #endif
 
-enum { FORMAT_Q4_0 = 2, FORMAT_Q4_1 = 3, FORMAT_Q8_0 = 8 };
-#define QBLOCK 32
+#include "gguf_blocks.h"
+
 #define SMALL_ROWS 4
 #define TILE_OUT 16
 #define MICRO 4          /* rows and features of the register-blocked product */
 #define ROW_CHUNK 256    /* rows of x kept hot while every tile passes over them */
-
-static int block_bytes(int format) {
-    switch (format) {
-    case FORMAT_Q4_0: return 18;
-    case FORMAT_Q4_1: return 20;
-    case FORMAT_Q8_0: return 34;
-    default: return 0;
-    }
-}
 
 static inline float half_to_float(const uint8_t *p) {
     uint16_t h;
@@ -74,40 +61,109 @@ static inline float half_to_float(const uint8_t *p) {
 #endif
 }
 
-/* One block's 32 values, portable; the vector paths below compute the same values. */
-static inline void dequantize_block(const uint8_t *block, const int format, float *out) {
-    const float d = half_to_float(block);
+/* Sub-block b of a row: its 32 values, portable; the vector path below computes the same values. */
+static inline void dequantize_sub_block(const uint8_t *row, int64_t b, const int format, float *out) {
+    const uint8_t *block = sub_block_home(row, b, format);
+    const int part = sub_block_part(b, format);
     if (format == FORMAT_Q8_0) {
-        for (int j = 0; j < QBLOCK; ++j) out[j] = (float)(int8_t)block[2 + j] * d;
-        return;
-    }
-    const float m = format == FORMAT_Q4_1 ? half_to_float(block + 2) : -8.0f * d;
-    const uint8_t *codes = block + (format == FORMAT_Q4_1 ? 4 : 2);
-    for (int j = 0; j < QBLOCK / 2; ++j) {
-        out[j] = __builtin_fmaf((float)(codes[j] & 0x0f), d, m);
-        out[j + QBLOCK / 2] = __builtin_fmaf((float)(codes[j] >> 4), d, m);
+        const float d = half_to_float(block);
+        for (int j = 0; j < SUB_BLOCK; ++j) out[j] = (float)(int8_t)block[2 + j] * d;
+    } else if (format == FORMAT_Q4_K) {
+        int scale, min;
+        q4k_scale_min(block + 4, part, &scale, &min);
+        const float d = half_to_float(block) * (float)scale, m = -half_to_float(block + 2) * (float)min;
+        const uint8_t *codes = block + 16 + 32 * (part / 2);
+        const int shift = 4 * (part % 2);
+        for (int j = 0; j < SUB_BLOCK; ++j) out[j] = __builtin_fmaf((float)((codes[j] >> shift) & 0x0f), d, m);
+    } else if (format == FORMAT_Q6_K) {
+        const int half = part / 4, run = part % 4;
+        const uint8_t *low = block + 64 * half + 32 * (run % 2), *high = block + 128 + 32 * half;
+        const float d = half_to_float(block + 208);
+        for (int j = 0; j < SUB_BLOCK; ++j) {
+            const int q = ((low[j] >> (4 * (run / 2))) & 0x0f) | (((high[j] >> (2 * run)) & 3) << 4);
+            out[j] = (float)(q - 32) * (d * (float)(int8_t)block[192 + 2 * part + j / 16]);
+        }
+    } else {
+        const float d = half_to_float(block);
+        const float m = format == FORMAT_Q4_1 ? half_to_float(block + 2) : (format == FORMAT_Q5_0 ? -16.0f : -8.0f) * d;
+        const uint8_t *codes = block + nibbles_at(format);
+        uint32_t fifth = 0;
+        if (format == FORMAT_Q5_0) memcpy(&fifth, block + 2, sizeof fifth);
+        for (int j = 0; j < SUB_BLOCK / 2; ++j) {
+            const int low = (codes[j] & 0x0f) | (int)((fifth >> j) & 1) << 4;
+            const int high = (codes[j] >> 4) | (int)((fifth >> (j + 16)) & 1) << 4;
+            out[j] = __builtin_fmaf((float)low, d, m);
+            out[j + SUB_BLOCK / 2] = __builtin_fmaf((float)high, d, m);
+        }
     }
 }
 
 #if defined(__AVX512F__)
-/* A block as two vectors: features 0-15 and 16-31. FORMAT is a constant at every call. */
-static inline __attribute__((always_inline)) void block_vectors(const uint8_t *block, const int format, __m512 *lo,
-                                                                __m512 *hi) {
-    const float d_scalar = half_to_float(block);
-    const __m512 d = _mm512_set1_ps(d_scalar);
+static inline __m512 bytes_to_floats(__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)); }
+
+/* What a block's sub-blocks share, decoded once per block: Q4_K's scales and mins (q4k_scales_mins). */
+static inline __attribute__((always_inline)) __m512 block_header(const uint8_t *block, const int format) {
+    if (format != FORMAT_Q4_K) return _mm512_setzero_ps();
+    return q4k_scales_mins(block + 4, half_to_float(block), half_to_float(block + 2));
+}
+
+/* Sub-block b of a row as two vectors: features 0-15 and 16-31, `header` its block's. FORMAT is a
+ * constant at every call. */
+static inline __attribute__((always_inline)) void sub_block_vectors(const uint8_t *row, int64_t b, const int format,
+                                                                    __m512 header, __m512 *lo, __m512 *hi) {
+    const uint8_t *block = sub_block_home(row, b, format);
+    const int part = sub_block_part(b, format);
+    const __m128i nibble = _mm_set1_epi8(0x0f);
     if (format == FORMAT_Q8_0) {
+        const __m512 d = _mm512_set1_ps(half_to_float(block));
         const __m128i first = _mm_loadu_si128((const __m128i *)(block + 2));
         const __m128i second = _mm_loadu_si128((const __m128i *)(block + 18));
         *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(first)), d);
         *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(second)), d);
-        return;
+    } else if (format == FORMAT_Q4_K) {
+        const __m512 d = _mm512_permutexvar_ps(_mm512_set1_epi32(part), header);
+        const __m512 m = _mm512_permutexvar_ps(_mm512_set1_epi32(part + 8), header);
+        const uint8_t *codes = block + 16 + 32 * (part / 2);
+        const __m128i shift = _mm_cvtsi32_si128(4 * (part % 2));
+        const __m128i first = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)codes), shift), nibble);
+        const __m128i second =
+            _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)(codes + 16)), shift), nibble);
+        *lo = _mm512_fmadd_ps(bytes_to_floats(first), d, m);
+        *hi = _mm512_fmadd_ps(bytes_to_floats(second), d, m);
+    } else if (format == FORMAT_Q6_K) {
+        const int half = part / 4, run = part % 4;
+        const uint8_t *low = block + 64 * half + 32 * (run % 2), *high = block + 128 + 32 * half;
+        const __m128i low_shift = _mm_cvtsi32_si128(4 * (run / 2)), high_shift = _mm_cvtsi32_si128(2 * run);
+        const float d = half_to_float(block + 208);
+        const __m512i offset = _mm512_set1_epi32(32);
+        __m512 *out[2] = {lo, hi};
+        for (int t = 0; t < 2; ++t) {
+            const __m128i l_bytes = _mm_loadu_si128((const __m128i *)(low + 16 * t));
+            const __m128i h_bytes = _mm_loadu_si128((const __m128i *)(high + 16 * t));
+            const __m128i l = _mm_and_si128(_mm_srl_epi16(l_bytes, low_shift), nibble);
+            const __m128i h = _mm_and_si128(_mm_srl_epi16(h_bytes, high_shift), _mm_set1_epi8(3));
+            const __m512i q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_or_si128(l, _mm_slli_epi16(h, 4))), offset);
+            const float scale = d * (float)(int8_t)block[192 + 2 * part + t];
+            *out[t] = _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(scale));
+        }
+    } else {
+        const float d_scalar = half_to_float(block);
+        const __m512 d = _mm512_set1_ps(d_scalar);
+        const __m512 m = _mm512_set1_ps(format == FORMAT_Q4_1 ? half_to_float(block + 2)
+                                                              : (format == FORMAT_Q5_0 ? -16.0f : -8.0f) * d_scalar);
+        const __m128i codes = _mm_loadu_si128((const __m128i *)(block + nibbles_at(format)));
+        __m512i low = _mm512_cvtepu8_epi32(_mm_and_si128(codes, nibble));
+        __m512i high = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(codes, 4), nibble));
+        if (format == FORMAT_Q5_0) {
+            uint32_t fifth;
+            memcpy(&fifth, block + 2, sizeof fifth);
+            const __m512i sixteen = _mm512_set1_epi32(16);
+            low = _mm512_mask_add_epi32(low, (__mmask16)fifth, low, sixteen);
+            high = _mm512_mask_add_epi32(high, (__mmask16)(fifth >> 16), high, sixteen);
+        }
+        *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low), d, m);
+        *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(high), d, m);
     }
-    const __m512 m = _mm512_set1_ps(format == FORMAT_Q4_1 ? half_to_float(block + 2) : -8.0f * d_scalar);
-    const __m128i codes = _mm_loadu_si128((const __m128i *)(block + (format == FORMAT_Q4_1 ? 4 : 2)));
-    const __m128i nibble = _mm_set1_epi8(0x0f);
-    const __m128i low = _mm_and_si128(codes, nibble), high = _mm_and_si128(_mm_srli_epi16(codes, 4), nibble);
-    *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)), d, m);
-    *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high)), d, m);
 }
 #endif
 
@@ -117,34 +173,38 @@ static inline __attribute__((always_inline)) void stream_features(const float *x
                                                                   float *y, int64_t first, int64_t last,
                                                                   int64_t out_features, int64_t in_features,
                                                                   const int format, const int ROWS) {
-    const int64_t blocks = in_features / QBLOCK, row_bytes = blocks * block_bytes(format);
-    const int bytes = block_bytes(format);
+    const int64_t blocks = in_features / SUB_BLOCK, bytes = row_bytes(format, in_features);
+    const int per_block = block_values(format) / SUB_BLOCK;
+    (void)per_block; /* the vector loop's */
     for (int64_t o = first; o < last; ++o) {
-        const uint8_t *row = w + o * row_bytes;
+        const uint8_t *row = w + o * bytes;
         float sums[SMALL_ROWS];
 #if defined(__AVX512F__)
         __m512 acc[SMALL_ROWS][2];
         for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-        for (int64_t b = 0; b < blocks; ++b) {
-            __m512 lo, hi;
-            block_vectors(row + b * bytes, format, &lo, &hi);
-            for (int r = 0; r < ROWS; ++r) {
-                const float *xb = x + r * in_features + b * QBLOCK;
-                acc[r][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), acc[r][1]);
+        for (int64_t first_sub = 0; first_sub < blocks; first_sub += per_block) {
+            const __m512 header = block_header(sub_block_home(row, first_sub, format), format);
+            for (int64_t b = first_sub; b < first_sub + per_block; ++b) {
+                __m512 lo, hi;
+                sub_block_vectors(row, b, format, header, &lo, &hi);
+                for (int r = 0; r < ROWS; ++r) {
+                    const float *xb = x + r * in_features + b * SUB_BLOCK;
+                    acc[r][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), acc[r][0]);
+                    acc[r][1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), acc[r][1]);
+                }
             }
         }
         for (int r = 0; r < ROWS; ++r) sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
 #else
         for (int r = 0; r < ROWS; ++r) sums[r] = 0.0f;
         for (int64_t b = 0; b < blocks; ++b) {
-            float values[QBLOCK];
-            dequantize_block(row + b * bytes, format, values);
+            float values[SUB_BLOCK];
+            dequantize_sub_block(row, b, format, values);
             for (int r = 0; r < ROWS; ++r) {
-                const float *xb = x + r * in_features + b * QBLOCK;
+                const float *xb = x + r * in_features + b * SUB_BLOCK;
                 float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-                for (int j = 0; j < QBLOCK; ++j) acc += values[j] * xb[j];
+                for (int j = 0; j < SUB_BLOCK; ++j) acc += values[j] * xb[j];
                 sums[r] += acc;
             }
         }
@@ -153,11 +213,15 @@ static inline __attribute__((always_inline)) void stream_features(const float *x
     }
 }
 
+#define STREAM(FORMAT, ROWS) stream_features(x, w, bias, y, first, last, out_features, in_features, FORMAT, ROWS)
 #define STREAM_FORMAT(ROWS)                                                                                       \
     switch (format) {                                                                                             \
-    case FORMAT_Q4_0: stream_features(x, w, bias, y, first, last, out_features, in_features, FORMAT_Q4_0, ROWS); break; \
-    case FORMAT_Q4_1: stream_features(x, w, bias, y, first, last, out_features, in_features, FORMAT_Q4_1, ROWS); break; \
-    default: stream_features(x, w, bias, y, first, last, out_features, in_features, FORMAT_Q8_0, ROWS); break;    \
+    case FORMAT_Q4_0: STREAM(FORMAT_Q4_0, ROWS); break;                                                           \
+    case FORMAT_Q4_1: STREAM(FORMAT_Q4_1, ROWS); break;                                                           \
+    case FORMAT_Q5_0: STREAM(FORMAT_Q5_0, ROWS); break;                                                           \
+    case FORMAT_Q4_K: STREAM(FORMAT_Q4_K, ROWS); break;                                                           \
+    case FORMAT_Q6_K: STREAM(FORMAT_Q6_K, ROWS); break;                                                           \
+    default: STREAM(FORMAT_Q8_0, ROWS); break;                                                                    \
     }
 
 static void stream_range(const float *x, const uint8_t *w, const float *bias, float *y, int64_t rows, int64_t first,
@@ -172,27 +236,39 @@ static void stream_range(const float *x, const uint8_t *w, const float *bias, fl
 
 /* ---- more rows: expand a tile of features, then a register-blocked product ---- */
 
+/* One row of `blocks` sub-blocks as float32. */
+static inline __attribute__((always_inline)) void expand_row(const uint8_t *row, int64_t blocks, const int format,
+                                                             float *out) {
+#if defined(__AVX512F__)
+    const int per_block = block_values(format) / SUB_BLOCK;
+    for (int64_t first_sub = 0; first_sub < blocks; first_sub += per_block) {
+        const __m512 header = block_header(sub_block_home(row, first_sub, format), format);
+        for (int64_t b = first_sub; b < first_sub + per_block; ++b) {
+            __m512 lo, hi;
+            sub_block_vectors(row, b, format, header, &lo, &hi);
+            _mm512_storeu_ps(out + b * SUB_BLOCK, lo);
+            _mm512_storeu_ps(out + b * SUB_BLOCK + 16, hi);
+        }
+    }
+#else
+    for (int64_t b = 0; b < blocks; ++b) dequantize_sub_block(row, b, format, out + b * SUB_BLOCK);
+#endif
+}
+
 /* Features first .. first + count - 1 as float32 rows of in_features. */
 static void expand_rows(const uint8_t *w, int format, int64_t first, int64_t count, int64_t in_features,
                         float *tile) {
-    const int bytes = block_bytes(format);
-    const int64_t blocks = in_features / QBLOCK, row_bytes = blocks * bytes;
+    const int64_t blocks = in_features / SUB_BLOCK, bytes = row_bytes(format, in_features);
     for (int64_t j = 0; j < count; ++j) {
-        const uint8_t *row = w + (first + j) * row_bytes;
+        const uint8_t *row = w + (first + j) * bytes;
         float *out = tile + j * in_features;
-        for (int64_t b = 0; b < blocks; ++b) {
-#if defined(__AVX512F__)
-            __m512 lo, hi;
-            switch (format) {
-            case FORMAT_Q4_0: block_vectors(row + b * bytes, FORMAT_Q4_0, &lo, &hi); break;
-            case FORMAT_Q4_1: block_vectors(row + b * bytes, FORMAT_Q4_1, &lo, &hi); break;
-            default: block_vectors(row + b * bytes, FORMAT_Q8_0, &lo, &hi); break;
-            }
-            _mm512_storeu_ps(out + b * QBLOCK, lo);
-            _mm512_storeu_ps(out + b * QBLOCK + 16, hi);
-#else
-            dequantize_block(row + b * bytes, format, out + b * QBLOCK);
-#endif
+        switch (format) {
+        case FORMAT_Q4_0: expand_row(row, blocks, FORMAT_Q4_0, out); break;
+        case FORMAT_Q4_1: expand_row(row, blocks, FORMAT_Q4_1, out); break;
+        case FORMAT_Q5_0: expand_row(row, blocks, FORMAT_Q5_0, out); break;
+        case FORMAT_Q4_K: expand_row(row, blocks, FORMAT_Q4_K, out); break;
+        case FORMAT_Q6_K: expand_row(row, blocks, FORMAT_Q6_K, out); break;
+        default: expand_row(row, blocks, FORMAT_Q8_0, out); break;
         }
     }
 }
@@ -257,11 +333,11 @@ static void tile_product(const float *x, int64_t rows, const float *tile, int64_
     }
 }
 
-/* x [rows, in] float32, w [out, in / 32 blocks] in `format`, bias [out] or NULL, y [rows, out].
+/* x [rows, in] float32, w [out, row_bytes] in `format` (gguf_blocks.h), bias [out] or NULL, y [rows, out].
  * Returns 0, 1 for a shape or format it cannot take, 2 when its scratch cannot be allocated. */
 int quantized_linear_f32(const float *x, const uint8_t *w, int format, const float *bias, float *y, int64_t rows,
                          int64_t out_features, int64_t in_features, int num_threads) {
-    if (!block_bytes(format) || rows < 0 || out_features < 0 || in_features <= 0 || in_features % QBLOCK) return 1;
+    if (!readable_shape(format, in_features) || rows < 0 || out_features < 0) return 1;
     if (rows == 0 || out_features == 0) return 0;
     if (rows <= SMALL_ROWS) {
 #pragma omp parallel num_threads(num_threads)
@@ -299,7 +375,7 @@ int quantized_linear_f32(const float *x, const uint8_t *w, int format, const flo
  * Returns 1 for a bad format or shape, or an id outside [0, out_features). */
 int quantized_rows_f32(const uint8_t *w, int format, const int64_t *ids, int64_t count, int64_t out_features,
                        int64_t in_features, float *out, int num_threads) {
-    if (!block_bytes(format) || in_features <= 0 || in_features % QBLOCK || count < 0) return 1;
+    if (!readable_shape(format, in_features) || count < 0) return 1;
     for (int64_t i = 0; i < count; ++i)
         if (ids[i] < 0 || ids[i] >= out_features) return 1;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (count > 16)

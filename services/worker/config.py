@@ -56,13 +56,13 @@ class WorkerConfig:
     dtype: str = setting("float32", section="worker", choices=DTYPE_NAMES,
                          help="the model's dtype (CPU: bfloat16 weights and KV cache, float32 residual stream and "
                               "attention arithmetic)")
-    # native: linears keep a GGUF file's Q4_0/Q4_1/Q8_0 blocks (services/worker/quantized_linear.py);
+    # native: linears keep a GGUF file's Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K blocks (services/worker/quantized_linear.py);
     # int8: every linear quantized to int8 at load (services/worker/int8_linear.py).
     weights: str = setting(
         "dequantized", section="worker", choices=["dequantized", "native", "int8"],
         help="dequantized (float32 weights; GGUF files expanded), native (GGUF models on the CPU: linears "
-             "multiply the file's Q4_0/Q4_1/Q8_0 blocks directly, on int8 dot products where the CPU has "
-             "AVX-512 VNNI; other formats are dequantized) or int8 (any model on a CPU with AVX-512 VNNI: "
+             "multiply the file's Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K blocks directly, on int8 dot products where the "
+             "CPU has AVX-512 VNNI; other formats are dequantized) or int8 (any model on a CPU with AVX-512 VNNI: "
              "int8 weights per output feature times int8 activations per token)")
     block_size: int = setting(16, section="worker")
     kv_cache_memory: int | None = setting(  # bytes; None: default budget for the device

@@ -1,22 +1,24 @@
 """Linear layers over a GGUF file's quantized blocks (`--weights native`).
 
-A Q4_1 weight is 20 bytes per 32 values where float32 takes 128, and a single stream's decode
-step is a pass over every weight: keeping the file's blocks and multiplying them directly
-(`kernels/cpu/quantized_linear.c`) reads about a sixth of the bytes, and the worker holds a
-sixth of the memory. No float32 copy of a whole weight is made at any point.
+A Q4_1 weight is 20 bytes per 32 values where float32 takes 128 (Q4_K 18, Q6_K 26.25), and a
+single stream's decode step is a pass over every weight: keeping the file's blocks and
+multiplying them directly (`kernels/cpu/quantized_linear.c`) reads about a sixth of the bytes,
+and the worker holds a sixth of the memory. No float32 copy of a whole weight is made at any point.
 
 The file's tensors are read with the gguf package's GGUFReader and renamed to the Hugging Face
-names the model expects (services/worker/gguf_names.py). Linears whose blocks the kernel reads (Q4_0, Q4_1, Q8_0) stay
-quantized; every other tensor (float norms, other block formats) is dequantized as in
-`--weights dequantized`. For the Llama architecture GGUF stores q_proj/k_proj rows permuted
+names the model expects (services/worker/gguf_names.py). Linears whose blocks the kernels read
+(Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K: kernels/cpu/gguf_blocks.h) stay quantized; every other tensor
+(float norms, other block formats) is dequantized as in `--weights dequantized`. Parts of one
+stacked linear (q, k, v) in different formats are joined when they widen exactly to Q8_0
+(QuantizedWeight.join). For the Llama architecture GGUF stores q_proj/k_proj rows permuted
 (llama.cpp's converter interleaves each head's rotary halves); transformers undoes that on load,
 and so does this reader, on whole rows of blocks: blocks run along the input dimension, so a
 row permutation of the quantized bytes is exact.
 
 Where the CPU has AVX-512 VNNI the layers round their activations to int8 per block of 32 (one
-scale each, as llama.cpp's q8 activations) and multiply on integer dot products
-(`kernels/cpu/integer_linear.c`); elsewhere, or with VMESH_QUANTIZED_DOT=float, they keep the
-float32 kernel. The load-time log says which.
+scale each, as llama.cpp's q8 activations; a K-quant's sub-blocks of 32 each meet one) and
+multiply on integer dot products (`kernels/cpu/integer_linear.c`); elsewhere, or with
+VMESH_QUANTIZED_DOT=float, they keep the float32 kernel. The load-time log says which.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from vmesh.kernels.cpu_native import QUANTIZED_BLOCK, QUANTIZED_FORMATS, CpuKernelBuildError, load_cpu_kernels
+from vmesh.kernels.cpu_native import QUANTIZED_FORMATS, CpuKernelBuildError, load_cpu_kernels
 from vmesh.services.common.model_loading import ModelLoadError, gguf_model_file
 from vmesh.services.common.model_spec import ModelSpec
 from vmesh.services.worker.gguf_names import NORMS_STORED_PLUS_ONE, gguf_to_hf_names
@@ -92,12 +94,33 @@ class QuantizedWeight:
     def permute_rows(self, order: torch.Tensor) -> QuantizedWeight:
         return QuantizedWeight(self.blocks[order].contiguous(), self.block_format, self.in_features)
 
+    def widened_to_q8_0(self) -> QuantizedWeight:
+        """The same values as Q8_0 blocks, for a Q4_0 or Q5_0 weight: their (q - 8) d and (q - 16) d
+        are Q8_0's code times the same d, so this is exact (at 34 bytes per block instead of 18 or 22)."""
+        if self.block_format not in _WIDENS_TO_Q8_0:
+            raise ValueError(f"{format_name(self.block_format)} does not widen to Q8_0 exactly")
+        blocks = self.blocks.numpy().reshape(-1, _block_geometry(self.block_format)[1])
+        nibbles = blocks[:, -16:]
+        codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=1).astype(np.int16)
+        if self.block_format == Q5_0:
+            fifth = blocks[:, 2:6].copy().view(np.uint32)
+            codes |= ((fifth >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4
+        widened = np.concatenate([blocks[:, :2], (codes - _WIDENS_TO_Q8_0[self.block_format]).astype(np.int8)
+                                  .view(np.uint8)], axis=1)
+        return QuantizedWeight(torch.from_numpy(widened.reshape(self.out_features, -1)), Q8_0, self.in_features)
+
     @staticmethod
     def join(parts: Sequence[torch.Tensor | QuantizedWeight]) -> QuantizedWeight | str:
-        """The parts stacked by rows (q, k and v; gate and up) as one weight for the kernel, or why not."""
+        """The parts stacked by rows (q, k and v; gate and up) as one weight for the kernel, or why not.
+        Parts in Q8_0 and in formats that widen to it exactly (Gemma 3's GGUF stores q and k as Q5_0,
+        some layers' v as Q8_0) are joined as Q8_0."""
         formats = sorted({format_name(p.block_format) if isinstance(p, QuantizedWeight) else str(p.dtype)
                           for p in parts})
         quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
+        if len(quantized) == len(parts) and len(formats) > 1 and {p.block_format for p in quantized} <= {
+                Q8_0, *_WIDENS_TO_Q8_0}:
+            quantized = [p if p.block_format == Q8_0 else p.widened_to_q8_0() for p in quantized]
+            formats = ["Q8_0"]
         if len(quantized) < len(parts) or len(formats) > 1:
             return f"stored as {' + '.join(formats)}"
         if not quantized[0].kernel_readable:
@@ -110,10 +133,14 @@ class QuantizedWeight:
                                quantized[0].in_features)
 
 
+Q4_0, Q5_0, Q8_0 = 2, 6, 8  # GGML type ids
+_WIDENS_TO_Q8_0 = {Q4_0: 8, Q5_0: 16}  # format: the K of its values (q - K) d
+
+
 def _block_geometry(block_format: int) -> tuple[int, int]:
     """(weights per block, bytes per block)."""
     if block_format in QUANTIZED_FORMATS:
-        return QUANTIZED_BLOCK, QUANTIZED_FORMATS[block_format].block_bytes
+        return QUANTIZED_FORMATS[block_format].block_values, QUANTIZED_FORMATS[block_format].block_bytes
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     return GGML_QUANT_SIZES[GGMLQuantizationType(block_format)]

@@ -10,7 +10,9 @@ import logging
 import pytest
 import torch
 
-from tests.unit.test_quantized_linear import FORMATS, Q4_1, layer, random_blocks
+from tests.support.gguf_blocks import FORMATS, Q4_1, random_blocks
+from tests.unit.test_quantized_linear import layer, shapes_of
+from vmesh.kernels.cpu_native import QUANTIZED_FORMATS
 from vmesh.services.worker.quantized_linear import (
     DOT_ENV,
     QuantizedLinear,
@@ -43,10 +45,12 @@ def expected(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 64, 256])
 def test_kernel_matches_int8_rounded_reference(integer_kernels, name, rows):
-    # 203 outputs: off every multiple of 4 and 16; 19 blocks: a block pair left half empty.
-    linear, weight, b = layer(FORMATS[name], 203, 608, integer_kernels, bias=rows % 2 == 1, seed=rows)
+    # 203 outputs: off every multiple of 4 and 16; 19 blocks: a block pair left half empty (K-quants:
+    # 3 super-blocks, 12 pairs of sub-blocks).
+    in_features = 608 if QUANTIZED_FORMATS[FORMATS[name]].block_values == 32 else 768
+    linear, weight, b = layer(FORMATS[name], 203, in_features, integer_kernels, bias=rows % 2 == 1, seed=rows)
     assert linear.integer
-    x = torch.randn(rows, 608) * torch.linspace(0.01, 4, 608)  # blocks of very different scales
+    x = torch.randn(rows, in_features) * torch.linspace(0.01, 4, in_features)  # blocks of very different scales
     x[0, :32] = 0  # an all-zero block: scale 0
     got = linear(x)
     assert got.shape == (rows, 203) and got.dtype == torch.float32
@@ -54,10 +58,12 @@ def test_kernel_matches_int8_rounded_reference(integer_kernels, name, rows):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-5 * float(want.abs().max()))
 
 
-@pytest.mark.parametrize(("out_features", "in_features"), [(1, 32), (7, 64), (65, 96), (130, 1536)])
+@pytest.mark.parametrize("shape", range(4))
 @pytest.mark.parametrize("rows", [1, 4, 9])
-def test_odd_shapes(integer_kernels, out_features, in_features, rows):
+def test_odd_shapes(integer_kernels, shape, rows):
     for name, block_format in FORMATS.items():
+        out_features, in_features = shapes_of(name, [(1, 32), (7, 64), (65, 96), (130, 1536)],
+                                              [(1, 256), (7, 512), (65, 256), (130, 2048)])[shape]
         linear, weight, b = layer(block_format, out_features, in_features, integer_kernels, bias=True, seed=rows)
         x = torch.randn(rows, in_features)
         want = expected(x, weight, b)
@@ -90,14 +96,16 @@ def test_integer_is_close_to_float32(integer_kernels):
     assert 0 < error < 0.02
 
 
-def test_forced_fallback(kernels, monkeypatch, caplog):
+@pytest.mark.parametrize("name", FORMATS)
+def test_forced_fallback(kernels, monkeypatch, caplog, name):
     """DOT_ENV=float keeps the float32 kernel, as on a CPU without VNNI: bit for bit its output."""
     monkeypatch.setenv(DOT_ENV, "float")
-    raw = torch.from_numpy(random_blocks(Q4_1, 33, 64))
-    linear = QuantizedLinear(QuantizedWeight(raw, Q4_1, 64), None, kernels)
+    block_format, in_features = FORMATS[name], QUANTIZED_FORMATS[FORMATS[name]].block_values * 2
+    raw = torch.from_numpy(random_blocks(block_format, 33, in_features))
+    linear = QuantizedLinear(QuantizedWeight(raw, block_format, in_features), None, kernels)
     assert not linear.integer and not integer_dot_chosen(kernels)
-    x = torch.randn(5, 64)
-    assert torch.equal(linear(x), kernels.quantized_linear(x, raw, Q4_1, 64, None))
+    x = torch.randn(5, in_features)
+    assert torch.equal(linear(x), kernels.quantized_linear(x, raw, block_format, in_features, None))
     with caplog.at_level(logging.INFO, logger="vmesh.services.worker.quantized_linear"):
         log_placement([linear], {})
     assert "float32 products" in caplog.text and "int8" not in caplog.text
