@@ -41,14 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     off = sub.add_parser("offline", parents=[common])
     off.add_argument("--requests", type=int, default=None)
     off.add_argument("--baselines", default="transformers,engine,mesh",
-                     help="any of transformers, engine, mesh (float32, always run), mesh-native (--weights "
-                          "native), mesh-bf16 (--dtype bfloat16), mesh-int8 (--weights int8), mesh-spec (n-gram "
-                          "speculative decoding, 4 tokens), mesh-native-spec (both), mesh-plaintext "
-                          "(--no-internal-tls), mesh-lora (4 random rank-16 LoRA adapters: the requests over all "
-                          "4, then under one), mesh-final (the mesh again, each request asking its whole output at "
-                          "once: final_only), and the peers vllm "
-                          "(float32), vllm-bf16 and llama.cpp (the GGUF), which need benchmarks/peers/setup.sh's "
-                          "environments")
+                     help="any of transformers, engine, engine-bf16 (in process), mesh (float32, always run), "
+                          "mesh-native (--weights native), mesh-bf16 (--dtype bfloat16), mesh-int8 (--weights "
+                          "int8), mesh-spec (n-gram speculative decoding, 4 tokens), mesh-native-spec (both), "
+                          "mesh-plaintext (--no-internal-tls), mesh-lora (4 random rank-16 LoRA adapters: the "
+                          "requests over all 4, then under one), mesh-final (the mesh again, each request asking "
+                          "its whole output at once: final_only), and the peers vllm (float32), vllm-bf16 and "
+                          "llama.cpp (the GGUF), which need benchmarks/peers/setup.sh's environments")
     off.add_argument("--peers-dir", default=None,
                      help="where benchmarks/peers/setup.sh built the peers' environments "
                           "(default: $VMESH_PEERS_DIR, else ~/.cache/vmesh-peers)")

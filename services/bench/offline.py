@@ -53,13 +53,13 @@ def transformers_generate(model_dir: Path, prompts: list[list[int]], max_tokens:
 
 @contextlib.contextmanager
 def engine_generate(model_dir: Path, prompts: list[list[int]], max_tokens: int, depth: int = 2,
-                    kv_cache_memory: int = 1 << 30) -> Iterator[Callable[[], float]]:
+                    kv_cache_memory: int = 1 << 30, dtype: str = "float32") -> Iterator[Callable[[], float]]:
     """An in-process engine, warmed up; each call of the yielded function is one timed run."""
     from vmesh.services.engine.llm import EngineConfig, LLMEngine
     from vmesh.services.worker.model_runner import WorkerConfig
 
     engine = LLMEngine.from_config(EngineConfig(worker=WorkerConfig(model=str(model_dir), max_num_seqs=256,
-                                                                    kv_cache_memory=kv_cache_memory),
+                                                                    kv_cache_memory=kv_cache_memory, dtype=dtype),
                                                 pipeline_depth=depth))
 
     def run() -> float:
@@ -121,6 +121,9 @@ MESH_VARIANTS = {"mesh": (), "mesh-native": ("--weights", "native"), "mesh-bf16"
 # The plain mesh again, each request asking its whole output at once (final_only) rather than a
 # stream of deltas: what an offline batch client does, and what the engine's generate returns.
 FINAL_OUTPUTS = "mesh-final"
+# The in-process engine in bfloat16: with whole outputs and no client beside it, what vLLM's
+# offline arm (LLM.generate) is.
+ENGINE_BF16 = "engine-bf16"
 
 
 def start_meshes(args: argparse.Namespace, baselines: set[str], model_dir: Path, work: dict[str, Any],
@@ -176,9 +179,10 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
     work = for_model(load_workload(args.workload, args.requests, args.max_tokens), model_dir, resolve_model_dir(),
                      Path(scratch.name))
     baselines = set(args.baselines.split(","))
-    unknown = baselines - {"transformers", "engine", FINAL_OUTPUTS} - set(MESH_VARIANTS) - set(PEER_BASELINES)
+    unknown = (baselines - {"transformers", "engine", ENGINE_BF16, FINAL_OUTPUTS} - set(MESH_VARIANTS)
+               - set(PEER_BASELINES))
     if unknown:
-        raise SystemExit(f"unknown baselines {sorted(unknown)}: choose from transformers, engine, "
+        raise SystemExit(f"unknown baselines {sorted(unknown)}: choose from transformers, engine, {ENGINE_BF16}, "
                          f"{', '.join(MESH_VARIANTS)}, {FINAL_OUTPUTS}, {', '.join(PEER_BASELINES)}")
     prompt_tokens = sum(len(p) for p in work["prompts"])
     result: dict[str, Any] = {"mode": "offline", "workload": work["name"], "requests": len(work["prompts"]),
@@ -189,9 +193,11 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
         stack.enter_context(scratch)  # the tokenized workload file, for as long as the peers read it
         if "transformers" in baselines:
             runs["transformers"] = transformers_generate(model_dir, work["prompts"], work["max_tokens"])
-        if "engine" in baselines:
-            runs["engine"] = stack.enter_context(engine_generate(model_dir, work["prompts"], work["max_tokens"],
-                                                                 kv_cache_memory=args.kv_cache_memory_bytes))
+        for name, dtype in (("engine", "float32"), (ENGINE_BF16, "bfloat16")):
+            if name in baselines:
+                runs[name] = stack.enter_context(engine_generate(model_dir, work["prompts"], work["max_tokens"],
+                                                                 kv_cache_memory=args.kv_cache_memory_bytes,
+                                                                 dtype=dtype))
         peers = {name: stack.enter_context(contextlib.closing(start_peer(name, args, work, model_dir)))
                  for name in PEER_BASELINES if name in baselines}
         runs.update({name: peer.run for name, peer in peers.items()})

@@ -8,6 +8,11 @@ from dataclasses import dataclass, fields
 from vmesh.services.common.config_flags import json_object_flag
 
 METHODS = ("ngram", "suffix")
+# The crossover measured on 2 AVX-512 cores (python -m benchmarks.spec_crossover; benchmarks/README.md):
+# with fewer requests in flight drafts paid on outputs that repeat their prompts (3.3x at 1, 1.3x at
+# 8) and cost nothing on ordinary ones (1.00-1.07x); from 16 on a step is bound by arithmetic and
+# verifying drafts cost 13 % on ordinary prompts while gaining 2-9 % on repeating ones.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 16
 # The JSON values each annotation takes (an int is a float's value too).
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {"str": str, "int": int, "float": (int, float)}
 
@@ -22,7 +27,7 @@ class SpeculativeConfig:
     # suffix: a match of m tokens proposes at most spec_factor * m of them (short matches guess less).
     suffix_decoding_max_spec_factor: float = 1.0
     # Steps with this many running requests or more propose nothing (0: never off by batch size).
-    disable_by_batch_size: int = 0
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

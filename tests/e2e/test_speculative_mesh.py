@@ -16,8 +16,9 @@ from vmesh.services.bench.mesh import start_mesh
 from vmesh.services.client import VmeshClient
 from vmesh.services.common.tokenizer import encode_chat
 
+# Drafts at any batch size (0), so that every request of the test verifies some.
 SPECULATIVE = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-                          "prompt_lookup_max": 4})
+                          "prompt_lookup_max": 4, "disable_by_batch_size": 0})
 COPY = ("Repeat this text exactly: All that glitters is not gold. A journey of a thousand miles begins with a "
         "single step.")
 

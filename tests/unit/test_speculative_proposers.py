@@ -72,6 +72,9 @@ def test_config_parses_vllm_keys_and_refuses_unknown_ones():
     config = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, '
                                       '"prompt_lookup_max": 3}')
     assert config == SpeculativeConfig("ngram", 4, prompt_lookup_min=1, prompt_lookup_max=3)
+    assert config.disable_by_batch_size == 16  # the measured crossover unless the flag says otherwise
+    assert parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4, '
+                                    '"disable_by_batch_size": 0}').disable_by_batch_size == 0
     assert parse_speculative_config("") is None
     with pytest.raises(ValueError, match="unknown key"):
         parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4, "model": "x"}')
