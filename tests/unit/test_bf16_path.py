@@ -240,7 +240,7 @@ def test_embedded_model_in_bf16_through_the_engine(caplog):
 @pytest.mark.parametrize(("out_features", "in_features", "bias"), [(960, 576, True), (576, 1536, False),
                                                                    (100, 40, True), (70, 33, False)])
 def test_small_batch_linear_reads_the_packed_bf16_weight(kernels, out_features, in_features, bias):
-    """1-4 rows through the C kernel over oneDNN's packed bfloat16 copy (AB16b64a2b), bfloat16 or
+    """1 to stream_rows rows through the C kernel over oneDNN's packed bfloat16 copy (AB16b64a2b), bfloat16 or
     float32 input, against a float32 product of the same values: one rounding of the result apart.
     Rows of the weight read back from the packed copy exactly (the tied embedding's lookups)."""
     from vmesh.services.worker.linear import Linear, onednn_packing_usable
@@ -252,15 +252,16 @@ def test_small_batch_linear_reads_the_packed_bf16_weight(kernels, out_features, 
     b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
     layer = Linear(weight, b, small_batch_kernels=kernels)
     if layer._packed_blocks is None:
-        pytest.skip("oneDNN packs bfloat16 in another layout on this CPU: 1-4 rows go to oneDNN")
-    assert layer.weight is None and layer.kernel_description == "oneDNN bfloat16 packed, 1-4 rows C"
+        pytest.skip("oneDNN packs bfloat16 in another layout on this CPU: every row count goes to oneDNN")
+    assert layer.weight is None
+    assert layer.kernel_description == f"oneDNN bfloat16 packed, 1-{kernels.stream_rows} rows C"
     ids = torch.tensor([0, 5, out_features - 1])
     assert torch.equal(layer.weight_rows(ids), weight[ids])
-    for rows in (1, 2, 3, 4, 5):  # 5: oneDNN
+    for rows in (*range(1, kernels.stream_rows + 1), kernels.stream_rows + 1):  # the last: oneDNN
         for dtype in (torch.bfloat16, torch.float32):
             x = torch.randn(rows, in_features, generator=gen).to(dtype)
-            # The kernel widens float32 input as it is; oneDNN (5 rows) takes it rounded to bfloat16.
-            exact = x.float() if rows <= 4 else x.bfloat16().float()
+            # The kernel widens float32 input as it is; oneDNN takes it rounded to bfloat16.
+            exact = x.float() if rows <= kernels.stream_rows else x.bfloat16().float()
             want = exact @ weight.float().T + (b.float() if b is not None else 0)
             got = layer(x)
             assert got.dtype == torch.bfloat16
