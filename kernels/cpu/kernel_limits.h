@@ -12,7 +12,8 @@
 #define PREFILL_LANES 16
 /* Up to this many rows a linear layer is one streaming pass over its weights (small_batch_linear.c,
  * quantized_linear.c, integer_linear.c): a speculative decode step verifies 1 + k rows per request,
- * and k = 4 to 7 keeps a single stream on that pass. */
-#define STREAM_ROWS 8
+ * and k <= 5 keeps a single stream on that pass. At 7-8 rows the passes measured no better than the
+ * batch paths (benchmarks/README.md, speculative decoding). */
+#define STREAM_ROWS 6
 
 #endif

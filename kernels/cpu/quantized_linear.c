@@ -232,12 +232,10 @@ static void stream_range(const float *x, const uint8_t *w, const float *bias, fl
     case 3: STREAM_FORMAT(3) break;
     case 4: STREAM_FORMAT(4) break;
     case 5: STREAM_FORMAT(5) break;
-    case 6: STREAM_FORMAT(6) break;
-    case 7: STREAM_FORMAT(7) break;
-    default: STREAM_FORMAT(8) break;
+    default: STREAM_FORMAT(6) break;
     }
 }
-_Static_assert(STREAM_ROWS == 8, "stream_range lists the row counts up to STREAM_ROWS");
+_Static_assert(STREAM_ROWS == 6, "stream_range lists the row counts up to STREAM_ROWS");
 
 /* ---- more rows: expand a tile of features, then a register-blocked product ---- */
 

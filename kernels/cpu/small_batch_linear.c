@@ -48,10 +48,12 @@ void small_batch_linear_f32(const float *x, const float *w, const float *bias, f
 
 typedef float lanes_f32 __attribute__((vector_size(LANES * sizeof(float))));
 
-/* Beyond this many rows a block is taken in two halves of 2 groups: ROWS x GROUPS accumulators and
- * the weight vectors must fit AVX-512's 32 registers (8 rows x 4 groups alone would fill them). The
- * halves read disjoint cache lines, so each weight byte is still read once. */
-#define WHOLE_BLOCK_ROWS 4
+/* A float32 block's 4 groups serve up to STREAM_ROWS (6) rows at once: 24 accumulators and 4 weight
+ * vectors of AVX-512's 32 registers. bfloat16 unpacks each group into two vectors, so beyond
+ * BF16_WHOLE_BLOCK_ROWS rows it takes a block in two halves of 2 groups. (Halves cost the float32
+ * LM head a third more than whole blocks at 5 rows, measured with 7-8 rows in mind: each pass reads
+ * every other pair of cache lines, which one thread streams slower than whole lines.) */
+#define BF16_WHOLE_BLOCK_ROWS 4
 #define HALF_BLOCK_GROUPS (GROUPS_PER_BLOCK / 2)
 
 /* ROWS and GROUPS are constants at every call, so the accumulators live in registers. */
@@ -77,36 +79,28 @@ static inline __attribute__((always_inline)) void packed_pass(const float *x, co
             }
 }
 
-/* PASS(ROWS) for rows 1 to WHOLE_BLOCK_ROWS, and for rows up to STREAM_ROWS when WIDE. */
-#define ROW_CASES(PASS, WIDE)                                                                                     \
+/* PASS(ROWS) for the call's rows, instantiated only up to MAX_ROWS (the caller's bound on rows). */
+#define ROW_CASES(PASS, MAX_ROWS)                                                                                 \
     switch (rows) {                                                                                               \
     case 1: PASS(1); break;                                                                                       \
-    case 2: PASS(2); break;                                                                                       \
-    case 3: PASS(3); break;                                                                                       \
-    case 4: PASS(4); break;                                                                                       \
-    case 5: if (WIDE) PASS(5); break;                                                                             \
-    case 6: if (WIDE) PASS(6); break;                                                                             \
-    case 7: if (WIDE) PASS(7); break;                                                                             \
-    default: if (WIDE) PASS(8); break;                                                                            \
+    case 2: if (2 <= MAX_ROWS) PASS(2); break;                                                                    \
+    case 3: if (3 <= MAX_ROWS) PASS(3); break;                                                                    \
+    case 4: if (4 <= MAX_ROWS) PASS(4); break;                                                                    \
+    case 5: if (5 <= MAX_ROWS) PASS(5); break;                                                                    \
+    default: if (6 <= MAX_ROWS) PASS(6); break;                                                                   \
     }
-_Static_assert(STREAM_ROWS == 8, "ROW_CASES lists the row counts up to STREAM_ROWS");
+_Static_assert(STREAM_ROWS == 6, "ROW_CASES lists the row counts up to STREAM_ROWS");
 
 #define PASS_WHOLE(ROWS) packed_pass(x, w, in_features, y, bias, out_features, first_out, ROWS, GROUPS_PER_BLOCK)
-#define PASS_HALF(ROWS) packed_pass(x, w, in_features, y, bias, out_features, first_out, ROWS, HALF_BLOCK_GROUPS)
 #define PASS_GROUP(ROWS) packed_pass(x, w, in_features, y, bias, out_features, first_out, ROWS, 1)
 
 static void packed_groups(const float *x, const float *w, int64_t in_features, float *y, const float *bias,
                           int64_t out_features, int64_t first_out, int64_t rows, int64_t groups) {
-    if (groups == GROUPS_PER_BLOCK && rows <= WHOLE_BLOCK_ROWS) {
-        ROW_CASES(PASS_WHOLE, 0)
-        return;
-    }
     if (groups == GROUPS_PER_BLOCK) {
-        for (int half = 0; half < 2; ++half, w += HALF_BLOCK_GROUPS * LANES, first_out += HALF_BLOCK_GROUPS * LANES)
-            ROW_CASES(PASS_HALF, 1)
+        ROW_CASES(PASS_WHOLE, STREAM_ROWS)
         return;
     }
-    for (int64_t g = 0; g < groups; ++g, w += LANES, first_out += LANES) ROW_CASES(PASS_GROUP, 1)
+    for (int64_t g = 0; g < groups; ++g, w += LANES, first_out += LANES) ROW_CASES(PASS_GROUP, STREAM_ROWS)
 }
 
 /* x [rows <= STREAM_ROWS, in], w as above with padded_in >= in, bias [out] or NULL, y [rows, out]. */
@@ -191,17 +185,17 @@ static inline __attribute__((always_inline)) void packed_pass_bf16(const float *
 static void packed_groups_bf16(const float *x, const uint16_t *w, int64_t pairs, int64_t x_stride, uint16_t *y,
                                const uint16_t *bias, int64_t out_features, int64_t first_out, int64_t rows,
                                int64_t groups) {
-    if (groups == GROUPS_PER_BLOCK && rows <= WHOLE_BLOCK_ROWS) {
-        ROW_CASES(PASS_BF16_WHOLE, 0)
+    if (groups == GROUPS_PER_BLOCK && rows <= BF16_WHOLE_BLOCK_ROWS) {
+        ROW_CASES(PASS_BF16_WHOLE, BF16_WHOLE_BLOCK_ROWS)
         return;
     }
     if (groups == GROUPS_PER_BLOCK) {
         for (int half = 0; half < 2;
              ++half, w += HALF_BLOCK_GROUPS * 2 * LANES, first_out += HALF_BLOCK_GROUPS * LANES)
-            ROW_CASES(PASS_BF16_HALF, 1)
+            ROW_CASES(PASS_BF16_HALF, STREAM_ROWS)
         return;
     }
-    for (int64_t g = 0; g < groups; ++g, w += 2 * LANES, first_out += LANES) ROW_CASES(PASS_BF16_GROUP, 1)
+    for (int64_t g = 0; g < groups; ++g, w += 2 * LANES, first_out += LANES) ROW_CASES(PASS_BF16_GROUP, STREAM_ROWS)
 }
 
 /* x [rows <= STREAM_ROWS, in]: bfloat16 when x_bf16, else float32; w as above (bfloat16, padded_in even and
