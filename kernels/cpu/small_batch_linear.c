@@ -1,7 +1,7 @@
 /* y = x @ w^T (+ bias) for a few rows of x, on CPU.
  *
- * With one to STREAM_ROWS rows (kernel_limits.h) a linear layer is a pass over its weights: memory bound. oneDNN's
- * blocked GEMM streams them at ~20 GB/s on this project's machines; a plain row-major pass,
+ * With one to STREAM_ROWS rows (kernel_limits.h) a linear layer is a pass over its weights: memory
+ * bound. oneDNN's blocked GEMM streams them at ~20 GB/s on this project's machines; a plain row-major pass,
  * each thread taking a contiguous range of output features and dotting every weight row
  * with all the rows of x while it sits in L1, streams at ~32 GB/s.
  *
@@ -50,9 +50,10 @@ typedef float lanes_f32 __attribute__((vector_size(LANES * sizeof(float))));
 
 /* A float32 block's 4 groups serve up to STREAM_ROWS (6) rows at once: 24 accumulators and 4 weight
  * vectors of AVX-512's 32 registers. bfloat16 unpacks each group into two vectors, so beyond
- * BF16_WHOLE_BLOCK_ROWS rows it takes a block in two halves of 2 groups. (Halves cost the float32
- * LM head a third more than whole blocks at 5 rows, measured with 7-8 rows in mind: each pass reads
- * every other pair of cache lines, which one thread streams slower than whole lines.) */
+ * BF16_WHOLE_BLOCK_ROWS rows it takes a block in two halves of 2 groups. Halves cost the float32 LM
+ * head 2.5x whole blocks' time at 5 rows (tried with 7-8 rows in mind; benchmarks/README.md): each
+ * pass reads every other pair of cache lines, which one thread streams far slower than whole lines.
+ * bfloat16's 5-6 rows have not been timed against oneDNN. */
 #define BF16_WHOLE_BLOCK_ROWS 4
 #define HALF_BLOCK_GROUPS (GROUPS_PER_BLOCK / 2)
 
