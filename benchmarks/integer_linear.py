@@ -91,18 +91,21 @@ def main() -> None:
                     for path, fn in paths.items():
                         median_call(fn, times[path], args.calls, clock)
                 flops = 2 * rows * out_features * in_features
-                gflops = {path: flops / statistics.median(t) / 1e9 for path, t in times.items()}
+                seconds = {path: statistics.median(t) for path, t in times.items()}
+                gflops = {path: flops / value / 1e9 for path, value in seconds.items()}
                 ratio = gflops["integer"] / gflops["float_blocks"]
                 results.append({"model": args.model, "layer": name, "format": fmt, "out": out_features,
                                 "in": in_features, "rows": rows,
                                 **{f"{path}_gflops": value for path, value in gflops.items()},
+                                **{f"{path}_us": value * 1e6 for path, value in seconds.items()},
                                 "integer_over_float_blocks": ratio,
                                 "integer_over_onednn": gflops["integer"] / gflops["onednn_f32"],
                                 "int8_mode_over_onednn": gflops["int8_mode"] / gflops["onednn_f32"]})
                 print(f"{name:12s} {fmt} [{out_features:5d} x {in_features:4d}] rows {rows:3d}: GFLOP/s integer "
                       f"{gflops['integer']:6.1f}, float blocks {gflops['float_blocks']:6.1f}, oneDNN f32 "
                       f"{gflops['onednn_f32']:6.1f}, int8 mode {gflops['int8_mode']:6.1f}; integer / float blocks "
-                      f"x{ratio:.2f}", flush=True)
+                      f"x{ratio:.2f}; us per call " + ", ".join(f"{value * 1e6:.0f}" for value in seconds.values()),
+                      flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"threads": args.threads, "results": results}, f, indent=2)

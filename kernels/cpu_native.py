@@ -124,10 +124,12 @@ class CpuKernels:
     def __init__(self, library: ctypes.CDLL):
         self._functions = {name: _bind(getattr(library, name), [*argtypes, INT], restype)
                            for name, (argtypes, restype) in _SIGNATURES.items()}
-        limits = [ctypes.c_int64() for _ in range(3)]
-        _bind(library.vmesh_kernel_limits, [ctypes.POINTER(ctypes.c_int64)] * 3)(*map(ctypes.byref, limits))
-        # kernels/cpu/kernel_limits.h: beyond these the attention kernels refuse a shape.
-        self.max_heads, self.max_head_dim, self.prefill_head_dim_multiple = (limit.value for limit in limits)
+        limits = [ctypes.c_int64() for _ in range(4)]
+        _bind(library.vmesh_kernel_limits, [ctypes.POINTER(ctypes.c_int64)] * 4)(*map(ctypes.byref, limits))
+        # kernels/cpu/kernel_limits.h: beyond these the attention kernels refuse a shape; up to
+        # stream_rows rows the linear kernels make one streaming pass over a weight.
+        self.max_heads, self.max_head_dim, self.prefill_head_dim_multiple, self.stream_rows = (
+            limit.value for limit in limits)
         # Whether kernels/cpu/integer_linear.c was built with AVX-512 VNNI (-march=native: this CPU has it).
         self.integer_dot = bool(_bind(library.vmesh_integer_dot_available, [], INT)())
 
@@ -223,7 +225,7 @@ class CpuKernels:
                                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """small_batch_linear over oneDNN's packed copy of a `dtype` weight, at its raw address, in
         the layout that services/worker/linear.py checked at load (see small_batch_linear.c):
-        OI16i64o for float32, AB16b64a2b for bfloat16. x: contiguous [1 to 4 rows, in], float32
+        OI16i64o for float32, AB16b64a2b for bfloat16. x: contiguous [1 to stream_rows rows, in], float32
         (or bfloat16 for a bfloat16 weight); the caller (Linear) guarantees it. bias: `dtype`, as the
         result is."""
         kernel, name = self._kernel("packed_small_batch_linear", dtype), f"packed_small_batch_linear_{_SUFFIXES[dtype]}"

@@ -20,7 +20,7 @@
  * Exact apart from float32 rounding: each block's integer sum is exact, so the result equals
  * dequant(W) times the int8-rounded activations up to the order of float32 accumulation.
  *
- * Two paths, as in quantized_linear.c: up to SMALL_ROWS rows one streaming pass over the blocks
+ * Two paths, as in quantized_linear.c: up to STREAM_ROWS rows one streaming pass over the blocks
  * (each thread a run of output features; a block pair is unpacked in registers and used by every
  * row); with more rows each thread unpacks a tile of TILE_OUT features once per chunk of rows into a
  * scratch of ready vectors (codes and scales, pair by pair) and runs 3 rows x 4 features over it.
@@ -39,12 +39,12 @@
 #endif
 
 #include "gguf_blocks.h"
+#include "kernel_limits.h"
 
 int vmesh_integer_dot_available(void) { return HAVE_INTEGER_DOT; }
 
 #if HAVE_INTEGER_DOT
 
-#define SMALL_ROWS 4
 #define TILE_OUT 16
 #define MICRO_ROWS_N 3  /* rows x features of the micro product: 12 accumulators leave registers for */
 #define MICRO 4         /* the features' codes and scales, which 4 x 4 spilled */
@@ -258,7 +258,7 @@ static void correction_weights(const uint8_t *row, int64_t blocks, int format, i
     }
 }
 
-/* ---- 1 to SMALL_ROWS rows ---- */
+/* ---- 1 to STREAM_ROWS rows ---- */
 
 static inline __attribute__((always_inline)) void stream_features(const Activations *a, const uint8_t *w,
                                                                   const float *bias, float *y, int64_t first,
@@ -268,7 +268,7 @@ static inline __attribute__((always_inline)) void stream_features(const Activati
     const int64_t blocks = in_features / SUB_BLOCK, bytes = row_bytes(format, in_features), pairs = a->pairs;
     for (int64_t o = first; o < last; ++o) {
         const uint8_t *row = w + o * bytes;
-        __m512 acc[SMALL_ROWS], header = _mm512_setzero_ps();
+        __m512 acc[STREAM_ROWS], header = _mm512_setzero_ps();
         for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
         for (int64_t p = 0; p < pairs; ++p) {
             if (p % pairs_per_header(format) == 0) header = block_header(row + p / 4 * block_bytes(format), format);
@@ -306,9 +306,12 @@ static void stream_range(const Activations *a, const uint8_t *w, const float *bi
     case 1: STREAM_FORMAT(1) break;
     case 2: STREAM_FORMAT(2) break;
     case 3: STREAM_FORMAT(3) break;
-    default: STREAM_FORMAT(4) break;
+    case 4: STREAM_FORMAT(4) break;
+    case 5: STREAM_FORMAT(5) break;
+    default: STREAM_FORMAT(6) break;
     }
 }
+_Static_assert(STREAM_ROWS == 6, "stream_range lists the row counts up to STREAM_ROWS");
 
 /* ---- more rows: a tile of unpacked weight pairs, reused by every row of a chunk ---- */
 
@@ -450,7 +453,7 @@ int quantized_linear_int8_f32(const float *x, const uint8_t *w, int format, cons
     const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
     Activations a;
     int status = quantize_activations(x, rows, in_features, format, &a, threads);
-    if (!status && rows <= SMALL_ROWS) {
+    if (!status && rows <= STREAM_ROWS) {
 #pragma omp parallel num_threads(threads)
         {
             const int64_t count = omp_get_num_threads(), t = omp_get_thread_num();

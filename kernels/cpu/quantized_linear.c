@@ -8,7 +8,7 @@
  * Activations, accumulation and output are float32. Built with -fopenmp (see paged_attention.c).
  *
  * Two paths:
- * - up to SMALL_ROWS rows (single streams, small decode batches) the layer is one pass over its
+ * - up to STREAM_ROWS rows (single streams, small decode batches) the layer is one pass over its
  *   quantized bytes: each thread takes a contiguous run of output features, expands each sub-block
  *   into two vectors of 16 floats in registers and multiplies it with every row of x at once.
  *   Decoding is bound by the bytes of weight read, and this reads a sixth to a quarter of float32's.
@@ -28,8 +28,8 @@
 #endif
 
 #include "gguf_blocks.h"
+#include "kernel_limits.h"
 
-#define SMALL_ROWS 4
 #define TILE_OUT 16
 #define MICRO 4          /* rows and features of the register-blocked product */
 #define ROW_CHUNK 256    /* rows of x kept hot while every tile passes over them */
@@ -167,7 +167,7 @@ static inline __attribute__((always_inline)) void sub_block_vectors(const uint8_
 }
 #endif
 
-/* ---- 1 to SMALL_ROWS rows: one streaming pass over the quantized bytes ---- */
+/* ---- 1 to STREAM_ROWS rows: one streaming pass over the quantized bytes ---- */
 
 static inline __attribute__((always_inline)) void stream_features(const float *x, const uint8_t *w, const float *bias,
                                                                   float *y, int64_t first, int64_t last,
@@ -178,9 +178,9 @@ static inline __attribute__((always_inline)) void stream_features(const float *x
     (void)per_block; /* the vector loop's */
     for (int64_t o = first; o < last; ++o) {
         const uint8_t *row = w + o * bytes;
-        float sums[SMALL_ROWS];
+        float sums[STREAM_ROWS];
 #if defined(__AVX512F__)
-        __m512 acc[SMALL_ROWS][2];
+        __m512 acc[STREAM_ROWS][2];
         for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
         for (int64_t first_sub = 0; first_sub < blocks; first_sub += per_block) {
             const __m512 header = block_header(sub_block_home(row, first_sub, format), format);
@@ -230,9 +230,12 @@ static void stream_range(const float *x, const uint8_t *w, const float *bias, fl
     case 1: STREAM_FORMAT(1) break;
     case 2: STREAM_FORMAT(2) break;
     case 3: STREAM_FORMAT(3) break;
-    default: STREAM_FORMAT(4) break;
+    case 4: STREAM_FORMAT(4) break;
+    case 5: STREAM_FORMAT(5) break;
+    default: STREAM_FORMAT(6) break;
     }
 }
+_Static_assert(STREAM_ROWS == 6, "stream_range lists the row counts up to STREAM_ROWS");
 
 /* ---- more rows: expand a tile of features, then a register-blocked product ---- */
 
@@ -339,7 +342,7 @@ int quantized_linear_f32(const float *x, const uint8_t *w, int format, const flo
                          int64_t out_features, int64_t in_features, int num_threads) {
     if (!readable_shape(format, in_features) || rows < 0 || out_features < 0) return 1;
     if (rows == 0 || out_features == 0) return 0;
-    if (rows <= SMALL_ROWS) {
+    if (rows <= STREAM_ROWS) {
 #pragma omp parallel num_threads(num_threads)
         {
             const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();

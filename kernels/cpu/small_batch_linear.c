@@ -1,7 +1,7 @@
 /* y = x @ w^T (+ bias) for a few rows of x, on CPU.
  *
- * With one to four rows a linear layer is a pass over its weights: memory bound. oneDNN's
- * blocked GEMM streams them at ~20 GB/s on this project's machines; a plain row-major pass,
+ * With one to STREAM_ROWS rows (kernel_limits.h) a linear layer is a pass over its weights: memory
+ * bound. oneDNN's blocked GEMM streams them at ~20 GB/s on this project's machines; a plain row-major pass,
  * each thread taking a contiguous range of output features and dotting every weight row
  * with all the rows of x while it sits in L1, streams at ~32 GB/s.
  *
@@ -10,6 +10,8 @@
  */
 #include <omp.h>
 #include <stdint.h>
+
+#include "kernel_limits.h"
 
 void small_batch_linear_f32(const float *x, const float *w, const float *bias, float *y, int64_t rows,
                             int64_t out_features, int64_t in_features, int num_threads) {
@@ -46,11 +48,20 @@ void small_batch_linear_f32(const float *x, const float *w, const float *bias, f
 
 typedef float lanes_f32 __attribute__((vector_size(LANES * sizeof(float))));
 
+/* A float32 block's 4 groups serve up to STREAM_ROWS (6) rows at once: 24 accumulators and 4 weight
+ * vectors of AVX-512's 32 registers. bfloat16 unpacks each group into two vectors, so beyond
+ * BF16_WHOLE_BLOCK_ROWS rows it takes a block in two halves of 2 groups. Halves cost the float32 LM
+ * head 2.5x whole blocks' time at 5 rows (tried with 7-8 rows in mind; benchmarks/README.md): each
+ * pass reads every other pair of cache lines, which one thread streams far slower than whole lines.
+ * bfloat16's 5-6 rows have not been timed against oneDNN. */
+#define BF16_WHOLE_BLOCK_ROWS 4
+#define HALF_BLOCK_GROUPS (GROUPS_PER_BLOCK / 2)
+
 /* ROWS and GROUPS are constants at every call, so the accumulators live in registers. */
 static inline __attribute__((always_inline)) void packed_pass(const float *x, const float *w, int64_t in_features,
                                                               float *y, const float *bias, int64_t out_features,
                                                               int64_t first_out, const int ROWS, const int GROUPS) {
-    lanes_f32 acc[4][GROUPS_PER_BLOCK];
+    lanes_f32 acc[STREAM_ROWS][GROUPS_PER_BLOCK];
     for (int r = 0; r < ROWS; ++r)
         for (int g = 0; g < GROUPS; ++g) acc[r][g] = (lanes_f32){0};
     for (int64_t i = 0; i < in_features; ++i) {
@@ -69,28 +80,35 @@ static inline __attribute__((always_inline)) void packed_pass(const float *x, co
             }
 }
 
-#define PACKED_PASS_ROWS(GROUPS)                                                                                  \
+/* PASS(ROWS) for the call's rows, instantiated only up to MAX_ROWS (the caller's bound on rows). */
+#define ROW_CASES(PASS, MAX_ROWS)                                                                                 \
     switch (rows) {                                                                                               \
-    case 1: packed_pass(x, w, in_features, y, bias, out_features, first_out, 1, GROUPS); break;                    \
-    case 2: packed_pass(x, w, in_features, y, bias, out_features, first_out, 2, GROUPS); break;                    \
-    case 3: packed_pass(x, w, in_features, y, bias, out_features, first_out, 3, GROUPS); break;                    \
-    default: packed_pass(x, w, in_features, y, bias, out_features, first_out, 4, GROUPS); break;                   \
+    case 1: PASS(1); break;                                                                                       \
+    case 2: if (2 <= MAX_ROWS) PASS(2); break;                                                                    \
+    case 3: if (3 <= MAX_ROWS) PASS(3); break;                                                                    \
+    case 4: if (4 <= MAX_ROWS) PASS(4); break;                                                                    \
+    case 5: if (5 <= MAX_ROWS) PASS(5); break;                                                                    \
+    default: if (6 <= MAX_ROWS) PASS(6); break;                                                                   \
     }
+_Static_assert(STREAM_ROWS == 6, "ROW_CASES lists the row counts up to STREAM_ROWS");
+
+#define PASS_WHOLE(ROWS) packed_pass(x, w, in_features, y, bias, out_features, first_out, ROWS, GROUPS_PER_BLOCK)
+#define PASS_GROUP(ROWS) packed_pass(x, w, in_features, y, bias, out_features, first_out, ROWS, 1)
 
 static void packed_groups(const float *x, const float *w, int64_t in_features, float *y, const float *bias,
                           int64_t out_features, int64_t first_out, int64_t rows, int64_t groups) {
     if (groups == GROUPS_PER_BLOCK) {
-        PACKED_PASS_ROWS(GROUPS_PER_BLOCK)
+        ROW_CASES(PASS_WHOLE, STREAM_ROWS)
         return;
     }
-    for (int64_t g = 0; g < groups; ++g, w += LANES, first_out += LANES) PACKED_PASS_ROWS(1)
+    for (int64_t g = 0; g < groups; ++g, w += LANES, first_out += LANES) ROW_CASES(PASS_GROUP, STREAM_ROWS)
 }
 
-/* x [rows <= 4, in], w as above with padded_in >= in, bias [out] or NULL, y [rows, out]. */
+/* x [rows <= STREAM_ROWS, in], w as above with padded_in >= in, bias [out] or NULL, y [rows, out]. */
 int packed_small_batch_linear_f32(const float *x, const float *w, const float *bias, float *y, int64_t rows,
                                   int64_t out_features, int64_t in_features, int64_t padded_in, int num_threads) {
     if (rows == 0) return 0;
-    if (rows < 0 || rows > 4 || padded_in < in_features) return 1;
+    if (rows < 0 || rows > STREAM_ROWS || padded_in < in_features) return 1;
     const int64_t blocks = (out_features + PACKED_OUT_BLOCK - 1) / PACKED_OUT_BLOCK;
     const int64_t units = blocks * GROUPS_PER_BLOCK;
 #pragma omp parallel num_threads(num_threads)
@@ -130,7 +148,7 @@ static inline __attribute__((always_inline)) void packed_pass_bf16(const float *
                                                                    const uint16_t *bias, int64_t out_features,
                                                                    int64_t first_out, const int ROWS,
                                                                    const int GROUPS) {
-    lanes_f32 acc[4][GROUPS_PER_BLOCK];
+    lanes_f32 acc[STREAM_ROWS][GROUPS_PER_BLOCK];
     for (int r = 0; r < ROWS; ++r)
         for (int g = 0; g < GROUPS; ++g) acc[r][g] = (lanes_f32){0};
     for (int64_t p = 0; p < pairs; ++p) {
@@ -160,32 +178,35 @@ static inline __attribute__((always_inline)) void packed_pass_bf16(const float *
             }
 }
 
-#define PACKED_PASS_BF16_ROWS(GROUPS)                                                                             \
-    switch (rows) {                                                                                               \
-    case 1: packed_pass_bf16(x, w, pairs, x_stride, y, bias, out_features, first_out, 1, GROUPS); break;          \
-    case 2: packed_pass_bf16(x, w, pairs, x_stride, y, bias, out_features, first_out, 2, GROUPS); break;          \
-    case 3: packed_pass_bf16(x, w, pairs, x_stride, y, bias, out_features, first_out, 3, GROUPS); break;          \
-    default: packed_pass_bf16(x, w, pairs, x_stride, y, bias, out_features, first_out, 4, GROUPS); break;         \
-    }
+#define PASS_BF16(ROWS, GROUPS) packed_pass_bf16(x, w, pairs, x_stride, y, bias, out_features, first_out, ROWS, GROUPS)
+#define PASS_BF16_WHOLE(ROWS) PASS_BF16(ROWS, GROUPS_PER_BLOCK)
+#define PASS_BF16_HALF(ROWS) PASS_BF16(ROWS, HALF_BLOCK_GROUPS)
+#define PASS_BF16_GROUP(ROWS) PASS_BF16(ROWS, 1)
 
 static void packed_groups_bf16(const float *x, const uint16_t *w, int64_t pairs, int64_t x_stride, uint16_t *y,
                                const uint16_t *bias, int64_t out_features, int64_t first_out, int64_t rows,
                                int64_t groups) {
-    if (groups == GROUPS_PER_BLOCK) {
-        PACKED_PASS_BF16_ROWS(GROUPS_PER_BLOCK)
+    if (groups == GROUPS_PER_BLOCK && rows <= BF16_WHOLE_BLOCK_ROWS) {
+        ROW_CASES(PASS_BF16_WHOLE, BF16_WHOLE_BLOCK_ROWS)
         return;
     }
-    for (int64_t g = 0; g < groups; ++g, w += 2 * LANES, first_out += LANES) PACKED_PASS_BF16_ROWS(1)
+    if (groups == GROUPS_PER_BLOCK) {
+        for (int half = 0; half < 2;
+             ++half, w += HALF_BLOCK_GROUPS * 2 * LANES, first_out += HALF_BLOCK_GROUPS * LANES)
+            ROW_CASES(PASS_BF16_HALF, STREAM_ROWS)
+        return;
+    }
+    for (int64_t g = 0; g < groups; ++g, w += 2 * LANES, first_out += LANES) ROW_CASES(PASS_BF16_GROUP, STREAM_ROWS)
 }
 
-/* x [rows <= 4, in]: bfloat16 when x_bf16, else float32; w as above (bfloat16, padded_in even and
+/* x [rows <= STREAM_ROWS, in]: bfloat16 when x_bf16, else float32; w as above (bfloat16, padded_in even and
  * >= in); bias [out] bfloat16 or NULL; y [rows, out] bfloat16. Returns 0, 1 for a bad size, 2 when
  * out of memory. */
 int packed_small_batch_linear_bf16(const void *x, int x_bf16, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                                    int64_t rows, int64_t out_features, int64_t in_features, int64_t padded_in,
                                    int num_threads) {
     if (rows == 0) return 0;
-    if (rows < 0 || rows > 4 || padded_in < in_features || padded_in % 2) return 1;
+    if (rows < 0 || rows > STREAM_ROWS || padded_in < in_features || padded_in % 2) return 1;
     float *xf = calloc((size_t)(rows * padded_in), sizeof(float));
     if (xf == NULL) return 2;
     for (int64_t r = 0; r < rows; ++r)

@@ -5,7 +5,8 @@ its blocked layout is markedly faster at every batch size, the tied LM head incl
 in benchmarks/README.md). inductor uses the same two ops for frozen CPU linears. Elsewhere
 (CUDA) `F.linear` is already the fast path.
 
-For one to four rows (single streams, small batches) the layer is a pass over its weights,
+For one row up to the kernels' `stream_rows` (kernels/cpu/kernel_limits.h: 8, so that a single
+stream's speculative verification of 1 + k rows stays on it) the layer is a pass over its weights,
 which `kernels/cpu/small_batch_linear.c` streams faster than oneDNN does. It reads oneDNN's
 packed copy itself: for float32 on AVX-512 that layout (OI16i64o) stores each block of 64
 output features as the transpose of their weight rows, already the layout a matrix-vector
@@ -15,9 +16,9 @@ small-batch kernel instead, and says so in `held_bytes`.
 
 bfloat16 weights (the bfloat16 model on CPU) are packed as AB16b64a2b: the same blocks of 64
 output features, each input pair's two weights side by side. The small-batch kernel reads that
-too (checked the same way); where it is not the layout, 1-4 rows go to oneDNN, and no plain copy
+too (checked the same way); where it is not the layout, those rows go to oneDNN, and no plain copy
 is kept. oneDNN's bfloat16 products run at about 0.6x its float32 ones on AVX-512 without AMX
-(benchmarks/README.md): bfloat16 halves the bytes, which is what 1-4 rows are bound by.
+(benchmarks/README.md): bfloat16 halves the bytes, which is what a few rows are bound by.
 """
 
 from __future__ import annotations
@@ -37,9 +38,6 @@ logger = logging.getLogger(__name__)
 # oneDNN picks its blocked layout for an expected row count; one layout serves every row
 # count well, and this hint was the best of 1, 64 and 256 (benchmarks/README.md).
 PACKING_ROWS_HINT = 64
-# Up to this many rows the small-batch kernel beats oneDNN; at 8 it no longer does
-# (benchmarks/README.md).
-SMALL_BATCH_ROWS = 4
 # The packed layout the small-batch kernel reads: output features in blocks of this many.
 PACKED_OUT_BLOCK = 64
 # The load-time layout check compares this many bytes of weight at a time, at most.
@@ -143,7 +141,7 @@ class Linear:
                 self._packed_address = torch.ops.mkldnn.data_ptr(self._packed)
                 self._packed_blocks = packed_blocks(self._packed, weight.dtype, self._packed_in_features)
         if self._packed_blocks is None and weight.dtype == torch.bfloat16:
-            self._small_batch = None  # oneDNN then serves 1-4 rows too: no plain bfloat16 copy is kept for them
+            self._small_batch = None  # oneDNN then serves a few rows too: no plain bfloat16 copy is kept for them
         if self._packed is not None and (self._small_batch is None or self._packed_blocks is not None):
             self.weight = None  # the packed copy serves every row count
 
@@ -158,7 +156,7 @@ class Linear:
         if self._packed is None:
             return f"F.linear {dtype}"
         if self._small_batch is not None:
-            return f"oneDNN {dtype} packed, 1-{SMALL_BATCH_ROWS} rows C"
+            return f"oneDNN {dtype} packed, 1-{self._small_batch.stream_rows} rows C"
         return f"oneDNN {dtype} packed"
 
     @property
@@ -191,24 +189,27 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features)
-        if (self._small_batch is not None and x.shape[0] <= SMALL_BATCH_ROWS and self.dtype == torch.bfloat16
+        # The streaming kernel, where it serves this many rows.
+        stream = self._small_batch
+        if stream is not None and x.shape[0] > stream.stream_rows:
+            stream = None
+        if (stream is not None and self.dtype == torch.bfloat16
                 and x.dtype in (torch.bfloat16, torch.float32)):
             # x may be float32 (attention's output in the mixed bfloat16 model): the kernel widens either.
             assert self._packed_in_features is not None, "bfloat16 layers keep the kernel only over a checked layout"
-            out = self._small_batch.packed_small_batch_linear(x.contiguous(), self._packed_address, self.out_features,
-                                                              self._packed_in_features, self.bias, dtype=torch.bfloat16)
+            out = stream.packed_small_batch_linear(x.contiguous(), self._packed_address, self.out_features,
+                                                   self._packed_in_features, self.bias, dtype=torch.bfloat16)
             return out.view(*lead, self.out_features)
         # The mixed bfloat16 model hands some layers float32 (attention's output): one rounding here.
         x = x.to(self.dtype)
-        if self._small_batch is not None and x.shape[0] <= SMALL_BATCH_ROWS and x.dtype == torch.float32:
+        if stream is not None and x.dtype == torch.float32:
             if self._packed_blocks is not None:
                 assert self._packed_in_features is not None, "set with the packed blocks"
-                out = self._small_batch.packed_small_batch_linear(x.contiguous(), self._packed_address,
-                                                                  self.out_features, self._packed_in_features,
-                                                                  self.bias)
+                out = stream.packed_small_batch_linear(x.contiguous(), self._packed_address, self.out_features,
+                                                       self._packed_in_features, self.bias)
             else:
                 assert self.weight is not None, "without a readable packed copy the plain weight stays"
-                out = self._small_batch.small_batch_linear(x.contiguous(), self.weight, self.bias)
+                out = stream.small_batch_linear(x.contiguous(), self.weight, self.bias)
         elif self._packed is not None:
             out = torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         else:

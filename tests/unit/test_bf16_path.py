@@ -175,16 +175,19 @@ def test_tiny_models_in_bf16_agree_with_float32(tmp_path, caplog, kind):
     2-core AVX-512 machine (2026-11-30): llama 0.938, qwen2 0.931; asserted >= 0.85. These random
     tiny models have many near-tied logits, so free-running greedy output diverges early (about
     0.4-0.46 of each output's tokens match before the first difference) while every step stays
-    close; benchmarks/README.md has the embedded model's figures. The C kernels and the torch
-    fallback run the same bfloat16 model: their greedy outputs are identical."""
+    close; benchmarks/README.md has the embedded model's figures. The C attention and elementwise
+    kernels and the torch fallback run the same bfloat16 model: their greedy outputs are identical
+    with oneDNN's linears, which round a float32 input to bfloat16 as the torch path's attention
+    output already is (the streaming linear kernel takes C attention's float32 output unrounded)."""
     (save_tiny_qwen2 if kind == "qwen2" else save_tiny_llama)(tmp_path)
     generator = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, TINY_VOCAB, (n,), generator=generator).tolist() for n in (5, 17, 40, 1, 33, 16)]
     tokens = 24
 
-    def load(dtype: str, backend: str = "auto") -> ModelRunner:
+    def load(dtype: str, backend: str = "auto", small_batch_linear: bool = True) -> ModelRunner:
         return ModelRunner.load(WorkerConfig(model=str(tmp_path), kv_cache_memory=16 << 20, max_num_seqs=256,
-                                             dtype=dtype, attention_backend=backend))
+                                             dtype=dtype, attention_backend=backend,
+                                             small_batch_linear=small_batch_linear))
 
     want = _greedy(load("float32"), prompts, tokens)
     with caplog.at_level(logging.INFO, logger="vmesh.services.worker.model_runner"):
@@ -196,9 +199,9 @@ def test_tiny_models_in_bf16_agree_with_float32(tmp_path, caplog, kind):
     agreement = sum(g == out[k] for g, (out, k) in zip(got, [(o, k) for o in want for k in range(tokens)]))
     assert agreement / len(forced) >= 0.85, f"{kind}: next-token agreement {agreement / len(forced):.3f}"
 
-    c_kernels = _greedy(load("bfloat16"), prompts, tokens)
+    c_kernels = _greedy(load("bfloat16", small_batch_linear=False), prompts, tokens)
     with caplog.at_level(logging.WARNING, logger="vmesh.services.worker.model_runner"):
-        torch_runner = load("bfloat16", "torch")
+        torch_runner = load("bfloat16", "torch", small_batch_linear=False)
     assert "elementwise ops torch" in caplog.text  # the slow path says so
     assert c_kernels == _greedy(torch_runner, prompts, tokens)
 
@@ -240,7 +243,7 @@ def test_embedded_model_in_bf16_through_the_engine(caplog):
 @pytest.mark.parametrize(("out_features", "in_features", "bias"), [(960, 576, True), (576, 1536, False),
                                                                    (100, 40, True), (70, 33, False)])
 def test_small_batch_linear_reads_the_packed_bf16_weight(kernels, out_features, in_features, bias):
-    """1-4 rows through the C kernel over oneDNN's packed bfloat16 copy (AB16b64a2b), bfloat16 or
+    """1 to stream_rows rows through the C kernel over oneDNN's packed bfloat16 copy (AB16b64a2b), bfloat16 or
     float32 input, against a float32 product of the same values: one rounding of the result apart.
     Rows of the weight read back from the packed copy exactly (the tied embedding's lookups)."""
     from vmesh.services.worker.linear import Linear, onednn_packing_usable
@@ -252,15 +255,16 @@ def test_small_batch_linear_reads_the_packed_bf16_weight(kernels, out_features, 
     b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
     layer = Linear(weight, b, small_batch_kernels=kernels)
     if layer._packed_blocks is None:
-        pytest.skip("oneDNN packs bfloat16 in another layout on this CPU: 1-4 rows go to oneDNN")
-    assert layer.weight is None and layer.kernel_description == "oneDNN bfloat16 packed, 1-4 rows C"
+        pytest.skip("oneDNN packs bfloat16 in another layout on this CPU: every row count goes to oneDNN")
+    assert layer.weight is None
+    assert layer.kernel_description == f"oneDNN bfloat16 packed, 1-{kernels.stream_rows} rows C"
     ids = torch.tensor([0, 5, out_features - 1])
     assert torch.equal(layer.weight_rows(ids), weight[ids])
-    for rows in (1, 2, 3, 4, 5):  # 5: oneDNN
+    for rows in (*range(1, kernels.stream_rows + 1), kernels.stream_rows + 1):  # the last: oneDNN
         for dtype in (torch.bfloat16, torch.float32):
             x = torch.randn(rows, in_features, generator=gen).to(dtype)
-            # The kernel widens float32 input as it is; oneDNN (5 rows) takes it rounded to bfloat16.
-            exact = x.float() if rows <= 4 else x.bfloat16().float()
+            # The kernel widens float32 input as it is; oneDNN takes it rounded to bfloat16.
+            exact = x.float() if rows <= kernels.stream_rows else x.bfloat16().float()
             want = exact @ weight.float().T + (b.float() if b is not None else 0)
             got = layer(x)
             assert got.dtype == torch.bfloat16

@@ -13,7 +13,7 @@ from tests.support.paged import ragged_batch
 from vmesh.kernels import cpu_native, reference
 from vmesh.kernels.cpu_native import CpuKernelBuildError
 from vmesh.services.worker.attention import CpuAttentionBackend, TorchAttentionBackend, make_attention_backend
-from vmesh.services.worker.linear import SMALL_BATCH_ROWS, Linear, onednn_packing_usable, packed_in_features
+from vmesh.services.worker.linear import Linear, onednn_packing_usable, packed_in_features
 
 CASES = [  # (head_dim, heads, kv_heads, block_size): the specialised sizes and the generic path
     (64, 9, 3, 16),   # the default model: GQA ratio 3
@@ -247,12 +247,14 @@ def test_packed_linear_matches_f_linear(rows, with_bias):
     torch.testing.assert_close(plain(x), F.linear(x, weight, bias))
 
 
-@pytest.mark.parametrize("rows", [0, 1, 2, 4, 5])
+@pytest.mark.parametrize("rows", [0, 1, 2, 4, 5, 6, 7])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("pack", [False, True])
 def test_small_batch_linear_matches_f_linear(kernels, rows, with_bias, pack, monkeypatch):
     """Packed, the small-batch kernel reads oneDNN's copy (no plain weight kept) where the layout
-    check accepts it; unpacked, the plain weight. 300 x 72 pads both dimensions of the blocks."""
+    check accepts it; unpacked, the plain weight, up to the kernels' stream_rows (a speculative step's
+    1 + k rows), oneDNN beyond. 300 x 72 pads both dimensions of the blocks; beyond 4 rows a packed
+    block is taken in halves, and a thread's partial block group by group."""
     g = torch.Generator().manual_seed(10 + rows)
     weight = torch.randn(300, 72, generator=g)
     bias = torch.randn(300, generator=g) if with_bias else None
@@ -266,4 +268,4 @@ def test_small_batch_linear_matches_f_linear(kernels, rows, with_bias, pack, mon
     torch.testing.assert_close(layer(x), F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
     x3 = torch.randn(1, rows, 72, generator=g)
     torch.testing.assert_close(layer(x3), F.linear(x3, weight, bias), atol=1e-5, rtol=1e-5)
-    assert calls == ([rows, rows] if rows <= SMALL_BATCH_ROWS else [])
+    assert calls == ([rows, rows] if rows <= kernels.stream_rows else [])

@@ -88,7 +88,7 @@ def test_rows_are_the_reference_exactly(kernels, name, out_features, in_features
 
 
 @pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 64, 130])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 17, 64, 130])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_matches_float32_reference(kernels, name, rows, bias):
     # out features off every multiple of 4, 16 and 64; in features a multiple of 32 only (K-quants: of 256,
