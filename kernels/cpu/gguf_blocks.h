@@ -31,6 +31,18 @@
 enum { FORMAT_Q4_0 = 2, FORMAT_Q4_1 = 3, FORMAT_Q5_0 = 6, FORMAT_Q8_0 = 8, FORMAT_Q4_K = 12, FORMAT_Q6_K = 14 };
 #define SUB_BLOCK 32 /* values per sub-block: one activation block of integer_linear.c */
 
+/* CALL(F, ROWS) with `format` as the compile-time constant F, so that each kernel is specialised
+ * per format (callers refuse unknown formats first; Q8_0 is the remaining arm). */
+#define FOR_EACH_FORMAT(format, CALL, ROWS)                                                                       \
+    switch (format) {                                                                                             \
+    case FORMAT_Q4_0: CALL(FORMAT_Q4_0, ROWS); break;                                                             \
+    case FORMAT_Q4_1: CALL(FORMAT_Q4_1, ROWS); break;                                                             \
+    case FORMAT_Q5_0: CALL(FORMAT_Q5_0, ROWS); break;                                                             \
+    case FORMAT_Q4_K: CALL(FORMAT_Q4_K, ROWS); break;                                                             \
+    case FORMAT_Q6_K: CALL(FORMAT_Q6_K, ROWS); break;                                                             \
+    default: CALL(FORMAT_Q8_0, ROWS); break;                                                                      \
+    }
+
 static inline int block_values(int format) {
     return format == FORMAT_Q4_K || format == FORMAT_Q6_K ? 256 : 32;
 }

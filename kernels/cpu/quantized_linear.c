@@ -214,15 +214,7 @@ static inline __attribute__((always_inline)) void stream_features(const float *x
 }
 
 #define STREAM(FORMAT, ROWS) stream_features(x, w, bias, y, first, last, out_features, in_features, FORMAT, ROWS)
-#define STREAM_FORMAT(ROWS)                                                                                       \
-    switch (format) {                                                                                             \
-    case FORMAT_Q4_0: STREAM(FORMAT_Q4_0, ROWS); break;                                                           \
-    case FORMAT_Q4_1: STREAM(FORMAT_Q4_1, ROWS); break;                                                           \
-    case FORMAT_Q5_0: STREAM(FORMAT_Q5_0, ROWS); break;                                                           \
-    case FORMAT_Q4_K: STREAM(FORMAT_Q4_K, ROWS); break;                                                           \
-    case FORMAT_Q6_K: STREAM(FORMAT_Q6_K, ROWS); break;                                                           \
-    default: STREAM(FORMAT_Q8_0, ROWS); break;                                                                    \
-    }
+#define STREAM_FORMAT(ROWS) FOR_EACH_FORMAT(format, STREAM, ROWS)
 
 static void stream_range(const float *x, const uint8_t *w, const float *bias, float *y, int64_t rows, int64_t first,
                          int64_t last, int64_t out_features, int64_t in_features, int format) {
