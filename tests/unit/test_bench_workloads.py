@@ -9,6 +9,7 @@ import pytest
 
 from vmesh.services.bench.common import for_model, load_workload
 from vmesh.services.common.model_loading import resolve_model_dir
+from vmesh.services.common.tokenizer import load_chat_tokenizer
 
 
 @pytest.mark.parametrize("name", ["standard", "overlap"])
@@ -34,3 +35,16 @@ def test_the_embedded_model_reads_the_shipped_file(tmp_path: Path) -> None:
 def test_a_workload_of_ids_only_cannot_serve_another_model(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="token ids only"):
         for_model(load_workload("long", 2, None), resolve_model_dir(), tmp_path / "other", tmp_path)
+
+
+def test_every_overlap_passage_outlasts_the_fixed_output_length() -> None:
+    """A faithful answer must still be inside its passage at the last of its max_new_tokens
+    (EOS is ignored): a shorter passage would fill the rest with whatever the model makes up
+    after its EOS, which is not text that repeats the prompt."""
+    workload = json.loads(load_workload("overlap", None, None)["path"].read_text())
+    tokenizer = load_chat_tokenizer(resolve_model_dir())
+    assert workload["ignore_eos"] and workload["latency_prompt"] in workload["prompts"]
+    for prompt in workload["prompts"]:
+        user_turn = prompt.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+        passage = user_turn.split("\n\n", 1)[1]
+        assert len(tokenizer.encode(passage, add_special_tokens=False)) > workload["max_new_tokens"], passage[:40]
