@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 
 from vmesh.services.bench.common import load_workload
-from vmesh.services.common.model_loading import embedded_model_file
 from vmesh.services.common.types import SamplingParams
 from vmesh.services.engine.llm import EngineConfig, LLMEngine
 from vmesh.services.speculative.config import SpeculativeConfig
@@ -29,9 +28,8 @@ from vmesh.services.worker.config import WorkerConfig
 
 
 def engine(weights: str, speculative: SpeculativeConfig | None, max_num_seqs: int) -> LLMEngine:
-    model = str(embedded_model_file()) if weights == "native" else None
     return LLMEngine.from_config(EngineConfig(worker=WorkerConfig(
-        model=model, weights=weights, speculative_config=speculative, max_num_seqs=max_num_seqs,
+        weights=weights, speculative_config=speculative, max_num_seqs=max_num_seqs,
         kv_cache_memory=512 << 20)))
 
 

@@ -22,12 +22,10 @@ from pathlib import Path
 
 import torch
 
-from vmesh.services.common.model_loading import resolve_model_dir
-from vmesh.services.common.tokenizer import load_chat_tokenizer
 from vmesh.services.common.types import SamplingParams
 from vmesh.services.engine.llm import EngineConfig, LLMEngine
 from vmesh.services.speculative.config import SpeculativeConfig
-from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
+from vmesh.services.worker.model_runner import WorkerConfig
 
 WORKLOAD = Path(__file__).resolve().parents[1] / "services" / "bench" / "overlap-64x128.json"
 
@@ -62,16 +60,13 @@ def main() -> None:
     clock = time.process_time if args.threads == 1 else time.perf_counter
     workload = json.loads(WORKLOAD.read_text())
     prompt, max_tokens = workload["latency_prompt_token_ids"], workload["max_new_tokens"]
-    tokenizer = load_chat_tokenizer(resolve_model_dir(None))
     variants: dict[str, SpeculativeConfig | None] = {"plain": None}
     variants.update({f"k={k}": SpeculativeConfig("ngram", k) for k in args.k})
     results = []
     for weights in args.weights:
-        # Built from a runner, not LLMEngine.from_config, which hands the runner the converted
-        # directory where `--weights native` needs the embedded GGUF file.
-        engines = {name: LLMEngine(ModelRunner.load(WorkerConfig(
-            weights=weights, kv_cache_memory=64 << 20, max_num_seqs=4, speculative_config=speculative)),
-            tokenizer, EngineConfig()) for name, speculative in variants.items()}
+        engines = {name: LLMEngine.from_config(EngineConfig(worker=WorkerConfig(
+            weights=weights, kv_cache_memory=64 << 20, max_num_seqs=4, speculative_config=speculative)))
+            for name, speculative in variants.items()}
         for engine in engines.values():
             timed_request(engine, prompt, 8, clock)  # warm-up: kernels built, buffers sized
         tpot: dict[str, list[float]] = {name: [] for name in engines}

@@ -100,8 +100,9 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig | None = None) -> LLMEngine:
         config = config or EngineConfig()
+        # config.worker.model stays as given: the runner resolves it itself, and `--weights native`
+        # reads the GGUF file behind it, not the directory converted from that file.
         model_dir = resolve_model_dir(config.worker.model, config.worker.cache_dir)
-        config.worker.model = str(model_dir)
         # The frontend's tokenizer and template: the same ids at every door.
         tokenizer = load_chat_tokenizer(model_dir, config.worker.chat_template)
         thread = model_thread()

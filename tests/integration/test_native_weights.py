@@ -140,3 +140,18 @@ def test_the_setting_is_selectable_and_refused_for_a_hugging_face_directory(embe
         ModelRunner.load(WorkerConfig(model=str(embedded_model_dir), weights="native", kv_cache_memory=4 << 20))
     with pytest.raises(ModelLoadError, match="CPU in float32"):
         ModelRunner.load(WorkerConfig(weights="native", dtype="bfloat16", kv_cache_memory=4 << 20))
+
+
+def test_the_in_process_engine_serves_native_weights_of_the_default_model():
+    """`vmesh generate --local --weights native` builds its engine with LLMEngine.from_config,
+    which must hand the runner the model as named (the GGUF file behind the default), not the
+    directory converted from it (which has no blocks to read)."""
+    config = engine_config(build_parser().parse_args(["generate", "--local", "--weights", "native", "x"]))
+    config.worker.kv_cache_memory, config.worker.max_num_seqs = 4 << 20, 1
+    engine = LLMEngine.from_config(config)
+    try:
+        assert any(isinstance(layer, QuantizedLinear) for layer in engine.runner.model.linears())
+        [output] = engine.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        assert len(output.token_ids) == 4
+    finally:
+        engine.shutdown()
