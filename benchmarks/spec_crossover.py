@@ -3,7 +3,8 @@ and without it, at each number of requests in flight, on the overlap workload (o
 repeat their prompts) and the standard one (they rarely do). The two engines share the machine
 and run in turn, round by round.
 
-    python -m benchmarks.spec_crossover [--batches 1 2 4 8 16 32] [--max-tokens 64] [--weights native]
+    python -m benchmarks.spec_crossover [--batches 1 2 4 8 16 32] [--max-tokens 64]
+        [--weights native] [--dtype bfloat16]
 
 The ratio (with / without) is what `disable_by_batch_size` should follow: speculation pays while
 a step is bound by reading the weights (a few rows), and costs once it is bound by arithmetic
@@ -27,9 +28,9 @@ from vmesh.services.speculative.config import SpeculativeConfig
 from vmesh.services.worker.config import WorkerConfig
 
 
-def engine(weights: str, speculative: SpeculativeConfig | None, max_num_seqs: int) -> LLMEngine:
+def engine(weights: str, dtype: str, speculative: SpeculativeConfig | None, max_num_seqs: int) -> LLMEngine:
     return LLMEngine.from_config(EngineConfig(worker=WorkerConfig(
-        weights=weights, speculative_config=speculative, max_num_seqs=max_num_seqs,
+        weights=weights, dtype=dtype, speculative_config=speculative, max_num_seqs=max_num_seqs,
         kv_cache_memory=512 << 20)))
 
 
@@ -47,13 +48,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--weights", default="dequantized", choices=("dequantized", "native"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--workloads", nargs="+", default=["overlap", "standard"])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     largest = max(args.batches)
-    plain = engine(args.weights, None, largest)
+    plain = engine(args.weights, args.dtype, None, largest)
     # No batch-size limit: this is the measurement the limit is set from.
-    spec = engine(args.weights, SpeculativeConfig("ngram", args.k, disable_by_batch_size=0), largest)
+    spec = engine(args.weights, args.dtype, SpeculativeConfig("ngram", args.k, disable_by_batch_size=0), largest)
     result: dict[str, dict[int, dict[str, float]]] = {}
     try:
         for workload in args.workloads:
@@ -75,7 +77,8 @@ def main() -> None:
         plain.shutdown()
         spec.shutdown()
     if args.out:
-        args.out.write_text(json.dumps({"weights": args.weights, "k": args.k, "max_tokens": args.max_tokens,
+        args.out.write_text(json.dumps({"weights": args.weights, "dtype": args.dtype, "k": args.k,
+                                        "max_tokens": args.max_tokens,
                                         "threads": torch.get_num_threads(), "result": result}, indent=1))
 
 
