@@ -31,6 +31,13 @@ class OutputAccumulator(Generic[Logprobs]):
         return cls(delta_text=mode is OutputMode.DELTA)
 
     def extend(self, text: str, token_ids: Iterable[int], logprobs: Iterable[Logprobs] = ()) -> None:
-        self.text = self.text + text if self.delta_text else text or self.text
+        if self.delta_text:
+            # Taken out of the attribute first, so the string has one reference and CPython grows it
+            # in place: `self.text + text` copied the whole text for every delta (quadratic in length).
+            whole, self.text = self.text, ""
+            whole += text
+            self.text = whole
+        else:
+            self.text = text or self.text
         self.token_ids.extend(token_ids)
         self.logprobs.extend(logprobs)
