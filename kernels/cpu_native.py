@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -252,27 +253,42 @@ class CpuKernels:
         see kernels/cpu/gguf_blocks.h). `integer`: x rounded to int8 per block of 32 and multiplied
         on integer dot products (kernels/cpu/integer_linear.c; needs `integer_dot`). Checked here:
         the call reads raw pointers."""
+        return self.quantized_product(blocks, block_format, in_features, bias, integer=integer)(x)
+
+    def quantized_product(self, blocks: torch.Tensor, block_format: int, in_features: int, bias: torch.Tensor | None,
+                          *, integer: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+        """quantized_linear with the weight and bias checked once, here: the function returned takes
+        x and checks only x (a layer calls it once per step; the weight's checks cost more than the
+        product of a single row's small layer). It holds `blocks` and `bias`, whose addresses it reads."""
         _require_quantized(blocks, block_format, in_features)
-        require_contiguous_cpu(("x", x, torch.float32))
-        if x.dim() != 2 or x.shape[1] != in_features:
-            raise ValueError(f"x must be [rows, {in_features}], got {tuple(x.shape)}")
         out_features = blocks.shape[0]
         if bias is not None:
             require_contiguous_cpu(("bias", bias, torch.float32))
             if bias.shape != (out_features,):
                 raise ValueError(f"bias must be [{out_features}], got {tuple(bias.shape)}")
-        out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
         name = "quantized_linear_int8_f32" if integer else "quantized_linear_f32"
-        status = self._functions[name](x.data_ptr(), blocks.data_ptr(), block_format,
-                                       0 if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0],
-                                       out_features, in_features, torch.get_num_threads())
-        if status == 2:
-            raise MemoryError(f"{name}: out of memory for its tiles")
-        if status == 3:
-            raise RuntimeError(f"{name}: built without AVX-512 VNNI (see CpuKernels.integer_dot)")
-        if status:
-            raise ValueError(f"{name} refused {x.shape[0]} rows of {in_features} features")
-        return out
+        functions = self._functions  # looked up per call, as every kernel is (benchmarks/step_breakdown.py times them)
+        blocks_address, bias_address = blocks.data_ptr(), 0 if bias is None else bias.data_ptr()
+
+        def product(x: torch.Tensor) -> torch.Tensor:
+            if x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous() or x.dim() != 2 or (
+                    x.shape[1] != in_features):
+                raise ValueError(f"x must be a contiguous CPU float32 [rows, {in_features}] tensor, got {x.dtype} "
+                                 f"{tuple(x.shape)} on {x.device}")
+            rows = x.shape[0]
+            out = torch.empty(rows, out_features)
+            status = functions[name](x.data_ptr(), blocks_address, block_format, bias_address, out.data_ptr(), rows,
+                            out_features, in_features, torch.get_num_threads())
+            if status == 2:
+                raise MemoryError(f"{name}: out of memory for its tiles")
+            if status == 3:
+                raise RuntimeError(f"{name}: built without AVX-512 VNNI (see CpuKernels.integer_dot)")
+            if status:
+                raise ValueError(f"{name} refused {rows} rows of {in_features} features")
+            return out
+
+        product.held = (blocks, bias)  # type: ignore[attr-defined]  # alive as long as their addresses are read
+        return product
 
     def int8_linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, row_sums: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
@@ -327,7 +343,7 @@ class CpuKernels:
 
     def supports(self, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
         """float32 queries over a float32 or bfloat16 cache, in the kernels' size limits."""
-        return (query.device.type == "cpu" and query.dtype == torch.float32 and key_cache.dtype in KV_DTYPES
+        return (query.is_cpu and query.dtype == torch.float32 and key_cache.dtype in KV_DTYPES
                 and query.shape[1] <= self.max_heads and key_cache.shape[3] <= self.max_head_dim)
 
     def supports_prefill(self, key_cache: torch.Tensor) -> bool:
