@@ -21,6 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 from vmesh.services.worker.model_runner import ModelRunner
+from vmesh.services.worker.quantized_linear import QuantizedLinear
 
 
 class Breakdown:
@@ -43,7 +44,18 @@ class Breakdown:
         return wrapper
 
     def timed_layer(self, name: str, layer: Any) -> Any:
-        """`layer` with its calls timed and its attributes (weight_rows, ...) as they were."""
+        """`layer` with its calls timed and its attributes (weight_rows, ...) as they were. A
+        QuantizedLinear stays itself (the model fuses ops into it only then): its product is timed,
+        the ops it takes in (after_rms_norm, after_silu_and_mul) under their own names."""
+        if type(layer) is QuantizedLinear:
+            product = layer._product
+            timed = _TimedLayer(product, self.timed(name, product.__call__))
+            # Set on the wrapper: __getattr__ would hand out the untimed ones.
+            timed.after_rms_norm = self.timed(f"{name} (+rms_norm)", product.after_rms_norm)  # type: ignore[attr-defined]
+            timed.after_silu_and_mul = self.timed(  # type: ignore[attr-defined]
+                f"{name} (+silu_and_mul)", product.after_silu_and_mul)
+            layer._product = timed
+            return layer
         return _TimedLayer(layer, self.timed(name, layer.__call__))
 
     def reset(self) -> None:

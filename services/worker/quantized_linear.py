@@ -204,6 +204,16 @@ class QuantizedLinear:
     def held_bytes(self) -> dict[str, int]:
         return {"quantized": self.quantized.blocks.nbytes}
 
+    def after_rms_norm(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """self(rms_norm(x (+ residual))) and the residual stream, in one C call: CpuKernels.add_rms_norm's
+        contract (float32, 2-D) for the norm (QuantizedProduct.after_rms_norm)."""
+        return self._product.after_rms_norm(x, norm_weight, eps, residual)
+
+    def after_silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu_and_mul(gate_up)) in one C call (float32, 2-D)."""
+        return self._product.after_silu_and_mul(gate_up)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:  # the decoder's rows: no reshapes (each costs about a microsecond)
             return self._product(x.contiguous())
