@@ -47,7 +47,7 @@ class Breakdown:
         """`layer` with its calls timed and its attributes (weight_rows, ...) as they were. A
         QuantizedLinear stays itself (the model fuses ops into it only then): its product is timed,
         the ops it takes in (after_rms_norm, after_silu_and_mul) under their own names."""
-        if type(layer) is QuantizedLinear:
+        if type(layer) is QuantizedLinear and hasattr(layer, "_product"):  # (a baseline tree's may predate it)
             product = layer._product
             timed = _TimedLayer(product, self.timed(name, product.__call__))
             # Set on the wrapper: __getattr__ would hand out the untimed ones.
