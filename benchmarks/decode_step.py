@@ -1,31 +1,191 @@
-"""Milliseconds per decode step of the model runner alone, optionally with a torch profile.
+"""Milliseconds per decode step of the model runner alone, optionally with a profile.
 
 B requests each hold a CONTEXT-token prompt in the KV cache; every timed step decodes one
 token for each. The per-change figures in benchmarks/README.md come from this script.
 
+--draft-tokens K: the runner speculates with n-gram drafts (SpeculativeConfig("ngram", K)) and
+each step reserves K draft slots per request; the prompts repeat a 16-token passage, so that
+each step verifies 1 + K rows per request (the mean rows per step is printed).
+
+--breakdown: milliseconds per step by op (benchmarks/step_breakdown.py): the runner's parts, the
+model's ops (linears by kind, norms, attention, ...), the C kernels inside them, and the Python
+between them.
+
+--baseline-ref REF: the same measurement over a temporary worktree of REF too, each tree in its
+own process, alternating in --rounds rounds (before and after in one sitting); prints each
+round's figures, the medians and this / baseline. With --threads 1 (the breakdown too) the
+clock is the process's CPU time, which a shared machine's descheduling does not inflate.
+
     .venv/bin/python -m benchmarks.decode_step --batch 64 --context 128 [--steps 10] [--profile]
     .venv/bin/python -m benchmarks.decode_step --batch 1 --attention-backend torch --no-small-batch-linear
     .venv/bin/python -m benchmarks.decode_step --batch 64 --dtype bfloat16 --profile   (or --weights native|int8)
+    .venv/bin/python -m benchmarks.decode_step --batch 1 --weights native --draft-tokens 4 --breakdown
+    .venv/bin/python -m benchmarks.decode_step --batch 1 --weights native --threads 1 --baseline-ref main --rounds 5
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
 
 import torch
 
 from vmesh.services.common.model_loading import embedded_model_file, load_model_spec, resolve_model_dir
 from vmesh.services.common.step_types import NewRequest, StepPlan
 from vmesh.services.common.types import SamplingParams
+from vmesh.services.speculative.config import SpeculativeConfig
 from vmesh.services.worker.kv_cache import bytes_per_block
 from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
 
 WARMUP_STEPS = 3
+PASSAGE = 16  # --draft-tokens: the prompts repeat a passage of this many tokens
+CHECKOUT = Path(__file__).resolve().parents[1]
+# Runs the script at argv[1] as __main__ with the arguments after it (the working directory first
+# on the import path, where running it by path would put benchmarks/ there instead).
+RUN_SCRIPT = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Load the runner, fill the prompts and time the decode steps: ms per step and more."""
+    torch.set_num_threads(args.threads)
+    cpu_clock = args.threads == 1
+    clock = time.process_time if cpu_clock else time.perf_counter
+    rows_per_request = 1 + args.draft_tokens
+    decode_steps = WARMUP_STEPS + args.steps + (5 if args.profile else 0)
+    model = str(embedded_model_file() if args.weights == "native" else resolve_model_dir(None))
+    speculative = SpeculativeConfig("ngram", args.draft_tokens) if args.draft_tokens else None
+    config = WorkerConfig(model=model, max_num_seqs=args.batch, dtype=args.dtype, weights=args.weights,
+                          attention_backend=args.attention_backend, small_batch_linear=not args.no_small_batch_linear,
+                          speculative_config=speculative)
+    block_size = config.block_size
+    blocks_per_request = -(-(args.context + decode_steps * rows_per_request + args.draft_tokens) // block_size)
+    spec = load_model_spec(resolve_model_dir(None))
+    kv_dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    config.kv_cache_memory = args.batch * blocks_per_request * bytes_per_block(spec, block_size, kv_dtype)
+    runner = ModelRunner.load(config)
+    handles = list(range(args.batch))
+    params = SamplingParams(temperature=0, max_tokens=decode_steps * rows_per_request + 1, ignore_eos=True)
+    plan = StepPlan(step=0, scheduled_handles=list(handles), num_scheduled_tokens=[args.context] * args.batch)
+    for i in handles:
+        if args.draft_tokens:
+            passage = [1000 + (97 * j + 7 * i) % 20000 for j in range(PASSAGE)]
+            prompt = (passage * -(-args.context // PASSAGE))[:args.context]
+        else:
+            prompt = [(7 * i + j) % 1000 + 1 for j in range(args.context)]
+        blocks = list(range(i * blocks_per_request, (i + 1) * blocks_per_request))
+        plan.new_requests.append(NewRequest(i, prompt, args.context, params, blocks))
+    runner.execute(plan)
+    step = 1
+    rows = 0
+    produced: list[int] = []
+
+    def decode() -> None:
+        nonlocal step, rows
+        result = runner.execute(StepPlan(step, scheduled_handles=list(handles), num_scheduled_tokens=[1] * args.batch,
+                                         num_draft_slots=[args.draft_tokens] * args.batch if args.draft_tokens
+                                         else []))
+        rows += args.batch + sum(result.num_draft_tokens)
+        produced.extend(result.sampled_token_ids)
+        step += 1
+
+    for _ in range(WARMUP_STEPS):
+        decode()
+    breakdown = None
+    if args.breakdown:
+        step_breakdown = sibling_module("step_breakdown")
+        breakdown = step_breakdown.Breakdown(clock)
+        step_breakdown.instrument(runner, breakdown)
+    rows = 0
+    started = clock()
+    for _ in range(args.steps):
+        decode()
+    elapsed = clock() - started
+    result = {"ms_per_step": elapsed / args.steps * 1e3, "rows_per_step": rows / args.steps,
+              "tokens_per_s": len(produced) / elapsed if not args.breakdown else None,
+              "clock": "process CPU" if cpu_clock else "wall", "attention": runner.backend.name,
+              "output_digest": hash(tuple(produced)) & 0xFFFFFFFF}
+    if breakdown is not None:
+        result["breakdown"] = breakdown.report()
+    if args.profile:
+        from torch.profiler import profile
+
+        with profile() as prof:
+            for _ in range(5):
+                decode()
+        result["profile"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
+    return result
+
+
+def sibling_module(name: str) -> ModuleType:
+    """A module beside this file, whichever tree's `benchmarks` package is importable (a
+    --baseline-ref child imports the baseline's)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    assert spec is not None and spec.loader is not None, f"benchmarks/{name}.py is beside this script"
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def describe(args: argparse.Namespace, result: dict) -> str:
+    drafts = f", {args.draft_tokens} draft slots ({result['rows_per_step']:.1f} rows/step)" if args.draft_tokens else ""
+    rate = f", {result['tokens_per_s']:.1f} tokens/s" if result["tokens_per_s"] else ""
+    return (f"{args.dtype} {args.weights}, batch {args.batch}, context {args.context}{drafts}, attention "
+            f"{result['attention']}, {args.threads} threads: {result['ms_per_step']:.2f} ms/step "
+            f"({result['clock']}){rate}")
+
+
+@contextlib.contextmanager
+def trees(baseline_ref: str) -> Iterator[dict[str, Path]]:
+    """A temporary worktree of `baseline_ref` (removed after), and this checkout."""
+    base = Path(tempfile.mkdtemp(prefix="vmesh-baseline-")) / "tree"
+    subprocess.run(["git", "worktree", "add", "--detach", str(base), baseline_ref], cwd=CHECKOUT, check=True,
+                   capture_output=True)
+    try:
+        yield {baseline_ref: base, "this": CHECKOUT}
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=CHECKOUT, check=False)
+
+
+def compare(args: argparse.Namespace, argv: list[str]) -> None:
+    """Each round runs this script once per tree (in a process of its own), alternating."""
+    child_argv = [a for i, a in enumerate(argv) if a not in ("--baseline-ref", "--rounds")
+                  and (i == 0 or argv[i - 1] not in ("--baseline-ref", "--rounds"))]
+    figures: dict[str, list[float]] = {}
+    last: dict[str, dict] = {}
+    with trees(args.baseline_ref) as by_name:
+        for i in range(args.rounds):
+            for name, tree in by_name.items():
+                # Every tree runs this checkout's script (a baseline's may predate --json) over the
+                # tree's own package: with the tree as the working directory and import path.
+                done = subprocess.run([sys.executable, "-c", RUN_SCRIPT, str(Path(__file__).resolve()), *child_argv,
+                                       "--json"], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
+                                      capture_output=True, text=True, check=True)
+                result = json.loads(done.stdout.strip().splitlines()[-1])
+                figures.setdefault(name, []).append(result["ms_per_step"])
+                print(f"round {i + 1} {name}: {describe(args, result)}, output {result['output_digest']:08x}",
+                      flush=True)
+                last[name] = result
+    for name, result in last.items():
+        if "breakdown" in result:
+            print(f"breakdown, {name} (last round):\n{result['breakdown']}")
+    medians = {name: statistics.median(values) for name, values in figures.items()}
+    print("median ms/step: " + ", ".join(f"{name} {ms:.2f}" for name, ms in medians.items())
+          + f"; this / {args.baseline_ref}: {medians['this'] / medians[args.baseline_ref]:.3f}")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=128, help="cached prompt tokens per request")
     parser.add_argument("--steps", type=int, default=10)
@@ -33,52 +193,26 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--no-small-batch-linear", action="store_true")
     parser.add_argument("--profile", action="store_true", help="print a torch profile of 5 more steps")
+    parser.add_argument("--breakdown", action="store_true", help="print milliseconds per step by op")
+    parser.add_argument("--draft-tokens", type=int, default=0, help="n-gram speculation with this many drafts")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--weights", default="dequantized", choices=("dequantized", "native", "int8"),
                         help="native reads the embedded GGUF file's blocks")
+    parser.add_argument("--baseline-ref", help="also time a worktree of this git ref, alternating rounds")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # a --baseline-ref child's output
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-
-    decode_steps = WARMUP_STEPS + args.steps + (5 if args.profile else 0)
-    model = str(embedded_model_file() if args.weights == "native" else resolve_model_dir(None))
-    config = WorkerConfig(model=model, max_num_seqs=args.batch, dtype=args.dtype, weights=args.weights,
-                          attention_backend=args.attention_backend, small_batch_linear=not args.no_small_batch_linear)
-    block_size = config.block_size
-    blocks_per_request = -(-(args.context + decode_steps) // block_size)
-    spec = load_model_spec(resolve_model_dir(None))
-    kv_dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    config.kv_cache_memory = args.batch * blocks_per_request * bytes_per_block(spec, block_size, kv_dtype)
-    runner = ModelRunner.load(config)
-    handles = list(range(args.batch))
-    params = SamplingParams(temperature=0, max_tokens=decode_steps + 1, ignore_eos=True)
-    plan = StepPlan(step=0, scheduled_handles=list(handles), num_scheduled_tokens=[args.context] * args.batch)
-    for i in handles:
-        prompt = [(7 * i + j) % 1000 + 1 for j in range(args.context)]
-        blocks = list(range(i * blocks_per_request, (i + 1) * blocks_per_request))
-        plan.new_requests.append(NewRequest(i, prompt, args.context, params, blocks))
-    runner.execute(plan)
-    step = 1
-
-    def decode() -> None:
-        nonlocal step
-        runner.execute(StepPlan(step, scheduled_handles=list(handles), num_scheduled_tokens=[1] * args.batch))
-        step += 1
-
-    for _ in range(WARMUP_STEPS):
-        decode()
-    started = time.perf_counter()
-    for _ in range(args.steps):
-        decode()
-    elapsed = time.perf_counter() - started
-    print(f"{args.dtype} {args.weights}, batch {args.batch}, context {args.context}, attention {runner.backend.name}: "
-          f"{elapsed / args.steps * 1e3:.1f} ms/step, {args.batch * args.steps / elapsed:.1f} tokens/s")
-    if args.profile:
-        from torch.profiler import profile
-
-        with profile() as prof:
-            for _ in range(5):
-                decode()
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    if args.baseline_ref:
+        compare(args, sys.argv[1:])
+        return
+    result = measure(args)
+    if args.json:
+        print(json.dumps({k: v for k, v in result.items() if k != "profile"}))
+        return
+    print(describe(args, result))
+    for part in ("breakdown", "profile"):
+        if part in result:
+            print(result[part])
 
 
 if __name__ == "__main__":

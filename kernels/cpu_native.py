@@ -113,6 +113,10 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "quantized_linear_int8_f32": ([P, P, INT, P, P, I64, I64, I64], INT),  # x rounded to int8 per block
     "int8_linear_f32": ([P, P, P, P, P, P, I64, I64, I64], INT),
     "quantized_rows_f32": ([P, INT, P, I64, I64, I64, P], INT),
+    # fused_linear.c: the norm's (x, residual, weight, eps), or gate_up, then quantized_linear's
+    # arguments after x, then whether the product is the integer one.
+    "rms_norm_quantized_linear_f32": ([P, P, P, F32, P, INT, P, P, I64, I64, I64, INT], INT),
+    "silu_quantized_linear_f32": ([P, P, INT, P, P, I64, I64, I64, INT], INT),
     "apply_token_bitmask_f32": ([P, I64, P, I64, P, I64, I64], None),
 }
 # The C kernels' name suffix per model dtype. bfloat16 is the mixed model's: bfloat16 activations,
@@ -252,27 +256,20 @@ class CpuKernels:
         see kernels/cpu/gguf_blocks.h). `integer`: x rounded to int8 per block of 32 and multiplied
         on integer dot products (kernels/cpu/integer_linear.c; needs `integer_dot`). Checked here:
         the call reads raw pointers."""
+        return self.quantized_product(blocks, block_format, in_features, bias, integer=integer)(x)
+
+    def quantized_product(self, blocks: torch.Tensor, block_format: int, in_features: int, bias: torch.Tensor | None,
+                          *, integer: bool = False) -> QuantizedProduct:
+        """quantized_linear with the weight and bias checked once, here: the QuantizedProduct returned
+        takes x and checks only x (a layer calls it once per step; the weight's checks cost more than
+        the product of a single row's small layer)."""
         _require_quantized(blocks, block_format, in_features)
-        require_contiguous_cpu(("x", x, torch.float32))
-        if x.dim() != 2 or x.shape[1] != in_features:
-            raise ValueError(f"x must be [rows, {in_features}], got {tuple(x.shape)}")
         out_features = blocks.shape[0]
         if bias is not None:
             require_contiguous_cpu(("bias", bias, torch.float32))
             if bias.shape != (out_features,):
                 raise ValueError(f"bias must be [{out_features}], got {tuple(bias.shape)}")
-        out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-        name = "quantized_linear_int8_f32" if integer else "quantized_linear_f32"
-        status = self._functions[name](x.data_ptr(), blocks.data_ptr(), block_format,
-                                       0 if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0],
-                                       out_features, in_features, torch.get_num_threads())
-        if status == 2:
-            raise MemoryError(f"{name}: out of memory for its tiles")
-        if status == 3:
-            raise RuntimeError(f"{name}: built without AVX-512 VNNI (see CpuKernels.integer_dot)")
-        if status:
-            raise ValueError(f"{name} refused {x.shape[0]} rows of {in_features} features")
-        return out
+        return QuantizedProduct(self._functions, blocks, block_format, in_features, bias, integer)
 
     def int8_linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, row_sums: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
@@ -327,7 +324,7 @@ class CpuKernels:
 
     def supports(self, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
         """float32 queries over a float32 or bfloat16 cache, in the kernels' size limits."""
-        return (query.device.type == "cpu" and query.dtype == torch.float32 and key_cache.dtype in KV_DTYPES
+        return (query.is_cpu and query.dtype == torch.float32 and key_cache.dtype in KV_DTYPES
                 and query.shape[1] <= self.max_heads and key_cache.shape[3] <= self.max_head_dim)
 
     def supports_prefill(self, key_cache: torch.Tensor) -> bool:
@@ -397,6 +394,78 @@ class CpuKernels:
             raise ValueError(f"unsupported attention shape: group {group}, head_dim {head_dim}")
         if status == 2:
             raise MemoryError("paged_attention: out of memory for the score buffer")
+
+
+class QuantizedProduct:
+    """CpuKernels.quantized_linear over one checked weight (CpuKernels.quantized_product), alone or
+    with the elementwise op that feeds it in the same C call (kernels/cpu/fused_linear.c): RMSNorm
+    with the residual add, or SiLU-and-multiply. Each call checks its own tensors only. Holds
+    `blocks` and `bias`, whose addresses it reads."""
+
+    def __init__(self, functions: dict[str, Any], blocks: torch.Tensor, block_format: int, in_features: int,
+                 bias: torch.Tensor | None, integer: bool):
+        self._functions = functions  # looked up per call, as every kernel is (benchmarks/step_breakdown.py times them)
+        self._held = (blocks, bias)
+        self.name = "quantized_linear_int8_f32" if integer else "quantized_linear_f32"
+        self.integer = int(integer)
+        self.out_features, self.in_features, self.block_format = blocks.shape[0], in_features, block_format
+        self._weight = (blocks.data_ptr(), block_format, 0 if bias is None else bias.data_ptr())
+
+    def _rows(self, x: torch.Tensor, name: str, width: int) -> int:
+        if x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous() or x.dim() != 2 or x.shape[1] != width:
+            raise ValueError(f"{name} must be a contiguous CPU float32 [rows, {width}] tensor, got {x.dtype} "
+                             f"{tuple(x.shape)} on {x.device}")
+        return x.shape[0]
+
+    def _checked(self, status: int, name: str, rows: int) -> None:
+        if status == 2:
+            raise MemoryError(f"{name}: out of memory for its scratch")
+        if status == 3:
+            raise RuntimeError(f"{name}: built without AVX-512 VNNI (see CpuKernels.integer_dot)")
+        if status:
+            raise ValueError(f"{name} refused {rows} rows of {self.in_features} features")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] @ W.T + bias."""
+        rows = self._rows(x, "x", self.in_features)
+        out = torch.empty(rows, self.out_features)
+        blocks, block_format, bias = self._weight
+        self._checked(self._functions[self.name](x.data_ptr(), blocks, block_format, bias, out.data_ptr(), rows,
+                                                 self.out_features, self.in_features, torch.get_num_threads()),
+                      self.name, rows)
+        return out
+
+    def after_rms_norm(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this product over CpuKernels.add_rms_norm(x, norm_weight, eps, residual), the residual
+        stream): with `residual`, x is added to it in place and it is returned; without, x is the
+        stream (left as it is, and returned)."""
+        rows = self._rows(x, "x", self.in_features)
+        require_contiguous_cpu(("norm_weight", norm_weight, torch.float32))
+        if norm_weight.shape != (self.in_features,):
+            raise ValueError(f"norm_weight must be [{self.in_features}], got {tuple(norm_weight.shape)}")
+        if residual is not None:
+            self._rows(residual, "residual", self.in_features)
+            if residual.shape[0] != rows:
+                raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+        stream = x if residual is None else residual
+        out = torch.empty(rows, self.out_features)
+        blocks, block_format, bias = self._weight
+        self._checked(self._functions["rms_norm_quantized_linear_f32"](
+            0 if residual is None else x.data_ptr(), stream.data_ptr(), norm_weight.data_ptr(), eps, blocks,
+            block_format, bias, out.data_ptr(), rows, self.out_features, self.in_features, self.integer,
+            torch.get_num_threads()), "rms_norm_quantized_linear_f32", rows)
+        return out, stream
+
+    def after_silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """(silu(gate) * up) @ W.T + bias for gate_up [rows, 2 * in] (CpuKernels.silu_and_mul's input)."""
+        rows = self._rows(gate_up, "gate_up", 2 * self.in_features)
+        out = torch.empty(rows, self.out_features)
+        blocks, block_format, bias = self._weight
+        self._checked(self._functions["silu_quantized_linear_f32"](
+            gate_up.data_ptr(), blocks, block_format, bias, out.data_ptr(), rows, self.out_features, self.in_features,
+            self.integer, torch.get_num_threads()), "silu_quantized_linear_f32", rows)
+        return out
 
 
 def _window(window: int | None) -> int:

@@ -21,8 +21,8 @@
  * dequant(W) times the int8-rounded activations up to the order of float32 accumulation.
  *
  * Two paths, as in quantized_linear.c: up to STREAM_ROWS rows one streaming pass over the blocks
- * (each thread a run of output features; a block pair is unpacked in registers and used by every
- * row); with more rows each thread unpacks a tile of TILE_OUT features once per chunk of rows into a
+ * (each thread a run of output features, 4 side by side for one row and 2 for more; a block pair is
+ * unpacked in registers and used by every row, the next features' bytes prefetched); with more rows each thread unpacks a tile of TILE_OUT features once per chunk of rows into a
  * scratch of ready vectors (codes and scales, pair by pair) and runs 3 rows x 4 features over it.
  * Without VNNI this file builds to a stub that reports so; callers keep quantized_linear.c.
  */
@@ -260,33 +260,74 @@ static void correction_weights(const uint8_t *row, int64_t blocks, int format, i
 
 /* ---- 1 to STREAM_ROWS rows ---- */
 
+/* Output features that share each pass over the activations: with one row a feature's
+ * accumulator is one chain of dependent FMAs (latency bound, ~4 cycles a pair), so four
+ * independent features go side by side; with more rows the rows' chains are independent already,
+ * and two features halve the activation loads, which bound those rows. */
+#define STREAM_FEATURES 4
+static inline int stream_features_for(int rows) { return rows == 1 ? 4 : 2; }
+
+/* Features o .. o + FEATURES - 1 for ROWS rows. Each feature's sum is formed in the same order
+ * whatever FEATURES is, so the result does not depend on it. */
+static inline __attribute__((always_inline)) void stream_group(const Activations *a, const uint8_t *w,
+                                                               const float *bias, float *y, int64_t o,
+                                                               int64_t out_features, int64_t blocks, int64_t bytes,
+                                                               const int format, const int ROWS, const int FEATURES) {
+    const int64_t pairs = a->pairs;
+    const uint8_t *row[STREAM_FEATURES];
+    __m512 acc[STREAM_FEATURES][STREAM_ROWS], header[STREAM_FEATURES];
+    for (int f = 0; f < FEATURES; ++f) {
+        row[f] = w + (o + f) * bytes;
+        header[f] = _mm512_setzero_ps();
+        for (int r = 0; r < ROWS; ++r) acc[f][r] = _mm512_setzero_ps();
+    }
+    /* The next group's bytes, a share per pair: with several rows read side by side the
+     * hardware prefetchers fell behind on a layer streamed from memory. */
+    const uint8_t *next = w + (o + FEATURES) * bytes, *end = w + out_features * bytes;
+    const int64_t next_lines = (FEATURES * bytes + 63) / 64;
+    for (int64_t p = 0; p < pairs; ++p) {
+        for (int64_t line = p * next_lines / pairs; line < (p + 1) * next_lines / pairs; ++line)
+            if (next + line * 64 < end) _mm_prefetch((const char *)(next + line * 64), _MM_HINT_T0);
+        WeightPair wp[STREAM_FEATURES];
+        for (int f = 0; f < FEATURES; ++f) {
+            if (p % pairs_per_header(format) == 0)
+                header[f] = block_header(row[f] + p / 4 * block_bytes(format), format);
+            wp[f] = weight_pair(row[f], p, blocks, format, header[f]);
+        }
+        for (int r = 0; r < ROWS; ++r) {
+            const int64_t at = r * pairs + p;
+            /* The offset formats' starts are all zero (no -K sum(a) correction): not loaded. */
+            const __m512i start = has_offset(format) ? _mm512_setzero_si512()
+                                                     : _mm512_load_si512((const void *)(a->starts + at * 16));
+            const __m512i codes = _mm512_load_si512((const void *)(a->codes + at * 64));
+            const __m512 scales = _mm512_load_ps(a->scales + at * 16);
+            const __m512 offsets = has_offset(format) ? _mm512_load_ps(a->offsets + at * 16) : _mm512_setzero_ps();
+            for (int f = 0; f < FEATURES; ++f) {
+                const __m512i dot = _mm512_dpbusd_epi32(start, wp[f].codes, codes);
+                const __m512 scale = _mm512_mul_ps(wp[f].scale, scales);
+                acc[f][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[f][r]);
+                if (has_offset(format)) acc[f][r] = _mm512_fmadd_ps(wp[f].offset, offsets, acc[f][r]);
+            }
+        }
+    }
+    for (int f = 0; f < FEATURES; ++f)
+        for (int r = 0; r < ROWS; ++r)
+            y[r * out_features + o + f] = _mm512_reduce_add_ps(acc[f][r]) + (bias ? bias[o + f] : 0.0f);
+}
+
 static inline __attribute__((always_inline)) void stream_features(const Activations *a, const uint8_t *w,
                                                                   const float *bias, float *y, int64_t first,
                                                                   int64_t last, int64_t out_features,
                                                                   int64_t in_features, const int format,
                                                                   const int ROWS) {
-    const int64_t blocks = in_features / SUB_BLOCK, bytes = row_bytes(format, in_features), pairs = a->pairs;
-    for (int64_t o = first; o < last; ++o) {
-        const uint8_t *row = w + o * bytes;
-        __m512 acc[STREAM_ROWS], header = _mm512_setzero_ps();
-        for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
-        for (int64_t p = 0; p < pairs; ++p) {
-            if (p % pairs_per_header(format) == 0) header = block_header(row + p / 4 * block_bytes(format), format);
-            const WeightPair wp = weight_pair(row, p, blocks, format, header);
-            for (int r = 0; r < ROWS; ++r) {
-                const int64_t at = r * pairs + p;
-                const __m512i start = _mm512_load_si512((const void *)(a->starts + at * 16));
-                const __m512i dot = _mm512_dpbusd_epi32(start, wp.codes,
-                                                        _mm512_load_si512((const void *)(a->codes + at * 64)));
-                const __m512 scale = _mm512_mul_ps(wp.scale, _mm512_load_ps(a->scales + at * 16));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
-                if (has_offset(format))
-                    acc[r] = _mm512_fmadd_ps(wp.offset, _mm512_load_ps(a->offsets + at * 16), acc[r]);
-            }
-        }
-        for (int r = 0; r < ROWS; ++r)
-            y[r * out_features + o] = _mm512_reduce_add_ps(acc[r]) + (bias ? bias[o] : 0.0f);
-    }
+    const int64_t blocks = in_features / SUB_BLOCK, bytes = row_bytes(format, in_features);
+    const int features = stream_features_for(ROWS);
+    int64_t o = first;
+    if (features == 4)
+        for (; o + 4 <= last; o += 4) stream_group(a, w, bias, y, o, out_features, blocks, bytes, format, ROWS, 4);
+    else
+        for (; o + 2 <= last; o += 2) stream_group(a, w, bias, y, o, out_features, blocks, bytes, format, ROWS, 2);
+    for (; o < last; ++o) stream_group(a, w, bias, y, o, out_features, blocks, bytes, format, ROWS, 1);
 }
 
 #define STREAM(FORMAT, ROWS) stream_features(a, w, bias, y, first, last, out_features, in_features, FORMAT, ROWS)

@@ -29,7 +29,7 @@ from vmesh.services.worker.attention import AttentionBackend, AttentionMetadata,
 from vmesh.services.worker.int8_linear import Int8Linear
 from vmesh.services.worker.kv_cache import KVCache
 from vmesh.services.worker.linear import Linear
-from vmesh.services.worker.mlp import load_mlp
+from vmesh.services.worker.mlp import DenseMlp, load_mlp
 from vmesh.services.worker.quantized_linear import QuantizedLinear, QuantizedWeight, log_placement
 from vmesh.services.worker.rotary import RotaryEmbedding
 
@@ -81,6 +81,9 @@ class FusedOps:
 
     # What runs them, for the load-time log line.
     description: str = "torch"
+    # Whether a quantized linear (QuantizedLinear) takes the norm before it, or SiLU-and-multiply,
+    # into its own C call: the C float32 ops, whose kernels those calls run (kernels/cpu/fused_linear.c).
+    into_quantized_linear: bool = False
 
     @classmethod
     def for_backend(cls, backend: AttentionBackend, dtype: torch.dtype, mixed: bool = False) -> FusedOps:
@@ -101,7 +104,7 @@ class FusedOps:
         if isinstance(backend, CpuAttentionBackend) and dtype == torch.float32:
             kernels = backend.kernels
             return cls(kernels.add_rms_norm, kernels.silu_and_mul, kernels.rotary_write_kv,
-                       description="C (add+RMSNorm, SiLU*mul, rotary+KV write)")
+                       description="C (add+RMSNorm, SiLU*mul, rotary+KV write)", into_quantized_linear=True)
         if mixed:
             return cls(rms_norm_mixed_ref, silu_and_mul_mixed_ref, description="torch (float32 compute)")
         return cls(rms_norm_ref, silu_and_mul_ref)
@@ -219,11 +222,14 @@ class DecoderLayer:
         their sum is the layer's output, formed by the next norm."""
         spec = self.spec
         eps = spec.rms_norm_eps
-        if residual is None:
+        if ops.into_quantized_linear and type(self.qkv_proj) is QuantizedLinear:  # not a LoRA wrapper: it reads x
+            qkv, residual = self.qkv_proj.after_rms_norm(hidden, self.input_norm, eps, residual)
+        elif residual is None:
             x, residual = ops.rms_norm(hidden, self.input_norm, eps), hidden
+            qkv = self.qkv_proj(x)
         else:
             x, residual = ops.rms_norm(hidden, self.input_norm, eps, residual)
-        qkv = self.qkv_proj(x)
+            qkv = self.qkv_proj(x)
         if self.q_norm is not None:
             qkv = self._qk_norm(qkv)
         if ops.rotary_write_kv is not None:
@@ -244,9 +250,12 @@ class DecoderLayer:
         if self.pre_mlp_norm is not None:  # sandwich: the branch's output is normed before it joins
             attn_out = ops.rms_norm(attn_out.float().contiguous(), self.post_attention_norm, eps)
             x, residual = ops.rms_norm(attn_out, self.pre_mlp_norm, eps, residual)
+            mlp_out = self.mlp(x, ops)
+        elif isinstance(self.mlp, DenseMlp) and self.mlp.takes_norm(ops):
+            mlp_out, residual = self.mlp.after_rms_norm(attn_out, self.post_attention_norm, eps, residual, ops)
         else:
             x, residual = ops.rms_norm(attn_out, self.post_attention_norm, eps, residual)
-        mlp_out = self.mlp(x, ops)
+            mlp_out = self.mlp(x, ops)
         if self.parallel is not None:
             mlp_out = self.parallel.all_reduce(mlp_out)
         if self.post_mlp_norm is not None:

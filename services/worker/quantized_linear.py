@@ -176,6 +176,9 @@ class QuantizedLinear:
         self.bias = bias.to(torch.float32).contiguous() if bias is not None else None
         self.kernels = kernels
         self.integer = integer_dot_chosen(kernels)
+        # The weight and bias checked once; each call checks its input only.
+        self._product = kernels.quantized_product(self.quantized.blocks, self.quantized.block_format,
+                                                  self.in_features, self.bias, integer=self.integer)
 
     @property
     def format(self) -> str:
@@ -201,12 +204,21 @@ class QuantizedLinear:
     def held_bytes(self) -> dict[str, int]:
         return {"quantized": self.quantized.blocks.nbytes}
 
+    def after_rms_norm(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """self(rms_norm(x (+ residual))) and the residual stream, in one C call: CpuKernels.add_rms_norm's
+        contract (float32, 2-D) for the norm (QuantizedProduct.after_rms_norm)."""
+        return self._product.after_rms_norm(x, norm_weight, eps, residual)
+
+    def after_silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu_and_mul(gate_up)) in one C call (float32, 2-D)."""
+        return self._product.after_silu_and_mul(gate_up)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:  # the decoder's rows: no reshapes (each costs about a microsecond)
+            return self._product(x.contiguous())
         lead = x.shape[:-1]
-        q = self.quantized
-        out = self.kernels.quantized_linear(x.reshape(-1, self.in_features).contiguous(), q.blocks, q.block_format,
-                                            q.in_features, self.bias, integer=self.integer)
-        return out.view(*lead, self.out_features)
+        return self._product(x.reshape(-1, self.in_features).contiguous()).view(*lead, self.out_features)
 
 
 def read_gguf_weights(path: Path, spec: ModelSpec) -> dict[str, torch.Tensor | QuantizedWeight]:
