@@ -3,7 +3,10 @@ peers' vLLM environment) against `vmesh serve` and against vLLM's OpenAI server,
 converted weights, in the same precision, under the same loads. Both servers are started once
 and stay up; each round sends every load to each of them, the order of the servers swapped from
 round to round, so that the machine's drift (±20 % between sittings here) falls on both alike.
-Medians over the rounds are reported, with vmesh's figures over vLLM's."""
+Every load of every round draws its own prompts (the servers of that load and round share them):
+repeated prompts would find the previous run's prefix cache, and make every run after the
+first faster than the first. Medians over the rounds are reported, with vmesh's figures over
+vLLM's."""
 
 from __future__ import annotations
 
@@ -106,15 +109,39 @@ class VllmServer:
         self.log.close()
 
 
-def run_client(python: Path, base_url: str, model: str, tokenizer: Path, load: Load,
+@dataclass(frozen=True)
+class ClientRun:
+    round_index: int
+    load: Load
+    server: str
+    seed: int  # vLLM's client's: it draws the run's random prompts from it
+
+
+def client_runs(servers: list[str], loads: list[Load], rounds: int, seed: int) -> list[ClientRun]:
+    """The order of the client's runs: round after round, each load in turn, the servers in an
+    order reversed every other round. Every load of every round has its own seed, shared by its
+    servers: one seed throughout gave every run the first one's prompts, so each server's first
+    burst computed all of its prefill and every later run found it in the prefix cache (vmesh:
+    240 of each 256-token prompt; benchmarks/first_burst.py)."""
+    runs = []
+    for round_index in range(rounds):
+        order = servers if round_index % 2 == 0 else servers[::-1]
+        for load_index, load in enumerate(loads):
+            runs += [ClientRun(round_index, load, server, seed + round_index * len(loads) + load_index)
+                     for server in order]
+    return runs
+
+
+def run_client(python: Path, base_url: str, model: str, tokenizer: Path, load: Load, seed: int,
                args: argparse.Namespace) -> dict[str, float]:
-    """One load against one server: vLLM's client on random prompts of fixed lengths, EOS ignored."""
+    """One load against one server: vLLM's client on random prompts of fixed lengths drawn from
+    `seed`, EOS ignored."""
     with tempfile.TemporaryDirectory(prefix="vmesh-bench-vllm-client-") as out:
         command = [str(python), str(CLIENT), "--backend", "openai", "--base-url", base_url.removesuffix("/v1"),
                    "--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(tokenizer),
                    "--dataset-name", "random", "--random-input-len", str(args.input_len),
                    "--random-output-len", str(args.output_len), "--ignore-eos", "--num-prompts",
-                   str(args.num_prompts), "--seed", str(args.seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
+                   str(args.num_prompts), "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
                    "--metric-percentiles", "50,99", "--num-warmups", str(args.num_warmups), "--disable-tqdm",
                    "--save-result", "--result-dir", out,
                    "--result-filename", "result.json", *load.client_flags()]
@@ -177,15 +204,12 @@ def online(args: argparse.Namespace) -> dict[str, Any]:
             stack.callback(vllm.close)
             urls["vllm"] = vllm.base_url
         models = {name: _served_model(url) for name, url in urls.items()}
-        for round_index in range(args.rounds):
-            order = servers if round_index % 2 == 0 else servers[::-1]
-            for load in loads:
-                for server in order:
-                    figures = run_client(python, urls[server], models[server], model_dir, load, args)
-                    runs[server][load.name].append(figures)
-                    print(f"round {round_index + 1} {load.name} {server}: {figures['output_throughput']:.1f} tok/s, "
-                          f"TTFT p50 {figures['median_ttft_ms']:.0f} ms, TPOT {figures['mean_tpot_ms']:.1f} ms, "
-                          f"ITL p99 {figures['p99_itl_ms']:.0f} ms", flush=True)
+        for run in client_runs(servers, loads, args.rounds, args.seed):
+            figures = run_client(python, urls[run.server], models[run.server], model_dir, run.load, run.seed, args)
+            runs[run.server][run.load.name].append(figures)
+            print(f"round {run.round_index + 1} {run.load.name} {run.server}: {figures['output_throughput']:.1f} "
+                  f"tok/s, TTFT p50 {figures['median_ttft_ms']:.0f} ms, TPOT {figures['mean_tpot_ms']:.1f} ms, "
+                  f"ITL p99 {figures['p99_itl_ms']:.0f} ms", flush=True)
         if guidellm and guidellm_interpreter:
             for server in servers:  # after every round of vLLM's client, on the same servers
                 sweeps[server] = run_guidellm(guidellm_interpreter, urls[server], models[server], model_dir, guidellm)
@@ -231,10 +255,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the first round's first load's prompts; each later load and round draws from the next "
+                             "seed, so that no run finds the prompts of another in a prefix cache")
     parser.add_argument("--num-warmups", type=int, default=8,
-                        help="requests each client run sends first and leaves out of its figures (the servers' "
-                             "first-use costs, e.g. vmesh's first burst after start-up, fall outside the rounds)")
+                        help="requests each client run sends first (all of them its first prompt) and leaves out "
+                             "of its figures: the servers' first-use costs fall outside the rounds")
     parser.add_argument("--guidellm-rates", default="",
                         help="also a GuideLLM sweep over these constant rates (comma-separated requests/s) against "
                              "every server, after the rounds, e.g. 0.5,1,2,3 (needs setup.sh's guidellm environment)")

@@ -10,7 +10,7 @@ import pytest
 
 from vmesh.services.bench.cli import main
 from vmesh.services.bench.guidellm_runs import GuideLLMLoads, benchmark_figures, guidellm_python, guidellm_scenario
-from vmesh.services.bench.online_peers import Load, parse_variants
+from vmesh.services.bench.online_peers import Load, client_runs, parse_variants
 from vmesh.services.bench.peers import PeerError
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -20,6 +20,25 @@ def test_loads_become_the_clients_flags():
     assert Load.parse("burst:32") == Load("burst:32", math.inf, 32)
     assert Load.parse("burst:32").client_flags() == ["--request-rate", "inf", "--max-concurrency", "32"]
     assert Load.parse("rate:2").client_flags() == ["--request-rate", "2.0"]
+
+
+def test_every_load_of_every_round_draws_its_own_prompts_which_its_servers_share():
+    # One seed throughout repeated the first run's prompts: every later run found them in the
+    # server's prefix cache, and the first burst after start-up looked like the slowest (issue 35).
+    loads = [Load.parse("burst:32"), Load.parse("rate:2")]
+    runs = client_runs(["vmesh", "int8", "vllm"], loads, rounds=3, seed=5)
+    seeds: dict[tuple[int, str], set[int]] = {}
+    for run in runs:
+        seeds.setdefault((run.round_index, run.load.name), set()).add(run.seed)
+    assert all(len(shared) == 1 for shared in seeds.values())
+    drawn = [seed for shared in seeds.values() for seed in shared]
+    assert len(set(drawn)) == len(drawn) == 6
+    assert runs[0].seed == 5  # --seed is the first run's
+    # The servers' order still alternates from round to round, each load in turn.
+    assert [(r.round_index, r.load.name, r.server) for r in runs[:6]] == [
+        (0, "burst:32", "vmesh"), (0, "burst:32", "int8"), (0, "burst:32", "vllm"),
+        (0, "rate:2", "vmesh"), (0, "rate:2", "int8"), (0, "rate:2", "vllm")]
+    assert [r.server for r in runs[6:9]] == ["vllm", "int8", "vmesh"]
 
 
 @pytest.mark.parametrize("text", ["burst", "burst:x", "rate:fast", "poisson:2"])
