@@ -113,9 +113,9 @@ def warmup_bodies(work: dict[str, Any], arm: str, model: str | None) -> list[dic
 
 def burst_bodies(bodies: list[dict[str, Any]], concurrency: int) -> list[dict[str, Any]]:
     """The arm's first `concurrency` requests cut to 2 tokens, sent at once before its load: the
-    server's first batch that large costs it more than any later one (fresh KV cache pages and
-    allocations, measured at 1.6-2.4x a later burst's worker time), which would otherwise fall on
-    whichever arm runs first."""
+    server's first batch that large was measured at 1.6-2.4x a later burst's worker time (the
+    cause not established: with fresh prompts benchmarks/first_burst.py finds first-use costs of
+    0.2-0.4 % of a burst), which would otherwise fall on whichever arm runs first."""
     return [{**body, "max_tokens": 2} for body in bodies[:max(1, concurrency)]]
 
 
