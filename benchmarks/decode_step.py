@@ -26,21 +26,19 @@ clock is the process's CPU time, which a shared machine's descheduling does not 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from benchmarks.baseline_tree import baseline_trees
 from vmesh.services.common.model_loading import embedded_model_file, load_model_spec, resolve_model_dir
 from vmesh.services.common.step_types import NewRequest, StepPlan
 from vmesh.services.common.types import SamplingParams
@@ -50,7 +48,6 @@ from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
 
 WARMUP_STEPS = 3
 PASSAGE = 16  # --draft-tokens: the prompts repeat a passage of this many tokens
-CHECKOUT = Path(__file__).resolve().parents[1]
 # Runs the script at argv[1] as __main__ with the arguments after it (the working directory first
 # on the import path, where running it by path would put benchmarks/ there instead).
 RUN_SCRIPT = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
@@ -145,25 +142,13 @@ def describe(args: argparse.Namespace, result: dict) -> str:
             f"({result['clock']}){rate}")
 
 
-@contextlib.contextmanager
-def trees(baseline_ref: str) -> Iterator[dict[str, Path]]:
-    """A temporary worktree of `baseline_ref` (removed after), and this checkout."""
-    base = Path(tempfile.mkdtemp(prefix="vmesh-baseline-")) / "tree"
-    subprocess.run(["git", "worktree", "add", "--detach", str(base), baseline_ref], cwd=CHECKOUT, check=True,
-                   capture_output=True)
-    try:
-        yield {baseline_ref: base, "this": CHECKOUT}
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=CHECKOUT, check=False)
-
-
 def compare(args: argparse.Namespace, argv: list[str]) -> None:
     """Each round runs this script once per tree (in a process of its own), alternating."""
     child_argv = [a for i, a in enumerate(argv) if a not in ("--baseline-ref", "--rounds")
                   and (i == 0 or argv[i - 1] not in ("--baseline-ref", "--rounds"))]
     figures: dict[str, list[float]] = {}
     last: dict[str, dict] = {}
-    with trees(args.baseline_ref) as by_name:
+    with baseline_trees(args.baseline_ref) as by_name:
         for i in range(args.rounds):
             for name, tree in by_name.items():
                 # Every tree runs this checkout's script (a baseline's may predate --json) over the

@@ -39,6 +39,7 @@ import grpc
 import httpx
 from grpc_health.v1 import health, health_pb2_grpc
 
+from benchmarks.baseline_tree import baseline_trees
 from vmesh.services.bench.mesh import start_mesh
 from vmesh.services.common.grpc_server import SERVER_OPTIONS
 from vmesh.services.common.model_loading import EMBEDDED_MODEL_NAME
@@ -46,7 +47,6 @@ from vmesh.services.common.types import FinishReason, OutputBatch, StreamOutput
 from vmesh.services.common.wire import outputs
 from vmesh.v1 import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
-CHECKOUT = Path(__file__).resolve().parents[1]
 WORDS = (" The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog", ",", " and", " then",
          " it", " runs", " away", ".", "\n", " Ü", "ber", " café", " 🦊", " \"quoted\"")
 
@@ -264,21 +264,6 @@ def mesh_round(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
         mesh.stop()
 
 
-@contextlib.contextmanager
-def trees(baseline_ref: str | None) -> Iterator[dict[str, Path]]:
-    """This checkout, and a temporary worktree of `baseline_ref` (removed after)."""
-    if baseline_ref is None:
-        yield {"this": CHECKOUT}
-        return
-    base = Path(tempfile.mkdtemp(prefix="vmesh-baseline-")) / "tree"
-    subprocess.run(["git", "worktree", "add", "--detach", str(base), baseline_ref], cwd=CHECKOUT, check=True,
-                   capture_output=True)
-    try:
-        yield {baseline_ref: base, "this": CHECKOUT}
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=CHECKOUT, check=False)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, default=32)
@@ -293,7 +278,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rounds: dict[str, list[dict[str, Any]]] = {}
-    with trees(args.baseline_ref) as by_name:
+    with baseline_trees(args.baseline_ref) as by_name:
         for i in range(args.rounds):
             for name, tree in by_name.items():
                 result = mesh_round(tree, args) if args.mesh else asyncio.run(isolated_round(tree, args))
