@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False, parents=[base])
     common.add_argument("--workload", default="standard",
                         help=f"{' or '.join(WORKLOADS)} (64 x 128 tokens after short prompts; 16 x 64 after "
-                             "2,000-token prompts; 64 x 128 repeating the prompts' passages), or a workload JSON file "
+                             "2,000-token prompts; 64 x 128 repeating the prompts' passages; 64 x 128 after distinct "
+                             "256-token prompts), or a workload JSON file "
                              "of the same form; serving also takes "
                              f"{STRUCTURED_WORKLOAD} (the standard prompts answered in JSON, with and without schemas) "
                              f"and {HOT_PREFIX_WORKLOAD} (shared prefixes, one hot, over 1-3 worker groups and two "

@@ -24,7 +24,9 @@ from vmesh.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_g
 WORKLOADS = {"standard": Path(__file__).resolve().parent / "standard-64x128.json",
              "long": Path(__file__).resolve().parent / "long-16x2000.json",
              # Outputs that repeat their prompts (rewrite, quote, copy): where speculative decoding pays.
-             "overlap": Path(__file__).resolve().parent / "overlap-64x128.json"}
+             "overlap": Path(__file__).resolve().parent / "overlap-64x128.json",
+             # The online bench's shape offline: 64 distinct 256-token prompts, 128 tokens each.
+             "medium": Path(__file__).resolve().parent / "long-64x256.json"}
 _CHECKOUT_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 # In a checkout the figures land beside benchmarks/README.md; installed, in the working directory.
 RESULTS = _CHECKOUT_RESULTS if _CHECKOUT_RESULTS.parent.is_dir() else Path("vmesh-bench-results")
