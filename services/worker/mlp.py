@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from vmesh.services.common.families.plan import MlpPlan, WeightNames
-from vmesh.services.worker.quantized_linear import QuantizedLinear
+from vmesh.services.worker.quantized_linear import QuantizedLinear, is_plain_quantized
 
 if TYPE_CHECKING:
     from vmesh.services.worker.int8_linear import Int8Linear
@@ -32,11 +32,6 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[tokens, 2 * inter] (gate, up) -> gelu_tanh(gate) * up (GeGLU), computed in float32."""
     gate, up = x.float().chunk(2, dim=-1)
     return (F.gelu(gate, approximate="tanh") * up).to(x.dtype)
-
-
-def _plain_quantized(linear: AnyLinear) -> bool:
-    """A QuantizedLinear itself, not a wrapper of one (a LoRA layer reads its own input)."""
-    return type(linear) is QuantizedLinear
 
 
 class DenseMlp:
@@ -61,7 +56,7 @@ class DenseMlp:
 
     def takes_norm(self, ops: FusedOps) -> bool:
         """Whether after_rms_norm runs the norm inside gate_up's C call (model.FusedOps.into_quantized_linear)."""
-        return ops.into_quantized_linear and _plain_quantized(self.gate_up_proj)
+        return ops.into_quantized_linear and is_plain_quantized(self.gate_up_proj)
 
     def after_rms_norm(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor,
                        ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +68,7 @@ class DenseMlp:
     def _from_gate_up(self, gate_up: torch.Tensor, ops: FusedOps) -> torch.Tensor:
         if self.plan.activation != "silu":
             return self.down_proj(gelu_tanh_and_mul(gate_up))
-        if ops.into_quantized_linear and _plain_quantized(self.down_proj) and gate_up.dim() == 2:
+        if ops.into_quantized_linear and is_plain_quantized(self.down_proj) and gate_up.dim() == 2:
             return self.down_proj.after_silu_and_mul(gate_up)  # type: ignore[union-attr]
         return self.down_proj(ops.silu_and_mul(gate_up))
 

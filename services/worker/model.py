@@ -30,7 +30,7 @@ from vmesh.services.worker.int8_linear import Int8Linear
 from vmesh.services.worker.kv_cache import KVCache
 from vmesh.services.worker.linear import Linear
 from vmesh.services.worker.mlp import DenseMlp, load_mlp
-from vmesh.services.worker.quantized_linear import QuantizedLinear, QuantizedWeight, log_placement
+from vmesh.services.worker.quantized_linear import QuantizedLinear, QuantizedWeight, is_plain_quantized, log_placement
 from vmesh.services.worker.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -222,7 +222,7 @@ class DecoderLayer:
         their sum is the layer's output, formed by the next norm."""
         spec = self.spec
         eps = spec.rms_norm_eps
-        if ops.into_quantized_linear and type(self.qkv_proj) is QuantizedLinear:  # not a LoRA wrapper: it reads x
+        if ops.into_quantized_linear and is_plain_quantized(self.qkv_proj):
             qkv, residual = self.qkv_proj.after_rms_norm(hidden, self.input_norm, eps, residual)
         elif residual is None:
             x, residual = ops.rms_norm(hidden, self.input_norm, eps), hidden

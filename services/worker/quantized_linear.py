@@ -221,6 +221,12 @@ class QuantizedLinear:
         return self._product(x.reshape(-1, self.in_features).contiguous()).view(*lead, self.out_features)
 
 
+
+def is_plain_quantized(linear: object) -> bool:
+    """A QuantizedLinear itself, not a wrapper of one (a LoRA layer reads its own input): the
+    linears that may take the elementwise op before them into their own C call."""
+    return type(linear) is QuantizedLinear
+
 def read_gguf_weights(path: Path, spec: ModelSpec) -> dict[str, torch.Tensor | QuantizedWeight]:
     """The file's tensors under Hugging Face names, owned (copied out of the file's mapping):
     float tensors as float tensors, quantized ones as QuantizedWeight, whatever their format
