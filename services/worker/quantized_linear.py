@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 import numpy as np
 import torch
@@ -222,7 +222,7 @@ class QuantizedLinear:
 
 
 
-def is_plain_quantized(linear: object) -> bool:
+def is_plain_quantized(linear: object) -> TypeGuard[QuantizedLinear]:
     """A QuantizedLinear itself, not a wrapper of one (a LoRA layer reads its own input): the
     linears that may take the elementwise op before them into their own C call."""
     return type(linear) is QuantizedLinear
