@@ -69,7 +69,7 @@ class DenseMlp:
         if self.plan.activation != "silu":
             return self.down_proj(gelu_tanh_and_mul(gate_up))
         if ops.into_quantized_linear and is_plain_quantized(self.down_proj) and gate_up.dim() == 2:
-            return self.down_proj.after_silu_and_mul(gate_up)  # type: ignore[union-attr]
+            return self.down_proj.after_silu_and_mul(gate_up)
         return self.down_proj(ops.silu_and_mul(gate_up))
 
 
