@@ -62,6 +62,10 @@ static inline void softmax_rows(float *scores, int64_t rows, int64_t seq_len) {
 
 typedef int32_t idx16 __attribute__((vector_size(64)));
 #define LANES 16
+/* The vectorised path keeps up to SUB_HEADS query heads' queries or sums of up to MAX_CHUNKS
+ * vectors each in registers, fewer heads at a time as head_dim grows. */
+#define MAX_CHUNKS (MAX_HEAD_DIM / LANES)
+#define SUB_HEADS 4
 
 
 /* __builtin_shufflevector arrived in GCC 12; older GCCs have __builtin_shuffle with a mask vector. */

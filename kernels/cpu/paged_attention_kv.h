@@ -67,8 +67,78 @@ static inline int64_t KV_FN(tile_slots)(const KV_T *cache, const int32_t *table,
     return n;
 }
 
-/* As attend_request, for head_dim = 16 * chunks. Tiles of 16 context tokens from `first`: each
- * tile's slots (all KV heads) are read once, while in L1, for every query head. Inlined per head_dim. */
+/* Partial scores of tile tokens 0..n-1 for `heads` query heads (rows q, head_dim 16 * chunks apart)
+ * that share the key at `offset` in each slot: partial[g * LANES + j] holds token j's 16 partial dot
+ * products for head g. Each key is loaded and widened once for all the heads, and their queries
+ * stay in registers across the tile: with `heads` and `chunks` constants the loops unroll completely. */
+static inline __attribute__((always_inline)) void KV_FN(score_heads)(
+    const float *q, const KV_T *const slots[LANES], int64_t offset, int64_t n, vec16 *partial, const int64_t heads,
+    const int64_t chunks) {
+    vec16 query[SUB_HEADS][MAX_CHUNKS];
+#pragma GCC unroll 4
+    for (int64_t g = 0; g < heads; ++g)
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < chunks; ++c) query[g][c] = load16(q + (g * chunks + c) * LANES);
+    for (int64_t j = 0; j < n; ++j) {
+        const KV_T *k = slots[j] + offset;
+        vec16 key[MAX_CHUNKS];
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < chunks; ++c) key[c] = KV_LOAD16(k + c * LANES);
+#pragma GCC unroll 4
+        for (int64_t g = 0; g < heads; ++g) {
+            vec16 sum = query[g][0] * key[0];
+#pragma GCC unroll 16
+            for (int64_t c = 1; c < chunks; ++c) sum += query[g][c] * key[c];
+            partial[g * LANES + j] = sum;
+        }
+    }
+}
+
+/* acc[g] += sum over tile tokens j of p[g * p_stride + j] * value_j, for `heads` query heads sharing
+ * the value at `offset` in each slot; as score_heads, each value is widened once and the sums stay
+ * in registers across the tile. */
+static inline __attribute__((always_inline)) void KV_FN(accumulate_heads)(
+    float *acc, const float *p, int64_t p_stride, const KV_T *const slots[LANES], int64_t offset, int64_t n,
+    const int64_t heads, const int64_t chunks) {
+    vec16 sum[SUB_HEADS][MAX_CHUNKS];
+#pragma GCC unroll 4
+    for (int64_t g = 0; g < heads; ++g)
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < chunks; ++c) sum[g][c] = load16(acc + (g * chunks + c) * LANES);
+    for (int64_t j = 0; j < n; ++j) {
+        const KV_T *v = slots[j] + offset;
+        vec16 value[MAX_CHUNKS];
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < chunks; ++c) value[c] = KV_LOAD16(v + c * LANES);
+#pragma GCC unroll 4
+        for (int64_t g = 0; g < heads; ++g) {
+            const float weight = p[g * p_stride + j];
+#pragma GCC unroll 16
+            for (int64_t c = 0; c < chunks; ++c) sum[g][c] += weight * value[c];
+        }
+    }
+#pragma GCC unroll 4
+    for (int64_t g = 0; g < heads; ++g)
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < chunks; ++c) store16(acc + (g * chunks + c) * LANES, sum[g][c]);
+}
+
+/* The query heads of one KV head, in sets of up to `sub` (a constant), each set one call of `op`
+ * with its head count a constant too. */
+#define FOR_HEAD_SETS(group, sub, op)                                                                                  \
+    for (int64_t g0 = 0; g0 < (group); g0 += (sub)) {                                                              \
+        const int64_t set = (group) - g0 < (sub) ? (group) - g0 : (sub);                                           \
+        switch (set) {                                                                                             \
+        case 1: op(g0, 1); break;                                                                                  \
+        case 2: op(g0, 2); break;                                                                                  \
+        case 3: op(g0, 3); break;                                                                                  \
+        default: op(g0, 4); break;                                                                                 \
+        }                                                                                                          \
+    }
+
+/* As attend_request, for head_dim = 16 * chunks (chunks <= MAX_CHUNKS). Tiles of 16 context tokens
+ * from `first`: each tile's slots (all KV heads) are read while in L1, KV head by KV head, for the
+ * query heads of its group at once (score_heads, accumulate_heads). Inlined per head_dim. */
 static inline __attribute__((always_inline)) void KV_FN(attend_request_vec)(
     const float *q, const KV_T *key_cache, const KV_T *value_cache, const int32_t *table, int64_t first,
     int64_t seq_len, int64_t block_size, int64_t kv_heads, int64_t part_kv_heads, int64_t group,
@@ -76,6 +146,8 @@ static inline __attribute__((always_inline)) void KV_FN(attend_request_vec)(
     float *acc /* [heads][head_dim] */, vec16 *partial, float *o) {
     const int64_t heads = part_kv_heads * group, chunks = head_dim / LANES, len = seq_len - first;
     const int64_t token_stride = kv_heads * head_dim, block_stride = block_size * token_stride;
+    /* Sets of query heads whose queries (or sums) and one key (or value) fit in the registers. */
+    const int64_t sub = chunks <= 4 ? 4 : chunks <= 8 ? 2 : 1;
     /* Blocks sit at random places in the pool, and the hardware prefetcher stops at each
      * block's end: while a tile is computed, the next one is fetched, a slot at a time. */
     const KV_T *slots[LANES], *next[LANES];
@@ -83,16 +155,13 @@ static inline __attribute__((always_inline)) void KV_FN(attend_request_vec)(
     for (int64_t t0 = first; t0 < seq_len; t0 += LANES) {
         const int64_t n_next = KV_FN(tile_slots)(key_cache, table, t0 + LANES, seq_len, block_size, block_stride,
                                           token_stride, next);
-        /* Token by token, every head: memory is read in order, as the prefetchers like it. */
-        for (int64_t j = 0; j < n; ++j) {
-            if (j < n_next) KV_PREFETCH(next[j], token_stride);
-            for (int64_t hq = 0; hq < heads; ++hq) {
-                const float *qh = q + hq * head_dim;
-                const KV_T *k = slots[j] + (hq / group) * head_dim;
-                vec16 sum = load16(qh) * KV_LOAD16(k);
-                for (int64_t c = 1; c < chunks; ++c) sum += load16(qh + c * LANES) * KV_LOAD16(k + c * LANES);
-                partial[hq * LANES + j] = sum;
-            }
+        for (int64_t j = 0; j < n_next; ++j) KV_PREFETCH(next[j], token_stride);
+        for (int64_t h = 0; h < part_kv_heads; ++h) {
+#define SCORE(g0, set)                                                                                               \
+    KV_FN(score_heads)(q + (h * group + (g0)) * head_dim, slots, h * head_dim, n,                                  \
+                       partial + (h * group + (g0)) * LANES, set, chunks)
+            FOR_HEAD_SETS(group, sub, SCORE)
+#undef SCORE
         }
         if (n < LANES)
             for (int64_t hq = 0; hq < heads; ++hq)
@@ -112,20 +181,20 @@ static inline __attribute__((always_inline)) void KV_FN(attend_request_vec)(
     for (int64_t t0 = first; t0 < seq_len; t0 += LANES) {
         const int64_t n_next = KV_FN(tile_slots)(value_cache, table, t0 + LANES, seq_len, block_size, block_stride,
                                           token_stride, next);
-        for (int64_t j = 0; j < n; ++j) {
-            if (j < n_next) KV_PREFETCH(next[j], token_stride);
-            for (int64_t hq = 0; hq < heads; ++hq) {
-                const float p = scores[hq * len + t0 - first + j];
-                const KV_T *v = slots[j] + (hq / group) * head_dim;
-                float *a = acc + hq * head_dim;
-                for (int64_t c = 0; c < chunks; ++c) store16(a + c * LANES, load16(a + c * LANES) + p * KV_LOAD16(v + c * LANES));
-            }
+        for (int64_t j = 0; j < n_next; ++j) KV_PREFETCH(next[j], token_stride);
+        for (int64_t h = 0; h < part_kv_heads; ++h) {
+#define ACCUMULATE(g0, set)                                                                                          \
+    KV_FN(accumulate_heads)(acc + (h * group + (g0)) * head_dim, scores + (h * group + (g0)) * len + t0 - first, len, \
+                            slots, h * head_dim, n, set, chunks)
+            FOR_HEAD_SETS(group, sub, ACCUMULATE)
+#undef ACCUMULATE
         }
         memcpy(slots, next, sizeof slots);
         n = n_next;
     }
     memcpy(o, acc, sizeof(float) * (size_t)(heads * head_dim));
 }
+#undef FOR_HEAD_SETS
 
 /* Returns 0 on success, 1 if a size is out of the supported range, 2 if memory ran out.
  * window > 0: each item sees only its last `window` context tokens (a sliding window); 0: all. */
@@ -170,6 +239,7 @@ int KV_FN(paged_attention)(const float *query, int64_t query_stride, const KV_T 
         switch (head_dim) {
         case 64: ATTEND_VEC(64); break;
         case 128: ATTEND_VEC(128); break;
+        case 256: ATTEND_VEC(256); break;
         default:
             if (head_dim % LANES == 0) ATTEND_VEC(head_dim);
             else KV_FN(attend_request)(q, k, v, table, first, seq_len, block_size, kv_heads, heads_per_part, group, head_dim, scale,

@@ -20,6 +20,8 @@ CASES = [  # (head_dim, heads, kv_heads, block_size): the specialised sizes and 
     (64, 4, 4, 1),    # MHA, one token per block
     (128, 8, 1, 32),  # MQA
     (80, 6, 2, 16),   # a head_dim with no specialisation (the generic 16-lane path)
+    (64, 10, 2, 16),  # a group of 5: query heads in a set of 4 and a set of 1
+    (256, 4, 1, 16),  # Gemma 3's head_dim: one query head's sums at a time
     (40, 4, 2, 16),   # not a multiple of 16: the scalar path
 ]
 
