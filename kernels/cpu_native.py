@@ -108,7 +108,8 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "rotary_write_kv_f32": (_ROTARY, None), "rotary_write_kv_bf16": ([*_ROTARY, P], None),  # + float32 queries
     "small_batch_linear_f32": ([P, P, P, P, I64, I64, I64], None),
     "packed_small_batch_linear_f32": ([P, P, P, P, I64, I64, I64, I64], INT),
-    "packed_small_batch_linear_bf16": ([P, INT, P, P, P, I64, I64, I64, I64], INT),  # + whether x is bfloat16
+    # + whether x is bfloat16, and the layout's block width
+    "packed_small_batch_linear_bf16": ([P, INT, P, P, P, I64, I64, I64, I64, I64], INT),
     "quantized_linear_f32": ([P, P, INT, P, P, I64, I64, I64], INT),
     "quantized_linear_int8_f32": ([P, P, INT, P, P, I64, I64, I64], INT),  # x rounded to int8 per block
     "int8_linear_f32": ([P, P, P, P, P, P, I64, I64, I64], INT),
@@ -226,12 +227,12 @@ class CpuKernels:
 
     def packed_small_batch_linear(self, x: torch.Tensor, packed_weight_address: int, out_features: int,
                                   padded_in_features: int, bias: torch.Tensor | None, *,
-                                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                                  dtype: torch.dtype = torch.float32, out_block: int = 64) -> torch.Tensor:
         """small_batch_linear over oneDNN's packed copy of a `dtype` weight, at its raw address, in
         the layout that services/worker/linear.py checked at load (see small_batch_linear.c):
-        OI16i64o for float32, AB16b64a2b for bfloat16. x: contiguous [1 to stream_rows rows, in], float32
-        (or bfloat16 for a bfloat16 weight); the caller (Linear) guarantees it. bias: `dtype`, as the
-        result is."""
+        OI16i64o for float32, AB16b64a2b or AB16b32a2b (out_block 32) for bfloat16. x: contiguous
+        [1 to stream_rows rows, in], float32 (or bfloat16 for a bfloat16 weight); the caller (Linear)
+        guarantees it. bias: `dtype`, as the result is."""
         kernel, name = self._kernel("packed_small_batch_linear", dtype), f"packed_small_batch_linear_{_SUFFIXES[dtype]}"
         if bias is not None and (bias.dtype != dtype or bias.shape != (out_features,)
                                  or not bias.is_contiguous()):  # read through a raw pointer
@@ -239,9 +240,10 @@ class CpuKernels:
                              f"[{out_features}], got {bias.dtype} {tuple(bias.shape)}")
         # The bfloat16 kernel widens either input, and is told which it has.
         source = (x.data_ptr(),) if dtype == torch.float32 else (x.data_ptr(), int(x.dtype == torch.bfloat16))
+        layout = (padded_in_features,) if dtype == torch.float32 else (padded_in_features, out_block)
         out = torch.empty(x.shape[0], out_features, dtype=dtype)
         status = kernel(*source, packed_weight_address, 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-                        x.shape[0], out_features, x.shape[1], padded_in_features, torch.get_num_threads())
+                        x.shape[0], out_features, x.shape[1], *layout, torch.get_num_threads())
         if status == 2:
             raise MemoryError(f"{name}: out of memory")
         if status:

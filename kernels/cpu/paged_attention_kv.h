@@ -67,6 +67,16 @@ static inline int64_t KV_FN(tile_slots)(const KV_T *cache, const int32_t *table,
     return n;
 }
 
+/* Fetches the slots of `tiles` tiles from t0 on into L2 (all KV heads). */
+static inline void KV_FN(prefetch_tiles)(const KV_T *cache, const int32_t *table, int64_t t0, int64_t tiles,
+                                         int64_t seq_len, int64_t block_size, int64_t block_stride,
+                                         int64_t token_stride) {
+    const int64_t end = t0 + tiles * LANES < seq_len ? t0 + tiles * LANES : seq_len;
+    for (int64_t t = t0; t < end; ++t)
+        KV_PREFETCH(cache + (int64_t)table[t / block_size] * block_stride + (t % block_size) * token_stride,
+                    token_stride);
+}
+
 /* Partial scores of tile tokens 0..n-1 for `heads` query heads (rows q, head_dim 16 * chunks apart)
  * that share the key at `offset` in each slot: partial[g * LANES + j] holds token j's 16 partial dot
  * products for head g. Each key is loaded and widened once for all the heads, and their queries
@@ -149,13 +159,15 @@ static inline __attribute__((always_inline)) void KV_FN(attend_request_vec)(
     /* Sets of query heads whose queries (or sums) and one key (or value) fit in the registers. */
     const int64_t sub = chunks <= 4 ? 4 : chunks <= 8 ? 2 : 1;
     /* Blocks sit at random places in the pool, and the hardware prefetcher stops at each
-     * block's end: while a tile is computed, the next one is fetched, a slot at a time. */
+     * block's end: while a tile is computed, the one PREFETCH_TILES on is fetched, a slot at a time. */
     const KV_T *slots[LANES], *next[LANES];
     int64_t n = KV_FN(tile_slots)(key_cache, table, first, seq_len, block_size, block_stride, token_stride, slots);
+    KV_FN(prefetch_tiles)(key_cache, table, first, PREFETCH_TILES, seq_len, block_size, block_stride, token_stride);
     for (int64_t t0 = first; t0 < seq_len; t0 += LANES) {
         const int64_t n_next = KV_FN(tile_slots)(key_cache, table, t0 + LANES, seq_len, block_size, block_stride,
                                           token_stride, next);
-        for (int64_t j = 0; j < n_next; ++j) KV_PREFETCH(next[j], token_stride);
+        KV_FN(prefetch_tiles)(key_cache, table, t0 + PREFETCH_TILES * LANES, 1, seq_len, block_size, block_stride,
+                              token_stride);
         for (int64_t h = 0; h < part_kv_heads; ++h) {
 #define SCORE(g0, set)                                                                                               \
     KV_FN(score_heads)(q + (h * group + (g0)) * head_dim, slots, h * head_dim, n,                                  \
@@ -175,13 +187,14 @@ static inline __attribute__((always_inline)) void KV_FN(attend_request_vec)(
         n = n_next;
     }
     n = KV_FN(tile_slots)(value_cache, table, first, seq_len, block_size, block_stride, token_stride, slots);
-    for (int64_t j = 0; j < n; ++j) KV_PREFETCH(slots[j], token_stride);
+    KV_FN(prefetch_tiles)(value_cache, table, first, PREFETCH_TILES, seq_len, block_size, block_stride, token_stride);
     softmax_rows(scores, heads, len);
     memset(acc, 0, sizeof(float) * (size_t)(heads * head_dim));
     for (int64_t t0 = first; t0 < seq_len; t0 += LANES) {
         const int64_t n_next = KV_FN(tile_slots)(value_cache, table, t0 + LANES, seq_len, block_size, block_stride,
                                           token_stride, next);
-        for (int64_t j = 0; j < n_next; ++j) KV_PREFETCH(next[j], token_stride);
+        KV_FN(prefetch_tiles)(value_cache, table, t0 + PREFETCH_TILES * LANES, 1, seq_len, block_size, block_stride,
+                              token_stride);
         for (int64_t h = 0; h < part_kv_heads; ++h) {
 #define ACCUMULATE(g0, set)                                                                                          \
     KV_FN(accumulate_heads)(acc + (h * group + (g0)) * head_dim, scores + (h * group + (g0)) * len + t0 - first, len, \

@@ -130,9 +130,10 @@ int packed_small_batch_linear_f32(const float *x, const float *w, const float *b
 }
 
 /* ---- bfloat16 weights (the bfloat16 model, services/worker/model.py). oneDNN packs a bfloat16 weight
- * as AB16b64a2b on AVX-512: again blocks of 64 output features, block b a row-major
- * [padded_in / 2][64][2] array at w + b * padded_in * 64 (elements): for each pair of input features,
- * the 64 outputs' two weights side by side (the layout of AVX512-BF16's pairwise dot product).
+ * as AB16b64a2b on AVX-512 (AB16b32a2b with AMX): blocks of out_block = 64 (32) output features,
+ * block b a row-major [padded_in / 2][out_block][2] array at w + b * padded_in * out_block (elements):
+ * for each pair of input features, the block's outputs' two weights side by side (the layout of
+ * AVX512-BF16's pairwise dot product and of AMX's tiles).
  * services/worker/linear.py checks it weight by weight, as for float32. Read 32 bits per output
  * lane, the pair's first weight is the low half shifted up and its second the high half masked, both
  * exact floats: the products and sums are float32 FMAs, as in the float32 kernel, at half the bytes.
@@ -144,7 +145,8 @@ int packed_small_batch_linear_f32(const float *x, const float *w, const float *b
 typedef uint32_t lanes_u32 __attribute__((vector_size(LANES * sizeof(uint32_t))));
 
 static inline __attribute__((always_inline)) void packed_pass_bf16(const float *x, const uint16_t *w,
-                                                                   int64_t pairs, int64_t x_stride, uint16_t *y,
+                                                                   int64_t pairs, int64_t pair_stride,
+                                                                   int64_t x_stride, uint16_t *y,
                                                                    const uint16_t *bias, int64_t out_features,
                                                                    int64_t first_out, const int ROWS,
                                                                    const int GROUPS) {
@@ -155,7 +157,7 @@ static inline __attribute__((always_inline)) void packed_pass_bf16(const float *
         lanes_f32 first[GROUPS_PER_BLOCK], second[GROUPS_PER_BLOCK];
         for (int g = 0; g < GROUPS; ++g) {
             lanes_u32 bits;
-            memcpy(&bits, w + p * 2 * PACKED_OUT_BLOCK + g * 2 * LANES, sizeof bits);
+            memcpy(&bits, w + p * pair_stride + g * 2 * LANES, sizeof bits);
             const lanes_u32 low = bits << 16, high = bits & 0xffff0000u;
             memcpy(&first[g], &low, sizeof low);
             memcpy(&second[g], &high, sizeof high);
@@ -178,14 +180,17 @@ static inline __attribute__((always_inline)) void packed_pass_bf16(const float *
             }
 }
 
-#define PASS_BF16(ROWS, GROUPS) packed_pass_bf16(x, w, pairs, x_stride, y, bias, out_features, first_out, ROWS, GROUPS)
+#define PASS_BF16(ROWS, GROUPS) \
+    packed_pass_bf16(x, w, pairs, 2 * out_block, x_stride, y, bias, out_features, first_out, ROWS, GROUPS)
 #define PASS_BF16_WHOLE(ROWS) PASS_BF16(ROWS, GROUPS_PER_BLOCK)
 #define PASS_BF16_HALF(ROWS) PASS_BF16(ROWS, HALF_BLOCK_GROUPS)
 #define PASS_BF16_GROUP(ROWS) PASS_BF16(ROWS, 1)
 
-static void packed_groups_bf16(const float *x, const uint16_t *w, int64_t pairs, int64_t x_stride, uint16_t *y,
-                               const uint16_t *bias, int64_t out_features, int64_t first_out, int64_t rows,
-                               int64_t groups) {
+/* `groups` consecutive 16-output groups of one block (out_block wide). A 32-wide block is two groups,
+ * whole cache lines per pair of inputs: its whole-block pass is PASS_BF16_HALF. */
+static void packed_groups_bf16(const float *x, const uint16_t *w, int64_t pairs, int64_t out_block, int64_t x_stride,
+                               uint16_t *y, const uint16_t *bias, int64_t out_features, int64_t first_out,
+                               int64_t rows, int64_t groups) {
     if (groups == GROUPS_PER_BLOCK && rows <= BF16_WHOLE_BLOCK_ROWS) {
         ROW_CASES(PASS_BF16_WHOLE, BF16_WHOLE_BLOCK_ROWS)
         return;
@@ -196,17 +201,23 @@ static void packed_groups_bf16(const float *x, const uint16_t *w, int64_t pairs,
             ROW_CASES(PASS_BF16_HALF, STREAM_ROWS)
         return;
     }
+    if (groups == HALF_BLOCK_GROUPS) {
+        ROW_CASES(PASS_BF16_HALF, STREAM_ROWS)
+        return;
+    }
     for (int64_t g = 0; g < groups; ++g, w += 2 * LANES, first_out += LANES) ROW_CASES(PASS_BF16_GROUP, STREAM_ROWS)
 }
 
 /* x [rows <= STREAM_ROWS, in]: bfloat16 when x_bf16, else float32; w as above (bfloat16, padded_in even and
- * >= in); bias [out] bfloat16 or NULL; y [rows, out] bfloat16. Returns 0, 1 for a bad size, 2 when
- * out of memory. */
+ * >= in, out_block 32 or 64); bias [out] bfloat16 or NULL; y [rows, out] bfloat16. Returns 0, 1 for a bad
+ * size, 2 when out of memory. */
 int packed_small_batch_linear_bf16(const void *x, int x_bf16, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                                    int64_t rows, int64_t out_features, int64_t in_features, int64_t padded_in,
-                                   int num_threads) {
+                                   int64_t out_block, int num_threads) {
     if (rows == 0) return 0;
-    if (rows < 0 || rows > STREAM_ROWS || padded_in < in_features || padded_in % 2) return 1;
+    if (rows < 0 || rows > STREAM_ROWS || padded_in < in_features || padded_in % 2 ||
+        (out_block != PACKED_OUT_BLOCK && out_block != HALF_BLOCK_GROUPS * LANES))
+        return 1;
     float *xf = calloc((size_t)(rows * padded_in), sizeof(float));
     if (xf == NULL) return 2;
     for (int64_t r = 0; r < rows; ++r)
@@ -214,8 +225,9 @@ int packed_small_batch_linear_bf16(const void *x, int x_bf16, const uint16_t *w,
             xf[r * padded_in + i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[r * in_features + i])
                                            : ((const float *)x)[r * in_features + i];
     const int64_t pairs = (in_features + 1) / 2, x_stride = padded_in;
-    const int64_t blocks = (out_features + PACKED_OUT_BLOCK - 1) / PACKED_OUT_BLOCK;
-    const int64_t units = blocks * GROUPS_PER_BLOCK;
+    const int64_t groups_per_block = out_block / LANES;
+    const int64_t blocks = (out_features + out_block - 1) / out_block;
+    const int64_t units = blocks * groups_per_block;
     const float *x_in = xf;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -223,13 +235,13 @@ int packed_small_batch_linear_bf16(const void *x, int x_bf16, const uint16_t *w,
         int64_t unit = units * t / threads;
         const int64_t end = units * (t + 1) / threads;
         while (unit < end) {
-            const int64_t block = unit / GROUPS_PER_BLOCK, first_group = unit % GROUPS_PER_BLOCK;
-            const int64_t left_in_run = end - block * GROUPS_PER_BLOCK;
-            const int64_t stop = left_in_run < GROUPS_PER_BLOCK ? left_in_run : GROUPS_PER_BLOCK;
-            const uint16_t *block_w = w + block * padded_in * PACKED_OUT_BLOCK + first_group * 2 * LANES;
-            packed_groups_bf16(x_in, block_w, pairs, x_stride, y, bias, out_features,
-                               block * PACKED_OUT_BLOCK + first_group * LANES, rows, stop - first_group);
-            unit = block * GROUPS_PER_BLOCK + stop;
+            const int64_t block = unit / groups_per_block, first_group = unit % groups_per_block;
+            const int64_t left_in_run = end - block * groups_per_block;
+            const int64_t stop = left_in_run < groups_per_block ? left_in_run : groups_per_block;
+            const uint16_t *block_w = w + block * padded_in * out_block + first_group * 2 * LANES;
+            packed_groups_bf16(x_in, block_w, pairs, out_block, x_stride, y, bias, out_features,
+                               block * out_block + first_group * LANES, rows, stop - first_group);
+            unit = block * groups_per_block + stop;
         }
     }
     free(xf);

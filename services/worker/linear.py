@@ -14,17 +14,19 @@ product wants. Each weight is therefore held once. Where oneDNN picks another la
 instruction set), checked weight by weight at load, the layer keeps a plain copy for the
 small-batch kernel instead, and says so in `held_bytes`.
 
-bfloat16 weights (the bfloat16 model on CPU) are packed as AB16b64a2b: the same blocks of 64
-output features, each input pair's two weights side by side. The small-batch kernel reads that
-too (checked the same way); where it is not the layout, those rows go to oneDNN, and no plain copy
-is kept. oneDNN's bfloat16 products run at about 0.6x its float32 ones on AVX-512 without AMX
-(benchmarks/README.md): bfloat16 halves the bytes, which is what a few rows are bound by.
+bfloat16 weights (the bfloat16 model on CPU) are packed as AB16b64a2b on AVX-512 and AB16b32a2b
+with AMX: blocks of 64 (32) output features, each input pair's two weights side by side. The
+small-batch kernel reads both (checked the same way); where it is neither, those rows go to oneDNN,
+and no plain copy is kept. oneDNN's bfloat16 products run at about 0.6x its float32 ones on AVX-512
+without AMX and several times faster with it (benchmarks/README.md); for a few rows bfloat16 halves
+the bytes, which is what they are bound by.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,8 +40,10 @@ logger = logging.getLogger(__name__)
 # oneDNN picks its blocked layout for an expected row count; one layout serves every row
 # count well, and this hint was the best of 1, 64 and 256 (benchmarks/README.md).
 PACKING_ROWS_HINT = 64
-# The packed layout the small-batch kernel reads: output features in blocks of this many.
+# The packed layouts the small-batch kernel reads: output features in blocks of this many (float32),
+# or of one of these (bfloat16).
 PACKED_OUT_BLOCK = 64
+BF16_OUT_BLOCKS = (64, 32)
 # The load-time layout check compares this many bytes of weight at a time, at most.
 LAYOUT_CHECK_CHUNK_BYTES = 16 << 20
 
@@ -61,56 +65,80 @@ def packed_buffer(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> t
     return torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
 
 
-def packed_in_features(weight: torch.Tensor, packed: torch.Tensor) -> int | None:
-    """The padded input width if `packed` holds `weight` in the layout the small-batch kernel
-    reads, else None: blocks of 64 output features, each a row-major [padded_in, 64] array for
-    float32, [padded_in / 2, 64, 2] for bfloat16 (zero padding included). Compared value by
-    value: oneDNN documents no layout, and a wrong guess would be wrong output."""
+@dataclass(frozen=True)
+class PackedLayout:
+    """How oneDNN laid out one packed weight, where the small-batch kernel can read it: blocks of
+    `out_block` output features, each a row-major [padded_in, out_block] array for float32,
+    [padded_in / 2, out_block, 2] for bfloat16 (zero padding included)."""
+
+    padded_in: int
+    out_block: int
+
+
+def packed_layout(weight: torch.Tensor, packed: torch.Tensor) -> PackedLayout | None:
+    """The layout of oneDNN's packed copy of `weight`, if it is one the small-batch kernel reads,
+    else None."""
     if weight.dtype not in (torch.float32, torch.bfloat16) or not all(
             hasattr(torch.ops.mkldnn, op) for op in ("data_ptr", "_nbytes")):
         return None
+    return layout_of(weight, packed_buffer(packed, weight.dtype))
+
+
+def layout_of(weight: torch.Tensor, raw: torch.Tensor) -> PackedLayout | None:
+    """Which readable layout the flat buffer `raw` holds `weight` in (see PackedLayout), or None.
+    float32 blocks are 64 features wide (OI16i64o, AVX-512); bfloat16 ones 64 (AB16b64a2b,
+    AVX-512) or 32 (AB16b32a2b, AMX). Compared value by value: oneDNN documents no layout, and a
+    wrong guess would be wrong output."""
+    widths = (PACKED_OUT_BLOCK,) if weight.dtype == torch.float32 else BF16_OUT_BLOCKS
     out_features, in_features = weight.shape
-    blocks = -(-out_features // PACKED_OUT_BLOCK)
-    elements = torch.ops.mkldnn._nbytes(packed) // weight.element_size()
-    if elements % (blocks * PACKED_OUT_BLOCK):
-        return None
-    padded_in = elements // (blocks * PACKED_OUT_BLOCK)
-    if padded_in < in_features or (weight.dtype == torch.bfloat16 and padded_in % 2):
-        return None
-    raw = packed_blocks(packed, weight.dtype, padded_in)
+    for out_block in widths:
+        blocks = -(-out_features // out_block)
+        if raw.numel() % (blocks * out_block):
+            continue
+        padded_in = raw.numel() // (blocks * out_block)
+        if padded_in < in_features or (weight.dtype == torch.bfloat16 and padded_in % 2):
+            continue
+        layout = PackedLayout(padded_in, out_block)
+        if _holds(block_view(raw, weight.dtype, layout), weight, out_block):
+            return layout
+    return None
+
+
+def _holds(raw: torch.Tensor, weight: torch.Tensor, out_block: int) -> bool:
     # Whole blocks a chunk at a time, the last (partial) block alone: no transient copy of a whole
     # weight, and few comparisons (each one may wake torch's thread pool: a loaded machine took
     # seconds over the 768 blocks of a 49,152-row LM head compared one by one).
-    whole_blocks = out_features // PACKED_OUT_BLOCK
-    per_chunk = max(1, LAYOUT_CHECK_CHUNK_BYTES // (PACKED_OUT_BLOCK * padded_in * weight.element_size()))
+    out_features = weight.shape[0]
+    block_bytes = raw[0].numel() * weight.element_size()
+    whole_blocks = out_features // out_block
+    per_chunk = max(1, LAYOUT_CHECK_CHUNK_BYTES // block_bytes)
     chunks = [(first, min(whole_blocks, first + per_chunk)) for first in range(0, whole_blocks, per_chunk)]
-    if whole_blocks < blocks:
-        chunks.append((whole_blocks, blocks))
-    for first, end in chunks:
-        if not _blocks_hold(raw[first:end], weight[first * PACKED_OUT_BLOCK:end * PACKED_OUT_BLOCK], padded_in):
-            return None
-    return padded_in
+    if whole_blocks < raw.shape[0]:
+        chunks.append((whole_blocks, raw.shape[0]))
+    return all(_blocks_hold(raw[first:end], weight[first * out_block:end * out_block], out_block)
+               for first, end in chunks)
 
 
-def _blocks_hold(raw: torch.Tensor, rows: torch.Tensor, padded_in: int) -> bool:
+def _blocks_hold(raw: torch.Tensor, rows: torch.Tensor, out_block: int) -> bool:
     """Whether `raw` (consecutive packed blocks) holds `rows` (their output features' weight rows;
-    all 64 of each block, or fewer in the one last block)."""
+    all of each block, or fewer in the one last block)."""
     count, in_features = rows.shape
     blocks = raw.shape[0]
-    width = min(count, PACKED_OUT_BLOCK)  # features per block: 64, or the last block's remainder
+    width = min(count, out_block)  # features per block: all, or the last block's remainder
     if rows.dtype == torch.float32:
         return torch.equal(raw[:, :in_features, :width], rows.reshape(blocks, width, in_features).transpose(1, 2))
+    padded_in = raw.shape[1] * 2
     padded = torch.zeros(count, padded_in, dtype=rows.dtype)
     padded[:, :in_features] = rows
     return torch.equal(raw[:, :, :width], padded.view(blocks, width, padded_in // 2, 2).transpose(1, 2))
 
 
-def packed_blocks(packed: torch.Tensor, dtype: torch.dtype, padded_in: int) -> torch.Tensor:
-    """The packed buffer as its blocks: [blocks, padded_in, 64] (float32) or [blocks, padded_in / 2,
-    64, 2] (bfloat16)."""
+def block_view(raw: torch.Tensor, dtype: torch.dtype, layout: PackedLayout) -> torch.Tensor:
+    """A flat packed buffer as its blocks: [blocks, padded_in, out_block] (float32) or
+    [blocks, padded_in / 2, out_block, 2] (bfloat16)."""
     if dtype == torch.float32:
-        return packed_buffer(packed).view(-1, padded_in, PACKED_OUT_BLOCK)
-    return packed_buffer(packed, dtype).view(-1, padded_in // 2, PACKED_OUT_BLOCK, 2)
+        return raw.view(-1, layout.padded_in, layout.out_block)
+    return raw.view(-1, layout.padded_in // 2, layout.out_block, 2)
 
 
 class Linear:
@@ -127,19 +155,19 @@ class Linear:
                              and weight.device.type == "cpu" else None)
         self._packed: torch.Tensor | None = None
         self._packed_address = 0
-        self._packed_in_features: int | None = None
+        self._layout: PackedLayout | None = None
         if pack and onednn_packing_usable(weight):
             try:
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACKING_ROWS_HINT)
             except RuntimeError as exc:  # an unusual torch build: fall back, loudly
                 logger.warning("oneDNN weight packing failed (%s); using F.linear", exc)
-        # packed_blocks' view of the packed copy, where its layout is the one checked.
+        # block_view of the packed copy, where its layout is one the small-batch kernel reads.
         self._packed_blocks: torch.Tensor | None = None
         if self._packed is not None:
-            self._packed_in_features = packed_in_features(self.weight, self._packed)
-            if self._packed_in_features is not None:
+            self._layout = packed_layout(self.weight, self._packed)
+            if self._layout is not None:
                 self._packed_address = torch.ops.mkldnn.data_ptr(self._packed)
-                self._packed_blocks = packed_blocks(self._packed, weight.dtype, self._packed_in_features)
+                self._packed_blocks = block_view(packed_buffer(self._packed, weight.dtype), weight.dtype, self._layout)
         if self._packed_blocks is None and weight.dtype == torch.bfloat16:
             self._small_batch = None  # oneDNN then serves a few rows too: no plain bfloat16 copy is kept for them
         if self._packed is not None and (self._small_batch is None or self._packed_blocks is not None):
@@ -172,10 +200,11 @@ class Linear:
             return self.weight[ids]
         if self._packed_blocks is None:
             raise RuntimeError("this layer holds its weight in an unknown packed layout only")
+        width = self._packed_blocks.shape[2]  # the layout's out_block
         if self.dtype == torch.bfloat16:
-            pairs = self._packed_blocks[ids // PACKED_OUT_BLOCK, :, ids % PACKED_OUT_BLOCK]  # [n, padded_in / 2, 2]
+            pairs = self._packed_blocks[ids // width, :, ids % width]  # [n, padded_in / 2, 2]
             return pairs.reshape(len(ids), -1)[:, :self.in_features]
-        return self._packed_blocks[ids // PACKED_OUT_BLOCK, :self.in_features, ids % PACKED_OUT_BLOCK]
+        return self._packed_blocks[ids // width, :self.in_features, ids % width]
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes this layer holds per representation of its weight (its bias aside)."""
@@ -196,17 +225,18 @@ class Linear:
         if (stream is not None and self.dtype == torch.bfloat16
                 and x.dtype in (torch.bfloat16, torch.float32)):
             # x may be float32 (attention's output in the mixed bfloat16 model): the kernel widens either.
-            assert self._packed_in_features is not None, "bfloat16 layers keep the kernel only over a checked layout"
+            assert self._layout is not None, "bfloat16 layers keep the kernel only over a checked layout"
             out = stream.packed_small_batch_linear(x.contiguous(), self._packed_address, self.out_features,
-                                                   self._packed_in_features, self.bias, dtype=torch.bfloat16)
+                                                   self._layout.padded_in, self.bias, dtype=torch.bfloat16,
+                                                   out_block=self._layout.out_block)
             return out.view(*lead, self.out_features)
         # The mixed bfloat16 model hands some layers float32 (attention's output): one rounding here.
         x = x.to(self.dtype)
         if stream is not None and x.dtype == torch.float32:
             if self._packed_blocks is not None:
-                assert self._packed_in_features is not None, "set with the packed blocks"
+                assert self._layout is not None, "set with the packed blocks"
                 out = stream.packed_small_batch_linear(x.contiguous(), self._packed_address, self.out_features,
-                                                       self._packed_in_features, self.bias)
+                                                       self._layout.padded_in, self.bias)
             else:
                 assert self.weight is not None, "without a readable packed copy the plain weight stays"
                 out = stream.small_batch_linear(x.contiguous(), self.weight, self.bias)

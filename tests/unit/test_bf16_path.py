@@ -243,8 +243,8 @@ def test_embedded_model_in_bf16_through_the_engine(caplog):
 @pytest.mark.parametrize(("out_features", "in_features", "bias"), [(960, 576, True), (576, 1536, False),
                                                                    (100, 40, True), (70, 33, False)])
 def test_small_batch_linear_reads_the_packed_bf16_weight(kernels, out_features, in_features, bias):
-    """1 to stream_rows rows through the C kernel over oneDNN's packed bfloat16 copy (AB16b64a2b), bfloat16 or
-    float32 input, against a float32 product of the same values: one rounding of the result apart.
+    """1 to stream_rows rows through the C kernel over oneDNN's packed bfloat16 copy (AB16b64a2b, or AB16b32a2b
+    with AMX), bfloat16 or float32 input, against a float32 product of the same values: one rounding apart.
     Rows of the weight read back from the packed copy exactly (the tied embedding's lookups)."""
     from vmesh.services.worker.linear import Linear, onednn_packing_usable
 
@@ -269,3 +269,39 @@ def test_small_batch_linear_reads_the_packed_bf16_weight(kernels, out_features, 
             got = layer(x)
             assert got.dtype == torch.bfloat16
             torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=BF16_ULP)
+
+
+def pack_bf16_blocks(weight: torch.Tensor, out_block: int, padded_in: int) -> torch.Tensor:
+    """`weight` [out, in] bfloat16 laid out as oneDNN's AB16b{out_block}a2b, zero-padded: the flat buffer."""
+    out_features, in_features = weight.shape
+    blocks = -(-out_features // out_block)
+    padded = torch.zeros(blocks * out_block, padded_in, dtype=torch.bfloat16)
+    padded[:out_features, :in_features] = weight
+    return padded.view(blocks, out_block, padded_in // 2, 2).transpose(1, 2).contiguous().view(-1)
+
+
+@pytest.mark.parametrize("out_block", [64, 32])  # AVX-512's layout and AMX's, whichever this CPU packs
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 48), (70, 33)])
+def test_small_batch_kernel_reads_both_bf16_block_widths(kernels, out_block, out_features, in_features):
+    """The layout check names each block width from the buffer alone, and the C kernel multiplies over
+    either, 1 to stream_rows rows, on any CPU (a machine packs only one of them through oneDNN)."""
+    from vmesh.services.worker.linear import PackedLayout, layout_of
+
+    gen = torch.Generator().manual_seed(out_block + out_features)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).bfloat16()
+    padded_in = -(-in_features // 32) * 32
+    raw = pack_bf16_blocks(weight, out_block, padded_in)
+    assert layout_of(weight, raw) == PackedLayout(padded_in, out_block)
+    other = weight.clone()
+    other[-1, -1] += 1.0
+    assert layout_of(other, raw) is None
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    for rows in range(1, kernels.stream_rows + 1):
+        x = torch.randn(rows, in_features, generator=gen)
+        got = kernels.packed_small_batch_linear(x, raw.data_ptr(), out_features, padded_in, bias,
+                                                dtype=torch.bfloat16, out_block=out_block)
+        want = x @ weight.float().T + bias.float()
+        torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=BF16_ULP)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.packed_small_batch_linear(x, raw.data_ptr(), out_features, padded_in, bias, dtype=torch.bfloat16,
+                                          out_block=48)

@@ -13,7 +13,7 @@ from tests.support.paged import ragged_batch
 from vmesh.kernels import cpu_native, reference
 from vmesh.kernels.cpu_native import CpuKernelBuildError
 from vmesh.services.worker.attention import CpuAttentionBackend, TorchAttentionBackend, make_attention_backend
-from vmesh.services.worker.linear import Linear, onednn_packing_usable, packed_in_features
+from vmesh.services.worker.linear import Linear, onednn_packing_usable, packed_layout
 
 CASES = [  # (head_dim, heads, kv_heads, block_size): the specialised sizes and the generic path
     (64, 9, 3, 16),   # the default model: GQA ratio 3
@@ -262,7 +262,7 @@ def test_small_batch_linear_matches_f_linear(kernels, rows, with_bias, pack, mon
     bias = torch.randn(300, generator=g) if with_bias else None
     layer = Linear(weight, bias, pack=pack, small_batch_kernels=kernels)
     reads_packed = layer.weight is None
-    assert reads_packed == (pack and packed_in_features(weight, layer._packed) is not None)
+    assert reads_packed == (pack and packed_layout(weight, layer._packed) is not None)
     kernel = "packed_small_batch_linear_f32" if reads_packed else "small_batch_linear_f32"
     calls, original = [], kernels._functions[kernel]
     monkeypatch.setitem(kernels._functions, kernel, lambda *a: calls.append(a[4]) or original(*a))

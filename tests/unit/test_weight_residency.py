@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.support.tiny_models import save_tiny_llama, save_tiny_qwen2
-from vmesh.services.worker.linear import Linear, onednn_packing_usable, packed_in_features
+from vmesh.services.worker.linear import Linear, PackedLayout, onednn_packing_usable, packed_layout
 from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
 
 
@@ -30,7 +30,7 @@ def small_batch_reads_packed(shape: tuple[int, int]) -> bool:
     weight = torch.randn(*shape)
     if not onednn_packing_usable(weight):
         return False
-    return packed_in_features(weight, torch.ops.mkldnn._reorder_linear_weight(weight, 64)) is not None
+    return packed_layout(weight, torch.ops.mkldnn._reorder_linear_weight(weight, 64)) is not None
 
 
 def load(model_dir: Path, small_batch_linear: bool = True) -> ModelRunner:
@@ -95,13 +95,13 @@ def test_packed_layout_check_refuses_a_weight_it_does_not_hold():
     if not onednn_packing_usable(weight):
         pytest.skip("no oneDNN packing in this torch build")
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
-    if packed_in_features(weight, packed) is None:
+    if packed_layout(weight, packed) is None:
         pytest.skip("oneDNN packs another layout on this CPU; the small-batch kernel keeps a plain copy")
-    assert packed_in_features(weight, packed) == 48  # 40 inputs padded to oneDNN's 16-wide blocks
+    assert packed_layout(weight, packed) == PackedLayout(48, 64)  # 40 inputs padded to oneDNN's 16-wide blocks
     other = weight.clone()
     other[129, 39] += 1.0  # the last output's last input: in the padded last block
-    assert packed_in_features(other, packed) is None
-    assert packed_in_features(weight.T.contiguous(), packed) is None
+    assert packed_layout(other, packed) is None
+    assert packed_layout(weight.T.contiguous(), packed) is None
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "embedded"])
