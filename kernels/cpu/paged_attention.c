@@ -66,10 +66,6 @@ typedef int32_t idx16 __attribute__((vector_size(64)));
  * vectors each in registers, fewer heads at a time as head_dim grows. */
 #define MAX_CHUNKS (MAX_HEAD_DIM / LANES)
 #define SUB_HEADS 4
-/* How many tiles ahead of the one computed the vectorised path fetches its slots. */
-#ifndef PREFETCH_TILES
-#define PREFETCH_TILES 2
-#endif
 
 
 /* __builtin_shufflevector arrived in GCC 12; older GCCs have __builtin_shuffle with a mask vector. */
