@@ -118,6 +118,12 @@ class WorkerRanks:
             except asyncio.InvalidStateError:  # the stream had ended: reading it raises the status it ended with
                 await call.read()
                 raise ConnectionError("a worker closed its stream") from None
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.INTERNAL:
+                    raise
+                # A write that lost the race with the stream's end: grpc.aio reports INTERNAL in
+                # place of the status the worker sent (grpc/grpc#36066), so the cause is unknown.
+                raise StreamEndedUnseen(exc.details() or "") from exc
 
     async def receive(self) -> worker_pb2.ExecuteResponse:
         """The step's result: every rank's, of which rank 0's is the one that counts."""
@@ -188,6 +194,13 @@ def describe(info: worker_pb2.GetWorkerInfoResponse) -> str:
             f"{info.max_model_len}, max_num_seqs {info.max_num_seqs}")
 
 
+class StreamEndedUnseen(ConnectionError):
+    """A plan's write found the Execute stream already ended, and grpc.aio lost the status it ended
+    with: the worker may have gone, or a newer stream may have taken it over. Recovered from as a
+    takeover (its wait grows if it repeats); a request that the worker refuses each time still
+    fails after MAX_WORKER_LOSSES."""
+
+
 def went_away(exc: Exception) -> bool:
     """Whether an Execute stream failed because its worker went (died, restarted, unreachable)
     or a newer stream took the worker over (ABORTED: a stranger, or a stale scheduler), which
@@ -198,8 +211,9 @@ def went_away(exc: Exception) -> bool:
 
 
 def taken_over(exc: Exception) -> bool:
-    """Whether an Execute stream ended because a newer one took the worker over."""
-    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.ABORTED
+    """Whether an Execute stream ended because a newer one took the worker over (or may have)."""
+    return isinstance(exc, StreamEndedUnseen) or (
+        isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.ABORTED)
 
 
 def detail(exc: Exception) -> str:

@@ -22,7 +22,6 @@ from vmesh.v1 import (
     detokenizer_pb2_grpc,
     scheduler_pb2,
     scheduler_pb2_grpc,
-    worker_pb2,
     worker_pb2_grpc,
 )
 
@@ -120,12 +119,12 @@ def test_forged_internal_calls_cannot_touch_a_running_request(secure_mesh):
                 stub = detokenizer_pb2_grpc.DetokenizerServiceStub(ch)
                 codes[f"subscribe/{name}"] = await _code(lambda s=stub: s.Subscribe(
                     detokenizer_pb2.SubscribeRequest(frontend_id="any"), timeout=3))
-                codes[f"inject/{name}"] = await _code(lambda s=stub: s.Detokenize(
-                    iter([detokenizer_pb2.DetokenizeRequest()]), timeout=3))
+                # Streams opened and never written: a write or half-close racing the refusal would
+                # turn its code into INTERNAL on the client (grpc/grpc#36066); roles are checked on opening.
+                codes[f"inject/{name}"] = await _code(lambda s=stub: s.Detokenize(timeout=3))
             async with _channel(worker, caller, "worker") as ch:
                 stub = worker_pb2_grpc.WorkerServiceStub(ch)
-                codes[f"execute/{name}"] = await _code(lambda s=stub: s.Execute(
-                    iter([worker_pb2.ExecuteRequest()]), timeout=3))
+                codes[f"execute/{name}"] = await _code(lambda s=stub: s.Execute(timeout=3))
         async with _channel(scheduler, admin, "scheduler") as ch:  # operators may read stats
             stats = await scheduler_pb2_grpc.SchedulerServiceStub(ch).GetSchedulerStats(
                 scheduler_pb2.GetSchedulerStatsRequest(), timeout=10)

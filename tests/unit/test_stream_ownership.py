@@ -140,3 +140,34 @@ def test_a_plan_written_to_a_stream_the_worker_ended_raises_the_status_it_ended_
         return err.value.code()
 
     assert asyncio.run(main()) == grpc.StatusCode.ABORTED
+
+
+def test_a_plan_write_whose_stream_status_was_lost_is_recovered_as_a_takeover():
+    """grpc.aio reports a write that lost the race with the stream's end as INTERNAL 'Internal
+    error from Core', dropping the worker's own status (grpc/grpc#36066): the scheduler must not
+    take that for a worker bug and fail every request, but reopen and recompute."""
+    from tests.support.eventually import eventually
+    from tests.support.grpc_fakes import rpc_error
+    from tests.unit.test_scheduler_server import FakeWorker, with_worker
+    from vmesh.services.common.runtime.retry import Backoff
+
+    class StatusLostOnce(FakeWorker):
+        def Execute(self):
+            stream = super().Execute()
+            if len(self.streams) == 1:
+                async def lost_status(message) -> None:
+                    raise rpc_error(grpc.StatusCode.INTERNAL, "Internal error from Core")
+                stream.write = lost_status
+            return stream
+
+    async def main() -> None:
+        worker = StatusLostOnce()
+        async with with_worker(worker, worker_retry=Backoff.none()) as servicer:
+            servicer.session.workers.take_back = Backoff.none()
+            await servicer.submit(0)  # its plan's write fails
+            await eventually(lambda: len(worker.streams) == 2 and worker.streams[1].plans)
+            assert servicer.session.failure is None and servicer.session.worker_failovers == 1
+            assert list(worker.streams[1].plans[0].new_requests[0].token_ids) == [1, 2, 3]
+            assert servicer.session.workers.takeovers == 1
+
+    asyncio.run(main())
