@@ -34,6 +34,11 @@ class EngineConfig(SchedulerSettings):
     """The scheduler's settings and the worker's, for one process."""
     # Unbounded unless set: a library caller may add a whole offline batch before stepping.
     max_waiting: int | None = None
+    # No decode-first cap unless set: offline, a batch's total time is what counts, and the cap
+    # admits one 256-token prompt per decode step, so early requests finish before late ones
+    # start and steps run with fewer rows (~25 % slower on 64 x 256-token prompts in bfloat16,
+    # benchmarks/README.md, "oneDNN's packing hint by row count"). A server keeps the cap.
+    max_prefill_tokens_with_decodes: int = 0
     worker: WorkerConfig = field(default_factory=WorkerConfig)
 
     def __post_init__(self) -> None:

@@ -131,3 +131,24 @@ def test_a_negative_cap_is_refused():
     with pytest.raises(ValueError, match="max_prefill_tokens_with_decodes must be 0"):
         SchedulerConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64, policy="fcfs",
                         max_waiting=None, max_prefill_tokens_with_decodes=-1)
+
+
+def test_the_offline_engine_is_uncapped_and_the_mesh_s_scheduler_capped():
+    # Offline (EngineConfig) a burst of prompts enters in one step beside the running decodes; the
+    # mesh's scheduler service keeps the serving bound.
+    from vmesh.services.engine.llm import EngineConfig
+    from vmesh.services.scheduler.scheduler import WorkerGeometry
+    from vmesh.services.scheduler.settings import (
+        DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODES,
+        SchedulerServiceSettings,
+    )
+
+    geometry = WorkerGeometry(max_model_len=512, max_num_seqs=16, num_kv_blocks=512, block_size=BLOCK)
+    widest = {}
+    for name, settings in (("engine", EngineConfig()), ("mesh", SchedulerServiceSettings())):
+        scheduler = Scheduler.for_worker(settings, geometry, hash_seed=1)
+        _, steps = drive(scheduler, StubWorker(512, BLOCK), burst())
+        widest[name] = max(sum(n for h, n in scheduled.items() if h not in decodes)
+                           for decodes, scheduled in steps if decodes)
+    late_prompt_tokens = sum(len(r.prompt_token_ids) for r in burst()[2])
+    assert widest == {"engine": late_prompt_tokens, "mesh": DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODES}
