@@ -14,7 +14,7 @@
  * combined in int64.
  *
  * One path for every row count: each thread takes tiles of TILE_OUT features (their int8 rows stay
- * in L1/L2 while every row passes over them) and runs 3 rows x 4 features of accumulator pairs per
+ * in L1/L2 while every row passes over them) and runs 3 rows x 3 features of accumulator pairs per
  * step. Input widths that are not a multiple of 64 end with one masked step. Without VNNI this file
  * builds to a stub (status 3); the caller then keeps the float32 Linear.
  */
@@ -92,8 +92,7 @@ static inline __attribute__((always_inline)) void micro_product(const uint8_t *l
     switch (features) {                                                                                           \
     case 1: MICRO_CASE(R, 1); break;                                                                              \
     case 2: MICRO_CASE(R, 2); break;                                                                              \
-    case 3: MICRO_CASE(R, 3); break;                                                                              \
-    default: MICRO_CASE(R, 4); break;                                                                             \
+    default: MICRO_CASE(R, MICRO_F); break;                                                                       \
     }
 
 static void tile_product(const uint8_t *low, const uint8_t *high, const float *x_scale, int64_t rows, int64_t stride,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.support.deployment import load_compose, render_all
 from tests.support.prerequisites import missing
-from vmesh.kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
+from vmesh.kernels.cpu_native import CpuKernelBuildError, CpuKernels, load_cpu_kernels
 from vmesh.services.common.structured import GrammarCompiler
 from vmesh.services.worker.grammar_rows import GrammarTokenizer
 
@@ -14,14 +16,22 @@ EMBEDDED_VOCAB_SIZE = 49152  # the embedded model's logits width
 EMBEDDED_EOS = 2
 
 
-@pytest.fixture(scope="module")
-def kernels(tmp_path_factory):
-    """The C kernels of kernels/cpu, built into a fresh cache; skipped where no compiler exists
-    (a failure under CI, whose image has one)."""
+@pytest.fixture(scope="session")
+def kernel_cache_dir(tmp_path_factory) -> Path:
+    """A fresh cache holding the C kernels of kernels/cpu, built once per run (a build is over a
+    minute here: every test that builds its own multiplies that); skipped where no compiler
+    exists (a failure under CI, whose image has one)."""
+    cache_dir = tmp_path_factory.mktemp("kernel-cache")
     try:
-        return load_cpu_kernels(tmp_path_factory.mktemp("cache"))
+        load_cpu_kernels(cache_dir)
     except CpuKernelBuildError as exc:
         missing(f"no C toolchain: {exc}", "CI runs the CPU kernels' tests, which need a C compiler")
+    return cache_dir
+
+
+@pytest.fixture(scope="session")
+def kernels(kernel_cache_dir: Path) -> CpuKernels:
+    return load_cpu_kernels(kernel_cache_dir)
 
 
 @pytest.fixture(scope="module")

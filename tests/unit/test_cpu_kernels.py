@@ -182,7 +182,7 @@ def test_tiled_prefill_attention_refuses_bad_chunks_and_head_sizes(kernels):
 
 
 @pytest.mark.parametrize("head_dim", [64, 40])
-def test_cpu_backend_matches_torch_backend_on_a_mixed_batch(kernels, tmp_path, monkeypatch, head_dim):
+def test_cpu_backend_matches_torch_backend_on_a_mixed_batch(kernel_cache_dir, monkeypatch, head_dim):
     """Decodes and chunks of every kind in one step: decodes go to the per-token kernel, chunks
     to the tiled one; where the tiled kernel cannot take the head size, every query token of
     every chunk is an item of the per-token kernel."""
@@ -197,7 +197,7 @@ def test_cpu_backend_matches_torch_backend_on_a_mixed_batch(kernels, tmp_path, m
                                  seq_lens=seq_lens, block_tables=tables, query_lens_cpu=query_lens,
                                  seq_lens_cpu=seq_lens.tolist())
 
-    cpu = CpuAttentionBackend(tmp_path)
+    cpu = CpuAttentionBackend(kernel_cache_dir)
     calls: dict[str, list[int]] = {"items": [], "chunks": []}
     per_token, tiled = cpu.kernels.paged_attention, cpu.kernels.prefill_attention
     monkeypatch.setattr(cpu.kernels, "paged_attention", lambda query, kc, vc, items, *rest: calls["items"].append(
@@ -210,10 +210,11 @@ def test_cpu_backend_matches_torch_backend_on_a_mixed_batch(kernels, tmp_path, m
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
-def test_build_is_cached_per_source_and_compiler(kernels, tmp_path):
-    first = cpu_native._build(tmp_path)
+def test_build_is_cached_per_source_and_compiler(kernel_cache_dir):
+    # kernel_cache_dir held nothing before its one build (this run's): built once, found after.
+    first = cpu_native._build(kernel_cache_dir)
     stamp = first.stat().st_mtime_ns
-    assert cpu_native._build(tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert cpu_native._build(kernel_cache_dir) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no staging leftovers
 
 

@@ -24,8 +24,8 @@ SHAPES = [(64, 9, 3), (40, 4, 2)]  # (head_dim, heads, kv_heads); 40: the per-to
 
 
 @pytest.fixture(scope="module")
-def cpu_backend(tmp_path_factory) -> CpuAttentionBackend:
-    return CpuAttentionBackend(tmp_path_factory.mktemp("cache"))  # one build of the C kernels for the module
+def cpu_backend(kernel_cache_dir) -> CpuAttentionBackend:
+    return CpuAttentionBackend(kernel_cache_dir)
 
 
 def _meta(starts, seq_lens, tables) -> AttentionMetadata:
