@@ -108,7 +108,7 @@ def build(directory: Path) -> ctypes.CDLL:
     source, library = directory / "peaks.c", directory / "peaks.so"
     source.write_text(SOURCE)
     flags = [flag for flag in CFLAGS if flag != "-Werror=implicit-function-declaration"]
-    subprocess.run(["cc", *flags, "-o", str(library), str(source)], check=True)
+    subprocess.run(["cc", *flags, "-shared", "-o", str(library), str(source)], check=True)
     lib = ctypes.CDLL(str(library))
     for name in INSTRUCTIONS:
         function = getattr(lib, f"peak_{name}")

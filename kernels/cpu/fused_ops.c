@@ -7,7 +7,7 @@
  *
  * Layouts (float32; the _bf16 variants below say what they hold in bfloat16): rows are `stride`
  * elements apart where a stride is given, else contiguous.
- * Built with -fopenmp, sharing torch's OpenMP runtime (see paged_attention.c).
+ * Built with -fopenmp, sharing torch's OpenMP runtime (see paged_attention.h).
  */
 #include <math.h>
 #include <stdint.h>

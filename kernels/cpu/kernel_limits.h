@@ -1,4 +1,4 @@
-/* The kernels' size limits, stated once: paged_attention.c and prefill_attention.c refuse shapes
+/* The kernels' size limits, stated once: paged_attention.h and prefill_attention.c refuse shapes
  * beyond them, the linear kernels switch paths at STREAM_ROWS, and vmesh_kernel_limits
  * (kernel_limits.c) hands them to kernels/cpu_native.py, which sends such shapes to the torch path
  * (or picks the linear path) instead. */

@@ -1,6 +1,6 @@
 /* Causal attention for prefill chunks on CPU, read straight out of the paged KV pool.
  *
- * paged_attention.c answers each query token alone: a token reads every key and value of its
+ * paged_attention.h answers each query token alone: a token reads every key and value of its
  * context once, so a chunk of n tokens reads its context n times and does one multiply per
  * load, far below what the cores can compute. Here a tile of query tokens (all the query
  * heads of one KV head) meets a tile of keys at a time, flash-attention style: scores by an

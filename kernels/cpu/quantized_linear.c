@@ -5,7 +5,7 @@
  * conversion of the file holds, bit for bit. Rows are expanded in sub-blocks of 32 values (a
  * K-quant super-block holds eight), each as two vectors of 16 floats.
  *
- * Activations, accumulation and output are float32. Built with -fopenmp (see paged_attention.c).
+ * Activations, accumulation and output are float32. Built with -fopenmp (see paged_attention.h).
  *
  * Two paths:
  * - up to STREAM_ROWS rows (single streams, small decode batches) the layer is one pass over its

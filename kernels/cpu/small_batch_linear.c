@@ -6,7 +6,7 @@
  * with all the rows of x while it sits in L1, streams at ~32 GB/s.
  *
  * Layouts (float32, contiguous): x [rows, in], w [out, in], bias [out] or NULL, y [rows, out].
- * Built with -fopenmp, sharing torch's OpenMP runtime (see paged_attention.c).
+ * Built with -fopenmp, sharing torch's OpenMP runtime (see paged_attention.h).
  */
 #include <omp.h>
 #include <stdint.h>

@@ -17,9 +17,16 @@
  * paged_attention_bf16 is the same over a bfloat16 cache (uint16_t elements): queries, scores,
  * softmax, sums and out stay float32, each key and value is widened as it is loaded.
  *
+ * This header holds what both element types share; paged_attention_f32.c and
+ * paged_attention_bf16.c each instantiate paged_attention_kv.h once (two translation units,
+ * compiled in parallel: one unit took most of the kernels' build).
+ *
  * Built with -fopenmp; after `import torch` the soname libgomp.so.1 resolves to the copy
  * torch already loaded, so this shares torch's thread pool rather than adding a second one.
  */
+#ifndef VMESH_PAGED_ATTENTION_COMMON_H
+#define VMESH_PAGED_ATTENTION_COMMON_H
+
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -100,23 +107,4 @@ static inline void prefetch_bf16_slot(const uint16_t *slot, int64_t elements) {
 #define CONCAT_(a, b) a##_##b
 #define CONCAT(a, b) CONCAT_(a, b)
 
-/* float32 cache: paged_attention_f32. */
-#define KV_T float
-#define KV_LOAD(p) (*(p))
-#define KV_LOAD16 load16
-#define KV_PREFETCH prefetch_slot
-#define KV_FN(name) CONCAT(name, f32)
-#include "paged_attention_kv.h"
-#undef KV_T
-#undef KV_LOAD
-#undef KV_LOAD16
-#undef KV_PREFETCH
-#undef KV_FN
-
-/* bfloat16 cache, float32 queries, arithmetic and output: paged_attention_bf16. */
-#define KV_T uint16_t
-#define KV_LOAD(p) bf16_to_f32(*(p))
-#define KV_LOAD16 load16_bf16
-#define KV_PREFETCH prefetch_bf16_slot
-#define KV_FN(name) CONCAT(name, bf16)
-#include "paged_attention_kv.h"
+#endif

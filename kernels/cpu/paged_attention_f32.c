@@ -1,0 +1,9 @@
+/* paged_attention_f32: paged attention over a float32 KV cache (paged_attention.h). */
+#include "paged_attention.h"
+
+#define KV_T float
+#define KV_LOAD(p) (*(p))
+#define KV_LOAD16 load16
+#define KV_PREFETCH prefetch_slot
+#define KV_FN(name) CONCAT(name, f32)
+#include "paged_attention_kv.h"
