@@ -72,15 +72,21 @@ def _compiler() -> str:
     return compiler
 
 
-def _build(cache_dir: Path) -> Path:
-    compiler = _compiler()
+def built_kernels_path(cache_dir: Path, compiler: str | None = None) -> Path:
+    """Where this checkout's kernels, built by `compiler` for this CPU, lie in `cache_dir`."""
+    compiler = compiler or _compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     # -march=native differs by CPU; a cache dir shared between machines must not mix them.
     cpuinfo = Path("/proc/cpuinfo").read_bytes() if Path("/proc/cpuinfo").exists() else b""
     flags_line = next((line for line in cpuinfo.splitlines() if line.startswith(b"flags")), b"")
     sources = b"".join(path.name.encode() + path.read_bytes() for path in SOURCES + HEADERS)
     key = hashlib.sha256(sources + version.encode() + " ".join(CFLAGS).encode() + flags_line).hexdigest()
-    target = cache_dir / "kernels" / f"vmesh-cpu-kernels-{key[:16]}.so"
+    return cache_dir / "kernels" / f"vmesh-cpu-kernels-{key[:16]}.so"
+
+
+def _build(cache_dir: Path) -> Path:
+    compiler = _compiler()
+    target = built_kernels_path(cache_dir, compiler)
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

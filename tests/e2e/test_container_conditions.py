@@ -16,6 +16,7 @@ import pytest
 
 from tests.support.checkout import ROOT
 from tests.support.meshes import stops_cleanly
+from vmesh.kernels.cpu_native import built_kernels_path
 from vmesh.services.bench.mesh import start_mesh
 from vmesh.services.client import VmeshClient
 from vmesh.services.common.model_loading import default_cache_dir
@@ -54,8 +55,8 @@ def test_services_run_as_the_image_user_against_a_cache_built_by_root():
         # The Dockerfile's build steps, as root. Its kernel build is the checkout's own, which
         # run.sh has already built into the default cache: copied in (as root), warm-cache finds
         # it rather than spend a minute of both cores compiling the same object again.
-        (cache / "kernels").mkdir()
-        for built in (default_cache_dir() / "kernels").glob("vmesh-cpu-kernels-*.so"):
+        if (built := built_kernels_path(default_cache_dir())).is_file():
+            (cache / "kernels").mkdir()
             shutil.copy2(built, cache / "kernels" / built.name)
         subprocess.run([sys.executable, "-m", "vmesh", "warm-cache", "--cache-dir", str(cache)], cwd=ROOT,
                        check=True, capture_output=True, timeout=300)
