@@ -32,7 +32,7 @@ from vmesh.services.bench.common import reset_prefix_cache
 from vmesh.services.bench.mesh import RunningMesh, start_mesh
 from vmesh.services.client import VmeshClient
 from vmesh.services.common.types import SamplingParams
-from vmesh.services.engine.llm import EngineConfig, LLMEngine
+from vmesh.services.engine.llm import EngineConfig, LLMEngine, serving_scheduler_defaults
 from vmesh.services.worker.config import WorkerConfig, parse_memory_size
 
 WARM_UP_REQUESTS = 8  # vLLM's client's --num-warmups in `vmesh bench online`
@@ -55,8 +55,8 @@ def _process_cpu_and_faults(pid: int) -> tuple[float, int]:
 @contextlib.contextmanager
 def engine_target(args: argparse.Namespace) -> Iterator[tuple[Send, Callable[[], tuple[float, int]],
                                                                  Callable[[], None]]]:
-    engine = LLMEngine.from_config(EngineConfig(worker=WorkerConfig(
-        dtype=args.dtype, kv_cache_memory=parse_memory_size(args.kv_cache_memory))))
+    engine = LLMEngine.from_config(EngineConfig(worker=WorkerConfig(  # scheduled as the mesh is
+        dtype=args.dtype, kv_cache_memory=parse_memory_size(args.kv_cache_memory)), **serving_scheduler_defaults()))
 
     def send(prompts: list[list[int]], max_tokens: int) -> list[tuple[int, int, int]]:
         outputs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))

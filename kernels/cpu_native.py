@@ -1,10 +1,10 @@
 """CPU kernels in C (`kernels/cpu/*.c`), compiled on first use with the machine's C compiler
 and loaded with ctypes.
 
-The shared object is cached under `<cache_dir>/kernels/`, keyed by a hash of the sources,
-the compiler's version and the flags, and written to a temporary name first, so processes
-starting at once never load a half-written file. Without a compiler the callers keep their
-pure-torch path; `load_cpu_kernels` says why in its error.
+The shared object is cached under `<cache_dir>/kernels/`, keyed by a hash of the sources, the
+compiler's version, the compile and link flags and the CPU's flags, and written to a temporary
+name first, so processes starting at once never load a half-written file. Without a compiler
+the callers keep their pure-torch path; `load_cpu_kernels` says why in its error.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ HEADERS = sorted(KERNEL_DIR.glob("*.h"))
 # symbol that fails every process loading the object.
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-std=c11",
           "-Werror=implicit-function-declaration"]
+LDFLAGS = ["-shared", "-fopenmp", "-lm"]  # after the objects (-lm must follow what needs it)
 
 
 class QuantizedFormat(NamedTuple):
@@ -80,7 +81,8 @@ def built_kernels_path(cache_dir: Path, compiler: str | None = None) -> Path:
     cpuinfo = Path("/proc/cpuinfo").read_bytes() if Path("/proc/cpuinfo").exists() else b""
     flags_line = next((line for line in cpuinfo.splitlines() if line.startswith(b"flags")), b"")
     sources = b"".join(path.name.encode() + path.read_bytes() for path in SOURCES + HEADERS)
-    key = hashlib.sha256(sources + version.encode() + " ".join(CFLAGS).encode() + flags_line).hexdigest()
+    recipe = " ".join([*CFLAGS, "|", *LDFLAGS]).encode()
+    key = hashlib.sha256(sources + version.encode() + recipe + flags_line).hexdigest()
     return cache_dir / "kernels" / f"vmesh-cpu-kernels-{key[:16]}.so"
 
 
@@ -92,20 +94,21 @@ def _build(cache_dir: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as staging:
         built = Path(staging) / target.name
-        # A compiler per source, on every core: in one process the build is over a minute.
+        # A compiler per source, on the cores this process may use: in one compiler the build
+        # is over a minute.
         objects = [Path(staging) / f"{source.stem}.o" for source in SOURCES]
 
         def compile_one(source: Path, obj: Path) -> str:
             done = subprocess.run([compiler, *CFLAGS, "-c", str(source), "-o", str(obj)], capture_output=True,
                                   text=True, check=False)
-            return f"{source.name}: {done.stderr.strip()}" if done.returncode else ""
+            return f"{source.name} (exit {done.returncode}): {done.stderr.strip()}" if done.returncode else ""
 
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        with ThreadPoolExecutor(max_workers=min(len(SOURCES), len(os.sched_getaffinity(0)))) as pool:
             failed = [error for error in pool.map(compile_one, SOURCES, objects) if error]
         if not failed:
-            linked = subprocess.run([compiler, "-shared", "-fopenmp", *map(str, objects), "-o", str(built), "-lm"],
+            linked = subprocess.run([compiler, *map(str, objects), "-o", str(built), *LDFLAGS],
                                     capture_output=True, text=True, check=False)
-            failed = [f"linking: {linked.stderr.strip()}"] if linked.returncode else []
+            failed = [f"linking (exit {linked.returncode}): {linked.stderr.strip()}"] if linked.returncode else []
         if failed:
             raise CpuKernelBuildError(f"{compiler} failed on kernels/cpu:\n" + "\n".join(failed))
         os.replace(built, target)

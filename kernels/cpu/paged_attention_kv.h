@@ -1,7 +1,8 @@
 /* The part of paged attention (paged_attention.h) that reads the KV cache, compiled once per
- * cache element type: paged_attention_f32.c and paged_attention_bf16.c include it with KV_T (the element), KV_LOAD / KV_LOAD16 (one element / 16
- * elements widened to float), KV_PREFETCH (a slot of that many elements) and KV_FN (the name of
- * each function for that type) defined. Queries, scores and sums are float32 in every variant. */
+ * cache element type: paged_attention_f32.c and paged_attention_bf16.c include it with KV_T (the
+ * element), KV_LOAD / KV_LOAD16 (one element / 16 elements widened to float), KV_PREFETCH (a slot
+ * of that many elements) and KV_FN (the name of each function for that type) defined. Queries,
+ * scores and sums are float32 in every variant. */
 
 /* One request: the query heads of `part_kv_heads` consecutive KV heads (groups of `group`)
  * attend to cached tokens first .. seq_len - 1 (first > 0 under a sliding window); q, o and the

@@ -195,6 +195,11 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
             runs["transformers"] = transformers_generate(model_dir, work["prompts"], work["max_tokens"])
         for name, dtype in (("engine", "float32"), (ENGINE_BF16, "bfloat16")):
             if name in baselines:
+                # The engine runs on its offline defaults, the mesh on its serving ones: said in
+                # the results, for the engine / mesh ratio is not the serving path's cost alone.
+                from vmesh.services.engine.llm import EngineConfig
+
+                result["engine_max_prefill_tokens_with_decodes"] = EngineConfig().max_prefill_tokens_with_decodes
                 runs[name] = stack.enter_context(engine_generate(model_dir, work["prompts"], work["max_tokens"],
                                                                  kv_cache_memory=args.kv_cache_memory_bytes,
                                                                  dtype=dtype))

@@ -87,13 +87,14 @@ def engine_sender(model_dir: Path, kv_cache_memory: int, dtype: str | None = Non
                   ) -> Iterator[tuple[Callable[..., Any], TimedRunner]]:
     """An in-process engine streaming requests as the mesh does, and its timed runner. The
     engine's steps run on its own thread; the client's event loop shares this process with it."""
-    from vmesh.services.engine.llm import EngineConfig, LLMEngine
+    from vmesh.services.engine.llm import EngineConfig, LLMEngine, serving_scheduler_defaults
     from vmesh.services.worker.model_runner import WorkerConfig
 
     worker = WorkerConfig(model=str(model_dir), kv_cache_memory=kv_cache_memory)
     if dtype:
         worker.dtype = dtype
-    engine = LLMEngine.from_config(EngineConfig(worker=worker))
+    # The mesh's scheduler settings (SchedulerSettings' defaults), not the offline engine's.
+    engine = LLMEngine.from_config(EngineConfig(worker=worker, **serving_scheduler_defaults()))
     timed = TimedRunner(engine.runner.execute)
     engine.runner.execute = timed.execute  # type: ignore[method-assign]  # the engine calls runner.execute
 

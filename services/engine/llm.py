@@ -1,7 +1,8 @@
 """The in-process engine: tokenizer, scheduler, worker and detokenizer in one process.
 
 It is a library entry point and the baseline the mesh is measured against; it drives the
-same step plans the mesh carries.
+same step plans the mesh carries. Its scheduler defaults are offline ones (EngineConfig);
+serving_scheduler_defaults() gives it the mesh's.
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ class EngineConfig(SchedulerSettings):
     """The scheduler's settings and the worker's, for one process."""
     # Unbounded unless set: a library caller may add a whole offline batch before stepping.
     max_waiting: int | None = None
-    # No decode-first cap unless set: offline, a batch's total time is what counts, and the cap
-    # admits one 256-token prompt per decode step, so early requests finish before late ones
-    # start and steps run with fewer rows (~25 % slower on 64 x 256-token prompts in bfloat16,
-    # benchmarks/README.md, "oneDNN's packing hint by row count"). A server keeps the cap.
+    # No decode-first cap unless set: offline, a batch's total time is what counts, and beside
+    # running decodes the cap admits one 256-token prompt per step, so a batch of long prompts
+    # enters over dozens of narrow steps (on 64 x 256-token prompts in bfloat16 the capped engine
+    # ran 276-285 tok/s against 334-364 uncapped; benchmarks/README.md, "oneDNN's packing hint by
+    # row count"). The mesh's scheduler keeps the cap; serving_scheduler_defaults() gives it back.
     max_prefill_tokens_with_decodes: int = 0
     worker: WorkerConfig = field(default_factory=WorkerConfig)
 
@@ -45,6 +47,15 @@ class EngineConfig(SchedulerSettings):
         if self.stateless_worker:
             raise ValueError("stateless_worker (--stateless-worker) is a mode of the mesh's worker protocol; the "
                              "in-process engine has no protocol to resend")
+
+
+def serving_scheduler_defaults() -> dict[str, Any]:
+    """The scheduler settings in which EngineConfig's offline defaults differ from the mesh's
+    scheduler, at the mesh's values: keyword arguments for an engine that is to schedule as the
+    mesh does (a benchmark's reference for the mesh's worker)."""
+    serving, offline = SchedulerSettings(), EngineConfig()
+    return {f.name: getattr(serving, f.name) for f in dataclasses.fields(SchedulerSettings)
+            if getattr(serving, f.name) != getattr(offline, f.name)}
 
 
 @dataclass

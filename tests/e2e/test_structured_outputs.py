@@ -1,16 +1,18 @@
 """Structured outputs against a running mesh of the embedded model, driven by the real `openai`
 client: `chat.completions.parse` with a pydantic model; every schema of the test corpus, greedy
-and sampled, validates with jsonschema; json_object, regex, choice and grammars (EBNF and Lark);
-forced tool calls whose arguments validate, streamed as they are returned whole; the Responses
-API's text.format; refusals naming the keyword or the budget; greedy constrained output the same
-at pipeline depth 1 and 2, with a stateless worker, and across a kill -9 of the worker and of a
-detokenizer replica mid-stream. Everything on 127.0.0.1, ports chosen at run time."""
+or sampled (each schema one way), validates with jsonschema; json_object, regex, choice and
+grammars (EBNF and Lark); forced tool calls whose arguments validate, streamed as they are
+returned whole; the Responses API's text.format; refusals naming the keyword or the budget;
+greedy constrained output the same at pipeline depth 1 and 2, with a stateless worker, and
+across a kill -9 of the worker and of a detokenizer replica mid-stream. Everything on
+127.0.0.1, ports chosen at run time."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import re
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -114,12 +116,13 @@ def unbounded_output(schema: Any, tags: frozenset[str]) -> bool:
 
 
 async def corpus_outputs(mesh: RunningMesh, model: str) -> list[tuple[str, str, Any, str | None, str]]:
-    """(case, greedy|sampled, schema, finish reason, text) for every corpus schema, all at once:
-    every other schema greedy, the rest sampled (both ways each would double the test's minutes
-    on 2 cores for the same grammars)."""
+    """(case, greedy|sampled, schema, finish reason, text) for every corpus schema, all at once.
+    Each schema runs one way, chosen by its name (so a schema added to the corpus moves no
+    other): both ways for all doubled the test's minutes on 2 cores; the engine's parity tests
+    take the sampled and greedy paths through the grammar matcher on their own."""
     client = openai.AsyncOpenAI(base_url=mesh.http_url, api_key="none", max_retries=0, timeout=TIMEOUT_S)
     modes = (("greedy", {"temperature": 0}), ("sampled", {"temperature": 0.8, "seed": 7}))
-    runs = [(case, *modes[i % 2]) for i, case in enumerate(load_corpus())]
+    runs = [(case, *modes[zlib.crc32(case.name.encode()) % 2]) for case in load_corpus()]
 
     async def one(case: Any, settings: dict[str, Any]) -> tuple[str | None, str]:
         # An unbounded schema's output may run to max_tokens whatever the budget: a short one will do.
@@ -136,7 +139,7 @@ async def corpus_outputs(mesh: RunningMesh, model: str) -> list[tuple[str, str, 
     return [(case.name, mode, case.schema, finish, text) for (case, mode, _), (finish, text) in zip(runs, results)]
 
 
-def test_every_corpus_schema_validates_greedy_and_sampled(mesh, model):
+def test_every_corpus_schema_validates_greedy_or_sampled(mesh, model):
     outputs = asyncio.run(corpus_outputs(mesh, model))
     assert len(outputs) >= 60 and {mode for _, mode, *_ in outputs} == {"greedy", "sampled"}
     unbounded = {case.name for case in load_corpus() if unbounded_output(case.schema, case.tags)}

@@ -66,7 +66,7 @@ def test_metadata_bounds_and_extras(wheel):
         entry_points = archive.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
     assert {n.split("/")[0] for n in names if not n.startswith("vmesh-")} == {"vmesh"}
     assert {"vmesh/services/bench/standard-64x128.json", "vmesh/kernels/cpu/paged_attention_f32.c",
-            "vmesh/kernels/cpu/paged_attention.h"} <= set(names)
+            "vmesh/kernels/cpu/paged_attention_bf16.c", "vmesh/kernels/cpu/paged_attention.h"} <= set(names)
     for folder in ("services", "kernels"):  # every package of the checkout made it in
         for init in (ROOT / folder).rglob("__init__.py"):
             assert f"vmesh/{init.relative_to(ROOT)}" in names, init

@@ -31,6 +31,8 @@ def kernel_cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def kernels(kernel_cache_dir: Path) -> CpuKernels:
+    """The kernels of kernel_cache_dir, loaded (one object for the run: a test that patches it
+    uses monkeypatch)."""
     return load_cpu_kernels(kernel_cache_dir)
 
 

@@ -135,8 +135,8 @@ def test_a_negative_cap_is_refused():
 
 def test_the_offline_engine_is_uncapped_and_the_mesh_s_scheduler_capped():
     # Offline (EngineConfig) a burst of prompts enters in one step beside the running decodes; the
-    # mesh's scheduler service keeps the serving bound.
-    from vmesh.services.engine.llm import EngineConfig
+    # mesh's scheduler service keeps the serving bound, and so does an engine given its defaults.
+    from vmesh.services.engine.llm import EngineConfig, serving_scheduler_defaults
     from vmesh.services.scheduler.scheduler import WorkerGeometry
     from vmesh.services.scheduler.settings import (
         DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODES,
@@ -145,10 +145,12 @@ def test_the_offline_engine_is_uncapped_and_the_mesh_s_scheduler_capped():
 
     geometry = WorkerGeometry(max_model_len=512, max_num_seqs=16, num_kv_blocks=512, block_size=BLOCK)
     widest = {}
-    for name, settings in (("engine", EngineConfig()), ("mesh", SchedulerServiceSettings())):
+    for name, settings in (("engine", EngineConfig()), ("mesh", SchedulerServiceSettings()),
+                           ("engine as served", EngineConfig(**serving_scheduler_defaults()))):
         scheduler = Scheduler.for_worker(settings, geometry, hash_seed=1)
         _, steps = drive(scheduler, StubWorker(512, BLOCK), burst())
         widest[name] = max(sum(n for h, n in scheduled.items() if h not in decodes)
                            for decodes, scheduled in steps if decodes)
     late_prompt_tokens = sum(len(r.prompt_token_ids) for r in burst()[2])
-    assert widest == {"engine": late_prompt_tokens, "mesh": DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODES}
+    assert widest == {"engine": late_prompt_tokens, "mesh": DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODES,
+                      "engine as served": DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODES}
