@@ -40,9 +40,17 @@ make_venv guidellm
 "$dest/guidellm/bin/python" -m pip install -q "guidellm==0.8.1"
 
 # llama-cpp-python ships sources only: this compiles llama.cpp for the host
-# CPU (several minutes on two cores).
+# CPU (several minutes on two cores). On a CPU with AMX tiles, GGML_NATIVE's
+# build (its AMX path) loaded the model and then answered nothing for 900 s
+# (benchmarks/README.md, "An AMX machine"); there the AVX-512 set is named instead.
 make_venv llama.cpp
-CMAKE_ARGS="-DGGML_NATIVE=ON" "$dest/llama.cpp/bin/python" -m pip install -q "llama-cpp-python==0.3.36"
+if grep -q -w amx_int8 /proc/cpuinfo; then
+    llama_flags="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX2=ON"
+    llama_flags="$llama_flags -DGGML_FMA=ON -DGGML_F16C=ON"
+else
+    llama_flags="-DGGML_NATIVE=ON"
+fi
+CMAKE_ARGS="$llama_flags" "$dest/llama.cpp/bin/python" -m pip install -q "llama-cpp-python==0.3.36"
 
 echo "peers ready under $dest:"
 echo "  vllm:      $dest/vllm/bin/python"
