@@ -299,7 +299,8 @@ class TensorParallel:
 
     def close(self) -> None:
         """Leave the group together (tests; a serving worker leaves by exiting): past the barrier
-        a peer's exit is expected, not a failure."""
+        a peer's exit is expected, not a failure. The caller then exits with os._exit, as a
+        worker does: the heartbeat thread may still be inside a barrier its peers never join."""
         self._stopped.set()
         self._collective(dist.barrier)
 

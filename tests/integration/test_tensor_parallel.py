@@ -123,6 +123,11 @@ def rank_main() -> None:
     result = tiny_scenario(runner) if args["scenario"] == "tiny" else engine_scenario(runner, args["model"])
     Path(args["out"]).write_text(json.dumps(result))
     runner.model.parallel.close()
+    # Out without the interpreter's teardown, as a serving worker leaves: teardown could meet the
+    # heartbeat thread inside a barrier that peers already gone never join (seen once: rank 0
+    # waited out the 30 s heartbeat timeout, then aborted, exit -6).
+    sys.stdout.flush()
+    os._exit(0)
 
 
 # --- the test side ---------------------------------------------------------------------------
