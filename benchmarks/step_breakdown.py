@@ -108,6 +108,11 @@ def instrument(runner: ModelRunner, breakdown: Breakdown) -> None:
         return execute(plan)
 
     runner.execute = timed("runner/execute", counted_execute)  # type: ignore[method-assign]
+    # The one-call decoder stack (services/worker/decoder_stack.py) hides its ops from the timers:
+    # the breakdown runs the layers one by one, which is slower at small batches by the dispatch
+    # that the stack saves (compare the step's time without --breakdown).
+    if hasattr(model, "decoder_stack_enabled"):
+        model.decoder_stack_enabled = False
     runner._forward = timed("runner/forward", runner._forward)  # type: ignore[method-assign]
     runner.batch.prepare_inputs = timed("runner/prepare_inputs", runner.batch.prepare_inputs)  # type: ignore
     runner.batch.finish_step = timed("runner/finish_step", runner.batch.finish_step)  # type: ignore

@@ -141,6 +141,9 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "rms_norm_quantized_linear_f32": ([P, P, P, F32, P, INT, P, P, I64, I64, I64, INT], INT),
     "silu_quantized_linear_f32": ([P, P, INT, P, P, I64, I64, I64, INT], INT),
     "apply_token_bitmask_f32": ([P, I64, P, I64, P, I64, I64], None),
+    # decoder_stack.c: (hidden, residual, tokens, layers, num_layers, shape, attention work, cos, sin,
+    # slot_mapping, then the scratch: qkv, attention, attention_out, gate_up); services/worker/decoder_stack.py.
+    "decoder_stack_f32": ([P, P, I64, P, I64, P, P, P, P, P, P, P, P, P], INT),
 }
 # The C kernels' name suffix per model dtype. bfloat16 is the mixed model's: bfloat16 activations,
 # weights and KV cache around a float32 residual stream, attention computed in float32.

@@ -11,13 +11,16 @@ import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from vmesh.kernels.reference import write_kv_ref
 from vmesh.services.common.model_loading import cache_dir_path
+
+if TYPE_CHECKING:
+    from vmesh.kernels.cpu_checks import AttentionItems, PrefillChunks
 
 logger = logging.getLogger(__name__)
 
@@ -167,15 +170,21 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def attend(self, query, key_cache, value_cache, meta, scale, window=None):
         if not self.kernels.supports(query, key_cache):
             return super().attend(query, key_cache, value_cache, meta, scale, window)
-        if "cpu_plan" not in meta.backend_cache:
-            meta.backend_cache["cpu_plan"] = self._plan(meta, tiled=self.kernels.supports_prefill(key_cache))
-        items, chunks = meta.backend_cache["cpu_plan"]
+        items, chunks = self.step_plan(meta, key_cache)  # built by the first layer's call
         out = torch.empty_like(query)
         if items is not None:
             self.kernels.paged_attention(query, key_cache, value_cache, items, scale, out, window)
         if chunks is not None:
             self.kernels.prefill_attention(query, key_cache, value_cache, chunks, scale, out, window)
         return out
+
+    def step_plan(self, meta: AttentionMetadata, key_cache: torch.Tensor) -> tuple[AttentionItems | None,
+                                                                                 PrefillChunks | None]:
+        """(the per-token kernel's items, the tiled kernel's chunks) of this step, either None: built
+        by the first layer's call, reused by the others'."""
+        if "cpu_plan" not in meta.backend_cache:
+            meta.backend_cache["cpu_plan"] = self._plan(meta, tiled=self.kernels.supports_prefill(key_cache))
+        return meta.backend_cache["cpu_plan"]
 
     def _plan(self, meta: AttentionMetadata, tiled: bool):
         """(the per-token kernel's items, the tiled kernel's chunks); either may be None."""

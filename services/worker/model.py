@@ -26,6 +26,7 @@ from vmesh.kernels.reference import rms_norm_ref, silu_and_mul_ref
 from vmesh.services.common.families.plan import LayerPlan
 from vmesh.services.common.model_spec import ModelSpec
 from vmesh.services.worker.attention import AttentionBackend, AttentionMetadata, CpuAttentionBackend
+from vmesh.services.worker.decoder_stack import DecoderStack, stack_refusal
 from vmesh.services.worker.int8_linear import Int8Linear
 from vmesh.services.worker.kv_cache import KVCache
 from vmesh.services.worker.linear import Linear
@@ -311,6 +312,11 @@ class DecoderModel:
                 self.rotaries[plan.attention.rope_key] = RotaryEmbedding(plan.attention, spec.head_dim, max_positions,
                                                                          device, rope_dtype)
         self.rotary = self.rotaries[spec.layers[0].attention.rope_key]  # the first layer's (of most models, all's)
+        self.quantized_kernels = quantized_kernels
+        # None until the first step decides (_decoder_stack); False runs the layers one by one
+        # (benchmarks/step_breakdown.py sets it to see each op).
+        self.decoder_stack_enabled: bool | None = None
+        self.decoder_stack: DecoderStack | None = None
         if source.keep_quantized:
             log_placement(self.linears(), source.dequantized)
         logger.info("weights: %s", ", ".join(f"{name} {size / (1 << 20):.1f} MiB"
@@ -385,13 +391,35 @@ class DecoderModel:
         hidden, residual = self.embed_tokens(input_ids), None
         ropes = {key: rotary.tables(positions) for key, rotary in self.rotaries.items()}
         ops = self.fused_ops(backend)
+        stack = self._decoder_stack()
+        if stack is not None and stack.serves(metas, kv_cache, backend):
+            hidden, residual = stack.run(hidden, ropes[self.layers[0].plan.attention.rope_key], metas[0], kv_cache,
+                                         backend)  # type: ignore[arg-type]
+        else:
+            hidden, residual = self._layers_one_by_one(hidden, ropes, metas, kv_cache, backend, ops)
+        last, _ = ops.rms_norm(hidden[indices], self.final_norm, self.spec.rms_norm_eps, residual[indices])
+        return last
+
+    def _decoder_stack(self) -> DecoderStack | None:
+        """The layers as one C call where they all allow it (services/worker/decoder_stack.py):
+        decided at the first step, once LoRA has wrapped whatever it wraps, and kept."""
+        if self.decoder_stack_enabled is None:
+            refusal = stack_refusal(self) if self.quantized_kernels is not None else "weights not kept quantized"
+            self.decoder_stack = DecoderStack(self, self.quantized_kernels) if refusal is None else None
+            self.decoder_stack_enabled = refusal is None
+            logger.debug("decoder layers: %s", "one C call" if refusal is None else f"one by one ({refusal})")
+        return self.decoder_stack if self.decoder_stack_enabled else None
+
+    def _layers_one_by_one(self, hidden: torch.Tensor, ropes: dict, metas: list[AttentionMetadata],
+                           kv_cache: KVCache, backend: AttentionBackend,
+                           ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = None
         for i, layer in enumerate(self.layers):
             rope = ropes[layer.plan.attention.rope_key]
             hidden, residual = layer.forward(hidden, residual, rope, kv_cache.key_caches[i], kv_cache.value_caches[i],
                                              metas[kv_cache.group_of_layer[i]], backend, ops)
         assert residual is not None, "the model has at least one layer"
-        last, _ = ops.rms_norm(hidden[indices], self.final_norm, self.spec.rms_norm_eps, residual[indices])
-        return last
+        return hidden, residual
 
     @torch.inference_mode()
     def compute_logits(self, last: torch.Tensor) -> torch.Tensor:
