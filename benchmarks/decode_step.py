@@ -11,6 +11,9 @@ each step verifies 1 + K rows per request (the mean rows per step is printed).
 model's ops (linears by kind, norms, attention, ...), the C kernels inside them, and the Python
 between them.
 
+--stack-ab: the decoder layers as one C call (services/worker/decoder_stack.py: native weights)
+against the same layers one by one, alternating in one process.
+
 --baseline-ref REF: the same measurement over a temporary worktree of REF too, each tree in its
 own process, alternating in --rounds rounds (before and after in one sitting); prints each
 round's figures, the medians and this / baseline. With --threads 1 (the breakdown too) the
@@ -21,6 +24,7 @@ clock is the process's CPU time, which a shared machine's descheduling does not 
     .venv/bin/python -m benchmarks.decode_step --batch 64 --dtype bfloat16 --profile   (or --weights native|int8)
     .venv/bin/python -m benchmarks.decode_step --batch 1 --weights native --draft-tokens 4 --breakdown
     .venv/bin/python -m benchmarks.decode_step --batch 1 --weights native --threads 1 --baseline-ref main --rounds 5
+    .venv/bin/python -m benchmarks.decode_step --batch 1 --weights native --context 256 --rounds 12 --stack-ab
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -59,7 +64,8 @@ def measure(args: argparse.Namespace) -> dict:
     cpu_clock = args.threads == 1
     clock = time.process_time if cpu_clock else time.perf_counter
     rows_per_request = 1 + args.draft_tokens
-    decode_steps = WARMUP_STEPS + args.steps + (5 if args.profile else 0)
+    timed_steps = 2 * args.rounds * args.steps if args.stack_ab else args.steps
+    decode_steps = WARMUP_STEPS + timed_steps + (5 if args.profile else 0)
     model = str(embedded_model_file() if args.weights == "native" else resolve_model_dir(None))
     speculative = SpeculativeConfig("ngram", args.draft_tokens) if args.draft_tokens else None
     config = WorkerConfig(model=model, max_num_seqs=args.batch, dtype=args.dtype, weights=args.weights,
@@ -98,6 +104,8 @@ def measure(args: argparse.Namespace) -> dict:
 
     for _ in range(WARMUP_STEPS):
         decode()
+    if args.stack_ab:
+        return stack_ab(runner, decode, clock, args)
     breakdown = None
     if args.breakdown:
         step_breakdown = sibling_module("step_breakdown")
@@ -122,6 +130,24 @@ def measure(args: argparse.Namespace) -> dict:
                 decode()
         result["profile"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
     return result
+
+
+def stack_ab(runner: ModelRunner, decode: Callable[[], None], clock: Callable[[], float],
+             args: argparse.Namespace) -> dict:
+    """ms per step with the decoder layers as one C call and one by one (services/worker/
+    decoder_stack.py), in blocks of --steps steps alternating in --rounds rounds in this process."""
+    figures: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(args.rounds):
+        for enabled in (True, False) if i % 2 == 0 else (False, True):
+            runner.model.decoder_stack_enabled = enabled
+            started = clock()
+            for _ in range(args.steps):
+                decode()
+            figures[enabled].append((clock() - started) / args.steps * 1e3)
+    stack, one_by_one = (statistics.median(figures[enabled]) for enabled in (True, False))
+    return {"ms_per_step": stack, "ms_per_step_one_by_one": one_by_one, "rounds": figures,
+            "clock": "process CPU" if args.threads == 1 else "wall", "attention": runner.backend.name,
+            "tokens_per_s": None, "rows_per_step": args.batch}
 
 
 def sibling_module(name: str) -> ModuleType:
@@ -185,6 +211,9 @@ def main() -> None:
                         help="native reads the embedded GGUF file's blocks")
     parser.add_argument("--baseline-ref", help="also time a worktree of this git ref, alternating rounds")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--stack-ab", action="store_true",
+                        help="time the decoder stack (one C call) against the layers one by one in this process, "
+                             "alternating --rounds rounds of --steps steps")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # a --baseline-ref child's output
     args = parser.parse_args()
     if args.baseline_ref:
@@ -195,6 +224,11 @@ def main() -> None:
         print(json.dumps({k: v for k, v in result.items() if k != "profile"}))
         return
     print(describe(args, result))
+    if args.stack_ab:
+        print(f"layers one by one: {result['ms_per_step_one_by_one']:.2f} ms/step; the stack / one by one: "
+              f"{result['ms_per_step'] / result['ms_per_step_one_by_one']:.3f} (medians of {args.rounds} rounds; "
+              f"stack {[round(x, 2) for x in result['rounds'][True]]}, one by one "
+              f"{[round(x, 2) for x in result['rounds'][False]]})")
     for part in ("breakdown", "profile"):
         if part in result:
             print(result[part])
