@@ -404,9 +404,11 @@ class DecoderModel:
         """The layers as one C call where they all allow it (services/worker/decoder_stack.py):
         decided at the first step, once LoRA has wrapped whatever it wraps, and kept."""
         if self.decoder_stack_enabled is None:
-            refusal = stack_refusal(self) if self.quantized_kernels is not None else "weights not kept quantized"
-            self.decoder_stack = DecoderStack(self, self.quantized_kernels) if refusal is None else None
-            self.decoder_stack_enabled = refusal is None
+            kernels = self.quantized_kernels
+            refusal = "weights not kept quantized" if kernels is None else stack_refusal(self)
+            if kernels is not None and refusal is None:
+                self.decoder_stack = DecoderStack(self, kernels)
+            self.decoder_stack_enabled = self.decoder_stack is not None
             logger.debug("decoder layers: %s", "one C call" if refusal is None else f"one by one ({refusal})")
         return self.decoder_stack if self.decoder_stack_enabled else None
 
