@@ -136,6 +136,8 @@ def stack_ab(runner: ModelRunner, decode: Callable[[], None], clock: Callable[[]
              args: argparse.Namespace) -> dict:
     """ms per step with the decoder layers as one C call and one by one (services/worker/
     decoder_stack.py), in blocks of --steps steps alternating in --rounds rounds in this process."""
+    if runner.model.decoder_stack is None:
+        raise SystemExit("--stack-ab: the decoder stack does not serve this model (services/worker/decoder_stack.py)")
     figures: dict[bool, list[float]] = {True: [], False: []}
     for i in range(args.rounds):
         for enabled in (True, False) if i % 2 == 0 else (False, True):
@@ -147,7 +149,7 @@ def stack_ab(runner: ModelRunner, decode: Callable[[], None], clock: Callable[[]
     stack, one_by_one = (statistics.median(figures[enabled]) for enabled in (True, False))
     return {"ms_per_step": stack, "ms_per_step_one_by_one": one_by_one, "rounds": figures,
             "clock": "process CPU" if args.threads == 1 else "wall", "attention": runner.backend.name,
-            "tokens_per_s": None, "rows_per_step": args.batch}
+            "tokens_per_s": None, "rows_per_step": args.batch, "output_digest": 0}
 
 
 def sibling_module(name: str) -> ModuleType:
@@ -216,6 +218,9 @@ def main() -> None:
                              "alternating --rounds rounds of --steps steps")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # a --baseline-ref child's output
     args = parser.parse_args()
+    if args.stack_ab and (args.baseline_ref or args.draft_tokens or args.breakdown or args.profile):
+        parser.error("--stack-ab times the stack against the layers one by one alone: no --baseline-ref, "
+                     "--draft-tokens, --breakdown or --profile")
     if args.baseline_ref:
         compare(args, sys.argv[1:])
         return

@@ -438,6 +438,12 @@ class QuantizedProduct:
         self.out_features, self.in_features, self.block_format = blocks.shape[0], in_features, block_format
         self._weight = (blocks.data_ptr(), block_format, 0 if bias is None else bias.data_ptr())
 
+    @property
+    def pointers(self) -> tuple[int, int, int]:
+        """(the blocks' address, the block format, the bias's address or 0): what a C caller passes
+        for this weight (services/worker/decoder_stack.py); valid while this product lives."""
+        return self._weight
+
     def _rows(self, x: torch.Tensor, name: str, width: int) -> int:
         if x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous() or x.dim() != 2 or x.shape[1] != width:
             raise ValueError(f"{name} must be a contiguous CPU float32 [rows, {width}] tensor, got {x.dtype} "

@@ -4,36 +4,15 @@
  * product and the fused SiLU-and-multiply + down product.
  *
  * A single stream's decode step called these ~180 times from Python, and each call's dispatch
- * (checks, an output tensor, ctypes) cost more than the arithmetic of the small ops: about a third
- * of the step. The kernels called here are the same functions, with the same arguments, in the
+ * (checks, an output tensor, ctypes) cost more than the arithmetic of the small ops: a fifth to a
+ * quarter of the step. The kernels called here are the same functions, with the same arguments, in the
  * same order, as the per-op path (services/worker/model.py), so the result is the same bit for bit.
- * The caller (services/worker/decoder_stack.py) checks every shape once per step: the layers share
- * them, and the scratch buffers are its tensors. */
+ * The caller (services/worker/decoder_stack.py) checks every layer's shapes when it builds the
+ * layers' table and the step's once per step, and the scratch buffers are its tensors. */
 #include <stddef.h>
 #include <stdint.h>
 
-int rms_norm_quantized_linear_f32(const float *x, float *residual, const float *norm_weight, float eps,
-                                  const uint8_t *w, int format, const float *bias, float *y, int64_t rows,
-                                  int64_t out_features, int64_t in_features, int integer, int num_threads);
-int silu_quantized_linear_f32(const float *gate_up, const uint8_t *w, int format, const float *bias, float *y,
-                              int64_t rows, int64_t out_features, int64_t in_features, int integer, int num_threads);
-int quantized_linear_f32(const float *x, const uint8_t *w, int format, const float *bias, float *y, int64_t rows,
-                         int64_t out_features, int64_t in_features, int num_threads);
-int quantized_linear_int8_f32(const float *x, const uint8_t *w, int format, const float *bias, float *y,
-                              int64_t rows, int64_t out_features, int64_t in_features, int num_threads);
-void rotary_write_kv_f32(float *qkv, int64_t rows, int64_t stride, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                         const float *cos, const float *sin, const int64_t *slot_mapping, float *key_cache,
-                         float *value_cache, int num_threads);
-int paged_attention_f32(const float *query, int64_t query_stride, const float *key_cache, const float *value_cache,
-                        const int32_t *block_tables, int64_t table_width, const int64_t *request_rows,
-                        const int64_t *token_rows, const int32_t *context_lens, int64_t num_items, int64_t kv_heads,
-                        int64_t group, int64_t head_dim, int64_t block_size, float scale, int64_t window, float *out,
-                        int num_threads);
-int prefill_attention_f32(const float *query, int64_t query_stride, const float *key_cache, const float *value_cache,
-                          const int32_t *block_tables, int64_t table_width, const int64_t *chunk_requests,
-                          const int64_t *chunk_starts, const int32_t *chunk_lens, const int32_t *chunk_seq_lens,
-                          int64_t num_chunks, int64_t kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
-                          float scale, int64_t window, float *out, int num_threads);
+#include "cross_calls.h"
 
 /* One layer's weights and cache, as decoder_stack.py fills them once per model (ctypes Structure
  * of the same fields in the same order). A bias may be NULL. */
@@ -66,52 +45,60 @@ typedef struct {
     int32_t integer; /* the products round activations to int8 (integer_linear.c) */
 } stack_shape;
 
+/* The kernels of a layer, in the order they run: a failure's status names one (decoder_stack.py). */
+enum { KERNEL_QKV, KERNEL_DECODE_ATTENTION, KERNEL_PREFILL_ATTENTION, KERNEL_O, KERNEL_GATE_UP, KERNEL_DOWN };
+
 /* residual [tokens, hidden]: the embeddings in, the residual stream before the last layer's MLP
  * output on return (updated in place, as the per-op path updates its stream); hidden [tokens,
  * hidden]: that output on return. Their sum is the stack's output, formed by the final norm.
- * Scratch, as hidden, not aliasing anything: qkv [tokens,
- * (heads + 2 kv_heads) head_dim], attention [tokens, heads head_dim], attention_out [tokens,
- * hidden], gate_up [tokens, 2 intermediate]. Returns 0, or the first failing kernel's status with
- * the layer in the upper bits (status + 16 * (layer + 1)). */
+ * Scratch, as hidden, not aliasing anything: qkv [tokens, (heads + 2 kv_heads) head_dim], attention
+ * [tokens, heads head_dim], attention_out [tokens, hidden], gate_up [tokens, 2 intermediate].
+ * Returns 0, or the first failing kernel's status as status + 16 kernel + 256 (layer + 1). */
 int decoder_stack_f32(float *hidden, float *residual, int64_t tokens, const stack_layer *layers, int64_t num_layers,
                       const stack_shape *shape, const stack_attention *work, const float *cos, const float *sin,
                       const int64_t *slot_mapping, float *qkv, float *attention, float *attention_out, float *gate_up,
                       int num_threads) {
     const int64_t qkv_width = (shape->heads + 2 * shape->kv_heads) * shape->head_dim;
-    const int64_t group = shape->heads / shape->kv_heads;
+    const int64_t attention_width = shape->heads * shape->head_dim, group = shape->heads / shape->kv_heads;
     for (int64_t i = 0; i < num_layers; ++i) {
         const stack_layer *l = &layers[i];
         int status;
-#define CHECKED(call)                                                                                                \
-    if ((status = (call)) != 0) return status + 16 * (int)(i + 1)
+#define CHECKED(kernel, call)                                                                                        \
+    do {                                                                                                             \
+        if ((status = (call)) != 0) return status + 16 * (kernel) + 256 * (int)(i + 1);                             \
+    } while (0)
         /* Layer 0 normalises the embeddings as they are; later ones add the MLP output to the stream first. */
-        CHECKED(rms_norm_quantized_linear_f32(i == 0 ? NULL : hidden, residual, l->input_norm, shape->eps, l->qkv,
-                                              l->qkv_format, l->qkv_bias, qkv, tokens, qkv_width, shape->hidden,
-                                              shape->integer, num_threads));
+        CHECKED(KERNEL_QKV, rms_norm_quantized_linear_f32(i == 0 ? NULL : hidden, residual, l->input_norm, shape->eps,
+                                                          l->qkv, l->qkv_format, l->qkv_bias, qkv, tokens, qkv_width,
+                                                          shape->hidden, shape->integer, num_threads));
         rotary_write_kv_f32(qkv, tokens, qkv_width, shape->heads, shape->kv_heads, shape->head_dim, cos, sin,
                             slot_mapping, l->key_cache, l->value_cache, num_threads);
         if (work->num_items)
-            CHECKED(paged_attention_f32(qkv, qkv_width, l->key_cache, l->value_cache, work->block_tables,
+            CHECKED(KERNEL_DECODE_ATTENTION,
+                    paged_attention_f32(qkv, qkv_width, l->key_cache, l->value_cache, work->block_tables,
                                         work->table_width, work->request_rows, work->token_rows, work->context_lens,
                                         work->num_items, shape->kv_heads, group, shape->head_dim, shape->block_size,
                                         l->scale, l->window, attention, num_threads));
         if (work->num_chunks)
-            CHECKED(prefill_attention_f32(qkv, qkv_width, l->key_cache, l->value_cache, work->block_tables,
+            CHECKED(KERNEL_PREFILL_ATTENTION,
+                    prefill_attention_f32(qkv, qkv_width, l->key_cache, l->value_cache, work->block_tables,
                                           work->table_width, work->chunk_requests, work->chunk_starts,
                                           work->chunk_lens, work->chunk_seq_lens, work->num_chunks, shape->kv_heads,
                                           group, shape->head_dim, shape->block_size, l->scale, l->window, attention,
                                           num_threads));
-        const int64_t attention_width = shape->heads * shape->head_dim;
-        CHECKED(shape->integer
-                    ? quantized_linear_int8_f32(attention, l->o, l->o_format, l->o_bias, attention_out, tokens,
-                                                shape->hidden, attention_width, num_threads)
-                    : quantized_linear_f32(attention, l->o, l->o_format, l->o_bias, attention_out, tokens,
-                                           shape->hidden, attention_width, num_threads));
-        CHECKED(rms_norm_quantized_linear_f32(attention_out, residual, l->post_attention_norm, shape->eps, l->gate_up,
-                                              l->gate_up_format, l->gate_up_bias, gate_up, tokens,
-                                              2 * shape->intermediate, shape->hidden, shape->integer, num_threads));
-        CHECKED(silu_quantized_linear_f32(gate_up, l->down, l->down_format, l->down_bias, hidden, tokens,
-                                          shape->hidden, shape->intermediate, shape->integer, num_threads));
+        CHECKED(KERNEL_O, shape->integer
+                              ? quantized_linear_int8_f32(attention, l->o, l->o_format, l->o_bias, attention_out,
+                                                          tokens, shape->hidden, attention_width, num_threads)
+                              : quantized_linear_f32(attention, l->o, l->o_format, l->o_bias, attention_out, tokens,
+                                                     shape->hidden, attention_width, num_threads));
+        CHECKED(KERNEL_GATE_UP, rms_norm_quantized_linear_f32(attention_out, residual, l->post_attention_norm,
+                                                              shape->eps, l->gate_up, l->gate_up_format,
+                                                              l->gate_up_bias, gate_up, tokens,
+                                                              2 * shape->intermediate, shape->hidden, shape->integer,
+                                                              num_threads));
+        CHECKED(KERNEL_DOWN, silu_quantized_linear_f32(gate_up, l->down, l->down_format, l->down_bias, hidden, tokens,
+                                                       shape->hidden, shape->intermediate, shape->integer,
+                                                       num_threads));
 #undef CHECKED
     }
     return 0;

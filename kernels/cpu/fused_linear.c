@@ -9,13 +9,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-void add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out, int64_t rows, int64_t dim,
-                      float eps, int num_threads);
-void silu_and_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter, int num_threads);
-int quantized_linear_f32(const float *x, const uint8_t *w, int format, const float *bias, float *y, int64_t rows,
-                         int64_t out_features, int64_t in_features, int num_threads);
-int quantized_linear_int8_f32(const float *x, const uint8_t *w, int format, const float *bias, float *y,
-                              int64_t rows, int64_t out_features, int64_t in_features, int num_threads);
+#include "cross_calls.h"
 
 static int product(int integer, const float *x, const uint8_t *w, int format, const float *bias, float *y,
                    int64_t rows, int64_t out_features, int64_t in_features, int num_threads) {

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "vec_math.h"
+#include "cross_calls.h"
 
 /* Below this many floats a pass is cheaper on one thread than the fork and join. */
 #define PARALLEL_MIN_FLOATS 16384

@@ -40,6 +40,7 @@
 
 #include "gguf_blocks.h"
 #include "kernel_limits.h"
+#include "cross_calls.h"
 
 int vmesh_integer_dot_available(void) { return HAVE_INTEGER_DOT; }
 

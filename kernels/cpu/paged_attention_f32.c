@@ -1,5 +1,6 @@
 /* paged_attention_f32: paged attention over a float32 KV cache (paged_attention.h). */
 #include "paged_attention.h"
+#include "cross_calls.h"
 
 #define KV_T float
 #define KV_LOAD(p) (*(p))

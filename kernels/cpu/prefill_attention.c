@@ -27,6 +27,7 @@
 
 #include "kernel_limits.h"
 #include "vec_math.h"
+#include "cross_calls.h"
 
 #define LANES PREFILL_LANES
 #define KEY_VECS 4 /* vectors of scores per row and key tile */

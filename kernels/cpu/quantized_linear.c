@@ -29,6 +29,7 @@
 
 #include "gguf_blocks.h"
 #include "kernel_limits.h"
+#include "cross_calls.h"
 
 #define TILE_OUT 16
 #define MICRO 4          /* rows and features of the register-blocked product */

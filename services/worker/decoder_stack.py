@@ -1,21 +1,23 @@
 """Every decoder layer of a quantized (`--weights native`) Llama-shaped model in one C call
 (kernels/cpu/decoder_stack.c) instead of six calls per layer from Python.
 
-At one stream the per-op path spent about a third of its decode step in the Python, checks, output
-tensors and ctypes dispatch around ~180 kernel calls; here the same kernels run in the same order
-from C, so the output is the same bit for bit (tests/unit/test_decoder_stack.py). Shapes are
-checked once per step, and the scratch buffers are tensors made here.
+At one stream the Python, checks, output tensors and ctypes dispatch around the per-op path's ~180
+kernel calls cost a fifth to a quarter of a decode step (benchmarks/README.md, "The decoder layers
+in one C call"); here the same kernels run in the same order from C, so the output is the same bit
+for bit (tests/integration/test_decoder_stack.py). Every layer's shapes are checked when the stack
+is built, the step's once per step, and the scratch buffers are tensors made here.
 
 The stack serves the models whose layers are all plain: float32, one KV cache group, no tensor
 parallelism, pre-norm layers without QK-norm, a SiLU MLP, every projection a plain QuantizedLinear
-(a LoRA wrapper reads its own input), one RoPE table. Any other model, or a step on another
-attention backend, runs the per-op path (DecoderLayer.forward).
+(a LoRA wrapper reads its own input), one RoPE table, heads within the C attention kernels' limits.
+Any other model, or a step on another attention backend or KV cache dtype, runs the per-op path
+(DecoderLayer.forward). The decision is made at the first step (LoRA wraps its layers at load).
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 
@@ -50,6 +52,13 @@ class StackShape(ctypes.Structure):
                 ("block_size", I64), ("eps", F32), ("integer", I32)]
 
 
+# kernels/cpu/decoder_stack.c's kernels of a layer, in its order, and what their statuses mean.
+STACK_KERNELS = ("norm + q/k/v product", "decode attention", "prefill attention", "o product",
+                 "norm + gate/up product", "SiLU + down product")
+KERNEL_STATUS = {1: "a shape or format it does not take", 2: "out of memory for its scratch",
+                 3: "built without AVX-512 VNNI"}
+
+
 def stack_refusal(model: DecoderModel) -> str | None:
     """Why the model's layers cannot run as one C call, or None when they can."""
     if model.device.type != "cpu" or model.dtype != torch.float32:
@@ -68,6 +77,9 @@ def stack_refusal(model: DecoderModel) -> str | None:
     products = [p._product for layer in model.layers for p in layer.projections()]  # type: ignore[union-attr]
     if len({p.integer for p in products}) != 1:
         return "integer and float products mixed"
+    spec, kernels = model.spec, model.quantized_kernels
+    if kernels is not None and (spec.num_heads > kernels.max_heads or spec.head_dim > kernels.max_head_dim):
+        return "heads beyond the C attention kernels' limits"  # the per-op path attends in torch then
     return None
 
 
@@ -80,58 +92,83 @@ class DecoderStack:
             raise ValueError(f"the decoder stack does not serve this model: {refusal}")
         self.model = model
         spec = model.spec
-        first = model.layers[0]
+        first_mlp = model.layers[0].mlp
+        assert isinstance(first_mlp, DenseMlp)
+        intermediate = first_mlp.down_proj.in_features
+        if spec.num_kv_heads < 1 or spec.num_heads % spec.num_kv_heads or spec.head_dim % 2:
+            raise ValueError(f"{spec.num_heads} heads over {spec.num_kv_heads} KV heads of {spec.head_dim}")
         self.kernels = kernels
-        self.shape = StackShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-                                first.mlp.down_proj.in_features, 0, spec.rms_norm_eps,  # type: ignore[union-attr]
-                                first.qkv_proj._product.integer)  # type: ignore[union-attr]
         self.qkv_width = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+        attention_width = spec.num_heads * spec.head_dim
+        # (in, out) features C assumes of each projection: it takes the sizes from the shape, not the weights.
+        expected = {"qkv": (spec.hidden_size, self.qkv_width), "o": (attention_width, spec.hidden_size),
+                    "gate_up": (spec.hidden_size, 2 * intermediate), "down": (intermediate, spec.hidden_size)}
         self.layers = (StackLayer * len(model.layers))()
-        for entry, layer in zip(self.layers, model.layers, strict=True):
+        # What the layers' addresses point into, held as long as the stack is (the model may drop them).
+        self._held: list[object] = []
+        integer = set()
+        for i, (entry, layer) in enumerate(zip(self.layers, model.layers, strict=True)):
             mlp = layer.mlp
             assert isinstance(mlp, DenseMlp)
+            for norm in (layer.input_norm, layer.post_attention_norm):
+                require_contiguous_cpu(("norm", norm, torch.float32))
+                if norm.shape != (spec.hidden_size,):
+                    raise ValueError(f"layer {i}: a norm of shape {tuple(norm.shape)} for {spec.hidden_size} features")
             entry.input_norm = layer.input_norm.data_ptr()
             entry.post_attention_norm = layer.post_attention_norm.data_ptr()
             for name, linear in (("qkv", layer.qkv_proj), ("o", layer.o_proj), ("gate_up", mlp.gate_up_proj),
                                  ("down", mlp.down_proj)):
-                blocks, block_format, bias = linear._product._weight  # type: ignore[union-attr]
+                product = linear._product  # type: ignore[union-attr]
+                if (product.in_features, product.out_features) != expected[name]:
+                    raise ValueError(f"layer {i}: {name} is {product.in_features} -> {product.out_features} "
+                                     f"features, not {expected[name][0]} -> {expected[name][1]}")
+                blocks, block_format, bias = product.pointers
                 setattr(entry, name, blocks)
                 setattr(entry, f"{name}_format", block_format)
                 setattr(entry, f"{name}_bias", bias or None)
+                integer.add(product.integer)
+                self._held.append(product)
+            self._held += [layer.input_norm, layer.post_attention_norm]
             entry.scale = layer.scale
             entry.window = layer.plan.attention.window or 0
-        for norm in (n for layer in model.layers for n in (layer.input_norm, layer.post_attention_norm)):
-            require_contiguous_cpu(("norm", norm, torch.float32))
-        self._caches: KVCache | None = None  # the KV cache whose tensors self.layers points at
+        (integer_products,) = integer  # stack_refusal: one kind
+        self.shape = StackShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, intermediate,
+                                0, spec.rms_norm_eps, integer_products)
+        # The KV cache whose tensors self.layers points at, and those tensors (held).
+        self._caches: tuple[KVCache, list[torch.Tensor]] | None = None
 
-    def serves(self, metas: list[AttentionMetadata], kv_cache: KVCache, backend: object) -> bool:
+    @staticmethod
+    def serves(backend: object, kv_cache: KVCache) -> TypeGuard[CpuAttentionBackend]:
         """Whether this step can run as one call: the C attention backend, over one float32 cache group."""
-        return (isinstance(backend, CpuAttentionBackend) and len(metas) == 1 and kv_cache.num_groups == 1
+        return (isinstance(backend, CpuAttentionBackend) and kv_cache.num_groups == 1
                 and kv_cache.key_caches[0].dtype == torch.float32)
 
-    def _point_at(self, kv_cache: KVCache, backend: CpuAttentionBackend) -> None:
+    def _point_at(self, kv_cache: KVCache) -> None:
         """Checks the caches once (every layer's has the first one's shape) and points the layers at them."""
         first = kv_cache.key_caches[0]
         spec = self.model.spec
         if first.dim() != 4 or tuple(first.shape[2:]) != (spec.num_kv_heads, spec.head_dim):
             raise ValueError(f"a KV cache of shape {tuple(first.shape)} does not fit {spec.num_kv_heads} KV heads "
                              f"of {spec.head_dim}")
-        if spec.num_heads > backend.kernels.max_heads or spec.head_dim > backend.kernels.max_head_dim:
-            raise ValueError(f"{spec.num_heads} heads of {spec.head_dim} exceed the attention kernels' limits")
         for entry, key, value in zip(self.layers, kv_cache.key_caches, kv_cache.value_caches, strict=True):
             require_contiguous_cpu(("key_cache", key, torch.float32), ("value_cache", value, torch.float32))
             if key.shape != first.shape or value.shape != first.shape:
                 raise ValueError("every layer's KV cache must have the first layer's shape")
             entry.key_cache, entry.value_cache = key.data_ptr(), value.data_ptr()
         self.shape.block_size = first.shape[1]
-        self._caches = kv_cache
+        self._caches = (kv_cache, [*kv_cache.key_caches, *kv_cache.value_caches])
+
+    def _points_at(self, kv_cache: KVCache) -> bool:
+        """Whether the layers point at this cache's tensors (O(1): a cache's tensors are replaced whole)."""
+        return (self._caches is not None and self._caches[0] is kv_cache
+                and self._caches[1][0] is kv_cache.key_caches[0] and self._caches[1][-1] is kv_cache.value_caches[-1])
 
     def run(self, embeddings: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
             kv_cache: KVCache, backend: CpuAttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         """(the last layer's MLP output, the residual stream before it), as the per-op loop over
         DecoderLayer.forward returns them; `embeddings` becomes the stream (updated in place)."""
-        if self._caches is not kv_cache:
-            self._point_at(kv_cache, backend)
+        if not self._points_at(kv_cache):
+            self._point_at(kv_cache)
         spec = self.model.spec
         tokens = embeddings.shape[0]
         cos, sin = rope
@@ -144,16 +181,17 @@ class DecoderStack:
         qkv = torch.empty(tokens, self.qkv_width)
         attention = torch.empty(tokens, spec.num_heads, spec.head_dim)
         query = qkv[:, :spec.num_heads * spec.head_dim].view(tokens, spec.num_heads, spec.head_dim)
-        work = StackAttention()
+        # Both kernels' work reads the step's one block table (CpuAttentionBackend._plan builds both from it).
+        work = StackAttention(block_tables=meta.block_tables.data_ptr(), table_width=meta.block_tables.shape[1])
         key, value = kv_cache.key_caches[0], kv_cache.value_caches[0]
         if items is not None:
+            assert items.block_tables is meta.block_tables
             attention_shape(query, key, value, attention, items)  # every layer's shapes are the first's
-            work.block_tables, work.table_width = items.block_tables.data_ptr(), items.block_tables.shape[1]
             work.request_rows, work.token_rows = items.request_rows.data_ptr(), items.token_rows.data_ptr()
             work.context_lens, work.num_items = items.context_lens.data_ptr(), items.token_rows.numel()
         if chunks is not None:
+            assert chunks.block_tables is meta.block_tables
             attention_shape(query, key, value, attention, chunks)
-            work.block_tables, work.table_width = chunks.block_tables.data_ptr(), chunks.block_tables.shape[1]
             work.chunk_requests, work.chunk_starts = chunks.requests.data_ptr(), chunks.starts.data_ptr()
             work.chunk_lens, work.chunk_seq_lens = chunks.lengths.data_ptr(), chunks.seq_lens.data_ptr()
             work.num_chunks = chunks.requests.numel()
@@ -167,7 +205,9 @@ class DecoderStack:
                        meta.slot_mapping.data_ptr(), qkv.data_ptr(), attention.data_ptr(), attention_out.data_ptr(),
                        gate_up.data_ptr(), torch.get_num_threads())
         if status:
-            layer, code = divmod(status, 16)
+            layer, rest = divmod(status, 256)
+            kernel, code = divmod(rest, 16)
             kind = {2: MemoryError, 3: RuntimeError}.get(code, ValueError)
-            raise kind(f"decoder stack: layer {layer - 1}'s kernel refused the step (status {code})")
+            raise kind(f"decoder stack: layer {layer - 1}'s {STACK_KERNELS[kernel]} refused the step: "
+                       f"{KERNEL_STATUS.get(code, f'status {code}')}")
         return hidden, embeddings

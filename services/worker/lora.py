@@ -182,6 +182,9 @@ class LoraManager:
         self.tp_size = model.parallel.size if model.parallel is not None else 1
         self.step = StepAdapters()
         self.linears: dict[tuple[int, str], LoraLinear] = {}
+        # The first step decides whether the layers run as one C call (services/worker/decoder_stack.py),
+        # which reads the plain projections and would bypass these wrappers.
+        assert model.decoder_stack_enabled is None, "LoRA wraps the layers before the model's first step"
         for index, layer in enumerate(model.layers):
             for name, modules in FUSED_TARGETS.items():
                 owner = layer if name in ("qkv_proj", "o_proj") else layer.mlp

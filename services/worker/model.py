@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+RopeRows = tuple[torch.Tensor, torch.Tensor]  # cos and sin rows of a step's positions (RotaryEmbedding.tables)
+
 
 class MissingWeightError(KeyError):
     pass
@@ -392,9 +394,9 @@ class DecoderModel:
         ropes = {key: rotary.tables(positions) for key, rotary in self.rotaries.items()}
         ops = self.fused_ops(backend)
         stack = self._decoder_stack()
-        if stack is not None and stack.serves(metas, kv_cache, backend):
+        if stack is not None and stack.serves(backend, kv_cache):
             hidden, residual = stack.run(hidden, ropes[self.layers[0].plan.attention.rope_key], metas[0], kv_cache,
-                                         backend)  # type: ignore[arg-type]
+                                         backend)
         else:
             hidden, residual = self._layers_one_by_one(hidden, ropes, metas, kv_cache, backend, ops)
         last, _ = ops.rms_norm(hidden[indices], self.final_norm, self.spec.rms_norm_eps, residual[indices])
@@ -412,9 +414,10 @@ class DecoderModel:
             logger.debug("decoder layers: %s", "one C call" if refusal is None else f"one by one ({refusal})")
         return self.decoder_stack if self.decoder_stack_enabled else None
 
-    def _layers_one_by_one(self, hidden: torch.Tensor, ropes: dict, metas: list[AttentionMetadata],
-                           kv_cache: KVCache, backend: AttentionBackend,
+    def _layers_one_by_one(self, hidden: torch.Tensor, ropes: dict[tuple[float, str], RopeRows],
+                           metas: list[AttentionMetadata], kv_cache: KVCache, backend: AttentionBackend,
                            ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last layer's MLP output, the residual stream before it): each layer's ops from Python."""
         residual = None
         for i, layer in enumerate(self.layers):
             rope = ropes[layer.plan.attention.rope_key]

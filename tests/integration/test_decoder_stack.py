@@ -1,8 +1,13 @@
 """The decoder layers as one C call (services/worker/decoder_stack.py) against the per-op path,
-bit for bit, on the default model's native weights: every step of a workload that has decodes,
-prefill chunks over cached context, steps that mix the two, and speculative verification rows."""
+bit for bit, on the default model's native weights: every step's final hidden states and the KV
+cache it leaves, over a workload that has decodes, prefill chunks over cached context, steps that
+mix the two, and speculative verification rows; and once more with what the default model lacks
+(q/k/v and o biases, a sliding window, a softmax scale per layer)."""
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -11,72 +16,124 @@ from tests.conftest import CHAT_PROMPTS
 from vmesh.services.common.types import SamplingParams
 from vmesh.services.engine.llm import EngineConfig, LLMEngine
 from vmesh.services.speculative.config import SpeculativeConfig
+from vmesh.services.worker.attention import AttentionMetadata
 from vmesh.services.worker.decoder_stack import stack_refusal
 from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
-from vmesh.services.worker.quantized_linear import DOT_ENV
+from vmesh.services.worker.quantized_linear import DOT_ENV, QuantizedLinear
+
+NGRAM = SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=3)
 
 
-def load_native(dot: str, monkeypatch: pytest.MonkeyPatch, **worker: object) -> ModelRunner:
+def load_native(dot: str, monkeypatch: pytest.MonkeyPatch) -> ModelRunner:
     monkeypatch.setenv(DOT_ENV, dot)  # read as the layers are built
-    return ModelRunner.load(WorkerConfig(weights="native", kv_cache_memory=32 << 20, max_num_seqs=3,
-                                         **worker))  # type: ignore[arg-type]
+    runner = ModelRunner.load(WorkerConfig(weights="native", kv_cache_memory=32 << 20, max_num_seqs=3,
+                                           speculative_config=NGRAM))
+    if dot == "int8" and not runner.model.layers[0].qkv_proj.integer:  # type: ignore[union-attr]
+        pytest.skip("this CPU has no AVX-512 VNNI: the int8 products are the float ones")
+    return runner
 
 
-def step_kinds(meta) -> tuple[bool, bool]:
-    """(whether the step had decodes, whether it had prefill chunks or verification rows)."""
-    (meta,) = meta if isinstance(meta, list) else [meta]
-    items, chunks = meta.backend_cache["cpu_plan"]
-    return items is not None, chunks is not None
-
-
-@pytest.mark.parametrize("dot", ["int8", "float"])
-def test_the_stack_equals_the_layers_one_by_one(dot, embedded_tokenizer, monkeypatch):
-    runner = load_native(dot, monkeypatch, speculative_config=SpeculativeConfig("ngram", 3, prompt_lookup_min=1,
-                                                                                 prompt_lookup_max=3))
+def compare_every_step(runner: ModelRunner) -> Callable[[], tuple[set[tuple[bool, bool, bool]], int, int]]:
+    """Makes each forward run the per-op path, then the stack from the same KV cache, asserting
+    equal hidden states and caches; returns what reports (the kinds of steps seen, the steps
+    compared, the stack's runs)."""
     model = runner.model
     assert stack_refusal(model) is None
-    assert model._decoder_stack() is not None, "the default model's native layers run as one call"
-    one_call, execute = model.final_hidden, runner.execute
+    stack = model._decoder_stack()
+    assert stack is not None, "the default model's native layers run as one call"
+    final_hidden, execute, run = model.final_hidden, runner.execute, stack.run
     seen: set[tuple[bool, bool, bool]] = set()
-    plans = []
+    plans: list = []
+    stack_runs = compared = 0
 
     def recorded_execute(plan):
         plans.append(plan)
         return execute(plan)
 
+    def counted_run(*args):
+        nonlocal stack_runs
+        stack_runs += 1
+        return run(*args)
+
     def both_paths(input_ids, positions, meta, kv_cache, backend, indices):
+        nonlocal compared
+        compared += 1
+        caches = [*kv_cache.key_caches, *kv_cache.value_caches]
+        before = [c.clone() for c in caches]
         model.decoder_stack_enabled = False
-        reference = one_call(input_ids, positions, meta, kv_cache, backend, indices)
+        reference = final_hidden(input_ids, positions, meta, kv_cache, backend, indices)
+        after_reference = [c.clone() for c in caches]
+        for cache, saved in zip(caches, before):
+            cache.copy_(saved)
         model.decoder_stack_enabled = True
-        # The same keys and values go to the same slots again; attention then reads what the
-        # stack wrote, so a difference there shows too.
-        stacked = one_call(input_ids, positions, meta, kv_cache, backend, indices)
+        stacked = final_hidden(input_ids, positions, meta, kv_cache, backend, indices)
         assert torch.equal(stacked, reference), f"step of {input_ids.numel()} tokens"
-        decodes, chunks = step_kinds(meta)
-        drafts = any(plans[-1].num_draft_slots)
-        seen.add((decodes, chunks, drafts))
+        assert all(torch.equal(c, r) for c, r in zip(caches, after_reference)), "the KV caches differ"
+        (only,) = meta if isinstance(meta, list) else [meta]
+        decodes, chunks = step_kinds(only)
+        seen.add((decodes, chunks, any(plans[-1].num_draft_slots)))
         return stacked
 
-    model.final_hidden = both_paths
-    runner.execute = recorded_execute
-    # A repeated passage gives n-gram drafts; 3 sequences over 5 prompts and small token budgets
-    # give chunked prefills beside running decodes.
-    prompts = [embedded_tokenizer.encode(p) for p in CHAT_PROMPTS[:3]]
-    prompts += [embedded_tokenizer.encode("one two three four five six seven eight " * 12)] * 2
+    model.final_hidden = both_paths  # type: ignore[method-assign]
+    runner.execute = recorded_execute  # type: ignore[method-assign]
+    stack.run = counted_run  # type: ignore[method-assign]
+    return lambda: (seen, compared, stack_runs)
+
+
+def step_kinds(meta: AttentionMetadata) -> tuple[bool, bool]:
+    """(whether the step had decodes, whether it had prefill chunks or verification rows)."""
+    items, chunks = meta.backend_cache["cpu_plan"]
+    return items is not None, chunks is not None
+
+
+def generate(runner: ModelRunner, tokenizer) -> list[list[int]]:
+    """3 sequences over 5 prompts with small token budgets: chunked prefills beside running decodes;
+    a repeated passage gives n-gram drafts."""
+    prompts = [tokenizer.encode(p) for p in CHAT_PROMPTS[:3]]
+    prompts += [tokenizer.encode("one two three four five six seven eight " * 12)] * 2
     config = EngineConfig(max_num_batched_tokens=40, max_prefill_tokens_with_decodes=16)
-    engine = LLMEngine(runner, embedded_tokenizer, config)
+    engine = LLMEngine(runner, tokenizer, config)
     try:
         outputs = engine.generate(prompts, [SamplingParams(temperature=0, max_tokens=12 + 4 * i, ignore_eos=True)
                                             for i in range(len(prompts))])
     finally:
         engine.shutdown()
-    assert [len(o.token_ids) for o in outputs] == [12 + 4 * i for i in range(len(prompts))]
+    return [o.token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("dot", ["int8", "float"])
+def test_the_stack_equals_the_layers_one_by_one(dot, embedded_tokenizer, monkeypatch):
+    runner = load_native(dot, monkeypatch)
+    report = compare_every_step(runner)
+    outputs = generate(runner, embedded_tokenizer)
+    assert [len(o) for o in outputs] == [12 + 4 * i for i in range(len(outputs))]
+    seen, compared, stack_runs = report()
     kinds = {(d, c) for d, c, _ in seen}
     assert {(True, False), (False, True), (True, True)} <= kinds, kinds
     assert any(drafts for *_, drafts in seen), "no step verified drafts"
+    assert stack_runs == compared > 20, "the stack ran at every step"
 
 
-def test_models_the_stack_does_not_serve_run_one_by_one(monkeypatch):
+def test_biases_windows_and_scales_reach_the_stack(embedded_tokenizer, monkeypatch):
+    """Each layer's q/k/v and o get a bias, a softmax scale of its own and, on every other layer, a
+    sliding window of 8, before the first step (the stack reads them then)."""
+    runner = load_native("float", monkeypatch)
+    generator = torch.Generator().manual_seed(0)
+    for i, layer in enumerate(runner.model.layers):
+        for name in ("qkv_proj", "o_proj"):
+            linear = getattr(layer, name)
+            bias = 0.05 * torch.randn(linear.out_features, generator=generator)
+            setattr(layer, name, QuantizedLinear(linear.quantized, bias, linear.kernels))
+        layer.scale *= 1 + 0.02 * i
+        if i % 2:
+            layer.plan = dataclasses.replace(layer.plan, attention=dataclasses.replace(layer.plan.attention, window=8))
+    report = compare_every_step(runner)
+    generate(runner, embedded_tokenizer)
+    _, compared, stack_runs = report()
+    assert stack_runs == compared > 20
+
+
+def test_models_the_stack_does_not_serve_run_one_by_one():
     """The dequantized default model: float linears, so the layers run one by one, as before."""
     runner = ModelRunner.load(WorkerConfig(weights="dequantized", kv_cache_memory=8 << 20, max_num_seqs=1))
     assert stack_refusal(runner.model) == "a projection that is not a plain quantized linear"
