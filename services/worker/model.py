@@ -411,7 +411,8 @@ class DecoderModel:
             if kernels is not None and refusal is None:
                 self.decoder_stack = DecoderStack(self, kernels)
             self.decoder_stack_enabled = self.decoder_stack is not None
-            logger.debug("decoder layers: %s", "one C call" if refusal is None else f"one by one ({refusal})")
+            logger.info("decoder layers: %s", "one C call (decoder_stack.c)" if refusal is None
+                        else f"one by one ({refusal})")
         return self.decoder_stack if self.decoder_stack_enabled else None
 
     def _layers_one_by_one(self, hidden: torch.Tensor, ropes: dict[tuple[float, str], RopeRows],
