@@ -149,7 +149,7 @@ def stack_ab(runner: ModelRunner, decode: Callable[[], None], clock: Callable[[]
     stack, one_by_one = (statistics.median(figures[enabled]) for enabled in (True, False))
     return {"ms_per_step": stack, "ms_per_step_one_by_one": one_by_one, "rounds": figures,
             "clock": "process CPU" if args.threads == 1 else "wall", "attention": runner.backend.name,
-            "tokens_per_s": None, "rows_per_step": args.batch, "output_digest": 0}
+            "tokens_per_s": None}
 
 
 def sibling_module(name: str) -> ModuleType:

@@ -451,12 +451,8 @@ class QuantizedProduct:
         return x.shape[0]
 
     def _checked(self, status: int, name: str, rows: int) -> None:
-        if status == 2:
-            raise MemoryError(f"{name}: out of memory for its scratch")
-        if status == 3:
-            raise RuntimeError(f"{name}: built without AVX-512 VNNI (see CpuKernels.integer_dot)")
         if status:
-            raise ValueError(f"{name} refused {rows} rows of {self.in_features} features")
+            raise kernel_status_error(status, name, f"{rows} rows of {self.in_features} features")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] @ W.T + bias."""
@@ -499,6 +495,16 @@ class QuantizedProduct:
             gate_up.data_ptr(), blocks, block_format, bias, out.data_ptr(), rows, self.out_features, self.in_features,
             self.integer, torch.get_num_threads()), "silu_quantized_linear_f32", rows)
         return out
+
+
+def kernel_status_error(status: int, name: str, refused: str) -> Exception:
+    """The error for a quantized product's nonzero status (kernels/cpu/quantized_linear.c's, integer_linear.c's
+    and those of the calls built on them): 1 refused `refused`, 2 out of memory, 3 built without VNNI."""
+    if status == 2:
+        return MemoryError(f"{name}: out of memory for its scratch")
+    if status == 3:
+        return RuntimeError(f"{name}: built without AVX-512 VNNI (see CpuKernels.integer_dot)")
+    return ValueError(f"{name} refused {refused}")
 
 
 def _window(window: int | None) -> int:

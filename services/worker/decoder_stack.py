@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, TypeGuard
 import torch
 
 from vmesh.kernels.cpu_checks import attention_shape, require_contiguous_cpu
+from vmesh.kernels.cpu_native import kernel_status_error
 from vmesh.services.worker.attention import AttentionMetadata, CpuAttentionBackend
 from vmesh.services.worker.mlp import DenseMlp
 from vmesh.services.worker.quantized_linear import is_plain_quantized
@@ -52,11 +53,9 @@ class StackShape(ctypes.Structure):
                 ("block_size", I64), ("eps", F32), ("integer", I32)]
 
 
-# kernels/cpu/decoder_stack.c's kernels of a layer, in its order, and what their statuses mean.
+# kernels/cpu/decoder_stack.c's kernels of a layer, in its order.
 STACK_KERNELS = ("norm + q/k/v product", "decode attention", "prefill attention", "o product",
                  "norm + gate/up product", "SiLU + down product")
-KERNEL_STATUS = {1: "a shape or format it does not take", 2: "out of memory for its scratch",
-                 3: "built without AVX-512 VNNI"}
 
 
 def stack_refusal(model: DecoderModel) -> str | None:
@@ -207,7 +206,6 @@ class DecoderStack:
         if status:
             layer, rest = divmod(status, 256)
             kernel, code = divmod(rest, 16)
-            kind = {2: MemoryError, 3: RuntimeError}.get(code, ValueError)
-            raise kind(f"decoder stack: layer {layer - 1}'s {STACK_KERNELS[kernel]} refused the step: "
-                       f"{KERNEL_STATUS.get(code, f'status {code}')}")
+            raise kernel_status_error(code, f"decoder stack, layer {layer - 1}'s {STACK_KERNELS[kernel]}",
+                                      f"the step's shapes (status {code})")
         return hidden, embeddings

@@ -390,7 +390,7 @@ class DecoderModel:
         metas = [meta] if isinstance(meta, AttentionMetadata) else list(meta)
         if len(metas) != kv_cache.num_groups:
             raise ValueError(f"{len(metas)} attention metadata for {kv_cache.num_groups} KV cache groups")
-        hidden, residual = self.embed_tokens(input_ids), None
+        hidden = self.embed_tokens(input_ids)
         ropes = {key: rotary.tables(positions) for key, rotary in self.rotaries.items()}
         ops = self.fused_ops(backend)
         stack = self._decoder_stack()
