@@ -8,6 +8,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
 from vmesh.kernels.cpu_native import CpuKernelBuildError, CpuKernels, load_cpu_kernels
@@ -20,7 +21,7 @@ from vmesh.services.common.model_loading import (
 )
 from vmesh.services.common.model_spec import ModelSpec
 from vmesh.services.common.step_types import StepPlan, StepResult
-from vmesh.services.common.types import TokenLogprobs
+from vmesh.services.common.types import FLOAT_SAMPLING_FIELDS, TokenLogprobs
 from vmesh.services.speculative.config import SpeculativeConfig
 from vmesh.services.worker.attention import AttentionBackend, make_attention_backend
 from vmesh.services.worker.config import DTYPE_NAMES, WorkerConfig
@@ -249,22 +250,29 @@ class ModelRunner:
 
     def _sampling_batch(self, inputs: StepInputs) -> SamplingBatch:
         """One row per logits row: a draft's position samples under the tokens before it (its
-        penalties, min_tokens and seed position), as it would without speculation."""
+        penalties, min_tokens and seed position), as it would without speculation. The checks run
+        on numpy copies (PersistentBatch.prepare_inputs says why)."""
         b, rows, lengths = self.batch, inputs.sample_rows, inputs.sample_lengths
-        device = self.model.device
         row_list = rows.tolist()
+        columns = b.sampling_columns(rows.numpy())
+        device = self.model.device
+
+        def on_device(name: str) -> torch.Tensor:
+            column = torch.from_numpy(columns[name])
+            return column if device.type == "cpu" else column.to(device)
+
         # One column per FLOAT_SAMPLING_FIELDS name, passed by that name: a field SamplingBatch lacks,
         # or one it has that the list lacks, fails here rather than sampling with a default.
-        columns: dict[str, Any] = {name: col[rows].to(device) for name, col in b.float_params.items()}
+        floats: dict[str, Any] = {name: on_device(name) for name in FLOAT_SAMPLING_FIELDS}
         sampling = SamplingBatch(
-            top_k=b.top_k[rows].to(device), num_logprobs=b.num_logprobs[rows].to(device),
+            top_k=on_device("top_k"), num_logprobs=on_device("num_logprobs"),
             generators=[b.generators[r] for r in row_list], seeds=[b.seeds[r] for r in row_list],
-            positions=lengths.tolist(), **columns)
-        if bool(((columns["repetition_penalty"] != 1.0) | (columns["presence_penalty"] != 0.0)
-                 | (columns["frequency_penalty"] != 0.0)).any()):
+            positions=lengths.tolist(), **floats)
+        if ((columns["repetition_penalty"] != 1.0) | (columns["presence_penalty"] != 0.0)
+                | (columns["frequency_penalty"] != 0.0)).any():
             sampling.seen_token_ids, sampling.output_token_ids = self._penalty_tokens(rows, lengths)
-        num_output = lengths - b.num_prompt_tokens[rows]
-        if bool((num_output < b.min_tokens[rows]).any()):
+        num_output = lengths.numpy() - columns["num_prompt_tokens"]
+        if (num_output < columns["min_tokens"]).any():
             sampling.banned = self._banned_before_min_tokens(row_list, num_output.tolist())
         return sampling
 
@@ -298,16 +306,17 @@ class ModelRunner:
 
     def _result(self, plan: StepPlan, inputs: StepInputs, produced: torch.Tensor, accepted: torch.Tensor,
                 sampled: SamplerOutput) -> StepResult:
-        handles = torch.tensor(plan.scheduled_handles)
-        token_ids = sampled.token_ids.cpu()
+        handles = np.array(plan.scheduled_handles, dtype=np.int64)
+        produced_np, accepted_np, logits_request = produced.numpy(), accepted.numpy(), inputs.logits_request.numpy()
         # A produced request keeps its samples up to the first rejected draft's position.
-        kept = produced[inputs.logits_request] & (inputs.sample_offsets <= accepted[inputs.logits_request])
-        result = StepResult(step=plan.step, handles=handles[produced].tolist(),
-                            sampled_token_ids=token_ids[kept].tolist())
-        if bool(inputs.num_drafts.any()):
-            result.num_sampled_tokens = (accepted + 1)[produced].tolist()
-            result.num_draft_tokens = inputs.num_drafts[produced].tolist()
+        kept_np = produced_np[logits_request] & (inputs.sample_offsets.numpy() <= accepted_np[logits_request])
+        result = StepResult(step=plan.step, handles=handles[produced_np].tolist(),
+                            sampled_token_ids=sampled.token_ids.cpu().numpy()[kept_np].tolist())
+        if (num_drafts := inputs.num_drafts.numpy()).any():
+            result.num_sampled_tokens = (accepted_np + 1)[produced_np].tolist()
+            result.num_draft_tokens = num_drafts[produced_np].tolist()
         if sampled.logprob_rows is not None:
+            kept = torch.from_numpy(kept_np)
             rows = sampled.logprob_rows.cpu()
             keep = kept[rows]
             rows = rows[keep]
@@ -317,7 +326,7 @@ class ModelRunner:
             assert sampled.sampled_logprobs is not None and sampled.sampled_ranks is not None
             top_ids = sampled.top_token_ids.cpu()[keep].tolist()
             top_lps = sampled.top_logprobs.cpu()[keep].tolist()
-            result.logprobs_handles = handles[inputs.logits_request[rows]].tolist()
+            result.logprobs_handles = handles[inputs.logits_request[rows].numpy()].tolist()
             result.logprobs = [TokenLogprobs(logprob, rank, ids[:n], lps[:n]) for logprob, rank, ids, lps, n in zip(
                 sampled.sampled_logprobs.cpu()[keep].tolist(), sampled.sampled_ranks.cpu()[keep].tolist(),
                 top_ids, top_lps, counts)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vmesh.services.common.step_types import NewRequest, StepPlan
@@ -68,12 +69,19 @@ class PersistentBatch:
         self.num_kv_groups = num_kv_groups
         self.block_table = torch.zeros((max_num_reqs, num_kv_groups, max_blocks), dtype=torch.int64)
         self.num_blocks = torch.zeros(max_num_reqs, dtype=torch.int64)
+        # numpy views sharing the tensors' memory, for the per-step index arithmetic.
+        self._token_ids_np, self._num_tokens_np = self.token_ids.numpy(), self.num_tokens.numpy()
+        self._num_computed_np, self._num_blocks_np = self.num_computed_tokens.numpy(), self.num_blocks.numpy()
+        self._block_table_np = self.block_table.numpy()
         self.float_params = {name: torch.zeros(max_num_reqs, dtype=torch.float32) for name in FLOAT_SAMPLING_FIELDS}
         self.top_k = torch.full((max_num_reqs,), -1, dtype=torch.int64)
         self.min_tokens = torch.zeros(max_num_reqs, dtype=torch.int64)
         self.num_logprobs = torch.full((max_num_reqs,), NO_LOGPROBS, dtype=torch.int64)
         # Each row's LoRA adapter (services/worker/lora.py sets it; 0: the base model).
         self.adapter_ids = torch.zeros(max_num_reqs, dtype=torch.int64)
+        self._sampling_np = {name: column.numpy() for name, column in (
+            *self.float_params.items(), ("top_k", self.top_k), ("num_logprobs", self.num_logprobs),
+            ("min_tokens", self.min_tokens), ("num_prompt_tokens", self.num_prompt_tokens))}
         self.seeds: list[int | None] = [None] * max_num_reqs
         self.generators: list[torch.Generator | None] = [None] * max_num_reqs
         self.sampling: list[SamplingParams | None] = [None] * max_num_reqs
@@ -209,64 +217,72 @@ class PersistentBatch:
     # --- per-step inputs -------------------------------------------------------------------
 
     def prepare_inputs(self, plan: StepPlan, speculative: SpeculativeConfig | None = None) -> StepInputs:
-        """`speculative`: the worker's proposer, for the rows the plan reserved draft slots for."""
-        rows = torch.tensor([self._row(h) for h in plan.scheduled_handles], dtype=torch.int64)
-        num_scheduled = torch.tensor(plan.num_scheduled_tokens, dtype=torch.int64)
-        start = self.num_computed_tokens[rows]
-        if bool((num_scheduled < 1).any()) or bool((start + num_scheduled > self.num_tokens[rows]).any()):
-            bad = int(torch.nonzero((num_scheduled < 1) | (start + num_scheduled > self.num_tokens[rows]))[0, 0])
-            raise PlanError(f"request {plan.scheduled_handles[bad]}: cannot compute "
-                            f"{plan.num_scheduled_tokens[bad]} tokens after {int(start[bad])} "
-                            f"of {int(self.num_tokens[rows[bad]])} known")
-        num_drafts = self._propose_drafts(plan, rows, num_scheduled, speculative)
+        """`speculative`: the worker's proposer, for the rows the plan reserved draft slots for.
+        The index arithmetic runs on numpy views of the batch's tensors: at a few rows a step is
+        dozens of tiny ops, and numpy's cost per op is a fraction of torch's."""
+        rows = np.array([self._row(h) for h in plan.scheduled_handles], dtype=np.int64)
+        num_scheduled = np.array(plan.num_scheduled_tokens, dtype=np.int64)
+        start, known = self._num_computed_np[rows], self._num_tokens_np[rows]
+        if (bad := np.flatnonzero((num_scheduled < 1) | (start + num_scheduled > known))).size:
+            i = int(bad[0])
+            raise PlanError(f"request {plan.scheduled_handles[i]}: cannot compute "
+                            f"{plan.num_scheduled_tokens[i]} tokens after {int(start[i])} of {int(known[i])} known")
+        num_drafts = (self._propose_drafts(plan, torch.from_numpy(rows), torch.from_numpy(num_scheduled),
+                                           speculative).numpy()
+                      if plan.num_draft_slots and speculative is not None else np.zeros(len(rows), dtype=np.int64))
         num_scheduled_with_drafts = num_scheduled + num_drafts
         seq_lens = start + num_scheduled_with_drafts
-        if bool((seq_lens > self.num_blocks[rows] * self.block_size).any()):
-            bad = int(torch.nonzero(seq_lens > self.num_blocks[rows] * self.block_size)[0, 0])
-            raise PlanError(f"request {plan.scheduled_handles[bad]}: {int(seq_lens[bad])} tokens do not fit "
-                            f"its {int(self.num_blocks[rows[bad]])} blocks")
-        query_start = torch.zeros(len(rows) + 1, dtype=torch.int64)
-        torch.cumsum(num_scheduled_with_drafts, 0, out=query_start[1:])
-        total = int(query_start[-1])
-        request_of_token = torch.repeat_interleave(torch.arange(len(rows)), num_scheduled_with_drafts,
-                                                   output_size=total)
+        capacity = self._num_blocks_np[rows] * self.block_size
+        if (bad := np.flatnonzero(seq_lens > capacity)).size:
+            i = int(bad[0])
+            raise PlanError(f"request {plan.scheduled_handles[i]}: {int(seq_lens[i])} tokens do not fit "
+                            f"its {int(capacity[i]) // self.block_size} blocks")
+        query_start = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(num_scheduled_with_drafts, out=query_start[1:])
+        request_of_token = np.repeat(np.arange(len(rows)), num_scheduled_with_drafts)
         row_of_token = rows[request_of_token]
-        positions = torch.arange(total) - query_start[request_of_token] + start[request_of_token]
-        input_ids = self.token_ids[row_of_token, positions]
+        positions = np.arange(int(query_start[-1])) - query_start[request_of_token] + start[request_of_token]
+        input_ids = self._token_ids_np[row_of_token, positions]
         max_blocks = -(-int(seq_lens.max()) // self.block_size)
-        device = self.device
-        query_start_device = query_start.to(device=device, dtype=torch.int32, non_blocking=True)
-        seq_lens_device = seq_lens.to(device=device, dtype=torch.int32, non_blocking=True)
+        query_start_device = self._on_device(query_start.astype(np.int32))
+        seq_lens_device = self._on_device(seq_lens.astype(np.int32))
         query_lens_cpu, seq_lens_cpu = num_scheduled_with_drafts.tolist(), seq_lens.tolist()
-        entries, offsets = positions // self.block_size, positions % self.block_size
+        entries, offsets = np.divmod(positions, self.block_size)
         metas = []
         for group in range(self.num_kv_groups):
-            slots = self.block_table[row_of_token, group, entries] * self.block_size + offsets
+            slots = self._block_table_np[row_of_token, group, entries] * self.block_size + offsets
             metas.append(AttentionMetadata(
-                slot_mapping=slots.to(device, non_blocking=True), query_start_loc=query_start_device,
-                seq_lens=seq_lens_device,
-                block_tables=self.block_table[rows, group, :max_blocks].to(device=device, dtype=torch.int32,
-                                                                            non_blocking=True),
+                slot_mapping=self._on_device(slots), query_start_loc=query_start_device, seq_lens=seq_lens_device,
+                block_tables=self._on_device(self._block_table_np[rows, group, :max_blocks].astype(np.int32)),
                 query_lens_cpu=query_lens_cpu, seq_lens_cpu=seq_lens_cpu))
         samples = num_drafts + 1
-        logits_request = torch.repeat_interleave(torch.arange(len(rows)), samples, output_size=int(samples.sum()))
-        first_sample = torch.cumsum(samples, 0) - samples
-        offset = torch.arange(len(logits_request)) - first_sample[logits_request]  # 0: the row's next token
+        logits_request = np.repeat(np.arange(len(rows)), samples)
+        first_sample = np.cumsum(samples) - samples
+        offset = np.arange(len(logits_request)) - first_sample[logits_request]  # 0: the row's next token
         logits_indices = query_start[logits_request + 1] - samples[logits_request] + offset
         sample_rows = rows[logits_request]
         return StepInputs(
-            rows=rows,
-            input_ids=input_ids.to(device, non_blocking=True),
-            positions=positions.to(device, non_blocking=True),
-            logits_indices=logits_indices.to(device, non_blocking=True),
+            rows=torch.from_numpy(rows),
+            input_ids=self._on_device(input_ids),
+            positions=self._on_device(positions),
+            logits_indices=self._on_device(logits_indices),
             attention=metas,
-            num_scheduled=num_scheduled,
-            num_drafts=num_drafts,
-            logits_request=logits_request,
-            sample_rows=sample_rows,
-            sample_lengths=self.num_tokens[sample_rows] + offset,
-            sample_offsets=offset,
+            num_scheduled=torch.from_numpy(num_scheduled),
+            num_drafts=torch.from_numpy(num_drafts),
+            logits_request=torch.from_numpy(logits_request),
+            sample_rows=torch.from_numpy(sample_rows),
+            sample_lengths=torch.from_numpy(self._num_tokens_np[sample_rows] + offset),
+            sample_offsets=torch.from_numpy(offset),
         )
+
+    def sampling_columns(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """Copies of the sampling columns at `rows`: one per FLOAT_SAMPLING_FIELDS name, top_k,
+        num_logprobs, min_tokens and num_prompt_tokens."""
+        return {name: column[rows] for name, column in self._sampling_np.items()}
+
+    def _on_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)
 
     def _propose_drafts(self, plan: StepPlan, rows: torch.Tensor, num_scheduled: torch.Tensor,
                         speculative: SpeculativeConfig | None) -> torch.Tensor:
@@ -303,27 +319,30 @@ class PersistentBatch:
     def finish_step(self, inputs: StepInputs, sampled: torch.Tensor) -> torch.Tensor:
         """Advance computed counts and append each request's sampled tokens when its step
         reached the end of its known tokens: its next token, preceded by the drafts it accepted
-        (services/speculative/verification.py). `sampled`: one token per logits row. Returns the
-        mask of requests that produced tokens; how many drafts each accepted goes in inputs.num_accepted."""
-        rows = inputs.rows
-        produced = self.num_computed_tokens[rows] + inputs.num_scheduled == self.num_tokens[rows]
-        width = int(inputs.num_drafts.max()) if len(rows) else 0
-        samples = torch.full((len(rows), width + 1), -1, dtype=torch.int64)
-        samples[inputs.logits_request, inputs.sample_offsets] = sampled.to(torch.int64)
-        accepted = torch.zeros(len(rows), dtype=torch.int64)
+        (services/speculative/verification.py). `sampled`: one token per logits row, on the CPU.
+        Returns the mask of requests that produced tokens; how many drafts each accepted goes in
+        inputs.num_accepted. numpy views, as prepare_inputs."""
+        rows, num_scheduled, num_drafts = inputs.rows.numpy(), inputs.num_scheduled.numpy(), inputs.num_drafts.numpy()
+        produced = self._num_computed_np[rows] + num_scheduled == self._num_tokens_np[rows]
+        width = int(num_drafts.max()) if len(rows) else 0
+        samples = np.full((len(rows), width + 1), -1, dtype=np.int64)
+        samples[inputs.logits_request.numpy(), inputs.sample_offsets.numpy()] = sampled.numpy()
+        accepted = np.zeros(len(rows), dtype=np.int64)
         if width:
-            columns = (self.num_tokens[rows][:, None] + torch.arange(width)[None, :]).clamp(max=self.max_model_len - 1)
-            accepted = num_accepted(samples, self.token_ids[rows[:, None], columns], inputs.num_drafts)
-        self.num_computed_tokens[rows] += inputs.num_scheduled + accepted
-        out = torch.nonzero(produced).squeeze(1)
+            columns = np.minimum(self._num_tokens_np[rows][:, None] + np.arange(width)[None, :], self.max_model_len - 1)
+            drafts = torch.from_numpy(self._token_ids_np[rows[:, None], columns])
+            accepted = num_accepted(torch.from_numpy(samples), drafts, inputs.num_drafts).numpy()
+        self._num_computed_np[rows] += num_scheduled + accepted
+        out = np.flatnonzero(produced)
         out_rows, kept = rows[out], accepted[out] + 1
-        if bool((self.num_tokens[out_rows] + kept > self.max_model_len).any()):
+        lengths = self._num_tokens_np[out_rows]
+        if (lengths + kept > self.max_model_len).any():
             raise PlanError("a request would grow past max_model_len")
         # Every sample of a produced row is written; those past its kept ones lie beyond num_tokens (unread).
-        keep = torch.arange(width + 1)[None, :] < (inputs.num_drafts[out] + 1)[:, None]
-        write_rows = out_rows[:, None].expand(-1, width + 1)[keep]
-        write_columns = (self.num_tokens[out_rows][:, None] + torch.arange(width + 1)[None, :])[keep]
-        self.token_ids[write_rows, write_columns] = samples[out][keep]
-        self.num_tokens[out_rows] += kept
-        inputs.num_accepted = accepted
-        return produced
+        keep = np.arange(width + 1)[None, :] < (num_drafts[out] + 1)[:, None]
+        write_rows = np.broadcast_to(out_rows[:, None], keep.shape)[keep]
+        write_columns = (lengths[:, None] + np.arange(width + 1)[None, :])[keep]
+        self._token_ids_np[write_rows, write_columns] = samples[out][keep]
+        self._num_tokens_np[out_rows] += kept
+        inputs.num_accepted = torch.from_numpy(accepted)
+        return torch.from_numpy(produced)

@@ -63,6 +63,15 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None
 
 
+def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
+    """[B] int64: each row's first maximal index (a NaN counts as maximal), as
+    torch.argmax(dim=-1). numpy computes it for CPU float32 rows: torch's CPU argmax does not
+    vectorise (benchmarks/README.md, "The worker's per-step bookkeeping": ~20x slower here)."""
+    if scores.device.type == "cpu" and scores.dtype == torch.float32:
+        return torch.from_numpy(scores.numpy().argmax(axis=-1))
+    return scores.argmax(dim=-1)
+
+
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Repetition penalty over prompt and output tokens (divide positive logits, multiply
     negative ones); presence and frequency penalties over output tokens only."""
@@ -132,7 +141,7 @@ class Sampler:
         if batch.banned is not None:
             logits = logits.index_put(batch.banned, torch.tensor(_MASKED, dtype=logits.dtype))
         greedy = batch.temperature < GREEDY_TEMPERATURE_EPS
-        token_ids = logits.argmax(dim=-1)
+        token_ids = argmax_rows(logits)
         if not bool(greedy.all()):
             token_ids = torch.where(greedy, token_ids, self._draw(logits, batch, greedy))
         output = SamplerOutput(token_ids=token_ids)
@@ -154,7 +163,7 @@ class Sampler:
                 race[row].exponential_(generator=generator)
         if batch.token_bitmask is not None:  # a masked token's p / q (p = 0) could be 0 / 0 = nan, which argmax takes
             race.masked_fill_(probs == 0, float("inf"))
-        return (probs / race).argmax(dim=-1)
+        return argmax_rows(probs / race)
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, batch: SamplingBatch, output: SamplerOutput) -> None:

@@ -3,11 +3,22 @@ from __future__ import annotations
 import torch
 
 from tests.support.factories import make_sampling_batch
-from vmesh.services.worker.sampler import Sampler, apply_penalties, restrict_logits
+from vmesh.services.worker.sampler import Sampler, apply_penalties, argmax_rows, restrict_logits
 
 VOCAB = 50
 
 
+
+
+def test_argmax_rows_is_torch_argmax_on_ties_nans_masked_rows_and_strides():
+    inf, nan = float("inf"), float("nan")
+    rows = torch.tensor([[1.0, 3.0, 3.0, 2.0], [-inf] * 4, [1.0, nan, 5.0, nan], [2.0] * 4, [-inf, 0.0, inf, inf]])
+    wide = torch.randn(9, 4 * VOCAB)
+    for scores in (rows, wide, wide[:, ::3], wide.t().contiguous().t(), torch.empty(0, VOCAB)):
+        assert torch.equal(argmax_rows(scores), scores.argmax(dim=-1))
+    for other in (wide.double(), wide.bfloat16()):  # torch's own path
+        assert torch.equal(argmax_rows(other), other.argmax(dim=-1))
+    assert argmax_rows(wide).dtype == torch.int64
 
 
 def test_greedy_and_zero_temperature_take_argmax_without_nan():
