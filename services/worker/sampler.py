@@ -96,6 +96,12 @@ def _token_counts(token_ids: torch.Tensor, vocab: int) -> torch.Tensor:
     return counts[:, :vocab]
 
 
+# How many of a row's largest logits top-k and top-p read first. Sorting whole rows was most of a
+# sampled step on the CPU (64 rows of 49,152: 129 ms; their 1,024 largest: 17 ms); a row whose
+# nucleus reaches past them is sorted whole.
+CANDIDATES = 1024
+
+
 def restrict_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                     min_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) every token outside each row's top-k, top-p nucleus and min-p floor.
@@ -104,27 +110,55 @@ def restrict_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     use_top_k = bool((top_k > 0).any())
     use_top_p = bool((top_p < 1.0).any())
     if use_top_k or use_top_p:
-        sorted_logits, _ = logits.sort(dim=-1, descending=True)
-        keep_threshold = sorted_logits[:, :1].clone()  # the max: always kept
-        if use_top_k:
-            k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-            kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
-            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _MASKED)
-            keep_threshold = kth
-        if use_top_p:
-            probs = sorted_logits.softmax(dim=-1)
-            mass_before = probs.cumsum(dim=-1) - probs
-            # A row with top_p == 1 keeps everything, whatever the cumulative sum's rounding.
-            inside = (mass_before < top_p.unsqueeze(1)) | (top_p >= 1.0).unsqueeze(1)
-            # The smallest logit still inside the nucleus is the row's threshold.
-            last_inside = inside.sum(dim=-1, keepdim=True).clamp(min=1) - 1
-            keep_threshold = torch.maximum(keep_threshold, sorted_logits.gather(1, last_inside))
-        logits = logits.masked_fill(logits < keep_threshold, _MASKED)
+        largest_k = int(top_k.max())
+        width = vocab if use_top_k and largest_k > CANDIDATES else min(vocab, CANDIDATES)
+        if not use_top_p:  # top-k alone reads no further than its largest k
+            width = min(width, largest_k)
+        threshold, decided = _keep_thresholds(logits, top_k, top_p, use_top_k, use_top_p, width)
+        if not bool(decided.all()):
+            rows = torch.nonzero(~decided).squeeze(1)
+            threshold[rows] = _keep_thresholds(logits[rows], top_k[rows], top_p[rows], use_top_k, use_top_p, vocab)[0]
+        logits = logits.masked_fill(logits < threshold, _MASKED)
     if bool((min_p > 0).any()):
         probs = logits.softmax(dim=-1)
         floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < floor, _MASKED)
     return logits
+
+
+def _keep_thresholds(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_top_k: bool,
+                     use_top_p: bool, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, 1] the smallest logit each row keeps under its top-k and top-p, [B] whether its `width`
+    largest logits decided that): a nucleus that still takes in the last of them is undecided.
+    Every enabled top_k must be <= width. Probabilities are over the whole row (after top-k)."""
+    vocab = logits.shape[-1]
+    ranked = (logits.topk(width, dim=-1) if width < vocab else logits.sort(dim=-1, descending=True)).values
+    threshold = ranked[:, :1].clone()  # the max: always kept
+    decided = torch.ones(len(logits), dtype=torch.bool)
+    kth = None
+    if use_top_k:
+        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+        # A row without top-k keeps everything: its k-th is the row's minimum, or past the ranked ones.
+        kth = torch.where((k <= width).unsqueeze(1), ranked.gather(1, (k.clamp(max=width) - 1).unsqueeze(1)),
+                          torch.tensor(_MASKED, dtype=logits.dtype))
+        ranked = ranked.masked_fill(ranked < kth, _MASKED)
+        threshold = kth
+    if use_top_p:
+        if width < vocab:
+            row = logits if kth is None else logits.masked_fill(logits < kth, _MASKED)
+            top = ranked[:, :1]
+            probs = (ranked - top).exp() / (row - top).exp().sum(dim=-1, keepdim=True)
+        else:
+            probs = ranked.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        whole = (top_p >= 1.0).unsqueeze(1)  # keeps everything, whatever the cumulative sum's rounding
+        inside = (mass_before < top_p.unsqueeze(1)) | whole
+        count = inside.sum(dim=-1, keepdim=True)
+        decided = (count < width).squeeze(1) | whole.squeeze(1) | (width == vocab)
+        # The smallest logit still inside the nucleus is the row's threshold.
+        edge = torch.where(whole, torch.tensor(_MASKED, dtype=logits.dtype), ranked.gather(1, count.clamp(min=1) - 1))
+        threshold = torch.maximum(threshold, edge)
+    return threshold, decided
 
 
 class Sampler:
@@ -153,17 +187,19 @@ class Sampler:
         temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
         logits = restrict_logits(logits / temperature.unsqueeze(1), batch.top_k, batch.top_p, batch.min_p)
         probs = logits.softmax(dim=-1)
-        race = torch.empty_like(probs).exponential_()
+        # q = -log U with U uniform on [0, 1): Exp(1), never 0 (so never 0 / 0), and ~5x cheaper
+        # here than torch's exponential_ (64 rows of 49,152: 14 against 74 ms).
+        race = torch.rand_like(probs)
         for row, generator in enumerate(batch.generators):
             if generator is not None:
                 row_seed = batch.seeds[row]
                 assert row_seed is not None, "a row has a generator only with a seed"
                 seed = (row_seed * _SEED_MIX + batch.positions[row]) & 0x7FFFFFFFFFFFFFFF
                 generator.manual_seed(seed)
-                race[row].exponential_(generator=generator)
-        if batch.token_bitmask is not None:  # a masked token's p / q (p = 0) could be 0 / 0 = nan, which argmax takes
-            race.masked_fill_(probs == 0, float("inf"))
-        return argmax_rows(probs / race)
+                race[row].uniform_(generator=generator)
+        scores = probs / race.log_().neg_()
+        # U = 0 gives q = inf and a score of 0: a token outside the support (p = 0) must still lose to it.
+        return argmax_rows(scores.masked_fill_(probs == 0, -1.0))
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, batch: SamplingBatch, output: SamplerOutput) -> None:

@@ -29,7 +29,7 @@ SCHEMAS = {
     "person": {"type": "object", "additionalProperties": False, "required": ["name", "age", "email"],
                "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 24},
                               "age": {"type": "integer", "minimum": 0, "maximum": 130},
-                              "email": {"type": "string", "format": "email"}}},
+                              "email": {"type": "string", "format": "email", "maxLength": 40}}},
     "order": {"type": "object", "additionalProperties": False, "required": ["items", "status"],
               "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
                   "type": "object", "additionalProperties": False, "required": ["sku", "qty"],

@@ -3,7 +3,14 @@ from __future__ import annotations
 import torch
 
 from tests.support.factories import make_sampling_batch
-from vmesh.services.worker.sampler import Sampler, apply_penalties, argmax_rows, restrict_logits
+from vmesh.services.worker.sampler import (
+    CANDIDATES,
+    Sampler,
+    _keep_thresholds,
+    apply_penalties,
+    argmax_rows,
+    restrict_logits,
+)
 
 VOCAB = 50
 
@@ -72,6 +79,43 @@ def test_top_k_top_p_min_p_restrict_support_exactly():
         seen[torch.arange(4), tokens] = True
     assert not (seen & ~kept).any()
     assert seen[3].sum() >= 5
+
+
+def test_top_k_and_top_p_over_the_largest_logits_keep_what_sorting_whole_rows_keeps():
+    """A real vocabulary, rows peaked and flat (a flat row's nucleus reaches past the candidates
+    and is sorted whole), ties at the threshold, top-k past the candidates, rows with neither."""
+    vocab, rows = 49152, 12
+    torch.manual_seed(3)
+    spread = torch.tensor([8.0, 8.0, 4.0, 4.0, 2.0, 0.05, 8.0, 0.05, 4.0, 8.0, 1.0, 3.0])
+    logits = torch.randn(rows, vocab) * spread[:, None]
+    logits[9, :40] = logits[9].max() + 1.0  # 40 tied maxima: top-k 10 and top-p keep them all
+    top_k = torch.tensor([-1, 40, -1, 7, -1, -1, 3, 500, 10, 10, -1, -1])
+    top_p = torch.tensor([0.9, 1.0, 0.95, 0.5, 0.99, 0.9, 0.3, 1.0, 0.8, 0.2, 1.0, 0.7])
+    min_p = torch.zeros(rows)
+    whole = _keep_thresholds(logits, top_k, top_p, True, True, vocab)[0]
+    expected = logits.masked_fill(logits < whole, float("-inf"))
+    assert torch.equal(restrict_logits(logits, top_k, top_p, min_p), expected)
+    kept = (expected > float("-inf")).sum(dim=-1)
+    assert kept[5] > CANDIDATES and kept[9] == 40 and kept[3] <= 7 and kept[10] == vocab  # the cases above
+    many = torch.tensor([2 * CANDIDATES] + [-1] * (rows - 1))  # top-k past the candidates: whole rows
+    whole = _keep_thresholds(logits, many, top_p, True, True, vocab)[0]
+    assert torch.equal(restrict_logits(logits, many, top_p, min_p), logits.masked_fill(logits < whole, float("-inf")))
+    only_k = restrict_logits(logits, top_k, torch.ones(rows), min_p) > float("-inf")
+    assert only_k.sum(dim=-1).tolist() == [vocab if k < 1 else max(k, 40 if i == 9 else k)
+                                           for i, k in enumerate(top_k.tolist())]
+
+
+def test_draws_follow_the_distribution():
+    """The exponential race over q = -log U: 30,000 rows of one distribution, each token's share
+    within 5 standard deviations of its probability (seeded, so the test is deterministic)."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    n = 30_000
+    torch.manual_seed(11)
+    tokens = Sampler()(probs.log().repeat(n, 1), make_sampling_batch(n)).token_ids
+    counts = torch.bincount(tokens, minlength=5).double()
+    sigma = (n * probs.double() * (1 - probs.double())).sqrt()
+    assert ((counts - n * probs.double()).abs() <= 5 * sigma + 1e-9).all(), counts.tolist()
+    assert counts[4] == 0
 
 
 def test_penalties_change_logits_as_defined():
