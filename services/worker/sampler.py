@@ -66,9 +66,9 @@ class SamplerOutput:
 def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
     """[B] int64: each row's first maximal index (a NaN counts as maximal), as
     torch.argmax(dim=-1). numpy computes it for CPU float32 rows: torch's CPU argmax does not
-    vectorise (benchmarks/README.md, "The worker's per-step bookkeeping": ~20x slower here)."""
+    vectorise (benchmarks/README.md, "The worker's per-step bookkeeping": 10-20x slower here)."""
     if scores.device.type == "cpu" and scores.dtype == torch.float32:
-        return torch.from_numpy(scores.numpy().argmax(axis=-1))
+        return torch.from_numpy(scores.detach().numpy().argmax(axis=-1))
     return scores.argmax(dim=-1)
 
 
@@ -98,7 +98,7 @@ def _token_counts(token_ids: torch.Tensor, vocab: int) -> torch.Tensor:
 
 # How many of a row's largest logits top-k and top-p read first. Sorting whole rows was most of a
 # sampled step on the CPU (64 rows of 49,152: 129 ms; their 1,024 largest: 17 ms); a row whose
-# nucleus reaches past them is sorted whole.
+# top-k or nucleus reaches past them is sorted whole.
 CANDIDATES = 1024
 
 
@@ -110,10 +110,9 @@ def restrict_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     use_top_k = bool((top_k > 0).any())
     use_top_p = bool((top_p < 1.0).any())
     if use_top_k or use_top_p:
-        largest_k = int(top_k.max())
-        width = vocab if use_top_k and largest_k > CANDIDATES else min(vocab, CANDIDATES)
-        if not use_top_p:  # top-k alone reads no further than its largest k
-            width = min(width, largest_k)
+        width = min(vocab, CANDIDATES)
+        if not use_top_p:  # top-k alone reads no further than the batch's largest k
+            width = min(width, int(top_k.max()))
         threshold, decided = _keep_thresholds(logits, top_k, top_p, use_top_k, use_top_p, width)
         if not bool(decided.all()):
             rows = torch.nonzero(~decided).squeeze(1)
@@ -128,19 +127,21 @@ def restrict_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
 
 def _keep_thresholds(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_top_k: bool,
                      use_top_p: bool, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """([B, 1] the smallest logit each row keeps under its top-k and top-p, [B] whether its `width`
-    largest logits decided that): a nucleus that still takes in the last of them is undecided.
-    Every enabled top_k must be <= width. Probabilities are over the whole row (after top-k)."""
+    """([B, 1] the smallest logit each row keeps under its top-k and top-p (-inf: all), [B] whether
+    its `width` largest logits decided that): a k past them, or a nucleus that still takes in the
+    last of them, is undecided. Probabilities are over the whole row (after top-k)."""
     vocab = logits.shape[-1]
     ranked = (logits.topk(width, dim=-1) if width < vocab else logits.sort(dim=-1, descending=True)).values
-    threshold = ranked[:, :1].clone()  # the max: always kept
+    masked = torch.tensor(_MASKED, dtype=logits.dtype)
+    # Neither limit may drop the maximum, so the threshold starts below everything.
+    threshold = torch.full_like(ranked[:, :1], _MASKED)
     decided = torch.ones(len(logits), dtype=torch.bool)
     kth = None
     if use_top_k:
-        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-        # A row without top-k keeps everything: its k-th is the row's minimum, or past the ranked ones.
-        kth = torch.where((k <= width).unsqueeze(1), ranked.gather(1, (k.clamp(max=width) - 1).unsqueeze(1)),
-                          torch.tensor(_MASKED, dtype=logits.dtype))
+        limited = top_k > 0
+        k = torch.where(limited, top_k, 1).clamp(max=width)
+        decided = ~limited | (top_k <= width)
+        kth = torch.where(limited.unsqueeze(1), ranked.gather(1, (k - 1).unsqueeze(1)), masked)
         ranked = ranked.masked_fill(ranked < kth, _MASKED)
         threshold = kth
     if use_top_p:
@@ -154,9 +155,9 @@ def _keep_thresholds(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
         whole = (top_p >= 1.0).unsqueeze(1)  # keeps everything, whatever the cumulative sum's rounding
         inside = (mass_before < top_p.unsqueeze(1)) | whole
         count = inside.sum(dim=-1, keepdim=True)
-        decided = (count < width).squeeze(1) | whole.squeeze(1) | (width == vocab)
+        decided &= (count < width).squeeze(1) | whole.squeeze(1) | (width == vocab)
         # The smallest logit still inside the nucleus is the row's threshold.
-        edge = torch.where(whole, torch.tensor(_MASKED, dtype=logits.dtype), ranked.gather(1, count.clamp(min=1) - 1))
+        edge = torch.where(whole, masked, ranked.gather(1, count.clamp(min=1) - 1))
         threshold = torch.maximum(threshold, edge)
     return threshold, decided
 
@@ -187,9 +188,10 @@ class Sampler:
         temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
         logits = restrict_logits(logits / temperature.unsqueeze(1), batch.top_k, batch.top_p, batch.min_p)
         probs = logits.softmax(dim=-1)
-        # q = -log U with U uniform on [0, 1): Exp(1), never 0 (so never 0 / 0), and ~5x cheaper
-        # here than torch's exponential_ (64 rows of 49,152: 14 against 74 ms).
-        race = torch.rand_like(probs)
+        # q = -log U with U uniform on [0, 1) in float64: Exp(1), never 0 (so never 0 / 0), and
+        # cheaper here than torch's exponential_. float64, because a float32 U lies on a 2^-24 grid
+        # near 1, which would starve the rarest tokens (their wins need q below that step).
+        race = torch.rand(probs.shape, dtype=torch.float64, device=probs.device)
         for row, generator in enumerate(batch.generators):
             if generator is not None:
                 row_seed = batch.seeds[row]
@@ -197,7 +199,7 @@ class Sampler:
                 seed = (row_seed * _SEED_MIX + batch.positions[row]) & 0x7FFFFFFFFFFFFFFF
                 generator.manual_seed(seed)
                 race[row].uniform_(generator=generator)
-        scores = probs / race.log_().neg_()
+        scores = probs / race.log_().neg_().to(probs.dtype)
         # U = 0 gives q = inf and a score of 0: a token outside the support (p = 0) must still lose to it.
         return argmax_rows(scores.masked_fill_(probs == 0, -1.0))
 

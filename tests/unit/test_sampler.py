@@ -1,12 +1,12 @@
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tests.support.factories import make_sampling_batch
 from vmesh.services.worker.sampler import (
     CANDIDATES,
     Sampler,
-    _keep_thresholds,
     apply_penalties,
     argmax_rows,
     restrict_logits,
@@ -81,28 +81,62 @@ def test_top_k_top_p_min_p_restrict_support_exactly():
     assert seen[3].sum() >= 5
 
 
-def test_top_k_and_top_p_over_the_largest_logits_keep_what_sorting_whole_rows_keeps():
-    """A real vocabulary, rows peaked and flat (a flat row's nucleus reaches past the candidates
-    and is sorted whole), ties at the threshold, top-k past the candidates, rows with neither."""
+def reference_kept(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """What top-k then top-p keep, row by row from whole sorted rows in float64 numpy: k-th
+    largest and ties kept; then the nucleus over the top-k-restricted row, through the token
+    that crosses top_p."""
+    kept = []
+    for row, k, p in zip(logits.double().numpy(), top_k.tolist(), top_p.tolist()):
+        ranked = np.sort(row)[::-1]
+        threshold = -np.inf
+        if k > 0:
+            threshold = ranked[min(k, len(row)) - 1]
+            ranked = np.where(ranked >= threshold, ranked, -np.inf)
+        if p < 1.0:
+            probs = np.exp(ranked - ranked[0])
+            probs /= probs.sum()
+            inside = max(1, int(((np.cumsum(probs) - probs) < p).sum()))
+            threshold = max(threshold, ranked[inside - 1])
+        kept.append(row >= threshold)
+    return torch.from_numpy(np.stack(kept))
+
+
+def test_top_k_and_top_p_keep_what_sorting_whole_rows_keeps():
+    """A real vocabulary, against whole rows sorted in float64: batches with top-p alone (a top_p
+    of 1 beside them), top-k alone and both; rows peaked and flat (a flat row's nucleus reaches
+    past the candidates), 40 tied maxima, a k past the candidates, rows with neither."""
     vocab, rows = 49152, 12
     torch.manual_seed(3)
     spread = torch.tensor([8.0, 8.0, 4.0, 4.0, 2.0, 0.05, 8.0, 0.05, 4.0, 8.0, 1.0, 3.0])
     logits = torch.randn(rows, vocab) * spread[:, None]
     logits[9, :40] = logits[9].max() + 1.0  # 40 tied maxima: top-k 10 and top-p keep them all
-    top_k = torch.tensor([-1, 40, -1, 7, -1, -1, 3, 500, 10, 10, -1, -1])
+    top_k = torch.tensor([-1, 40, -1, 7, -1, -1, 3, 2 * CANDIDATES, 10, 10, -1, -1])
     top_p = torch.tensor([0.9, 1.0, 0.95, 0.5, 0.99, 0.9, 0.3, 1.0, 0.8, 0.2, 1.0, 0.7])
-    min_p = torch.zeros(rows)
-    whole = _keep_thresholds(logits, top_k, top_p, True, True, vocab)[0]
-    expected = logits.masked_fill(logits < whole, float("-inf"))
-    assert torch.equal(restrict_logits(logits, top_k, top_p, min_p), expected)
-    kept = (expected > float("-inf")).sum(dim=-1)
-    assert kept[5] > CANDIDATES and kept[9] == 40 and kept[3] <= 7 and kept[10] == vocab  # the cases above
-    many = torch.tensor([2 * CANDIDATES] + [-1] * (rows - 1))  # top-k past the candidates: whole rows
-    whole = _keep_thresholds(logits, many, top_p, True, True, vocab)[0]
-    assert torch.equal(restrict_logits(logits, many, top_p, min_p), logits.masked_fill(logits < whole, float("-inf")))
-    only_k = restrict_logits(logits, top_k, torch.ones(rows), min_p) > float("-inf")
-    assert only_k.sum(dim=-1).tolist() == [vocab if k < 1 else max(k, 40 if i == 9 else k)
-                                           for i, k in enumerate(top_k.tolist())]
+    no_k, no_p, min_p = torch.full((rows,), -1), torch.ones(rows), torch.zeros(rows)
+    for k, p in ((top_k, top_p), (no_k, top_p), (top_k, no_p)):
+        kept = restrict_logits(logits, k, p, min_p) > float("-inf")
+        assert torch.equal(kept, reference_kept(logits, k, p)), (k.tolist(), p.tolist())
+    counts = (restrict_logits(logits, no_k, top_p, min_p) > float("-inf")).sum(dim=-1)
+    # Top-p alone: peaked rows keep a few tokens, a flat row more than the candidates, top_p 1 all.
+    assert counts[0] < 100 and counts[5] > CANDIDATES and counts[1] == vocab and counts[9] == 40
+    counts = (restrict_logits(logits, top_k, no_p, min_p) > float("-inf")).sum(dim=-1)
+    assert counts.tolist() == [vocab if k < 1 else 40 if i == 9 else k for i, k in enumerate(top_k.tolist())]
+
+
+def test_a_top_p_request_samples_beyond_its_argmax_beside_neighbours_without_limits():
+    logits = torch.tensor([[3.0, 2.9, 2.8, 0.0]] * 2)
+    batch = make_sampling_batch(2, top_p=torch.tensor([0.9, 1.0]))
+    seen = torch.zeros(2, 4, dtype=torch.bool)
+    for _ in range(200):
+        seen[torch.arange(2), Sampler()(logits, batch).token_ids] = True
+    assert seen[0].tolist() == [True, True, True, False] and seen[1].all()
+
+
+def test_a_zero_uniform_never_hands_the_draw_to_a_token_outside_the_support(monkeypatch):
+    """U = 0 makes q infinite and the token's score 0, the score of every p = 0 token too."""
+    logits = torch.tensor([[float("-inf"), 0.0, float("-inf")]])
+    monkeypatch.setattr(torch, "rand", lambda shape, dtype=None, device=None: torch.zeros(shape, dtype=dtype))
+    assert Sampler()(logits, make_sampling_batch(1)).token_ids.tolist() == [1]
 
 
 def test_draws_follow_the_distribution():

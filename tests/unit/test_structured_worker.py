@@ -97,7 +97,9 @@ def test_outputs_follow_their_grammars_and_end_with_eos(compiler, grammar_tokeni
         tokens, reason, error = outputs[request_id]
         assert (reason, error) == (FinishReason.STOP, ""), request_id
         assert tokens[-1] == EOS and EOS not in tokens[:-1], request_id
-    jsonschema.validate(json.loads(decode(outputs["schema"][0])), SCHEMA)
+    # strict=False: xgrammar's JSON strings admit raw control characters other than CR and LF,
+    # which strict JSON rejects, and random logits draw them (a real model rarely does).
+    jsonschema.validate(json.loads(decode(outputs["schema"][0]), strict=False), SCHEMA)
     assert re.fullmatch(REGEX, decode(outputs["regex"][0]))
     assert outputs["free"][1] is FinishReason.LENGTH and len(outputs["free"][0]) == 5
 
