@@ -135,10 +135,10 @@ def _keep_thresholds(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     masked = torch.tensor(_MASKED, dtype=logits.dtype)
     # Neither limit may drop the maximum, so the threshold starts below everything.
     threshold = torch.full_like(ranked[:, :1], _MASKED)
-    decided = torch.ones(len(logits), dtype=torch.bool)
+    decided = torch.ones(len(logits), dtype=torch.bool, device=logits.device)
     kth = None
     if use_top_k:
-        limited = top_k > 0
+        limited = (top_k > 0) & (top_k < vocab)  # a k of the whole vocabulary keeps everything
         k = torch.where(limited, top_k, 1).clamp(max=width)
         decided = ~limited | (top_k <= width)
         kth = torch.where(limited.unsqueeze(1), ranked.gather(1, (k - 1).unsqueeze(1)), masked)
