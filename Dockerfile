@@ -9,7 +9,7 @@ ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 # [gpu] adds Triton, which the CUDA workers' kernels need; the CPU image has no use for it.
 ARG VMESH_EXTRAS=""
 
-# CUDA base images carry no Python; gcc builds the CPU kernels (kernels/cpu) for the
+# CUDA base images carry no Python; gcc builds the CPU kernels (vmesh/kernels/cpu) for the
 # CPU the container runs on.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
         $(command -v python3 >/dev/null || echo python3 python3-pip python3-venv) \
@@ -25,11 +25,10 @@ WORKDIR /app
 RUN pip install --index-url ${TORCH_INDEX} torch==${TORCH_VERSION}
 # The sources go to /src, apart from the working directory: `python -m vmesh` (how the launcher
 # starts each service) run from /app imports the package installed in the venv, never a copy of
-# the sources. vmesh/services and vmesh/kernels are symlinks to services/ and kernels/, which
-# COPY keeps as links; the install is a plain (non-editable) one built from them.
+# the sources. vmesh/services is a symlink to services/, which COPY keeps as a link; the install
+# is a plain (non-editable) one built from them.
 COPY pyproject.toml README.md /src/
 COPY services /src/services
-COPY kernels /src/kernels
 COPY vmesh /src/vmesh
 # xgrammar (structured outputs) names Triton as a requirement on every Linux x86_64 machine, but
 # needs it only for CUDA tensors: the CPU image drops it again in the same layer (about 1 GB).

@@ -53,7 +53,7 @@ cmd=${1:-serve}
 [ $# -gt 0 ] && shift
 case "$cmd" in
     test) exec "$VENV/bin/python" -m pytest -q "$@" ;;
-    # mypy from the checkout's root, where vmesh/services and vmesh/kernels are the symlinked folders.
+    # mypy from the checkout's root, where vmesh/services is the symlinked services/.
     lint) "$VENV/bin/ruff" check . && exec "$VENV/bin/python" -m mypy -p vmesh ;;
     *) exec "$VENV/bin/vmesh" "$cmd" "$@" ;;
 esac

@@ -1,4 +1,4 @@
-"""Decode attention on CPU, per layer: the C kernel (kernels/cpu/paged_attention.h) over a batch of
+"""Decode attention on CPU, per layer: the C kernel (vmesh/kernels/cpu/paged_attention.h) over a batch of
 decodes, each with its own context (block tables shuffled, as a long-running pool's are), on the
 default model's heads (9 query, 3 KV, head_dim 64). Thirty layers' caches, so that they come from
 memory as in a real step; `--shared`: every request reads the same blocks, which then sit in L2,

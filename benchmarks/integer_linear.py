@@ -1,8 +1,8 @@
-"""`--weights native` kernels: int8 dot products (kernels/cpu/integer_linear.c) against the float32
-block kernel (kernels/cpu/quantized_linear.c) and oneDNN's packed float32 linear (`--weights
+"""`--weights native` kernels: int8 dot products (vmesh/kernels/cpu/integer_linear.c) against the float32
+block kernel (vmesh/kernels/cpu/quantized_linear.c) and oneDNN's packed float32 linear (`--weights
 dequantized`), same run, on the embedded model's layer shapes (or with `--model gemma3`, Gemma 3
 270M's) and random GGUF blocks of each format (a K-quant only on the shapes whose input width is a
-multiple of its 256-value super-block); and `--weights int8` (kernels/cpu/int8_linear.c) on the same
+multiple of its 256-value super-block); and `--weights int8` (vmesh/kernels/cpu/int8_linear.c) on the same
 weights.
 
 For each shape, format and row count, `--rounds` rounds alternate the three paths (so that each

@@ -1,5 +1,5 @@
 # ruff: noqa: B023  (each lambda is timed inside the iteration that defines it)
-"""Prefill attention on CPU, per layer: the tiled C kernel (kernels/cpu/prefill_attention.c)
+"""Prefill attention on CPU, per layer: the tiled C kernel (vmesh/kernels/cpu/prefill_attention.c)
 against the per-token C kernel it replaced for prefill chunks and the torch backend's SDPA
 path, on the default model's heads (9 query, 3 KV, head_dim 64), run in turn in one process.
 Prints milliseconds per layer (best of --repeats) and the tiled kernel's GFLOP/s.

@@ -1,4 +1,4 @@
-"""The linear kernels at a few rows against another build of them: this tree's kernels/cpu and a
+"""The linear kernels at a few rows against another build of them: this tree's vmesh/kernels/cpu and a
 baseline tree's (`--baseline`, e.g. a checkout of the commit before a kernel change), same run.
 
 For the embedded model's layer shapes, each path (`--weights native`'s int8 dot products and float32
@@ -34,9 +34,9 @@ Q4_1, Q8_0 = 3, 8  # the embedded GGUF's layers and its tied embedding
 
 
 def baseline_kernels(tree: Path, cache_dir: Path) -> CpuKernels:
-    """The kernels of another tree's kernels/cpu, built by that tree's own loader. A build from before
+    """The kernels of another tree's vmesh/kernels/cpu, built by that tree's own loader. A build from before
     kernel_limits.h stated STREAM_ROWS leaves stream_rows unset: its Linear streamed 1-4 rows."""
-    spec = importlib.util.spec_from_file_location("baseline_cpu_native", tree / "kernels" / "cpu_native.py")
+    spec = importlib.util.spec_from_file_location("baseline_cpu_native", tree / "vmesh" / "kernels" / "cpu_native.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -47,7 +47,7 @@ def baseline_kernels(tree: Path, cache_dir: Path) -> CpuKernels:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--baseline", type=Path, required=True, help="a tree whose kernels/cpu is the baseline")
+    parser.add_argument("--baseline", type=Path, required=True, help="a tree whose vmesh/kernels/cpu is the baseline")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 5, 6, 8])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=50)

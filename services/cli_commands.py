@@ -150,7 +150,7 @@ def cmd_warm_cache(args: argparse.Namespace) -> int:
 
     try:
         load_cpu_kernels(cache_dir_path(args.cache_dir))
-        print("CPU kernels built (kernels/cpu)")
+        print("CPU kernels built (vmesh/kernels/cpu)")
     except CpuKernelBuildError as exc:
         print(f"CPU kernels not built ({exc}); the worker will use torch on CPU", file=sys.stderr)
     return 0

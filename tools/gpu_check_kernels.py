@@ -1,5 +1,5 @@
-"""tools/gpu_check.py's kernel section: every Triton kernel of kernels/ against its torch reference
-(kernels/reference.py) on one device, in float32 and bfloat16, on the CPU tests' shapes and on large
+"""tools/gpu_check.py's kernel section: every Triton kernel of vmesh/kernels/ against its torch reference
+(vmesh/kernels/reference.py) on one device, in float32 and bfloat16, on the CPU tests' shapes and on large
 ones. On a CPU (the dry run) the kernels run through the Triton interpreter, small shapes only."""
 
 from __future__ import annotations

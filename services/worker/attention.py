@@ -150,7 +150,7 @@ class TorchAttentionBackend(AttentionBackend):
 
 class CpuAttentionBackend(TorchAttentionBackend):
     """The torch backend, with attention answered by C kernels that read the paged pool in
-    place (`kernels/cpu`): no padded copy of every context in every layer.
+    place (`vmesh/kernels/cpu`): no padded copy of every context in every layer.
 
     Decodes go to the per-token kernel (each cached key and value read once per query
     token); prefill chunks, whatever their length or cached context, to the tiled kernel,
@@ -211,7 +211,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """The Triton kernels of `kernels/`: one unified kernel for any ragged batch, and a
+    """The Triton kernels of `vmesh/kernels/`: one unified kernel for any ragged batch, and a
     split-KV path for decode-only batches too small to fill the device."""
 
     name = "triton"

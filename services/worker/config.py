@@ -74,7 +74,7 @@ class WorkerConfig:
     max_model_len: int | None = setting(  # None: the model's own context length
         None, section="worker", parse_flag=int)
     attention_backend: str = setting("auto", section="worker", choices=["auto", "cpu", "torch", "triton"])
-    # CPU, float32 or bfloat16: 1-4 row linears through kernels/cpu (faster single streams). They
+    # CPU, float32 or bfloat16: 1-4 row linears through vmesh/kernels/cpu (faster single streams). They
     # read oneDNN's packed copy where its layout is the known one (AVX-512), else float32 keeps a
     # plain copy and bfloat16 leaves those rows to oneDNN.
     small_batch_linear: bool = setting(

@@ -1,5 +1,5 @@
 """Every decoder layer of a quantized (`--weights native`) Llama-shaped model in one C call
-(kernels/cpu/decoder_stack.c) instead of six calls per layer from Python.
+(vmesh/kernels/cpu/decoder_stack.c) instead of six calls per layer from Python.
 
 At one stream the Python, checks, output tensors and ctypes dispatch around the per-op path's ~180
 kernel calls cost a fifth to a quarter of a decode step (benchmarks/README.md, "The decoder layers
@@ -53,7 +53,7 @@ class StackShape(ctypes.Structure):
                 ("block_size", I64), ("eps", F32), ("integer", I32)]
 
 
-# kernels/cpu/decoder_stack.c's kernels of a layer, in its order.
+# vmesh/kernels/cpu/decoder_stack.c's kernels of a layer, in its order.
 STACK_KERNELS = ("norm + q/k/v product", "decode attention", "prefill attention", "o product",
                  "norm + gate/up product", "SiLU + down product")
 
@@ -83,7 +83,7 @@ def stack_refusal(model: DecoderModel) -> str | None:
 
 
 class DecoderStack:
-    """The layers of one model (stack_refusal None) as kernels/cpu/decoder_stack.c reads them."""
+    """The layers of one model (stack_refusal None) as vmesh/kernels/cpu/decoder_stack.c reads them."""
 
     def __init__(self, model: DecoderModel, kernels: CpuKernels):
         refusal = stack_refusal(model)

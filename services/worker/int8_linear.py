@@ -2,7 +2,7 @@
 
 Each weight row (output feature) gets one symmetric scale, max |w| / 127, and int8 codes rounded to
 nearest; each call rounds the activations to 16 bits the same way per row (token), so a product is
-one integer dot over the whole input width (`kernels/cpu/int8_linear.c`, AVX-512 VNNI: each 16-bit
+one integer dot over the whole input width (`vmesh/kernels/cpu/int8_linear.c`, AVX-512 VNNI: each 16-bit
 code as two bytes against the same weight byte) scaled once. 16-bit activations per token cost no
 measurable perplexity where 8-bit ones per token cost 3 %. The weights take a quarter of float32's
 bytes, which 1-4 row decoding is bound by, and a batch's products run on integer dot products.

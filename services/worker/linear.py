@@ -5,9 +5,9 @@ its blocked layout is markedly faster at every batch size, the tied LM head incl
 in benchmarks/README.md). inductor uses the same two ops for frozen CPU linears. Elsewhere
 (CUDA) `F.linear` is already the fast path.
 
-For one row up to the kernels' `stream_rows` (kernels/cpu/kernel_limits.h: 6, so that a single
+For one row up to the kernels' `stream_rows` (vmesh/kernels/cpu/kernel_limits.h: 6, so that a single
 stream's speculative verification of 1 + k rows stays on it) the layer is a pass over its weights,
-which `kernels/cpu/small_batch_linear.c` streams faster than oneDNN does. It reads oneDNN's
+which `vmesh/kernels/cpu/small_batch_linear.c` streams faster than oneDNN does. It reads oneDNN's
 packed copy itself: for float32 on AVX-512 that layout (OI16i64o) stores each block of 64
 output features as the transpose of their weight rows, already the layout a matrix-vector
 product wants. Each weight is therefore held once. Where oneDNN picks another layout (another

@@ -74,7 +74,7 @@ class FusedOps:
     """RMSNorm (optionally fused with the residual add), SiLU-and-multiply and, where the
     backend has it, rotary embedding fused with the KV-cache write: the torch references by
     default, the Triton kernels alongside the Triton attention backend, the C kernels of
-    `kernels/cpu` alongside the CPU one, each in a float32 and a mixed bfloat16 variant."""
+    `vmesh/kernels/cpu` alongside the CPU one, each in a float32 and a mixed bfloat16 variant."""
 
     rms_norm: Callable
     silu_and_mul: Callable
@@ -85,7 +85,7 @@ class FusedOps:
     # What runs them, for the load-time log line.
     description: str = "torch"
     # Whether a quantized linear (QuantizedLinear) takes the norm before it, or SiLU-and-multiply,
-    # into its own C call: the C float32 ops, whose kernels those calls run (kernels/cpu/fused_linear.c).
+    # into its own C call: the C float32 ops, whose kernels those calls run (vmesh/kernels/cpu/fused_linear.c).
     into_quantized_linear: bool = False
 
     @classmethod

@@ -2,12 +2,12 @@
 
 A Q4_1 weight is 20 bytes per 32 values where float32 takes 128 (Q4_K 18, Q6_K 26.25), and a
 single stream's decode step is a pass over every weight: keeping the file's blocks and
-multiplying them directly (`kernels/cpu/quantized_linear.c`) reads about a sixth of the bytes,
+multiplying them directly (`vmesh/kernels/cpu/quantized_linear.c`) reads about a sixth of the bytes,
 and the worker holds a sixth of the memory. No float32 copy of a whole weight is made at any point.
 
 The file's tensors are read with the gguf package's GGUFReader and renamed to the Hugging Face
 names the model expects (services/worker/gguf_names.py). Linears whose blocks the kernels read
-(Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K: kernels/cpu/gguf_blocks.h) stay quantized; every other tensor
+(Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K: vmesh/kernels/cpu/gguf_blocks.h) stay quantized; every other tensor
 (float norms, other block formats) is dequantized as in `--weights dequantized`. Parts of one
 stacked linear (q, k, v) in different formats are joined when they widen exactly to Q8_0
 (QuantizedWeight.join). For the Llama architecture GGUF stores q_proj/k_proj rows permuted
@@ -17,7 +17,7 @@ row permutation of the quantized bytes is exact.
 
 Where the CPU has AVX-512 VNNI the layers round their activations to int8 per block of 32 (one
 scale each, as llama.cpp's q8 activations; a K-quant's sub-blocks of 32 each meet one) and
-multiply on integer dot products (`kernels/cpu/integer_linear.c`); elsewhere, or with
+multiply on integer dot products (`vmesh/kernels/cpu/integer_linear.c`); elsewhere, or with
 VMESH_QUANTIZED_DOT=float, they keep the float32 kernel. The load-time log says which.
 """
 
@@ -305,7 +305,7 @@ def cpu_float32_kernels(mode: str, device: torch.device, dtype: torch.dtype, cac
     try:
         return load_cpu_kernels(cache_dir)
     except CpuKernelBuildError as exc:
-        raise ModelLoadError(f"--weights {mode} needs the C kernels of kernels/cpu: {exc}") from exc
+        raise ModelLoadError(f"--weights {mode} needs the C kernels of vmesh/kernels/cpu: {exc}") from exc
 
 
 def log_placement(linears: Sequence[Linear | QuantizedLinear | Int8Linear], dequantized: dict[str, str]) -> None:

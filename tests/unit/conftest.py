@@ -18,7 +18,7 @@ EMBEDDED_EOS = 2
 
 @pytest.fixture(scope="session")
 def kernel_cache_dir(tmp_path_factory) -> Path:
-    """A fresh cache holding the C kernels of kernels/cpu, built once per run (a build is most of a
+    """A fresh cache holding the C kernels of vmesh/kernels/cpu, built once per run (a build is most of a
     minute here: every test that builds its own multiplies that); skipped where no compiler
     exists (a failure under CI, whose image has one)."""
     cache_dir = tmp_path_factory.mktemp("kernel-cache")

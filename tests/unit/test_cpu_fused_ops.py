@@ -1,4 +1,4 @@
-"""The C elementwise kernels (kernels/cpu/fused_ops.c) against kernels/reference.py and
+"""The C elementwise kernels (vmesh/kernels/cpu/fused_ops.c) against vmesh/kernels/reference.py and
 RotaryEmbedding, on one row (serial) and on enough rows to take the OpenMP path."""
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def test_image_copies_what_the_package_is_built_from():
 
     setuptools_config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     linked = {os.readlink(p).removeprefix("../") for p in (ROOT / "vmesh").iterdir() if p.is_symlink()}
-    assert linked == {"services", "kernels"}
+    assert linked == {"services"}
     needed = {*linked, "vmesh", "pyproject.toml", "README.md"}
     copied, destinations = set(), set()
     lines = (ROOT / "Dockerfile").read_text().replace("\\\n", " ").splitlines()

@@ -1,4 +1,4 @@
-"""kernels/cpu/fused_linear.c: a quantized linear with the RMSNorm (and residual add) or the
+"""vmesh/kernels/cpu/fused_linear.c: a quantized linear with the RMSNorm (and residual add) or the
 SiLU-and-multiply before it in one call gives, bit for bit, what the two calls give, on both the
 integer and the float32 kernel; and the decoder takes that path only where the C ops run."""
 

@@ -1,4 +1,4 @@
-"""`--weights int8`: kernels/cpu/int8_linear.c against a float64 reference of what it computes (the
+"""`--weights int8`: vmesh/kernels/cpu/int8_linear.c against a float64 reference of what it computes (the
 int8 weight codes times their per-row scales, times the activations rounded to 16 bits per row),
 written here from that definition; the load-time quantization; and the mode on a tiny model."""
 

@@ -1,4 +1,4 @@
-"""kernels/cpu/quantized_linear.c against a float32 reference: for Q4_0, Q4_1 and Q8_0 written here
+"""vmesh/kernels/cpu/quantized_linear.c against a float32 reference: for Q4_0, Q4_1 and Q8_0 written here
 from GGUF's block definitions (independently of the kernel and of the gguf package, which is only a
 cross-check); for Q5_0, Q4_K and Q6_K the gguf package's dequantize."""
 

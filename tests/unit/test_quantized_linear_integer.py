@@ -1,4 +1,4 @@
-"""kernels/cpu/integer_linear.c (`--weights native` on int8 dot products) against a float64
+"""vmesh/kernels/cpu/integer_linear.c (`--weights native` on int8 dot products) against a float64
 reference of what it computes: the dequantized weight times the activations rounded to int8 per
 block of 32 (scale max |x| / 127, ties to even), written here from that definition. Every block's
 integer sum is exact in the kernel, so only float32 accumulation separates the two."""

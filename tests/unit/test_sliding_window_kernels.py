@@ -1,5 +1,5 @@
 """Sliding-window attention in every backend the worker may pick (the C kernels, the torch
-path, and Triton through its interpreter) against kernels/reference.py's paged_attention_ref
+path, and Triton through its interpreter) against vmesh/kernels/reference.py's paged_attention_ref
 with the same window: decodes, prefill chunks from an empty context and after cached tokens,
 windows shorter than a block, of one block, and longer than some contexts, in float32 and over a
 bfloat16 cache."""

@@ -1,4 +1,4 @@
-"""The C kernel that applies a grammar's packed token bitmask (kernels/cpu/token_bitmask.c): bit
+"""The C kernel that applies a grammar's packed token bitmask (vmesh/kernels/cpu/token_bitmask.c): bit
 for bit what xgrammar's own kernel writes, over random, whole-word and mixed masks, vocabularies
 that end mid-word, chosen rows and rows strided apart; and the sampler masks with it."""
 

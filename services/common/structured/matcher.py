@@ -132,7 +132,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
     """Set the disallowed tokens' logits to -inf in place. logits: [B, vocab] on any device;
     bitmask: [B, ceil(vocab / 32)] int32 (moved to the logits' device); rows: the logits rows
     to mask (None: all), indexing both tensors. `cpu_kernels`: float32 CPU logits are masked by
-    kernels/cpu/token_bitmask.c (a tenth of xgrammar's CPU kernel's time), the rest by xgrammar."""
+    vmesh/kernels/cpu/token_bitmask.c (a tenth of xgrammar's CPU kernel's time), the rest by xgrammar."""
     if (cpu_kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32
             and logits.dim() == 2 and logits.stride(1) == 1):
         cpu_kernels.apply_token_bitmask(logits, bitmask, rows)

@@ -4,7 +4,7 @@
  * (checks, an output tensor, ctypes) than the norm's arithmetic; these take 90 of them away.
  *
  * The ops are fused_ops.c's own functions, called as they are, into a scratch row block: the
- * result is the same, bit for bit, as the two calls. The callers (kernels/cpu_native.py) check
+ * result is the same, bit for bit, as the two calls. The callers (vmesh/kernels/cpu_native.py) check
  * every shape before calling, since the norm updates the residual in place before the product runs. */
 #include <stdint.h>
 #include <stdlib.h>

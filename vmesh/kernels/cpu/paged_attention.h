@@ -5,7 +5,7 @@
  * request's block table and reads every cached key and value of its context once, for all
  * the query heads that share a KV head (GQA). A decode is one such token; a short prefill
  * chunk is one per token, each with a context one longer than the last (causal).
- * kernels/reference.py's paged_attention_ref defines the result.
+ * vmesh/kernels/reference.py's paged_attention_ref defines the result.
  *
  * Layouts (float32, contiguous):
  *   query        [num_tokens, kv_heads * group, head_dim], rows query_stride floats apart

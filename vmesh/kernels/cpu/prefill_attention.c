@@ -7,7 +7,7 @@
  * outer-product microkernel over a transposed key tile, an online softmax per row, and the
  * weighted values accumulated in registers. Each key and value is loaded once per query tile
  * rather than once per query token, and the work is register-blocked matrix products.
- * kernels/reference.py's paged_attention_ref defines the result.
+ * vmesh/kernels/reference.py's paged_attention_ref defines the result.
  *
  * Layouts (float32, contiguous unless said otherwise):
  *   query        [num_tokens, kv_heads * group, head_dim], rows query_stride floats apart

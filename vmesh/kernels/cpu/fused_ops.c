@@ -2,7 +2,7 @@
  *
  * At decode batch sizes each of these is a few tens of thousands of floats: a torch op
  * costs more in dispatch and in extra passes over memory (RMSNorm is five ops, rotary five,
- * the KV write two) than in arithmetic. Results follow kernels/reference.py; only the order
+ * the KV write two) than in arithmetic. Results follow vmesh/kernels/reference.py; only the order
  * of the RMSNorm sum and the last bits of exp differ from torch.
  *
  * Layouts (float32; the _bf16 variants below say what they hold in bfloat16): rows are `stride`

@@ -1,4 +1,4 @@
-"""CPU kernels in C (`kernels/cpu/*.c`), compiled on first use with the machine's C compiler
+"""CPU kernels in C (`vmesh/kernels/cpu/*.c`), compiled on first use with the machine's C compiler
 and loaded with ctypes.
 
 The shared object is cached under `<cache_dir>/kernels/`, keyed by a hash of the sources, the
@@ -54,7 +54,7 @@ class QuantizedFormat(NamedTuple):
 
 
 # GGUF's quantized block formats that quantized_linear.c and integer_linear.c read, by GGML type id:
-# the table of kernels/cpu/gguf_blocks.h, for Python.
+# the table of vmesh/kernels/cpu/gguf_blocks.h, for Python.
 QUANTIZED_FORMATS = {2: QuantizedFormat("Q4_0", 32, 18), 3: QuantizedFormat("Q4_1", 32, 20),
                      6: QuantizedFormat("Q5_0", 32, 22), 8: QuantizedFormat("Q8_0", 32, 34),
                      12: QuantizedFormat("Q4_K", 256, 144), 14: QuantizedFormat("Q6_K", 256, 210)}
@@ -110,14 +110,14 @@ def _build(cache_dir: Path) -> Path:
                                     capture_output=True, text=True, check=False)
             failed = [f"linking (exit {linked.returncode}): {linked.stderr.strip()}"] if linked.returncode else []
         if failed:
-            raise CpuKernelBuildError(f"{compiler} failed on kernels/cpu:\n" + "\n".join(failed))
+            raise CpuKernelBuildError(f"{compiler} failed on vmesh/kernels/cpu:\n" + "\n".join(failed))
         os.replace(built, target)
     logger.info("built CPU kernels: %s", target)
     return target
 
 
 # Each C kernel's arguments before its trailing `int num_threads`, and its result (an int status,
-# 0 when done, or None): the signatures in kernels/cpu/*.c, which ctypes cannot read. P: a pointer.
+# 0 when done, or None): the signatures in vmesh/kernels/cpu/*.c, which ctypes cannot read. P: a pointer.
 P, I64, F32, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _ATTENTION = [P, I64, P, P, P, I64, P, P, P, I64, I64, I64, I64, I64, F32, I64, P]
 _PREFILL = [P, I64, P, P, P, I64, P, P, P, P, I64, I64, I64, I64, I64, F32, I64, P]
@@ -156,11 +156,11 @@ class CpuKernels:
                            for name, (argtypes, restype) in _SIGNATURES.items()}
         limits = [ctypes.c_int64() for _ in range(4)]
         _bind(library.vmesh_kernel_limits, [ctypes.POINTER(ctypes.c_int64)] * 4)(*map(ctypes.byref, limits))
-        # kernels/cpu/kernel_limits.h: beyond these the attention kernels refuse a shape; up to
+        # vmesh/kernels/cpu/kernel_limits.h: beyond these the attention kernels refuse a shape; up to
         # stream_rows rows the linear kernels make one streaming pass over a weight.
         self.max_heads, self.max_head_dim, self.prefill_head_dim_multiple, self.stream_rows = (
             limit.value for limit in limits)
-        # Whether kernels/cpu/integer_linear.c was built with AVX-512 VNNI (-march=native: this CPU has it).
+        # Whether vmesh/kernels/cpu/integer_linear.c was built with AVX-512 VNNI (-march=native: this CPU has it).
         self.integer_dot = bool(_bind(library.vmesh_integer_dot_available, [], INT)())
 
     def _kernel(self, op: str, dtype: torch.dtype) -> Any:
@@ -280,8 +280,8 @@ class CpuKernels:
                          bias: torch.Tensor | None, *, integer: bool = False) -> torch.Tensor:
         """x [rows, in] @ W.T + bias with W [out, in] held as GGUF blocks: `blocks` is uint8
         [out, in / block values * block bytes] in `block_format` (a GGML type id of QUANTIZED_FORMATS;
-        see kernels/cpu/gguf_blocks.h). `integer`: x rounded to int8 per block of 32 and multiplied
-        on integer dot products (kernels/cpu/integer_linear.c; needs `integer_dot`). Checked here:
+        see vmesh/kernels/cpu/gguf_blocks.h). `integer`: x rounded to int8 per block of 32 and multiplied
+        on integer dot products (vmesh/kernels/cpu/integer_linear.c; needs `integer_dot`). Checked here:
         the call reads raw pointers."""
         return self.quantized_product(blocks, block_format, in_features, bias, integer=integer)(x)
 
@@ -300,7 +300,8 @@ class CpuKernels:
 
     def int8_linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, row_sums: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
-        """x [rows, in] rounded to 16 bits per row, @ (weight * scale[:, None]).T + bias: kernels/cpu/int8_linear.c.
+        """x [rows, in] rounded to 16 bits per row, @ (weight * scale[:, None]).T + bias, in C
+        (vmesh/kernels/cpu/int8_linear.c).
         weight int8 [out, in], scale float32 [out], row_sums int32 [out] (weight.sum(1)), bias float32
         [out]: contiguous, as services/worker/int8_linear.py builds them at load; x is checked here."""
         require_contiguous_cpu(("x", x, torch.float32))
@@ -328,7 +329,7 @@ class CpuKernels:
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
         """Set logits[r, t] to -inf wherever bit t of bitmask[r] is clear, for each r in `rows`
-        (None: every logits row): kernels/cpu/token_bitmask.c. logits: float32 [B, vocab] with
+        (None: every logits row): vmesh/kernels/cpu/token_bitmask.c. logits: float32 [B, vocab] with
         contiguous rows; bitmask: int32 [>= B, ceil(vocab / 32)] with contiguous rows, both on
         the CPU. Checked here: the call writes through raw pointers."""
         if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2 or logits.stride(1) != 1:
@@ -389,7 +390,7 @@ class CpuKernels:
         """For each chunk, causal attention of its query rows over its request's cached context
         (the chunk's own keys included; with `window`, only the last `window` positions up to each
         token's own), written to the same rows of out. Shapes and layouts:
-        see kernels/cpu/prefill_attention.c; head_dim must be a multiple of prefill_head_dim_multiple.
+        see vmesh/kernels/cpu/prefill_attention.c; head_dim must be a multiple of prefill_head_dim_multiple.
         The caches may be bfloat16 (the query and out stay float32)."""
         block_size, kv_heads, head_dim, group = attention_shape(query, key_cache, value_cache, out, chunks)
         kernel = self._kernel("prefill_attention", key_cache.dtype)
@@ -408,7 +409,7 @@ class CpuKernels:
         """For each item i, writes out[token_rows[i]] = attention of query[token_rows[i]] over the
         first context_lens[i] cached tokens of block_tables[request_rows[i]] (with `window`, the
         last `window` of them). Shapes and
-        layouts: see kernels/cpu/paged_attention.h. The caches may be bfloat16 (the query and out
+        layouts: see vmesh/kernels/cpu/paged_attention.h. The caches may be bfloat16 (the query and out
         stay float32)."""
         block_size, kv_heads, head_dim, group = attention_shape(query, key_cache, value_cache, out, items)
         kernel = self._kernel("paged_attention", key_cache.dtype)
@@ -425,7 +426,7 @@ class CpuKernels:
 
 class QuantizedProduct:
     """CpuKernels.quantized_linear over one checked weight (CpuKernels.quantized_product), alone or
-    with the elementwise op that feeds it in the same C call (kernels/cpu/fused_linear.c): RMSNorm
+    with the elementwise op that feeds it in the same C call (vmesh/kernels/cpu/fused_linear.c): RMSNorm
     with the residual add, or SiLU-and-multiply. Each call checks its own tensors only. Holds
     `blocks` and `bias`, whose addresses it reads."""
 
@@ -498,7 +499,7 @@ class QuantizedProduct:
 
 
 def kernel_status_error(status: int, name: str, refused: str) -> Exception:
-    """The error for a quantized product's nonzero status (kernels/cpu/quantized_linear.c's, integer_linear.c's
+    """The error for a quantized product's nonzero status (vmesh/kernels/cpu/quantized_linear.c's, integer_linear.c's
     and those of the calls built on them): 1 refused `refused`, 2 out of memory, 3 built without VNNI."""
     if status == 2:
         return MemoryError(f"{name}: out of memory for its scratch")

@@ -1,6 +1,6 @@
 /* The GGUF block formats that quantized_linear.c and integer_linear.c read, stated once: their
  * GGML type ids, their geometry, and where each run of 32 consecutive values of a row lives.
- * kernels/cpu_native.py's QUANTIZED_FORMATS is the same table for Python (ctypes cannot read this).
+ * vmesh/kernels/cpu_native.py's QUANTIZED_FORMATS is the same table for Python (ctypes cannot read this).
  *
  * A weight [out, in] is stored row by row, each row's input features in consecutive blocks:
  *   Q4_0 (32 values, 18 bytes): d, 16 bytes of nibbles;                value = (q - 8) d
