@@ -107,6 +107,12 @@ def engine_embedded(device: str, dry_run: bool, model_dir: Path) -> dict[str, An
         outputs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
         generate_s = time.perf_counter() - started
         backend = engine.runner.backend.name
+        # Seeded sampling draws on a generator of the logits' device: the same seed twice in one
+        # batch, beside an unseeded row, gives the same tokens.
+        seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=max_tokens, ignore_eos=True)
+        sampled = engine.generate([prompts[0]] * 3, [seeded, seeded, SamplingParams(
+            temperature=0.8, max_tokens=max_tokens, ignore_eos=True)])
+        seeded_equal = list(sampled[0].token_ids) == list(sampled[1].token_ids)
     finally:
         engine.shutdown()
     reference = reference_model(model_dir, device)
@@ -114,7 +120,8 @@ def engine_embedded(device: str, dry_run: bool, model_dir: Path) -> dict[str, An
             for i, (o, p) in enumerate(zip(outputs, prompts))]
     del engine, reference
     _release()
-    return {"passed": all(r["ok"] for r in rows), "attention_backend": backend, "equal": sum(r["ok"] for r in rows),
+    return {"passed": all(r["ok"] for r in rows) and seeded_equal, "seeded_sampling_repeats": seeded_equal,
+            "attention_backend": backend, "equal": sum(r["ok"] for r in rows),
             "requests": len(rows), "max_tokens": max_tokens, "load_s": load_s, "generate_s": generate_s, "rows": rows}
 
 

@@ -152,7 +152,9 @@ class PersistentBatch:
         self.num_logprobs[row] = NO_LOGPROBS if params.logprobs is None else params.logprobs
         self.adapter_ids[row] = 0
         self.seeds[row] = params.seed
-        self.generators[row] = torch.Generator() if params.seed is not None else None
+        # On the logits' device: a CPU generator cannot fill a CUDA tensor (seeded rows draw their
+        # race in place), so a seeded stream is reproducible per device kind.
+        self.generators[row] = torch.Generator(device=self.device) if params.seed is not None else None
         self.sampling[row] = params
         grammar = self.spare_grammars.pop(request.handle, None) or row_grammar(params, self.grammar_tokenizer)
         if grammar is not None:

@@ -51,6 +51,7 @@ def test_models_match_transformers_and_the_mesh_survives_a_worker_kill(dry_run):
     assert tiny["float32_equal"] == tiny["requests_per_dtype"] > 0
     assert {r["dtype"] for r in tiny["rows"]} == {"float32", "bfloat16"}
     assert embedded["equal"] == embedded["requests"] > 0 and "embedded model" in embedded["model"]
+    assert embedded["seeded_sampling_repeats"]
     assert serve["grpc_equal"] == serve["requests"] > 0
     assert serve["http_status"] == 200 and serve["http_text_equals_grpc"]
     assert serve["worker_restarts"] == 1 and serve["equal_after_kill_between_requests"]

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 
 from tests.support.deployment import load_compose, render_all
 from tests.support.prerequisites import missing
-from vmesh.kernels.cpu_native import CpuKernelBuildError, CpuKernels, load_cpu_kernels
+from vmesh.kernels.cpu_native import CpuKernelBuildError, CpuKernels, built_kernels_path, load_cpu_kernels
+from vmesh.services.common.model_loading import default_cache_dir
 from vmesh.services.common.structured import GrammarCompiler
 from vmesh.services.worker.grammar_rows import GrammarTokenizer
 
@@ -18,11 +20,17 @@ EMBEDDED_EOS = 2
 
 @pytest.fixture(scope="session")
 def kernel_cache_dir(tmp_path_factory) -> Path:
-    """A fresh cache holding the C kernels of vmesh/kernels/cpu, built once per run (a build is most of a
-    minute here: every test that builds its own multiplies that); skipped where no compiler
-    exists (a failure under CI, whose image has one)."""
+    """A fresh cache holding the C kernels of vmesh/kernels/cpu, once per run; skipped where no
+    compiler exists (a failure under CI, whose image has one). A build is most of a minute here,
+    so the one `vmesh warm-cache` left in the default cache (./run.sh's setup builds it) is copied
+    when its key, the sources, compiler and CPU, is this checkout's; otherwise the run builds."""
     cache_dir = tmp_path_factory.mktemp("kernel-cache")
     try:
+        warm = built_kernels_path(default_cache_dir())
+        if warm.is_file():
+            fresh = built_kernels_path(cache_dir)
+            fresh.parent.mkdir(parents=True)
+            shutil.copy2(warm, fresh)
         load_cpu_kernels(cache_dir)
     except CpuKernelBuildError as exc:
         missing(f"no C toolchain: {exc}", "CI runs the CPU kernels' tests, which need a C compiler")

@@ -211,7 +211,7 @@ def test_cpu_backend_matches_torch_backend_on_a_mixed_batch(kernel_cache_dir, mo
 
 
 def test_build_is_cached_per_source_and_compiler(kernel_cache_dir):
-    # kernel_cache_dir held nothing before its one build (this run's): built once, found after.
+    # kernel_cache_dir holds this run's one build (or warm-cache's, copied): found, not built again.
     first = cpu_native._build(kernel_cache_dir)
     stamp = first.stat().st_mtime_ns
     assert cpu_native._build(kernel_cache_dir) == first and first.stat().st_mtime_ns == stamp
