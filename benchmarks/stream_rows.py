@@ -36,7 +36,10 @@ Q4_1, Q8_0 = 3, 8  # the embedded GGUF's layers and its tied embedding
 def baseline_kernels(tree: Path, cache_dir: Path) -> CpuKernels:
     """The kernels of another tree's vmesh/kernels/cpu, built by that tree's own loader. A build from before
     kernel_limits.h stated STREAM_ROWS leaves stream_rows unset: its Linear streamed 1-4 rows."""
-    spec = importlib.util.spec_from_file_location("baseline_cpu_native", tree / "vmesh" / "kernels" / "cpu_native.py")
+    # vmesh/kernels/ holds the kernels from e38d7c9 on, and was a link to the top-level kernels/ before.
+    loader = next(path for path in (tree / "vmesh" / "kernels" / "cpu_native.py", tree / "kernels" / "cpu_native.py")
+                  if path.is_file())
+    spec = importlib.util.spec_from_file_location("baseline_cpu_native", loader)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -93,7 +93,8 @@ def reference_model(model_dir: Path, device: str) -> Any:
 
 def engine_embedded(device: str, dry_run: bool, model_dir: Path) -> dict[str, Any]:
     """The in-process engine (scheduler, worker at pipeline depth 2, detokenizer) on the embedded
-    model: the chat prompts in one batch, greedy, against transformers float32 on the same device."""
+    model: the chat prompts in one batch, greedy, against transformers float32 on the same device;
+    then one seeded sampled request twice beside an unseeded one (the same seed, the same tokens)."""
     from vmesh.services.engine.llm import EngineConfig, LLMEngine
 
     prompts = chat_prompts(model_dir, 2 if dry_run else len(CHAT_PROMPTS))

@@ -99,10 +99,10 @@ def test_installed_wheel_serves_a_request_from_outside_the_checkout(venv, tmp_pa
     services, kernels, benchmarks = out[1:4]
     assert services == "-" and benchmarks == "-", out
     try:
-        installed = str(importlib.metadata.distribution("kernels").locate_file("kernels/__init__.py"))
+        hub_kernels = str(importlib.metadata.distribution("kernels").locate_file("kernels/__init__.py"))
     except importlib.metadata.PackageNotFoundError:
-        installed = "-"
-    assert kernels == installed, out
+        hub_kernels = "-"
+    assert kernels == hub_kernels, out
     help_text = subprocess.run([python, "-m", "vmesh", "--help"], cwd=tmp_path, capture_output=True, text=True,
                                check=True).stdout
     assert "serve" in help_text

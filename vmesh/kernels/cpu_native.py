@@ -198,7 +198,7 @@ class CpuKernels:
         return out, residual
 
     def silu_and_mul(self, gate_up: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """[rows, 2 * inter] (gate, up) -> silu(gate) * up, as kernels.reference.silu_and_mul_ref,
+        """[rows, 2 * inter] (gate, up) -> silu(gate) * up, as vmesh.kernels.reference.silu_and_mul_ref,
         in and out in `dtype` (computed in float32 and rounded once)."""
         require_contiguous_cpu(("gate_up", gate_up, dtype))
         if gate_up.dim() != 2 or gate_up.shape[1] % 2:

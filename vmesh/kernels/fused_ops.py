@@ -27,7 +27,7 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as kernels.reference.rms_norm_ref, for 2-D x with contiguous rows."""
+    """Same contract as vmesh.kernels.reference.rms_norm_ref, for 2-D x with contiguous rows."""
     rows, n = x.shape
     out = torch.empty_like(x)
     residual_out = torch.empty_like(x) if residual is not None else out
@@ -50,7 +50,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N: tl.constexpr, BL
 
 
 def silu_and_mul(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    """Same contract as kernels.reference.silu_and_mul_ref."""
+    """Same contract as vmesh.kernels.reference.silu_and_mul_ref."""
     rows, width = x.shape
     n = width // 2
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)

@@ -25,7 +25,7 @@ def _write_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_pt
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Same contract as kernels.reference.write_kv_ref. key/value rows must be contiguous per token."""
+    """Same contract as vmesh.kernels.reference.write_kv_ref. key/value rows must be contiguous per token."""
     tokens, kv_heads, head_dim = key.shape
     if tokens == 0:
         return

@@ -87,7 +87,7 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                       max_query_len: int, out: torch.Tensor | None = None, block_m: int = 16,
                       window: int | None = None) -> torch.Tensor:
-    """Same contract as kernels.reference.paged_attention_ref."""
+    """Same contract as vmesh.kernels.reference.paged_attention_ref."""
     _, heads, head_dim = query.shape
     _, block_size, kv_heads, _ = key_cache.shape
     group = heads // kv_heads
