@@ -78,7 +78,8 @@ def measure(args: argparse.Namespace) -> dict:
     config.kv_cache_memory = args.batch * blocks_per_request * bytes_per_block(spec, block_size, kv_dtype)
     runner = ModelRunner.load(config)
     handles = list(range(args.batch))
-    params = SamplingParams(temperature=0, max_tokens=decode_steps * rows_per_request + 1, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=decode_steps * rows_per_request + 1,
+                            ignore_eos=True)
     plan = StepPlan(step=0, scheduled_handles=list(handles), num_scheduled_tokens=[args.context] * args.batch)
     for i in handles:
         if args.draft_tokens:
@@ -208,6 +209,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print a torch profile of 5 more steps")
     parser.add_argument("--breakdown", action="store_true", help="print milliseconds per step by op")
     parser.add_argument("--draft-tokens", type=int, default=0, help="n-gram speculation with this many drafts")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample every row at this temperature (0: greedy; clients that send none get 1)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--weights", default="dequantized", choices=("dequantized", "native", "int8"),
                         help="native reads the embedded GGUF file's blocks")

@@ -2,13 +2,15 @@
 
 Order: the grammar's token mask (rows with structured output) on the raw logits; penalties;
 min-tokens bans; greedy rows take the argmax; other rows are divided
-by their temperature, restricted by top-k, top-p and min-p, and drawn with the
-exponential-race trick (argmax of p / q, q ~ Exp(1)), which needs no cumulative sum.
-A seeded row draws q from its own generator, reseeded from (seed, position), so its token
+by their temperature, restricted by top-k, top-p and min-p, and drawn by inverse transform:
+one float64 uniform U per row, and the first token whose cumulative weight (float64) exceeds
+U times the row's total. One uniform a row, where a race (argmax of p / q, q ~ Exp(1)) needs
+one per token: drawing 64 x 49,152 float64 uniforms was most of a sampled step on the CPU.
+A seeded row draws its U from its own generator, reseeded from (seed, position), so its token
 depends only on its own logits, never on its batch neighbours, on preemption or on how
 many steps it waited. Logprobs always come from the raw logits, before the grammar's mask.
-A masked token is never drawn: its logit is -inf before top-k, top-p and min-p, and its
-exponential-race score is forced below every allowed token's.
+A masked token is never drawn: its logit is -inf before top-k, top-p and min-p, so its weight
+is 0 and its interval of the cumulative sum empty.
 """
 
 from __future__ import annotations
@@ -178,30 +180,39 @@ class Sampler:
         greedy = batch.temperature < GREEDY_TEMPERATURE_EPS
         token_ids = argmax_rows(logits)
         if not bool(greedy.all()):
-            token_ids = torch.where(greedy, token_ids, self._draw(logits, batch, greedy))
+            token_ids = self._draw(logits, batch, greedy, token_ids)
         output = SamplerOutput(token_ids=token_ids)
         if bool((batch.num_logprobs >= 0).any()):
             self._logprobs(raw, batch, output)
         return output
 
-    def _draw(self, logits: torch.Tensor, batch: SamplingBatch, greedy: torch.Tensor) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch, greedy: torch.Tensor,
+              argmax: torch.Tensor) -> torch.Tensor:
+        """[B] each sampled row's draw; greedy rows, and rows with no finite largest logit (all
+        masked, or an infinite one: no distribution to draw from), keep their argmax."""
         temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
+        # A new tensor (the division), so the in-place steps below never touch the caller's logits.
         logits = restrict_logits(logits / temperature.unsqueeze(1), batch.top_k, batch.top_p, batch.min_p)
-        probs = logits.softmax(dim=-1)
-        # q = -log U with U uniform on [0, 1) in float64: Exp(1), never 0 (so never 0 / 0), and
-        # cheaper here than torch's exponential_. float64, because a float32 U lies on a 2^-24 grid
-        # near 1, which would starve the rarest tokens (their wins need q below that step).
-        race = torch.rand(probs.shape, dtype=torch.float64, device=probs.device)
+        top = logits.max(dim=-1, keepdim=True).values
+        drawable = torch.isfinite(top).squeeze(1) & ~greedy
+        weights = logits.sub_(top).exp_()
+        cumulative = weights.cumsum(dim=-1, dtype=torch.float64)
+        uniform = torch.rand(len(logits), dtype=torch.float64, device=logits.device)
         for row, generator in enumerate(batch.generators):
             if generator is not None:
                 row_seed = batch.seeds[row]
                 assert row_seed is not None, "a row has a generator only with a seed"
                 seed = (row_seed * _SEED_MIX + batch.positions[row]) & 0x7FFFFFFFFFFFFFFF
                 generator.manual_seed(seed)
-                race[row].uniform_(generator=generator)
-        scores = probs / race.log_().neg_().to(probs.dtype)
-        # U = 0 gives q = inf and a score of 0: a token outside the support (p = 0) must still lose to it.
-        return argmax_rows(scores.masked_fill_(probs == 0, -1.0))
+                uniform[row:row + 1].uniform_(generator=generator)
+        total = cumulative[:, -1:]
+        # Below the total, so some token's cumulative weight exceeds it: U * total can round up to
+        # the total itself, and the tokens after the last kept one (weight 0) add nothing to it.
+        target = torch.minimum(uniform.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+        # The first token whose cumulative weight exceeds the target: a token of weight 0 never
+        # raises the sum, so it is never the first (U = 0 takes the first token of positive weight).
+        drawn = torch.searchsorted(cumulative, target, right=True).squeeze(1)
+        return torch.where(drawable, drawn.clamp_(max=logits.shape[-1] - 1), argmax)
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, batch: SamplingBatch, output: SamplerOutput) -> None:

@@ -10,6 +10,7 @@ so a count per tag is a count of schemas that really use the feature."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,7 +85,23 @@ def format_checker() -> FormatChecker:
                            "(vmesh's dev extra has it)")
     checker = FormatChecker(formats=())
     checker.checkers = {name: draft_checkers[name] for name in CHECKED_FORMATS}
+    checker.checks("date")(is_full_date)
     return checker
+
+
+def is_full_date(instance: object) -> bool:
+    """RFC 3339's full-date, which JSON Schema's "date" names: four digits of year (0000 too),
+    a month, and a day that month has. jsonschema's own check (`date.fromisoformat`) refuses the
+    year 0000, which the RFC's grammar allows and grammar engines generate."""
+    if not isinstance(instance, str):
+        return True
+    match = re.fullmatch(r"([0-9]{4})-([0-9]{2})-([0-9]{2})", instance)
+    if match is None:
+        return False
+    year, month, day = map(int, match.groups())
+    leap = year % 4 == 0 and (year % 100 != 0 or year % 400 == 0)
+    days = (31, 29 if leap else 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)
+    return 1 <= month <= 12 and 1 <= day <= days[month - 1]
 
 
 def validator(schema: Mapping[str, Any] | str) -> Draft202012Validator:

@@ -133,23 +133,60 @@ def test_a_top_p_request_samples_beyond_its_argmax_beside_neighbours_without_lim
     assert seen[0].tolist() == [True, True, True, False] and seen[1].all()
 
 
-def test_a_zero_uniform_never_hands_the_draw_to_a_token_outside_the_support(monkeypatch):
-    """U = 0 makes q infinite and the token's score 0, the score of every p = 0 token too."""
-    logits = torch.tensor([[float("-inf"), 0.0, float("-inf")]])
-    dtypes = []
+def test_uniforms_at_either_end_never_hand_the_draw_to_a_token_outside_the_support(monkeypatch):
+    """U = 0 takes the first token of positive weight, not the masked one before it; U just below
+    1 (its product with the total can round up to the total) the last, not the masked one after it."""
+    logits = torch.tensor([[float("-inf"), 0.0, 0.5, float("-inf")]])
+    drawn = {}
+    for name, value in (("zero", 0.0), ("top", 1.0 - 2.0 ** -53)):
+        dtypes = []
 
-    def zeros(shape, dtype=None, device=None):
-        dtypes.append(dtype)
-        return torch.zeros(shape, dtype=dtype)
+        def uniforms(shape, dtype=None, device=None, value=value, dtypes=dtypes):
+            dtypes.append(dtype)
+            return torch.full(shape if isinstance(shape, tuple) else (shape,), value, dtype=dtype)
 
-    monkeypatch.setattr(torch, "rand", zeros)
-    assert Sampler()(logits, make_sampling_batch(1)).token_ids.tolist() == [1]
-    assert dtypes == [torch.float64]  # a float32 U's 2^-24 grid would starve the rarest tokens
+        monkeypatch.setattr(torch, "rand", uniforms)
+        drawn[name] = Sampler()(logits, make_sampling_batch(1)).token_ids.tolist()
+        assert dtypes == [torch.float64]  # a float32 U's 2^-24 grid would starve the rarest tokens
+    assert drawn == {"zero": [1], "top": [2]}
+
+
+def test_draws_are_the_inverse_cdf_of_a_float64_reference(monkeypatch):
+    """Rows of a real vocabulary (plain, top-k, top-p, a seeded one) against float64 numpy: the
+    first token whose cumulative probability exceeds the row's uniform. A row with every token
+    masked has nothing to draw and keeps its argmax (0), like a greedy row."""
+    vocab, rows = 49152, 6
+    torch.manual_seed(4)
+    logits = torch.randn(rows, vocab) * torch.tensor([3.0, 1.0, 5.0, 3.0, 0.5, 2.0])[:, None]
+    logits[5] = float("-inf")
+    temperature = torch.tensor([0.8, 1.0, 1.3, 0.7, 0.9, 1.0])
+    top_k = torch.tensor([-1, 50, -1, -1, -1, -1])
+    top_p = torch.tensor([1.0, 1.0, 0.9, 1.0, 1.0, 1.0])
+    uniform = torch.rand(rows, dtype=torch.float64)
+    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: uniform.clone())
+    generators = [None, None, None, torch.Generator(), None, None]
+    seeds = [None, None, None, 9, None, None]
+    positions = [0, 0, 0, 17, 0, 0]
+    batch = make_sampling_batch(rows, temperature=temperature, top_k=top_k, top_p=top_p, generators=generators,
+                                seeds=seeds, positions=positions)
+    got = Sampler()(logits, batch).token_ids.tolist()
+
+    from vmesh.services.worker.sampler import _SEED_MIX  # the seeded row's uniform, drawn as the sampler does
+    seeded = torch.empty(1, dtype=torch.float64).uniform_(
+        generator=torch.Generator().manual_seed((9 * _SEED_MIX + 17) & 0x7FFFFFFFFFFFFFFF))
+    uniform[3] = seeded[0]
+    kept = reference_kept(logits / temperature[:, None], top_k, top_p).numpy()
+    for row in range(rows - 1):
+        scaled = logits[row].double().numpy() / float(temperature[row])
+        weights = np.where(kept[row], np.exp(scaled - scaled[kept[row]].max()), 0.0)
+        cumulative = np.cumsum(weights / weights.sum())
+        assert got[row] == int(np.searchsorted(cumulative, float(uniform[row]), side="right")), row
+    assert got[5] == 0
 
 
 def test_draws_follow_the_distribution():
-    """The exponential race over q = -log U: 30,000 rows of one distribution, each token's share
-    within 5 standard deviations of its probability (seeded, so the test is deterministic)."""
+    """30,000 rows of one distribution, each token's share within 5 standard deviations of its
+    probability (seeded, so the test is deterministic); a token of probability 0 never drawn."""
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
     n = 30_000
     torch.manual_seed(11)

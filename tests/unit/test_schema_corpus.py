@@ -114,3 +114,12 @@ def test_features_are_read_off_keywords():
     assert schema_features(pair) == {"ref", "number-bounds", "additional-properties-false"}
     assert schema_features({"type": ["integer", "null"], "exclusiveMinimum": 0}) == {
         "type-union", "null", "integer-bounds", "exclusive-bounds"}
+
+
+def test_the_date_format_is_rfc_3339_s_full_date():
+    schema = {"type": "string", "format": "date"}
+    valid = ["0000-01-01", "2024-02-29", "2000-02-29", "0000-02-29", "1999-12-31"]
+    invalid = ["2023-02-29", "1900-02-29", "2023-13-01", "2023-00-10", "2023-04-31", "2023-1-01", "2023-01-01T00:00:00",
+               "\uff12\uff10\uff12\uff13-01-01"]
+    assert [s for s in valid if validation_errors(schema, s)] == []
+    assert [s for s in invalid if not validation_errors(schema, s)] == []
