@@ -152,8 +152,8 @@ class PersistentBatch:
         self.num_logprobs[row] = NO_LOGPROBS if params.logprobs is None else params.logprobs
         self.adapter_ids[row] = 0
         self.seeds[row] = params.seed
-        # On the logits' device: a CPU generator cannot fill a CUDA tensor (seeded rows draw their
-        # race in place), so a seeded stream is reproducible per device kind.
+        # On the logits' device: a CPU generator cannot fill a CUDA tensor (a seeded row draws its
+        # uniform in place), so a seeded stream is reproducible per device kind.
         self.generators[row] = torch.Generator(device=self.device) if params.seed is not None else None
         self.sampling[row] = params
         grammar = self.spare_grammars.pop(request.handle, None) or row_grammar(params, self.grammar_tokenizer)

@@ -205,14 +205,17 @@ class Sampler:
                 seed = (row_seed * _SEED_MIX + batch.positions[row]) & 0x7FFFFFFFFFFFFFFF
                 generator.manual_seed(seed)
                 uniform[row:row + 1].uniform_(generator=generator)
-        total = cumulative[:, -1:]
-        # Below the total, so some token's cumulative weight exceeds it: U * total can round up to
-        # the total itself, and the tokens after the last kept one (weight 0) add nothing to it.
-        target = torch.minimum(uniform.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
-        # The first token whose cumulative weight exceeds the target: a token of weight 0 never
-        # raises the sum, so it is never the first (U = 0 takes the first token of positive weight).
-        drawn = torch.searchsorted(cumulative, target, right=True).squeeze(1)
-        return torch.where(drawable, drawn.clamp_(max=logits.shape[-1] - 1), argmax)
+        # U < 1 (at most 1 - 2^-53), so U * total rounds below the total: some token's cumulative
+        # weight exceeds it. The first that does is the draw; on the CPU, which sums in order, a
+        # token of weight 0 never raises the sum and so is never that first (U = 0 takes the first
+        # token of positive weight).
+        target = uniform.unsqueeze(1) * cumulative[:, -1:]
+        drawn = torch.searchsorted(cumulative, target, right=True).clamp_(max=logits.shape[-1] - 1)
+        # A parallel scan (CUDA's cumsum) may add in another order, leaving a weight-0 token an
+        # interval of an ulp; a masked token must never be drawn, so such a draw takes the argmax
+        # (always kept: no restriction drops a row's maximum).
+        kept = weights.gather(1, drawn) > 0
+        return torch.where(drawable & kept.squeeze(1), drawn.squeeze(1), argmax)
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, batch: SamplingBatch, output: SamplerOutput) -> None:

@@ -86,6 +86,7 @@ def format_checker() -> FormatChecker:
     checker = FormatChecker(formats=())
     checker.checkers = {name: draft_checkers[name] for name in CHECKED_FORMATS}
     checker.checks("date")(is_full_date)
+    checker.checks("date-time")(is_date_time)
     return checker
 
 
@@ -102,6 +103,25 @@ def is_full_date(instance: object) -> bool:
     leap = year % 4 == 0 and (year % 100 != 0 or year % 400 == 0)
     days = (31, 29 if leap else 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)
     return 1 <= month <= 12 and 1 <= day <= days[month - 1]
+
+
+_PARTIAL_TIME_AND_OFFSET = re.compile(
+    r"([0-9]{2}):([0-9]{2}):([0-9]{2})(?:\.[0-9]+)?(?:[Zz]|[+-]([0-9]{2}):([0-9]{2}))")
+
+
+def is_date_time(instance: object) -> bool:
+    """RFC 3339's date-time: a full-date (is_full_date), "T" (or "t"), hours 00-23, minutes
+    00-59, seconds 00-60 (a leap second), an optional fraction and an offset ("Z" or +/-hh:mm).
+    rfc3339-validator, jsonschema's check, refuses the year 0000 and the leap second, and lets a
+    trailing newline through."""
+    if not isinstance(instance, str):
+        return True
+    date, separator, time = instance[:10], instance[10:11], instance[11:]
+    match = _PARTIAL_TIME_AND_OFFSET.fullmatch(time)
+    if separator not in ("T", "t") or match is None or not is_full_date(date):
+        return False
+    hour, minute, second, offset_hour, offset_minute = (int(g) if g else 0 for g in match.groups())
+    return hour <= 23 and minute <= 59 and second <= 60 and offset_hour <= 23 and offset_minute <= 59
 
 
 def validator(schema: Mapping[str, Any] | str) -> Draft202012Validator:

@@ -135,7 +135,7 @@ def test_a_top_p_request_samples_beyond_its_argmax_beside_neighbours_without_lim
 
 def test_uniforms_at_either_end_never_hand_the_draw_to_a_token_outside_the_support(monkeypatch):
     """U = 0 takes the first token of positive weight, not the masked one before it; U just below
-    1 (its product with the total can round up to the total) the last, not the masked one after it."""
+    1 the last kept token, not the masked one after it."""
     logits = torch.tensor([[float("-inf"), 0.0, 0.5, float("-inf")]])
     drawn = {}
     for name, value in (("zero", 0.0), ("top", 1.0 - 2.0 ** -53)):
@@ -151,37 +151,54 @@ def test_uniforms_at_either_end_never_hand_the_draw_to_a_token_outside_the_suppo
     assert drawn == {"zero": [1], "top": [2]}
 
 
+def test_a_masked_token_given_an_ulp_by_the_cumulative_sum_is_never_drawn(monkeypatch):
+    """A parallel scan (CUDA's cumsum) may leave a weight-0 token an interval of an ulp: here the
+    masked last token's cumulative weight is one ulp above the one before it, and U just below 1
+    lands there. The draw falls back to the row's argmax."""
+    logits = torch.tensor([[float("-inf"), 0.0, 0.5, float("-inf")]])
+    summed = torch.tensor([[0.0, 1.0, 2.0, float(np.nextafter(2.0, 3.0))]], dtype=torch.float64)
+    monkeypatch.setattr(torch.Tensor, "cumsum", lambda self, dim, dtype=None: summed.clone())
+    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: torch.tensor([1.0 - 2.0 ** -53], dtype=torch.float64))
+    assert Sampler()(logits, make_sampling_batch(1)).token_ids.tolist() == [2]
+
+
 def test_draws_are_the_inverse_cdf_of_a_float64_reference(monkeypatch):
-    """Rows of a real vocabulary (plain, top-k, top-p, a seeded one) against float64 numpy: the
-    first token whose cumulative probability exceeds the row's uniform. A row with every token
-    masked has nothing to draw and keeps its argmax (0), like a greedy row."""
-    vocab, rows = 49152, 6
+    """Rows of a real vocabulary (plain, top-k, top-p, min-p, a seeded one) against float64 numpy:
+    the first token whose cumulative probability exceeds the row's uniform. A row with every token
+    masked has nothing to draw and keeps its argmax (0), as a greedy row does; the caller's logits
+    are left as they were."""
+    vocab, rows = 49152, 8
     torch.manual_seed(4)
-    logits = torch.randn(rows, vocab) * torch.tensor([3.0, 1.0, 5.0, 3.0, 0.5, 2.0])[:, None]
+    logits = torch.randn(rows, vocab) * torch.tensor([3.0, 1.0, 5.0, 3.0, 0.5, 2.0, 2.0, 3.0])[:, None]
     logits[5] = float("-inf")
-    temperature = torch.tensor([0.8, 1.0, 1.3, 0.7, 0.9, 1.0])
-    top_k = torch.tensor([-1, 50, -1, -1, -1, -1])
-    top_p = torch.tensor([1.0, 1.0, 0.9, 1.0, 1.0, 1.0])
+    before = logits.clone()
+    temperature = torch.tensor([0.8, 1.0, 1.3, 0.7, 0.9, 1.0, 1.0, 0.0])
+    top_k = torch.tensor([-1, 50, -1, -1, -1, -1, -1, -1])
+    top_p = torch.tensor([1.0, 1.0, 0.9, 1.0, 1.0, 1.0, 1.0, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.05, 0.0])
     uniform = torch.rand(rows, dtype=torch.float64)
     monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: uniform.clone())
-    generators = [None, None, None, torch.Generator(), None, None]
-    seeds = [None, None, None, 9, None, None]
-    positions = [0, 0, 0, 17, 0, 0]
-    batch = make_sampling_batch(rows, temperature=temperature, top_k=top_k, top_p=top_p, generators=generators,
-                                seeds=seeds, positions=positions)
+    generators = [None, None, None, torch.Generator(), None, None, None, None]
+    seeds = [None, None, None, 9, None, None, None, None]
+    positions = [0, 0, 0, 17, 0, 0, 0, 0]
+    batch = make_sampling_batch(rows, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                generators=generators, seeds=seeds, positions=positions)
     got = Sampler()(logits, batch).token_ids.tolist()
+    assert torch.equal(logits, before)
 
     from vmesh.services.worker.sampler import _SEED_MIX  # the seeded row's uniform, drawn as the sampler does
     seeded = torch.empty(1, dtype=torch.float64).uniform_(
         generator=torch.Generator().manual_seed((9 * _SEED_MIX + 17) & 0x7FFFFFFFFFFFFFFF))
     uniform[3] = seeded[0]
-    kept = reference_kept(logits / temperature[:, None], top_k, top_p).numpy()
-    for row in range(rows - 1):
+    scale = torch.where(temperature > 0, temperature, 1.0)  # the greedy row is not checked against it
+    kept = reference_kept(logits / scale[:, None], top_k, top_p).numpy()
+    for row in (0, 1, 2, 3, 4, 6):
         scaled = logits[row].double().numpy() / float(temperature[row])
-        weights = np.where(kept[row], np.exp(scaled - scaled[kept[row]].max()), 0.0)
+        floor = scaled.max() + np.log(float(min_p[row])) if min_p[row] > 0 else -np.inf
+        weights = np.where(kept[row] & (scaled >= floor), np.exp(scaled - scaled[kept[row]].max()), 0.0)
         cumulative = np.cumsum(weights / weights.sum())
         assert got[row] == int(np.searchsorted(cumulative, float(uniform[row]), side="right")), row
-    assert got[5] == 0
+    assert got[5] == 0 and got[7] == int(logits[7].argmax())
 
 
 def test_draws_follow_the_distribution():

@@ -123,3 +123,14 @@ def test_the_date_format_is_rfc_3339_s_full_date():
                "\uff12\uff10\uff12\uff13-01-01"]
     assert [s for s in valid if validation_errors(schema, s)] == []
     assert [s for s in invalid if not validation_errors(schema, s)] == []
+
+
+def test_the_date_time_format_is_rfc_3339_s():
+    schema = {"type": "string", "format": "date-time"}
+    valid = ["0000-01-01T00:00:00Z", "2024-02-29T23:59:60Z", "2024-06-01t12:30:05.123+05:30",
+             "1999-12-31T23:59:59-00:00", "2024-06-01T12:30:05z"]
+    invalid = ["2024-06-01T24:00:00Z", "2024-06-01T12:60:00Z", "2024-06-01T12:00:61Z", "2024-06-01T12:00:00",
+               "2024-06-01 12:00:00Z", "2023-02-29T00:00:00Z", "2024-06-01T12:00:00+24:00", "2024-06-01T12:00:00Z\n",
+               "2024-06-01T12:00Z", "2024-06-01T12:00:00.Z"]
+    assert [s for s in valid if validation_errors(schema, s)] == []
+    assert [s for s in invalid if not validation_errors(schema, s)] == []
