@@ -4,7 +4,8 @@ Order: the grammar's token mask (rows with structured output) on the raw logits;
 min-tokens bans; greedy rows take the argmax; other rows are divided
 by their temperature, restricted by top-k, top-p and min-p, and drawn by inverse transform:
 one float64 uniform U per row, and the first token whose cumulative weight (float64) exceeds
-U times the row's total. One uniform a row, where a race (argmax of p / q, q ~ Exp(1)) needs
+U times the row's total (found through per-block sums, so only one block of a row is
+cumulated). One uniform a row, where a race (argmax of p / q, q ~ Exp(1)) needs
 one per token: drawing 64 x 49,152 float64 uniforms was most of a sampled step on the CPU.
 A seeded row draws its U from its own generator, reseeded from (seed, position), so its token
 depends only on its own logits, never on its batch neighbours, on preemption or on how
@@ -164,6 +165,49 @@ def _keep_thresholds(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     return threshold, decided
 
 
+# The draw sums a row's weights per block of this many tokens, then cumulates only the block the
+# uniform falls in: a float64 cumulative sum of whole rows (64 x 49,152) was half of the draw.
+DRAW_BLOCK = 1024
+_BELOW_ONE = 1.0 - 2.0 ** -53  # float64's largest value below 1, the largest torch.rand draws
+
+
+def inverse_transform(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """[B, 1] per row the token whose interval of the cumulative weight holds U times the row's
+    total, for U in [0, 1): the first token whose running sum (float64) exceeds it.
+
+    A long row goes in two stages. Blocks of DRAW_BLOCK tokens are summed (float32: a float64
+    reduction costs 16x here) and their running sums (float64) pick the block; then the block's
+    own running sum (float64) picks the token for the uniform's place inside the block, U' =
+    (U * total - before) / block sum, kept below 1. Every token keeps an interval in proportion
+    to its weight (the float32 block sums move a block's share by ~1e-7 of itself); a token or
+    block of weight 0 never raises a running sum, so it is never the first to exceed a target
+    (U = 0 takes the first token of positive weight). The caller still checks the drawn weight:
+    a parallel scan (CUDA's cumsum) may give a weight-0 token an ulp."""
+    vocab = weights.shape[-1]
+    if vocab <= DRAW_BLOCK:
+        return _first_exceeding(weights, uniform.unsqueeze(1))
+    full = vocab // DRAW_BLOCK
+    block_sums = weights[:, :full * DRAW_BLOCK].unflatten(1, (full, DRAW_BLOCK)).sum(dim=-1)
+    if vocab > full * DRAW_BLOCK:
+        block_sums = torch.cat([block_sums, weights[:, full * DRAW_BLOCK:].sum(dim=-1, keepdim=True)], dim=1)
+    block_ends = block_sums.cumsum(dim=-1, dtype=torch.float64)
+    target = uniform.unsqueeze(1) * block_ends[:, -1:]
+    block = torch.searchsorted(block_ends, target, right=True).clamp_(max=block_ends.shape[1] - 1)
+    before = block_ends.gather(1, block) - block_sums.gather(1, block).double()
+    inside = ((target - before) / block_sums.gather(1, block)).clamp_(0.0, _BELOW_ONE)
+    tokens = block * DRAW_BLOCK + torch.arange(DRAW_BLOCK, device=weights.device)
+    inner = weights.gather(1, tokens.clamp(max=vocab - 1)).masked_fill_(tokens >= vocab, 0.0)
+    return (block * DRAW_BLOCK + _first_exceeding(inner, inside)).clamp_(max=vocab - 1)
+
+
+def _first_exceeding(weights: torch.Tensor, fraction: torch.Tensor) -> torch.Tensor:
+    """[B, 1] per row the first index whose running sum (float64) exceeds `fraction` (in [0, 1),
+    [B, 1]) times the row's total. fraction < 1 (at most 1 - 2^-53), so fraction * total rounds
+    below the total and some index's running sum exceeds it."""
+    cumulative = weights.cumsum(dim=-1, dtype=torch.float64)
+    return torch.searchsorted(cumulative, fraction * cumulative[:, -1:], right=True).clamp_(max=weights.shape[-1] - 1)
+
+
 class Sampler:
     def __init__(self, cpu_kernels: CpuKernels | None = None):
         self.cpu_kernels = cpu_kernels  # masks CPU float32 logits with a grammar's bitmask
@@ -193,10 +237,9 @@ class Sampler:
         temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
         # A new tensor (the division), so the in-place steps below never touch the caller's logits.
         logits = restrict_logits(logits / temperature.unsqueeze(1), batch.top_k, batch.top_p, batch.min_p)
-        top = logits.max(dim=-1, keepdim=True).values
+        top = logits.amax(dim=-1, keepdim=True)  # max()'s values-and-indices was 20x slower here
         drawable = torch.isfinite(top).squeeze(1) & ~greedy
         weights = logits.sub_(top).exp_()
-        cumulative = weights.cumsum(dim=-1, dtype=torch.float64)
         uniform = torch.rand(len(logits), dtype=torch.float64, device=logits.device)
         for row, generator in enumerate(batch.generators):
             if generator is not None:
@@ -205,15 +248,11 @@ class Sampler:
                 seed = (row_seed * _SEED_MIX + batch.positions[row]) & 0x7FFFFFFFFFFFFFFF
                 generator.manual_seed(seed)
                 uniform[row:row + 1].uniform_(generator=generator)
-        # U < 1 (at most 1 - 2^-53), so U * total rounds below the total: some token's cumulative
-        # weight exceeds it. The first that does is the draw; on the CPU, which sums in order, a
-        # token of weight 0 never raises the sum and so is never that first (U = 0 takes the first
-        # token of positive weight).
-        target = uniform.unsqueeze(1) * cumulative[:, -1:]
-        drawn = torch.searchsorted(cumulative, target, right=True).clamp_(max=logits.shape[-1] - 1)
+        drawn = inverse_transform(weights, uniform)
         # A parallel scan (CUDA's cumsum) may add in another order, leaving a weight-0 token an
-        # interval of an ulp; a masked token must never be drawn, so such a draw takes the argmax
-        # (always kept: no restriction drops a row's maximum).
+        # interval of an ulp, and a block's running sum may round below the block's sum; a masked
+        # token must never be drawn, so such a draw takes the argmax (always kept: no restriction
+        # drops a row's maximum).
         kept = weights.gather(1, drawn) > 0
         return torch.where(drawable & kept.squeeze(1), drawn.squeeze(1), argmax)
 

@@ -6,9 +6,11 @@ import torch
 from tests.support.factories import make_sampling_batch
 from vmesh.services.worker.sampler import (
     CANDIDATES,
+    DRAW_BLOCK,
     Sampler,
     apply_penalties,
     argmax_rows,
+    inverse_transform,
     restrict_logits,
 )
 
@@ -246,3 +248,46 @@ def test_logprobs_come_from_raw_logits():
     assert torch.equal(out.top_token_ids[0], top.indices)
     # The penalty moved row 0's greedy choice off the raw argmax: its rank is then > 1.
     assert int(out.sampled_ranks[0]) > 1
+
+
+def test_the_blockwise_draw_is_the_whole_row_inverse_cdf_across_block_edges():
+    """inverse_transform against float64 numpy over whole rows: a vocabulary of two full blocks
+    and a partial one, weights zero across whole blocks and at block edges, uniforms at both ends
+    and in between. Every draw is the first token whose running sum exceeds U times the total, and
+    of positive weight (the float32 block sums move a block's share by ~1e-7 of itself, far from
+    deciding any of these draws)."""
+    vocab = 2 * DRAW_BLOCK + 952
+    torch.manual_seed(7)
+    weights = torch.rand(6, vocab)
+    weights[1, :DRAW_BLOCK] = 0.0  # a first block of nothing
+    weights[2] = 0.0
+    # The last token of one block, the first of the next, and the tail's last.
+    weights[2, [DRAW_BLOCK - 1, DRAW_BLOCK, vocab - 1]] = 1.0
+    weights[3, DRAW_BLOCK:] = 0.0  # nothing after the first block
+    weights[4, :vocab - 1] = 0.0  # only the very last token
+    weights[5, ::7] = 0.0
+    uniforms = [0.0, 1e-9, 0.25, 1 / 3, 0.5, 0.999, 1.0 - 2.0 ** -53]
+    for value in uniforms:
+        uniform = torch.full((6,), value, dtype=torch.float64)
+        got = inverse_transform(weights, uniform).squeeze(1).tolist()
+        for row in range(6):
+            cumulative = np.cumsum(weights[row].double().numpy())
+            want = int(np.searchsorted(cumulative, value * cumulative[-1], side="right"))
+            assert got[row] == want and weights[row, got[row]] > 0, (value, row)
+
+
+def test_blockwise_draws_follow_the_distribution_across_blocks():
+    """A vocabulary of three blocks with its mass on tokens at block edges and in the tail: 20,000
+    draws, each token's share within 5 standard deviations of its probability, nothing else drawn."""
+    vocab = 2 * DRAW_BLOCK + 500
+    where = torch.tensor([5, DRAW_BLOCK - 1, DRAW_BLOCK, 2 * DRAW_BLOCK - 1, vocab - 1])
+    probs = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05], dtype=torch.float64)
+    row = torch.full((vocab,), float("-inf"))
+    row[where] = probs.log().float()
+    torch.manual_seed(12)
+    tokens = torch.cat([Sampler()(row.repeat(5000, 1), make_sampling_batch(5000)).token_ids for _ in range(4)])
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    n = len(tokens)
+    sigma = (n * probs * (1 - probs)).sqrt()
+    assert ((counts[where] - n * probs).abs() <= 5 * sigma).all(), counts[where].tolist()
+    assert counts.sum() == counts[where].sum()
