@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 # oneDNN picks its blocked layout for an expected row count; one layout serves every row
 # count well, and this hint was the best of 1, 64 and 256 (benchmarks/README.md).
 PACKING_ROWS_HINT = 64
+# Up to this many rows a bfloat16 layer in the 64-wide AVX-512 layout multiplies on
+# vmesh/kernels/cpu/batch_linear_bf16.c rather than oneDNN, where it measured faster
+# (benchmarks/README.md, "bfloat16 products of a few dozen rows").
+BATCH_BF16_MAX_ROWS = 32
 # The packed layouts the small-batch kernel reads: output features in blocks of this many (float32),
 # or of one of these (bfloat16).
 PACKED_OUT_BLOCK = 64
@@ -168,6 +172,11 @@ class Linear:
             if self._layout is not None:
                 self._packed_address = torch.ops.mkldnn.data_ptr(self._packed)
                 self._packed_blocks = block_view(packed_buffer(self._packed, weight.dtype), weight.dtype, self._layout)
+        # The batch kernel reads the 64-wide layout oneDNN picks on AVX-512 without AMX (with AMX,
+        # its 32-wide one, oneDNN's own tile products are far faster).
+        self._batch_bf16 = (self._small_batch is not None and self._small_batch.bf16_dot and self._layout is not None
+                            and self._packed_blocks is not None and weight.dtype == torch.bfloat16
+                            and self._layout.out_block == PACKED_OUT_BLOCK)
         if self._packed_blocks is None and weight.dtype == torch.bfloat16:
             self._small_batch = None  # oneDNN then serves a few rows too: no plain bfloat16 copy is kept for them
         if self._packed is not None and (self._small_batch is None or self._packed_blocks is not None):
@@ -183,6 +192,10 @@ class Linear:
         dtype = str(self.dtype).removeprefix("torch.")
         if self._packed is None:
             return f"F.linear {dtype}"
+        if self._batch_bf16:
+            assert self._small_batch is not None, "set with the batch kernel"
+            return (f"oneDNN {dtype} packed, 1-{self._small_batch.stream_rows} rows C, "
+                    f"to {BATCH_BF16_MAX_ROWS} rows C (AVX-512 BF16)")
         if self._small_batch is not None:
             return f"oneDNN {dtype} packed, 1-{self._small_batch.stream_rows} rows C"
         return f"oneDNN {dtype} packed"
@@ -229,6 +242,11 @@ class Linear:
             out = stream.packed_small_batch_linear(x.contiguous(), self._packed_address, self.out_features,
                                                    self._layout.padded_in, self.bias, dtype=torch.bfloat16,
                                                    out_block=self._layout.out_block)
+            return out.view(*lead, self.out_features)
+        if self._batch_bf16 and x.shape[0] <= BATCH_BF16_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float32):
+            assert self._small_batch is not None and self._layout is not None, "set with the batch kernel"
+            out = self._small_batch.packed_batch_linear_bf16(x.contiguous(), self._packed_address, self.out_features,
+                                                             self._layout.padded_in, self.bias)
             return out.view(*lead, self.out_features)
         # The mixed bfloat16 model hands some layers float32 (attention's output): one rounding here.
         x = x.to(self.dtype)

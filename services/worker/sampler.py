@@ -123,7 +123,7 @@ def restrict_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
         logits = logits.masked_fill(logits < threshold, _MASKED)
     if bool((min_p > 0).any()):
         probs = logits.softmax(dim=-1)
-        floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        floor = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
         logits = logits.masked_fill(probs < floor, _MASKED)
     return logits
 

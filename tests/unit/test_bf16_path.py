@@ -15,7 +15,7 @@ from tests.support.tiny_models import TINY_VOCAB, save_tiny_llama, save_tiny_qwe
 from vmesh.kernels import reference
 from vmesh.kernels.reference import silu_and_mul_ref
 from vmesh.services.common.types import SamplingParams
-from vmesh.services.worker.linear import onednn_packing_usable
+from vmesh.services.worker.linear import BATCH_BF16_MAX_ROWS, onednn_packing_usable
 from vmesh.services.worker.model import FusedOps, rms_norm_mixed_ref
 from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
 from vmesh.services.worker.rotary import RotaryEmbedding
@@ -257,13 +257,17 @@ def test_small_batch_linear_reads_the_packed_bf16_weight(kernels, out_features, 
     if layer._packed_blocks is None:
         pytest.skip("oneDNN packs bfloat16 in another layout on this CPU: every row count goes to oneDNN")
     assert layer.weight is None
-    assert layer.kernel_description == f"oneDNN bfloat16 packed, 1-{kernels.stream_rows} rows C"
+    described = f"oneDNN bfloat16 packed, 1-{kernels.stream_rows} rows C"
+    if layer._layout is not None and layer._layout.out_block == 64 and kernels.bf16_dot:
+        described += f", to {BATCH_BF16_MAX_ROWS} rows C (AVX-512 BF16)"
+    assert layer.kernel_description == described
     ids = torch.tensor([0, 5, out_features - 1])
     assert torch.equal(layer.weight_rows(ids), weight[ids])
-    for rows in (*range(1, kernels.stream_rows + 1), kernels.stream_rows + 1):  # the last: oneDNN
+    # Past the streaming rows: the batch kernel where it runs, then oneDNN.
+    for rows in (*range(1, kernels.stream_rows + 1), kernels.stream_rows + 1, BATCH_BF16_MAX_ROWS + 1):
         for dtype in (torch.bfloat16, torch.float32):
             x = torch.randn(rows, in_features, generator=gen).to(dtype)
-            # The kernel widens float32 input as it is; oneDNN takes it rounded to bfloat16.
+            # The streaming kernel widens float32 input as it is; the others take it rounded to bfloat16.
             exact = x.float() if rows <= kernels.stream_rows else x.bfloat16().float()
             want = exact @ weight.float().T + (b.float() if b is not None else 0)
             got = layer(x)
@@ -305,3 +309,52 @@ def test_small_batch_kernel_reads_both_bf16_block_widths(kernels, out_block, out
     with pytest.raises(ValueError, match="do not fit"):
         kernels.packed_small_batch_linear(x, raw.data_ptr(), out_features, padded_in, bias, dtype=torch.bfloat16,
                                           out_block=48)
+
+
+@pytest.mark.parametrize(("out_features", "in_features", "bias"), [(960, 576, True), (576, 1536, False),
+                                                                   (70, 33, True), (130, 48, False)])
+def test_batch_linear_bf16_over_the_packed_layout(kernels, out_features, in_features, bias):
+    """batch_linear_bf16.c on AVX-512 BF16 dot products over the 64-wide packed layout: 1 to 256 rows
+    (whole 6-row tiles, uneven tiles, a lone row), a last block of fewer than 64 features, an odd
+    input width, bfloat16 and float32 input, against a float32 product of the bfloat16-rounded
+    input: one rounding apart."""
+    if not kernels.bf16_dot:
+        pytest.skip("built without AVX-512 BF16 on this CPU (Linear keeps oneDNN: tested below)")
+    gen = torch.Generator().manual_seed(out_features + in_features)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).bfloat16()
+    padded_in = -(-in_features // 32) * 32
+    raw = pack_bf16_blocks(weight, 64, padded_in)
+    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    for rows in (1, 5, 6, 7, 13, 32, 33, 100, 256):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(rows, in_features, generator=gen).to(dtype)
+            got = kernels.packed_batch_linear_bf16(x, raw.data_ptr(), out_features, padded_in, b)
+            want = x.bfloat16().float() @ weight.float().T + (b.float() if b is not None else 0)
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+            torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=BF16_ULP)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.packed_batch_linear_bf16(x, raw.data_ptr(), out_features, in_features - 1, b)
+    with pytest.raises(ValueError, match="bias must be"):
+        kernels.packed_batch_linear_bf16(x, raw.data_ptr(), out_features, padded_in, torch.zeros(out_features))
+
+
+def test_a_cpu_without_bf16_dot_products_keeps_onednn_past_the_streaming_rows(kernels, monkeypatch):
+    """Where the kernels were built without AVX-512 BF16 (or oneDNN packs the 32-wide AMX layout),
+    Linear sends every row count past the streaming pass to oneDNN, with the same result."""
+    from vmesh.services.worker.linear import Linear
+
+    gen = torch.Generator().manual_seed(3)
+    weight = (torch.randn(200, 96, generator=gen) * 0.05).bfloat16()
+    if not onednn_packing_usable(weight):
+        pytest.skip("no oneDNN packing in this torch build")
+    x = torch.randn(BATCH_BF16_MAX_ROWS, 96, generator=gen).bfloat16()
+    monkeypatch.setattr(kernels, "bf16_dot", False)
+    fallback = Linear(weight, small_batch_kernels=kernels)
+    assert "AVX-512 BF16" not in fallback.kernel_description
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the batch kernel ran without AVX-512 BF16")
+
+    monkeypatch.setattr(kernels, "packed_batch_linear_bf16", refused)
+    want = x.float() @ weight.float().T
+    torch.testing.assert_close(fallback(x).float(), want, atol=2e-3, rtol=BF16_ULP)

@@ -132,6 +132,8 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "packed_small_batch_linear_f32": ([P, P, P, P, I64, I64, I64, I64], INT),
     # + whether x is bfloat16, and the layout's block width
     "packed_small_batch_linear_bf16": ([P, INT, P, P, P, I64, I64, I64, I64, I64], INT),
+    # batch_linear_bf16.c: as above, over the 64-wide AVX-512 layout only
+    "batch_linear_bf16": ([P, INT, P, P, P, I64, I64, I64, I64], INT),
     "quantized_linear_f32": ([P, P, INT, P, P, I64, I64, I64], INT),
     "quantized_linear_int8_f32": ([P, P, INT, P, P, I64, I64, I64], INT),  # x rounded to int8 per block
     "int8_linear_f32": ([P, P, P, P, P, P, I64, I64, I64], INT),
@@ -162,6 +164,8 @@ class CpuKernels:
             limit.value for limit in limits)
         # Whether vmesh/kernels/cpu/integer_linear.c was built with AVX-512 VNNI (-march=native: this CPU has it).
         self.integer_dot = bool(_bind(library.vmesh_integer_dot_available, [], INT)())
+        # Whether vmesh/kernels/cpu/batch_linear_bf16.c was built with AVX-512 BF16 (the same way).
+        self.bf16_dot = bool(_bind(library.vmesh_batch_linear_bf16_available, [], INT)())
 
     def _kernel(self, op: str, dtype: torch.dtype) -> Any:
         """The C function of `op` for a model of `dtype` (float32, or the mixed bfloat16)."""
@@ -271,6 +275,33 @@ class CpuKernels:
                         x.shape[0], out_features, x.shape[1], *layout, torch.get_num_threads())
         if status == 2:
             raise MemoryError(f"{name}: out of memory")
+        if status:
+            raise ValueError(f"{name}: {x.shape[0]} rows of {x.shape[1]} features do not fit a packed weight of "
+                             f"{padded_in_features} input features")
+        return out
+
+    def packed_batch_linear_bf16(self, x: torch.Tensor, packed_weight_address: int, out_features: int,
+                                 padded_in_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W.T + bias over oneDNN's packed copy of a bfloat16 weight in its 64-wide AVX-512 layout
+        (AB16b64a2b, checked at load by services/worker/linear.py), on AVX-512 BF16 dot products
+        (vmesh/kernels/cpu/batch_linear_bf16.c; needs `bf16_dot`), for any number of rows. x:
+        contiguous [rows, in], bfloat16 or float32 (rounded to bfloat16 first); bias bfloat16 [out]."""
+        name = "batch_linear_bf16"
+        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (out_features,)
+                                 or not bias.is_contiguous()):  # read through a raw pointer
+            raise ValueError(f"{name}: bias must be contiguous bfloat16 [{out_features}], "
+                             f"got {bias.dtype} {tuple(bias.shape)}")
+        if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"{name}: x must be 2-D bfloat16 or float32, got {x.dtype} {tuple(x.shape)}")
+        require_contiguous_cpu(("x", x, x.dtype))
+        out = torch.empty(x.shape[0], out_features, dtype=torch.bfloat16)
+        status = self._functions[name](x.data_ptr(), int(x.dtype == torch.bfloat16), packed_weight_address,
+                                       0 if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0],
+                                       out_features, x.shape[1], padded_in_features, torch.get_num_threads())
+        if status == 2:
+            raise MemoryError(f"{name}: out of memory")
+        if status == 3:
+            raise RuntimeError(f"{name}: built without AVX-512 BF16 (see CpuKernels.bf16_dot)")
         if status:
             raise ValueError(f"{name}: {x.shape[0]} rows of {x.shape[1]} features do not fit a packed weight of "
                              f"{padded_in_features} input features")
