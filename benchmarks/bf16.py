@@ -129,7 +129,7 @@ def main() -> None:
     parser.add_argument("--decode-steps", action="store_true", help="time decode steps of the runner alone")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 64])
     parser.add_argument("--context", type=int, default=128)
-    parser.add_argument("--no-small-batch-linear", action="store_true", help="decode steps: 1-4 rows to oneDNN too")
+    parser.add_argument("--no-small-batch-linear", action="store_true", help="decode steps: no C linear kernels")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here too")
     args = parser.parse_args()
     if args.threads:

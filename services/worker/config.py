@@ -74,12 +74,14 @@ class WorkerConfig:
     max_model_len: int | None = setting(  # None: the model's own context length
         None, section="worker", parse_flag=int)
     attention_backend: str = setting("auto", section="worker", choices=["auto", "cpu", "torch", "triton"])
-    # CPU, float32 or bfloat16: 1-4 row linears through vmesh/kernels/cpu (faster single streams). They
-    # read oneDNN's packed copy where its layout is the known one (AVX-512), else float32 keeps a
-    # plain copy and bfloat16 leaves those rows to oneDNN.
+    # CPU, float32 or bfloat16: 1-6 row linears through vmesh/kernels/cpu (faster single streams), and
+    # bfloat16 ones of 7-32 rows on AVX-512 BF16 (services/worker/linear.py). They read oneDNN's packed
+    # copy where its layout is the known one (AVX-512), else float32 keeps a plain copy and bfloat16
+    # leaves those rows to oneDNN.
     small_batch_linear: bool = setting(
         True, section="worker", flag="--no-small-batch-linear", negated=True,
-        help="CPU: skip the 1-4 row linear kernel (oneDNN serves every batch size)")
+        help="CPU: skip the C linear kernels for 1-6 rows (and bfloat16's for 7-32); oneDNN serves every "
+             "batch size")
     # Tensor parallelism (services/worker/tensor_parallel.py): this many worker processes, each started
     # with its own rank and the same rendezvous address, hold one model between them.
     tensor_parallel_size: int = setting(

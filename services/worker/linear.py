@@ -17,9 +17,10 @@ small-batch kernel instead, and says so in `held_bytes`.
 bfloat16 weights (the bfloat16 model on CPU) are packed as AB16b64a2b on AVX-512 and AB16b32a2b
 with AMX: blocks of 64 (32) output features, each input pair's two weights side by side. The
 small-batch kernel reads both (checked the same way); where it is neither, those rows go to oneDNN,
-and no plain copy is kept. oneDNN's bfloat16 products run at about 0.6x its float32 ones on AVX-512
-without AMX and several times faster with it (benchmarks/README.md); for a few rows bfloat16 halves
-the bytes, which is what they are bound by.
+and no plain copy is kept. Past the streaming rows and up to BATCH_BF16_MAX_ROWS, a layer in the
+64-wide layout (AVX-512 without AMX) multiplies on `vmesh/kernels/cpu/batch_linear_bf16.c`, AVX-512
+BF16 dot products over the same packed copy, which oneDNN's products of a few dozen rows trail;
+with AMX, oneDNN's tile products serve every row count past the streaming pass.
 """
 
 from __future__ import annotations

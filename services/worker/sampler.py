@@ -173,7 +173,8 @@ _BELOW_ONE = 1.0 - 2.0 ** -53  # float64's largest value below 1, the largest to
 
 def inverse_transform(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """[B, 1] per row the token whose interval of the cumulative weight holds U times the row's
-    total, for U in [0, 1): the first token whose running sum (float64) exceeds it.
+    total, for U in [0, 1): the first token whose running sum (float64) exceeds it; the vocabulary
+    size where no token does (a non-monotone running sum: the caller then keeps the argmax).
 
     A long row goes in two stages. Blocks of DRAW_BLOCK tokens are summed (float32: a float64
     reduction costs 16x here) and their running sums (float64) pick the block; then the block's
@@ -191,21 +192,23 @@ def inverse_transform(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Ten
     if vocab > full * DRAW_BLOCK:
         block_sums = torch.cat([block_sums, weights[:, full * DRAW_BLOCK:].sum(dim=-1, keepdim=True)], dim=1)
     block_ends = block_sums.cumsum(dim=-1, dtype=torch.float64)
+    block_starts = torch.nn.functional.pad(block_ends, (1, 0))  # [:, b]: the running sum before block b
     target = uniform.unsqueeze(1) * block_ends[:, -1:]
-    block = torch.searchsorted(block_ends, target, right=True).clamp_(max=block_ends.shape[1] - 1)
-    before = block_ends.gather(1, block) - block_sums.gather(1, block).double()
-    inside = ((target - before) / block_sums.gather(1, block)).clamp_(0.0, _BELOW_ONE)
+    block = torch.searchsorted(block_ends, target, right=True).clamp_(max=block_sums.shape[1] - 1)
+    inside = ((target - block_starts.gather(1, block)) / block_sums.gather(1, block)).clamp_(0.0, _BELOW_ONE)
     tokens = block * DRAW_BLOCK + torch.arange(DRAW_BLOCK, device=weights.device)
     inner = weights.gather(1, tokens.clamp(max=vocab - 1)).masked_fill_(tokens >= vocab, 0.0)
-    return (block * DRAW_BLOCK + _first_exceeding(inner, inside)).clamp_(max=vocab - 1)
+    offset = _first_exceeding(inner, inside)
+    token = block * DRAW_BLOCK + offset
+    return torch.where((offset < DRAW_BLOCK) & (token < vocab), token, vocab)
 
 
 def _first_exceeding(weights: torch.Tensor, fraction: torch.Tensor) -> torch.Tensor:
     """[B, 1] per row the first index whose running sum (float64) exceeds `fraction` (in [0, 1),
-    [B, 1]) times the row's total. fraction < 1 (at most 1 - 2^-53), so fraction * total rounds
-    below the total and some index's running sum exceeds it."""
+    [B, 1]) times the row's total; the row's length where none does. fraction < 1 (at most
+    1 - 2^-53), so fraction * total rounds below the total, which an in-order sum reaches."""
     cumulative = weights.cumsum(dim=-1, dtype=torch.float64)
-    return torch.searchsorted(cumulative, fraction * cumulative[:, -1:], right=True).clamp_(max=weights.shape[-1] - 1)
+    return torch.searchsorted(cumulative, fraction * cumulative[:, -1:], right=True)
 
 
 class Sampler:
@@ -250,10 +253,11 @@ class Sampler:
                 uniform[row:row + 1].uniform_(generator=generator)
         drawn = inverse_transform(weights, uniform)
         # A parallel scan (CUDA's cumsum) may add in another order, leaving a weight-0 token an
-        # interval of an ulp, and a block's running sum may round below the block's sum; a masked
-        # token must never be drawn, so such a draw takes the argmax (always kept: no restriction
-        # drops a row's maximum).
-        kept = weights.gather(1, drawn) > 0
+        # interval of an ulp, or a running sum that never exceeds its target (drawn = vocab); a
+        # masked token must never be drawn, so such a draw takes the argmax (always kept: no
+        # restriction drops a row's maximum).
+        vocab = weights.shape[-1]
+        kept = (drawn < vocab) & (weights.gather(1, drawn.clamp(max=vocab - 1)) > 0)
         return torch.where(drawable & kept.squeeze(1), drawn.squeeze(1), argmax)
 
     @staticmethod

@@ -9,10 +9,10 @@
  *
  * Work: a tile is up to TILE_ROWS rows x one block of 64 features, its 4 x TILE_ROWS float32
  * sums held in registers over the whole input; a block's weights (padded_in x 128 bytes, at most
- * a few hundred KB) stay in the core's L2 while the tiles of all rows read them. Rows are cut into
- * tiles of near-equal height (32 rows: 6, 6, 5, 5, 5, 5), and the (block, tile) units are shared
- * out in contiguous runs, so that each thread reads a block from memory once and no thread
- * waits on a lone remainder.
+ * a few hundred KB) are read a slice at a time, each slice staying in L1 while every tile of a
+ * group of rows reads it. Rows are cut into tiles of near-equal height (32 rows: 5, 5, 6, 5, 5, 6),
+ * and the (block, group of tiles) units are shared out in contiguous runs; a layer of few blocks
+ * is cut into more groups, so that no thread idles (each group then reads its block again).
  *
  * x is bfloat16 or float32 (the mixed model hands attention's float32 output to its o
  * projection), rounded to bfloat16 to nearest even as torch's conversion does; y is the float32
@@ -144,10 +144,14 @@ int batch_linear_bf16(const void *x, int x_bf16, const uint16_t *w, const uint16
             const uint16_t *block_bias = bias ? bias + block * BLOCK_FEATURES : NULL;
             const int64_t valid = out_features - block * BLOCK_FEATURES;
             /* A slice of the block's pairs stays in L1 while every tile of the group reads it; the
-             * first tile fetches the next slice (of this block or the next: blocks are contiguous). */
+             * first tile fetches the slice this thread reads next: the block's next one, else the
+             * first of the next unit's block (this one again for its next group; blocks are
+             * contiguous, so the next block's first pair follows this block's last). */
             for (int64_t first = 0; first < pairs; first += SLICE_PAIRS) {
                 const int64_t end = first + SLICE_PAIRS < pairs ? first + SLICE_PAIRS : pairs;
-                const int64_t next = block * pairs + end, left = blocks * pairs - next;
+                const int64_t next = end < pairs ? block * pairs + end : group + 1 < groups ? block * pairs
+                                                                                            : (block + 1) * pairs;
+                const int64_t left = blocks * pairs - next;
                 const int64_t ahead_pairs = left < SLICE_PAIRS ? left : SLICE_PAIRS;
                 for (int64_t k = first_tile; k < end_tile; ++k) {
                     const int64_t row = rows * k / tiles, height = rows * (k + 1) / tiles - row;
