@@ -123,3 +123,15 @@ def test_decode_step_script_runs(flags):
     summary = rf"batch 2, context 20, attention {backend}, \d+ threads: [\d.]+ ms/step"
     assert re.search(summary, done.stdout), done.stdout
     assert ("Self CPU time total" in done.stdout) == bool(flags)
+
+
+def test_batch_linear_bf16_script_runs_or_says_why_not():
+    """The C / oneDNN comparison of bfloat16 products: a row per layer where the kernel runs, else
+    the one-line reason (no AVX-512 BF16, or AMX's packed layout) and a nonzero exit."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks.batch_linear_bf16", "--rows", "8", "--rounds", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    if done.returncode:
+        assert "AVX-512 BF16" in done.stderr or "AMX" in done.stderr, done.stdout + done.stderr
+        return
+    rows = re.findall(r"^\s+(qkv|o|gate_up|down|lm_head)\s+8\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+\d+$", done.stdout, re.M)
+    assert sorted(rows) == sorted(["qkv", "o", "gate_up", "down", "lm_head"]), done.stdout
