@@ -263,21 +263,14 @@ class CpuKernels:
         [1 to stream_rows rows, in], float32 (or bfloat16 for a bfloat16 weight); the caller (Linear)
         guarantees it. bias: `dtype`, as the result is."""
         kernel, name = self._kernel("packed_small_batch_linear", dtype), f"packed_small_batch_linear_{_SUFFIXES[dtype]}"
-        if bias is not None and (bias.dtype != dtype or bias.shape != (out_features,)
-                                 or not bias.is_contiguous()):  # read through a raw pointer
-            raise ValueError(f"{name}: bias must be contiguous {str(dtype).removeprefix('torch.')} "
-                             f"[{out_features}], got {bias.dtype} {tuple(bias.shape)}")
+        _require_packed_bias(name, bias, dtype, out_features)
         # The bfloat16 kernel widens either input, and is told which it has.
         source = (x.data_ptr(),) if dtype == torch.float32 else (x.data_ptr(), int(x.dtype == torch.bfloat16))
         layout = (padded_in_features,) if dtype == torch.float32 else (padded_in_features, out_block)
         out = torch.empty(x.shape[0], out_features, dtype=dtype)
         status = kernel(*source, packed_weight_address, 0 if bias is None else bias.data_ptr(), out.data_ptr(),
                         x.shape[0], out_features, x.shape[1], *layout, torch.get_num_threads())
-        if status == 2:
-            raise MemoryError(f"{name}: out of memory")
-        if status:
-            raise ValueError(f"{name}: {x.shape[0]} rows of {x.shape[1]} features do not fit a packed weight of "
-                             f"{padded_in_features} input features")
+        _check_packed_status(status, name, x, padded_in_features)
         return out
 
     def packed_batch_linear_bf16(self, x: torch.Tensor, packed_weight_address: int, out_features: int,
@@ -287,10 +280,7 @@ class CpuKernels:
         (vmesh/kernels/cpu/batch_linear_bf16.c; needs `bf16_dot`), for any number of rows. x:
         contiguous [rows, in], bfloat16 or float32 (rounded to bfloat16 first); bias bfloat16 [out]."""
         name = "batch_linear_bf16"
-        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (out_features,)
-                                 or not bias.is_contiguous()):  # read through a raw pointer
-            raise ValueError(f"{name}: bias must be contiguous bfloat16 [{out_features}], "
-                             f"got {bias.dtype} {tuple(bias.shape)}")
+        _require_packed_bias(name, bias, torch.bfloat16, out_features)
         if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"{name}: x must be 2-D bfloat16 or float32, got {x.dtype} {tuple(x.shape)}")
         require_contiguous_cpu(("x", x, x.dtype))
@@ -298,13 +288,7 @@ class CpuKernels:
         status = self._functions[name](x.data_ptr(), int(x.dtype == torch.bfloat16), packed_weight_address,
                                        0 if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0],
                                        out_features, x.shape[1], padded_in_features, torch.get_num_threads())
-        if status == 2:
-            raise MemoryError(f"{name}: out of memory")
-        if status == 3:
-            raise RuntimeError(f"{name}: built without AVX-512 BF16 (see CpuKernels.bf16_dot)")
-        if status:
-            raise ValueError(f"{name}: {x.shape[0]} rows of {x.shape[1]} features do not fit a packed weight of "
-                             f"{padded_in_features} input features")
+        _check_packed_status(status, name, x, padded_in_features)
         return out
 
     def quantized_linear(self, x: torch.Tensor, blocks: torch.Tensor, block_format: int, in_features: int,
@@ -527,6 +511,25 @@ class QuantizedProduct:
             gate_up.data_ptr(), blocks, block_format, bias, out.data_ptr(), rows, self.out_features, self.in_features,
             self.integer, torch.get_num_threads()), "silu_quantized_linear_f32", rows)
         return out
+
+
+def _require_packed_bias(name: str, bias: torch.Tensor | None, dtype: torch.dtype, out_features: int) -> None:
+    """A packed product's bias, read through a raw pointer: None, or contiguous `dtype` [out_features]."""
+    if bias is not None and (bias.dtype != dtype or bias.shape != (out_features,) or not bias.is_contiguous()):
+        raise ValueError(f"{name}: bias must be contiguous {str(dtype).removeprefix('torch.')} "
+                         f"[{out_features}], got {bias.dtype} {tuple(bias.shape)}")
+
+
+def _check_packed_status(status: int, name: str, x: torch.Tensor, padded_in_features: int) -> None:
+    """A packed product's nonzero status as its error (small_batch_linear.c's and batch_linear_bf16.c's): 2 out
+    of memory, 3 built without AVX-512 BF16, else a shape the weight does not take."""
+    if status == 2:
+        raise MemoryError(f"{name}: out of memory")
+    if status == 3:
+        raise RuntimeError(f"{name}: built without AVX-512 BF16 (see CpuKernels.bf16_dot)")
+    if status:
+        raise ValueError(f"{name}: {x.shape[0]} rows of {x.shape[1]} features do not fit a packed weight of "
+                         f"{padded_in_features} input features")
 
 
 def kernel_status_error(status: int, name: str, refused: str) -> Exception:
