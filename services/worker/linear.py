@@ -176,8 +176,7 @@ class Linear:
         # The batch kernel reads the 64-wide layout oneDNN picks on AVX-512 without AMX (with AMX,
         # its 32-wide one, oneDNN's own tile products are far faster).
         self._batch_bf16 = (self._small_batch is not None and self._small_batch.bf16_dot and self._layout is not None
-                            and self._packed_blocks is not None and weight.dtype == torch.bfloat16
-                            and self._layout.out_block == PACKED_OUT_BLOCK)
+                            and weight.dtype == torch.bfloat16 and self._layout.out_block == PACKED_OUT_BLOCK)
         if self._packed_blocks is None and weight.dtype == torch.bfloat16:
             self._small_batch = None  # oneDNN then serves a few rows too: no plain bfloat16 copy is kept for them
         if self._packed is not None and (self._small_batch is None or self._packed_blocks is not None):

@@ -51,7 +51,7 @@ static inline __m256i round_to_bf16(__m512 v) {
 /* Pairs [first, end) of `rows` rows (a constant once inlined) x one block, onto the float32 sums
  * in `partial` ([rows][64]; zero when first is 0). After the last pair (end == pairs) y[r][0..valid)
  * gets the sums plus the bias, rounded; before it the sums go back to `partial`. */
-static inline __attribute__((always_inline)) void tile(const uint32_t *x_pairs, int64_t pairs, int64_t first,
+static inline __attribute__((always_inline)) void tile(const uint16_t *x_pairs, int64_t pairs, int64_t first,
                                                        int64_t end, const uint16_t *w, const uint16_t *ahead,
                                                        int64_t ahead_pairs, float *partial,
                                                        const uint16_t *bias, uint16_t *y, int64_t out_features,
@@ -68,7 +68,9 @@ static inline __attribute__((always_inline)) void tile(const uint32_t *x_pairs, 
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
         const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wp + 64), w3 = (__m512bh)_mm512_loadu_si512(wp + 96);
         for (int r = 0; r < rows; ++r) {
-            const __m512bh xr = (__m512bh)_mm512_set1_epi32((int)x_pairs[r * pairs + p]);
+            int32_t pair; /* the row's two inputs as one lane, read bytewise (x is bfloat16 elements) */
+            memcpy(&pair, x_pairs + 2 * (r * pairs + p), sizeof pair);
+            const __m512bh xr = (__m512bh)_mm512_set1_epi32(pair);
             sum[r][0] = _mm512_dpbf16_ps(sum[r][0], xr, w0);
             sum[r][1] = _mm512_dpbf16_ps(sum[r][1], xr, w1);
             sum[r][2] = _mm512_dpbf16_ps(sum[r][2], xr, w2);
@@ -93,7 +95,7 @@ static inline __attribute__((always_inline)) void tile(const uint32_t *x_pairs, 
 #define TILE_CASE(n) \
     case n: tile(x_pairs, pairs, first, end, w, ahead, ahead_pairs, partial, bias, y, out_features, valid, n); break;
 
-static void tile_rows(const uint32_t *x_pairs, int64_t pairs, int64_t first, int64_t end, const uint16_t *w,
+static void tile_rows(const uint16_t *x_pairs, int64_t pairs, int64_t first, int64_t end, const uint16_t *w,
                       const uint16_t *ahead, int64_t ahead_pairs, float *partial, const uint16_t *bias, uint16_t *y, int64_t out_features, int64_t valid,
                       int64_t rows) {
     switch (rows) {
@@ -108,23 +110,27 @@ int batch_linear_bf16(const void *x, int x_bf16, const uint16_t *w, const uint16
     if (rows == 0) return 0;
     if (rows < 0 || out_features < 1 || in_features < 1 || padded_in < in_features || padded_in % 2) return 1;
     const int64_t pairs = padded_in / 2;
-    /* The rows as bfloat16 pairs, zero past in_features: one broadcast per pair in the tile. */
-    uint16_t *x_half = aligned_alloc(64, ((size_t)(rows * padded_in) * sizeof(uint16_t) + 63) / 64 * 64);
-    if (x_half == NULL) return 2;
-    for (int64_t r = 0; r < rows; ++r) {
-        uint16_t *dst = x_half + r * padded_in;
-        if (x_bf16) {
-            memcpy(dst, (const uint16_t *)x + r * in_features, (size_t)in_features * sizeof(uint16_t));
-        } else {
-            const float *src = (const float *)x + r * in_features;
-            int64_t i = 0;
-            for (; i + 16 <= in_features; i += 16)
-                _mm256_storeu_si256((__m256i *)(dst + i), round_to_bf16(_mm512_loadu_ps(src + i)));
-            for (; i < in_features; ++i) dst[i] = f32_to_bf16(src[i]);
+    /* The rows as bfloat16 pairs, zero past in_features: one broadcast per pair in the tile. A
+     * bfloat16 x that needs no padding is read as it is. */
+    uint16_t *x_half = NULL;
+    if (!x_bf16 || padded_in != in_features) {
+        x_half = aligned_alloc(64, ((size_t)(rows * padded_in) * sizeof(uint16_t) + 63) / 64 * 64);
+        if (x_half == NULL) return 2;
+        for (int64_t r = 0; r < rows; ++r) {
+            uint16_t *dst = x_half + r * padded_in;
+            if (x_bf16) {
+                memcpy(dst, (const uint16_t *)x + r * in_features, (size_t)in_features * sizeof(uint16_t));
+            } else {
+                const float *src = (const float *)x + r * in_features;
+                int64_t i = 0;
+                for (; i + 16 <= in_features; i += 16)
+                    _mm256_storeu_si256((__m256i *)(dst + i), round_to_bf16(_mm512_loadu_ps(src + i)));
+                for (; i < in_features; ++i) dst[i] = f32_to_bf16(src[i]);
+            }
+            memset(dst + in_features, 0, (size_t)(padded_in - in_features) * sizeof(uint16_t));
         }
-        memset(dst + in_features, 0, (size_t)(padded_in - in_features) * sizeof(uint16_t));
     }
-    const uint32_t *x_pairs = (const uint32_t *)x_half;
+    const uint16_t *x_pairs = x_half ? x_half : (const uint16_t *)x;
     const int64_t blocks = (out_features + BLOCK_FEATURES - 1) / BLOCK_FEATURES;
     const int64_t tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
     /* A unit is one block for a group of at most GROUP_TILES tiles; at least UNITS_PER_THREAD units
@@ -155,7 +161,7 @@ int batch_linear_bf16(const void *x, int x_bf16, const uint16_t *w, const uint16
                 const int64_t ahead_pairs = left < SLICE_PAIRS ? left : SLICE_PAIRS;
                 for (int64_t k = first_tile; k < end_tile; ++k) {
                     const int64_t row = rows * k / tiles, height = rows * (k + 1) / tiles - row;
-                    tile_rows(x_pairs + row * pairs, pairs, first, end, block_w, w + next * 2 * BLOCK_FEATURES,
+                    tile_rows(x_pairs + 2 * row * pairs, pairs, first, end, block_w, w + next * 2 * BLOCK_FEATURES,
                               k == first_tile ? ahead_pairs : 0,
                               partial + (k - first_tile) * TILE_ROWS * BLOCK_FEATURES, block_bias,
                               y + row * out_features + block * BLOCK_FEATURES, out_features, valid, height);
