@@ -2,9 +2,10 @@
 """Prefill attention on CPU, per layer: the tiled C kernel (vmesh/kernels/cpu/prefill_attention.c)
 against the per-token C kernel it replaced for prefill chunks and the torch backend's SDPA
 path, on the default model's heads (9 query, 3 KV, head_dim 64), run in turn in one process.
-Prints milliseconds per layer (best of --repeats) and the tiled kernel's GFLOP/s.
+Prints milliseconds per layer (best of --repeats) and the tiled kernel's GFLOP/s. --cache-dtype
+bfloat16: the bfloat16 mode's cache (the query and output stay float32).
 
-    .venv/bin/python -m benchmarks.prefill_attention [--repeats 5]
+    .venv/bin/python -m benchmarks.prefill_attention [--repeats 5] [--cache-dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ def causal_flops(query_lens: list[int], context_lens: list[int]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cache-dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args()
+    cache_dtype = getattr(torch, args.cache_dtype)
     torch.set_num_threads(min(2, torch.get_num_threads()))
     kernels = load_cpu_kernels(Path(default_cache_dir()))
     sdpa = TorchAttentionBackend()
@@ -58,6 +61,7 @@ def main() -> None:
     for label, query_lens, context_lens in CASES:
         q, kc, vc, starts, seq_lens, tables = ragged_batch(query_lens, context_lens, HEADS, KV_HEADS, HEAD_DIM,
                                                            BLOCK, torch.float32)
+        kc, vc = kc.to(cache_dtype), vc.to(cache_dtype)
         rows = torch.arange(len(query_lens))
         lengths = torch.tensor(query_lens, dtype=torch.int32)
         chunks = kernels.prefill_chunks(tables, rows, starts[:-1].long(), lengths, seq_lens)
@@ -72,7 +76,9 @@ def main() -> None:
         out = torch.empty_like(q)
         tiled = best_ms(lambda: kernels.prefill_attention(q, kc, vc, chunks, 0.125, out), args.repeats)
         per_token = best_ms(lambda: kernels.paged_attention(q, kc, vc, items, 0.125, out), args.repeats)
-        torch_path = best_ms(lambda: sdpa.attend(q, kc, vc, meta, 0.125), args.repeats)
+        # The torch backend's SDPA takes one dtype throughout: timed on the float32 cache only.
+        torch_path = best_ms(lambda: sdpa.attend(q, kc, vc, meta, 0.125), args.repeats) \
+            if cache_dtype == torch.float32 else float("nan")
         gflops = causal_flops(query_lens, context_lens) / tiled / 1e6
         print(f"{label:<52} {tiled:>8.2f} {per_token:>10.2f} {torch_path:>8.2f}  {gflops:.0f}")
 

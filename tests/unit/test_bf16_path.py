@@ -65,8 +65,15 @@ def test_tiled_prefill_attention_over_a_bf16_cache(kernels, head_dim, heads, kv_
     chunks = kernels.prefill_chunks(tables, rows, starts[:-1].long(), torch.tensor(query_lens, dtype=torch.int32),
                                     seq_lens)
     kernels.prefill_attention(q, kc, vc, chunks, scale, out)
-    want = reference.paged_attention_ref(q, kc32, vc32, starts, seq_lens, tables, scale)
+    # With bfloat16 pair dots the scores take the query rounded to bfloat16 (the model's queries already
+    # are); the random float32 queries here are not, so the reference rounds them too.
+    attended = q.bfloat16().float() if kernels.bf16_dot else q
+    want = reference.paged_attention_ref(attended, kc32, vc32, starts, seq_lens, tables, scale)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+    if kernels.bf16_dot:  # and the same call on the rounded queries is the same computation
+        again = torch.empty_like(q)
+        kernels.prefill_attention(attended, kc, vc, chunks, scale, again)
+        assert torch.equal(again, out)
 
 
 def test_attention_refuses_a_bf16_query_or_mixed_caches(kernels):
@@ -143,7 +150,8 @@ def test_rotary_write_kv_bf16(kernels, rows, heads, kv_heads, head_dim):
 
     q = kernels.rotary_write_kv(qkv, heads, kv_heads, cos, sin, key_cache, value_cache, slots, dtype=torch.bfloat16)
     assert q.dtype == torch.float32 and q.shape == (rows, heads, head_dim)
-    torch.testing.assert_close(q, qk[:, :heads], atol=1e-5, rtol=1e-5)
+    assert torch.equal(q, q.bfloat16().float())  # the queries are rounded to bfloat16, as the keys are
+    _assert_bf16_close(q.bfloat16(), qk[:, :heads])
     _assert_bf16_close(key_cache, want_k)
     assert torch.equal(value_cache, want_v)  # values are copied as they are
     assert torch.equal(qkv, kept_qkv)

@@ -58,6 +58,8 @@ def test_cpu_and_torch_backends_match_reference_with_a_window(cpu_backend, head_
     q, kc, vc, starts, seq_lens, tables = ragged_batch(QUERY_LENS, CONTEXT_LENS, heads, kv_heads, head_dim, 16,
                                                        torch.float32, seed=window)
     kc, vc = kc.to(cache_dtype), vc.to(cache_dtype)
+    if cache_dtype == torch.bfloat16:  # the bfloat16 mode's queries are bfloat16 values (rotary_write_kv_bf16)
+        q = q.bfloat16().float()
     want = reference.paged_attention_ref(q, kc, vc, starts, seq_lens, tables, 0.125, window=window)
     unwindowed = reference.paged_attention_ref(q, kc, vc, starts, seq_lens, tables, 0.125)
     if window < 100:

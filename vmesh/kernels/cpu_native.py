@@ -164,7 +164,8 @@ class CpuKernels:
             limit.value for limit in limits)
         # Whether vmesh/kernels/cpu/integer_linear.c was built with AVX-512 VNNI (-march=native: this CPU has it).
         self.integer_dot = bool(_bind(library.vmesh_integer_dot_available, [], INT)())
-        # Whether vmesh/kernels/cpu/batch_linear_bf16.c was built with AVX-512 BF16 (the same way).
+        # Whether the kernels were built with AVX-512 BF16 (the same way): batch_linear_bf16.c's products,
+        # and prefill_attention.c's scores over a bfloat16 cache (its queries rounded to bfloat16).
         self.bf16_dot = bool(_bind(library.vmesh_batch_linear_bf16_available, [], INT)())
 
     def _kernel(self, op: str, dtype: torch.dtype) -> Any:
@@ -406,7 +407,8 @@ class CpuKernels:
         (the chunk's own keys included; with `window`, only the last `window` positions up to each
         token's own), written to the same rows of out. Shapes and layouts:
         see vmesh/kernels/cpu/prefill_attention.c; head_dim must be a multiple of prefill_head_dim_multiple.
-        The caches may be bfloat16 (the query and out stay float32)."""
+        The caches may be bfloat16 (the query and out stay float32); where `bf16_dot`, the scores over
+        a bfloat16 cache then take the query rounded to bfloat16 (the bfloat16 mode's queries are)."""
         block_size, kv_heads, head_dim, group = attention_shape(query, key_cache, value_cache, out, chunks)
         kernel = self._kernel("prefill_attention", key_cache.dtype)
         status = kernel(query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),

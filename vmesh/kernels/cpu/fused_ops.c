@@ -133,8 +133,9 @@ void silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int
 }
 
 /* As rotary_write_kv_f32 over a bfloat16 qkv (rows `stride` elements apart), which it leaves as
- * it is: the rotated queries go to query [rows, heads * head_dim] in float32, the rotated keys,
- * rounded, and the values, as they are, to the bfloat16 caches. */
+ * it is: the rotated queries, rounded to bfloat16, go to query [rows, heads * head_dim] as float32
+ * (the mode's activations are bfloat16, and prefill attention multiplies them in bfloat16 pairs),
+ * the rotated keys, rounded, and the values, as they are, to the bfloat16 caches. */
 void rotary_write_kv_bf16(const uint16_t *qkv, int64_t rows, int64_t stride, int64_t heads, int64_t kv_heads,
                           int64_t head_dim, const float *cos, const float *sin, const int64_t *slot_mapping,
                           uint16_t *key_cache, uint16_t *value_cache, float *query, int num_threads) {
@@ -151,8 +152,8 @@ void rotary_write_kv_bf16(const uint16_t *qkv, int64_t rows, int64_t stride, int
 #pragma omp simd
                 for (int64_t i = 0; i < half; ++i) {
                     const float a = bf16_to_f32(x1[i]), b = bf16_to_f32(x2[i]);
-                    q1[i] = a * c[i] - b * s[i];
-                    q2[i] = b * c[i + half] + a * s[i + half];
+                    q1[i] = bf16_to_f32(f32_to_bf16(a * c[i] - b * s[i]));
+                    q2[i] = bf16_to_f32(f32_to_bf16(b * c[i + half] + a * s[i + half]));
                 }
             } else if (slot >= 0) {
                 uint16_t *k1 = key_cache + slot * kv_elements + (h - heads) * head_dim, *k2 = k1 + half;

@@ -119,6 +119,53 @@ static inline __attribute__((always_inline)) void score_rows(const float *q, con
 
 
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+/* Over a bfloat16 cache the scores are bfloat16 pair dots (VDPBF16PS): each key's elements 2p and
+ * 2p + 1 are one 32-bit word of the cache, so the key tile is a transpose of words, and a query
+ * row in bfloat16 pairs meets 16 keys per instruction two elements at a time: half the
+ * instructions of widening the keys to float32 for an FMA per element. The products are exact and
+ * summed in float32, and the scale multiplies the sums. The query is rounded to bfloat16: exact for
+ * the bfloat16 model's, which rotary_write_kv_bf16 rounds (as every attention path of that mode
+ * does), so the scores are those of float32 arithmetic. (The softmax weights stay float32:
+ * rounding them would change the values' sums.) Same condition as batch_linear_bf16.c. */
+#define PAIRED_SCORES 1
+
+/* pairs[p] = x[2p], x[2p + 1] rounded to bfloat16 (nearest, ties to even), for head_dim / 2 pairs. */
+static inline void round_pairs(const float *x, uint32_t *pairs, int64_t head_dim) {
+    int64_t d = 0;
+    for (; d + 2 * LANES <= head_dim; d += 2 * LANES)
+        _mm512_storeu_si512(pairs + d / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + d + LANES),
+                                                                         _mm512_loadu_ps(x + d)));
+    if (d < head_dim) /* one vector of 16 left (head_dim is a multiple of 16) */
+        _mm256_storeu_si256((__m256i *)(pairs + d / 2), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + d)));
+}
+
+/* scores[r][0..KEY_TILE) = scale q[r] . keys[0..KEY_TILE) from pair words: q [rows][pairs], kt
+ * [pairs][KEY_TILE]. */
+static inline __attribute__((always_inline)) void score_pairs(const uint32_t *q, const uint32_t *kt, int64_t rows,
+                                                              const int64_t pairs, float scale, float *scores) {
+    __m512 acc[QK_ROWS][KEY_VECS];
+    for (int64_t r = 0; r < QK_ROWS; ++r)
+        for (int64_t c = 0; c < KEY_VECS; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+        __m512bh k[KEY_VECS];
+        for (int64_t c = 0; c < KEY_VECS; ++c) k[c] = (__m512bh)_mm512_loadu_si512(kt + p * KEY_TILE + c * LANES);
+        for (int64_t r = 0; r < QK_ROWS; ++r) {
+            if (r < rows) {
+                const __m512bh qp = (__m512bh)_mm512_set1_epi32((int32_t)q[r * pairs + p]);
+                for (int64_t c = 0; c < KEY_VECS; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qp, k[c]);
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows && r < QK_ROWS; ++r)
+        for (int64_t c = 0; c < KEY_VECS; ++c)
+            _mm512_storeu_ps(scores + r * KEY_TILE + c * LANES, _mm512_mul_ps(acc[r][c], _mm512_set1_ps(scale)));
+}
+#else
+#define PAIRED_SCORES 0
+#endif
+
 #define CONCAT_(a, b) a##_##b
 #define CONCAT(a, b) CONCAT_(a, b)
 
@@ -127,7 +174,9 @@ static inline __attribute__((always_inline)) void score_rows(const float *q, con
 #define KV_LOAD(p) (*(p))
 #define KV_LOAD16 load16
 #define KV_FN(name) CONCAT(name, f32)
+#define KV_PAIRS 0
 #include "prefill_attention_kv.h"
+#undef KV_PAIRS
 #undef KV_T
 #undef KV_LOAD
 #undef KV_LOAD16
@@ -138,4 +187,5 @@ static inline __attribute__((always_inline)) void score_rows(const float *q, con
 #define KV_LOAD(p) bf16_to_f32(*(p))
 #define KV_LOAD16 load16_bf16
 #define KV_FN(name) CONCAT(name, bf16)
+#define KV_PAIRS PAIRED_SCORES
 #include "prefill_attention_kv.h"

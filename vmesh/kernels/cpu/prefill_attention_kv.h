@@ -1,10 +1,11 @@
 /* The part of prefill_attention.c that reads the KV cache, compiled once per cache element type
- * (see paged_attention_kv.h for the macros: KV_T, KV_LOAD, KV_LOAD16, KV_FN). */
+ * (see paged_attention_kv.h for the macros: KV_T, KV_LOAD, KV_LOAD16, KV_FN; KV_PAIRS 1: the
+ * scores as bfloat16 pair dots, over a bfloat16 cache only). */
 
 /* acc[r] += sum_j p[r][j] v[j] over n keys, for PV_ROWS rows (or fewer) and the 4 (or fewer)
  * vectors of head_dim starting at vector c0. */
 static inline __attribute__((always_inline)) void KV_FN(accumulate_rows)(
-    const float *p, const KV_T *const *v, int64_t n, int64_t rows, int64_t c0, int64_t chunks, const int64_t head_dim,
+    const float *p, const float *const *v, int64_t n, int64_t rows, int64_t c0, int64_t chunks, const int64_t head_dim,
     float *acc) {
     vec16 a[PV_ROWS][4];
     const int64_t width = chunks - c0 < 4 ? chunks - c0 : 4;
@@ -13,7 +14,7 @@ static inline __attribute__((always_inline)) void KV_FN(accumulate_rows)(
             a[r][c] = r < rows && c < width ? load16(acc + r * head_dim + (c0 + c) * LANES) : (vec16){0};
     for (int64_t j = 0; j < n; ++j) {
         vec16 vj[4];
-        for (int64_t c = 0; c < 4; ++c) vj[c] = c < width ? KV_LOAD16(v[j] + (c0 + c) * LANES) : (vec16){0};
+        for (int64_t c = 0; c < 4; ++c) vj[c] = c < width ? load16(v[j] + (c0 + c) * LANES) : (vec16){0};
         for (int64_t r = 0; r < PV_ROWS; ++r) {
             if (r < rows) {
                 const vec16 pj = splat16(p[r * KEY_TILE + j]);
@@ -23,6 +24,14 @@ static inline __attribute__((always_inline)) void KV_FN(accumulate_rows)(
     }
     for (int64_t r = 0; r < rows && r < PV_ROWS; ++r)
         for (int64_t c = 0; c < width; ++c) store16(acc + r * head_dim + (c0 + c) * LANES, a[r][c]);
+}
+
+/* The float32 cache's value row as it is; a bfloat16 one widened into `staged`. */
+static inline __attribute__((always_inline)) const float *KV_FN(value_row)(const KV_T *row, float *staged,
+                                                                          const int64_t head_dim) {
+    if (sizeof(KV_T) == sizeof(float)) return (const float *)row;
+    for (int64_t d = 0; d < head_dim; d += LANES) store16(staged + d, KV_LOAD16(row + d));
+    return staged;
 }
 
 /* One work item: query tokens [i0, i1) of a chunk, the `group` query heads of KV head h. Under a
@@ -41,18 +50,31 @@ static inline __attribute__((always_inline)) void KV_FN(attend_tile)(
     float *kt = scores + rows * KEY_TILE;     /* [head_dim][KEY_TILE] */
     float *row_max = kt + head_dim * KEY_TILE; /* [rows] */
     float *row_sum = row_max + rows;          /* [rows] */
+    float *vt = row_sum + rows;               /* [KEY_TILE][head_dim]: a tile's values as floats */
+#if KV_PAIRS
+    uint32_t *q_pairs = (uint32_t *)(vt + KEY_TILE * head_dim); /* [rows][head_dim / 2] */
+    uint32_t *kt_pairs = (uint32_t *)kt;                          /* [head_dim / 2][KEY_TILE] */
+    const int64_t pairs = head_dim / 2;
+#endif
     for (int64_t i = i0; i < i1; ++i)
         for (int64_t g = 0; g < group; ++g) {
             const float *src = query + (first_row + i) * query_stride + (h * group + g) * head_dim;
             float *dst = q + ((i - i0) * group + g) * head_dim;
+#if KV_PAIRS
+            (void)dst;
+            round_pairs(src, q_pairs + ((i - i0) * group + g) * pairs, head_dim);
+#else
             for (int64_t d = 0; d < head_dim; ++d) dst[d] = src[d] * scale;
+#endif
         }
     memset(acc, 0, sizeof(float) * (size_t)(rows * head_dim));
     for (int64_t r = 0; r < rows; ++r) row_max[r] = -INFINITY, row_sum[r] = 0.0f;
 
     const int64_t key_end = first_position + i1; /* the last token sees up to here */
     const int64_t key_begin = window > 0 && first_position + i0 >= window ? first_position + i0 - window + 1 : 0;
-    const KV_T *v_slots[KEY_TILE];
+    /* The value rows the tile's keys pair with, as floats: in the cache itself when it holds
+     * floats, else widened once per key tile into vt (not once per group of rows that reads them). */
+    const float *v_slots[KEY_TILE];
     for (int64_t t0 = key_begin; t0 < key_end; t0 += KEY_TILE) {
         const int64_t n = key_end - t0 < KEY_TILE ? key_end - t0 : KEY_TILE;
         for (int64_t j = 0; j < n; ++j) {
@@ -60,16 +82,31 @@ static inline __attribute__((always_inline)) void KV_FN(attend_tile)(
             const int64_t offset = (int64_t)table[t / block_size] * block_stride + (t % block_size) * token_stride +
                                    h * head_dim;
             const KV_T *k = key_cache + offset;
-            v_slots[j] = value_cache + offset;
+            v_slots[j] = KV_FN(value_row)(value_cache + offset, vt + j * head_dim, head_dim);
+#if KV_PAIRS
+            for (int64_t p = 0; p < pairs; ++p) memcpy(kt_pairs + p * KEY_TILE + j, k + 2 * p, sizeof(uint32_t));
+#else
             for (int64_t d = 0; d < head_dim; ++d) kt[d * KEY_TILE + j] = KV_LOAD(k + d);
+#endif
         }
+#if KV_PAIRS
+        for (int64_t j = n; j < KEY_TILE; ++j)
+            for (int64_t p = 0; p < pairs; ++p) kt_pairs[p * KEY_TILE + j] = 0;
+#else
         for (int64_t j = n; j < KEY_TILE; ++j)
             for (int64_t d = 0; d < head_dim; ++d) kt[d * KEY_TILE + j] = 0.0f;
+#endif
         /* Whole blocks with a constant row count, so that the accumulators stay in registers. */
         int64_t r = 0;
+#if KV_PAIRS
+        for (; r + QK_ROWS <= rows; r += QK_ROWS)
+            score_pairs(q_pairs + r * pairs, kt_pairs, QK_ROWS, pairs, scale, scores + r * KEY_TILE);
+        if (r < rows) score_pairs(q_pairs + r * pairs, kt_pairs, rows - r, pairs, scale, scores + r * KEY_TILE);
+#else
         for (; r + QK_ROWS <= rows; r += QK_ROWS)
             score_rows(q + r * head_dim, kt, QK_ROWS, head_dim, scores + r * KEY_TILE);
         if (r < rows) score_rows(q + r * head_dim, kt, rows - r, head_dim, scores + r * KEY_TILE);
+#endif
         /* Online softmax: rescale what each row holds when its maximum grows. */
         for (r = 0; r < rows; ++r) {
             const int64_t position = first_position + i0 + r / group;
@@ -142,7 +179,9 @@ int KV_FN(prefill_attention)(const float *query, int64_t query_stride, const KV_
         first_item[c + 1] = first_item[c] + (chunk_lens[c] + tile_tokens - 1) / tile_tokens * kv_heads;
     const int64_t num_items = first_item[num_chunks];
     const int64_t rows = tile_tokens * group;
-    const size_t floats = (size_t)(2 * rows * head_dim + rows * KEY_TILE + head_dim * KEY_TILE + 2 * rows);
+    /* q, acc, scores, kt, row_max, row_sum, vt, and the query's bfloat16 pairs (KV_PAIRS). */
+    const size_t floats = (size_t)(2 * rows * head_dim + rows * KEY_TILE + 2 * head_dim * KEY_TILE + 2 * rows +
+                                   rows * head_dim / 2);
     int failed = 0;
 
 #pragma omp parallel num_threads(num_threads)
