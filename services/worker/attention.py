@@ -54,7 +54,9 @@ class AttentionBackend(ABC):
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         """query: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim]. window: a sliding
-        window (a query at position p sees p - window + 1 ..= p); None: every earlier position."""
+        window (a query at position p sees p - window + 1 ..= p); None: every earlier position.
+        Over a bfloat16 cache (the mixed bfloat16 model) a float32 query must hold bfloat16 values,
+        as the model's rotated queries do: the C prefill kernel multiplies it in bfloat16 pairs."""
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -156,7 +158,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
     token); prefill chunks, whatever their length or cached context, to the tiled kernel,
     which reads each key and value once per tile of query tokens and computes the scores and
     the weighted values as register-blocked matrix products (timings in benchmarks/README.md,
-    "Prefill attention"). Both take a float32 or a bfloat16 cache (float32 queries and sums).
+    "Prefill attention"). Both take a float32 or a bfloat16 cache (float32 queries, bfloat16-valued over the latter,
+    and float32 sums).
     The plan is built once per step from the host copies, in work that grows with the number
     of requests, not with their lengths."""
 

@@ -148,7 +148,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "decoder_stack_f32": ([P, P, I64, P, I64, P, P, P, P, P, P, P, P, P], INT),
 }
 # The C kernels' name suffix per model dtype. bfloat16 is the mixed model's: bfloat16 activations,
-# weights and KV cache around a float32 residual stream, attention computed in float32.
+# weights and KV cache around a float32 residual stream; attention's softmax and sums in float32.
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
@@ -221,7 +221,8 @@ class CpuKernels:
         slot_mapping (-1: skipped) and returns the float32 queries [tokens, heads, head_dim].
         cos, sin: float32 [tokens, head_dim] (or [tokens, 1, head_dim]) rows for the tokens' positions.
         float32 rotates qkv in place and returns a view of it; bfloat16 leaves qkv as it is, returns
-        a new tensor (attention runs in float32) and rounds the rotated keys into the cache."""
+        a new float32 tensor of the rotated queries rounded to bfloat16 (prefill attention multiplies
+        them in bfloat16 pairs; softmax and sums stay float32) and rounds the rotated keys into the cache."""
         head_dim = key_cache.shape[3]
         kernel = self._kernel("rotary_write_kv", dtype)
         if qkv.dtype != dtype or qkv.stride(1) != 1 or qkv.shape[1] != (heads + 2 * kv_heads) * head_dim:

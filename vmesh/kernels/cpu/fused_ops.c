@@ -89,7 +89,8 @@ void rotary_write_kv_f32(float *qkv, int64_t rows, int64_t stride, int64_t heads
 }
 
 /* ---- The bfloat16 model on CPU (services/worker/model.py): bfloat16 linears and KV cache, with the
- * residual stream, norms, rotary and attention in float32. These read the linears' bfloat16 outputs,
+ * residual stream, norms, rotary and attention's softmax and sums in float32 (queries rounded to
+ * bfloat16, as the keys are). These read the linears' bfloat16 outputs,
  * compute in float32 and round once, where they write bfloat16, to nearest even (vec_math.h). */
 
 /* As add_rms_norm_f32 with x (a linear's output, or NULL) and out in bfloat16; residual and

@@ -17,8 +17,9 @@
  * Chunk c is query rows chunk_starts[c] .. + chunk_lens[c] of the request in row
  * chunk_requests[c] of block_tables, whose context is chunk_seq_lens[c] tokens once the chunk
  * is written: its token i sits at position seq_len - len + i and sees positions 0 ..= that.
- * prefill_attention_bf16 is the same over a bfloat16 cache (uint16_t elements), widened as loaded;
- * everything else stays float32.
+ * prefill_attention_bf16 is the same over a bfloat16 cache (uint16_t elements): with AVX-512 BF16
+ * its scores are bfloat16 pair dots of the query rounded to bfloat16 (below), its values widened
+ * once per key tile; softmax, sums and output stay float32.
  */
 #include <math.h>
 #include <stdint.h>
@@ -125,9 +126,10 @@ static inline __attribute__((always_inline)) void score_rows(const float *q, con
  * 2p + 1 are one 32-bit word of the cache, so the key tile is a transpose of words, and a query
  * row in bfloat16 pairs meets 16 keys per instruction two elements at a time: half the
  * instructions of widening the keys to float32 for an FMA per element. The products are exact and
- * summed in float32, and the scale multiplies the sums. The query is rounded to bfloat16: exact for
+ * summed in float32, and the scale multiplies the sums. The query is rounded to bfloat16: a no-op for
  * the bfloat16 model's, which rotary_write_kv_bf16 rounds (as every attention path of that mode
- * does), so the scores are those of float32 arithmetic. (The softmax weights stay float32:
+ * does), so the scores are float32 arithmetic's but for summation order and the instructions'
+ * flushing of subnormals. (The softmax weights stay float32:
  * rounding them would change the values' sums.) Same condition as batch_linear_bf16.c. */
 #define PAIRED_SCORES 1
 
@@ -182,7 +184,8 @@ static inline __attribute__((always_inline)) void score_pairs(const uint32_t *q,
 #undef KV_LOAD16
 #undef KV_FN
 
-/* bfloat16 cache, float32 queries, arithmetic and output: prefill_attention_bf16. */
+/* bfloat16 cache, float32 queries (bfloat16 pairs for the scores where PAIRED_SCORES), output and
+ * softmax: prefill_attention_bf16. */
 #define KV_T uint16_t
 #define KV_LOAD(p) bf16_to_f32(*(p))
 #define KV_LOAD16 load16_bf16
