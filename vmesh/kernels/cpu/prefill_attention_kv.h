@@ -44,7 +44,7 @@ static inline __attribute__((always_inline)) void KV_FN(attend_tile)(
     float *out, float *scratch) {
     const int64_t rows = (i1 - i0) * group, chunks = head_dim / LANES, heads = kv_heads * group;
     const int64_t token_stride = kv_heads * head_dim, block_stride = block_size * token_stride;
-    float *q = scratch;                       /* [rows][head_dim], scaled */
+    float *q = scratch;                       /* [rows][head_dim], scaled (KV_PAIRS: its pairs) */
     float *acc = q + rows * head_dim;         /* [rows][head_dim] */
     float *scores = acc + rows * head_dim;    /* [rows][KEY_TILE] */
     float *kt = scores + rows * KEY_TILE;     /* [head_dim][KEY_TILE] */
@@ -52,18 +52,17 @@ static inline __attribute__((always_inline)) void KV_FN(attend_tile)(
     float *row_sum = row_max + rows;          /* [rows] */
     float *vt = row_sum + rows;               /* [KEY_TILE][head_dim]: a tile's values as floats */
 #if KV_PAIRS
-    uint32_t *q_pairs = (uint32_t *)(vt + KEY_TILE * head_dim); /* [rows][head_dim / 2] */
+    uint32_t *q_pairs = (uint32_t *)q;                           /* [rows][head_dim / 2], in q's place */
     uint32_t *kt_pairs = (uint32_t *)kt;                          /* [head_dim / 2][KEY_TILE] */
     const int64_t pairs = head_dim / 2;
 #endif
     for (int64_t i = i0; i < i1; ++i)
         for (int64_t g = 0; g < group; ++g) {
             const float *src = query + (first_row + i) * query_stride + (h * group + g) * head_dim;
-            float *dst = q + ((i - i0) * group + g) * head_dim;
 #if KV_PAIRS
-            (void)dst;
             round_pairs(src, q_pairs + ((i - i0) * group + g) * pairs, head_dim);
 #else
+            float *dst = q + ((i - i0) * group + g) * head_dim;
             for (int64_t d = 0; d < head_dim; ++d) dst[d] = src[d] * scale;
 #endif
         }
@@ -179,9 +178,8 @@ int KV_FN(prefill_attention)(const float *query, int64_t query_stride, const KV_
         first_item[c + 1] = first_item[c] + (chunk_lens[c] + tile_tokens - 1) / tile_tokens * kv_heads;
     const int64_t num_items = first_item[num_chunks];
     const int64_t rows = tile_tokens * group;
-    /* q, acc, scores, kt, row_max, row_sum, vt, and the query's bfloat16 pairs (KV_PAIRS). */
-    const size_t floats = (size_t)(2 * rows * head_dim + rows * KEY_TILE + 2 * head_dim * KEY_TILE + 2 * rows +
-                                   rows * head_dim / 2);
+    /* q (or its bfloat16 pairs), acc, scores, kt, row_max, row_sum, vt. */
+    const size_t floats = (size_t)(2 * rows * head_dim + rows * KEY_TILE + 2 * head_dim * KEY_TILE + 2 * rows);
     int failed = 0;
 
 #pragma omp parallel num_threads(num_threads)
