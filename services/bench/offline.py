@@ -111,6 +111,8 @@ async def mesh_latency(mesh: RunningMesh, prompt: list[int], max_tokens: int,
 # The mesh in its precision modes: `mesh` (float32) always runs; the others on request.
 NGRAM_4 = '{"method": "ngram", "num_speculative_tokens": 4}'
 MESH_VARIANTS = {"mesh": (), "mesh-native": ("--weights", "native"), "mesh-bf16": ("--dtype", "bfloat16"),
+                 # bfloat16 with prefill uncapped beside decodes: throughput over the decode-first ITL bound.
+                 "mesh-bf16-nocap": ("--dtype", "bfloat16", "--max-prefill-tokens-with-decodes", "0"),
                  "mesh-int8": ("--weights", "int8"), "mesh-plaintext": ("--no-internal-tls",),
                  "mesh-spec": ("--speculative-config", NGRAM_4),
                  # The GGUF's own blocks with speculation: single-stream latency against llama.cpp on that file.

@@ -26,3 +26,13 @@ def ragged_batch(query_lens, context_lens, heads, kv_heads, head_dim, block_size
     to = {"device": device}
     return (query.to(**to), key_cache.to(**to), value_cache.to(**to), starts.to(**to),
             torch.tensor(seq_lens, dtype=torch.int32, device=device), tables.to(**to))
+
+
+def paired_value_sum_bound(value_cache: torch.Tensor) -> float:
+    """How far the C prefill kernel's output over a bfloat16 cache may be from float32 arithmetic's
+    where it has bfloat16 dot products (`kernels.bf16_dot`): its value sums take the softmax weights
+    rounded to bfloat16 (relative error <= 2^-9 each) and divide by the rounded weights' own sum, so
+    each normalized weight is off by at most about 2 x 2^-9 of itself and the output, a convex
+    combination of the values, by at most 2^-8 of the largest value magnitude, plus float32's own
+    error."""
+    return 2.0 ** -8 * value_cache.float().abs().max().item() + 2e-5

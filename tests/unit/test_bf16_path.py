@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from tests.support.paged import ragged_batch
+from tests.support.paged import paired_value_sum_bound, ragged_batch
 from tests.support.plan_driver import DrivenRequest, drive
 from tests.support.tiny_models import TINY_VOCAB, save_tiny_llama, save_tiny_qwen2
 from vmesh.kernels import reference
@@ -23,6 +23,7 @@ from vmesh.services.worker.rotary import RotaryEmbedding
 # One bfloat16 unit in the last place, relative: what a single rounding may differ by (a float32
 # result just either side of a rounding boundary, the C exp and torch's differing in the last bits).
 BF16_ULP = 2.0 ** -7
+C_AGAINST_TORCH_AGREEMENT = 0.95
 
 ATTENTION_CASES = [  # (head_dim, heads, kv_heads, block_size), as tests/unit/test_cpu_kernels.py
     (64, 9, 3, 16),
@@ -69,7 +70,11 @@ def test_tiled_prefill_attention_over_a_bf16_cache(kernels, head_dim, heads, kv_
     # are); the random float32 queries here are not, so the reference rounds them too.
     attended = q.bfloat16().float() if kernels.bf16_dot else q
     want = reference.paged_attention_ref(attended, kc32, vc32, starts, seq_lens, tables, scale)
-    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+    if not kernels.bf16_dot:
+        torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+    else:  # the value sums take the softmax weights rounded to bfloat16
+        error = (out - want).abs().max().item()
+        assert 0 < error <= paired_value_sum_bound(vc32), error
     if kernels.bf16_dot:  # and the same call on the rounded queries is the same computation
         again = torch.empty_like(q)
         kernels.prefill_attention(attended, kc, vc, chunks, scale, again)
@@ -170,6 +175,14 @@ def test_bf16_ops_refuse_wrong_dtypes(kernels):
                                 torch.zeros(1, dtype=torch.int64), dtype=torch.bfloat16)
 
 
+def _forced_agreement(runner: ModelRunner, prompts: list[list[int]], want: list[list[int]]) -> float:
+    """The share of `want`'s tokens that `runner` picks greedily given every prefix before it
+    (teacher forcing): each prefix one request for one token."""
+    forced = [(p + out[:k], out[k]) for p, out in zip(prompts, want) for k in range(len(out))]
+    got = [out[0] for out in _greedy(runner, [f for f, _ in forced], 1)]
+    return sum(g == token for g, (_, token) in zip(got, forced)) / len(forced)
+
+
 def _greedy(runner: ModelRunner, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     requests = [DrivenRequest(p, max_tokens, join_step=i % 3) for i, p in enumerate(prompts)]
     drive(runner, requests, chunk=16)  # ragged steps: decodes beside prefill chunks, chunks after cached context
@@ -181,13 +194,17 @@ def test_tiny_models_in_bf16_agree_with_float32(tmp_path, caplog, kind):
     """Next-token agreement with float32 under teacher forcing: each of float32's greedy prefixes
     (6 prompts x 24 tokens = 144 contexts) is one bfloat16 request for one token. Measured on the
     2-core AVX-512 machine (2026-11-30): llama 0.938, qwen2 0.931; 0.958 and 0.931 with the queries
-    rounded to bfloat16 (2026-12-04); asserted >= 0.85. These random
+    rounded to bfloat16, 0.958 and 0.924 with the prefill kernel's softmax weights rounded too
+    (2026-12-04); asserted >= 0.85. These random
     tiny models have many near-tied logits, so free-running greedy output diverges early (about
     0.4-0.46 of each output's tokens match before the first difference) while every step stays
     close; benchmarks/README.md has the embedded model's figures. The C attention and elementwise
-    kernels and the torch fallback run the same bfloat16 model: their greedy outputs are identical
-    with oneDNN's linears, which round a float32 input to bfloat16 as the torch path's attention
-    output already is (the streaming linear kernel takes C attention's float32 output unrounded)."""
+    kernels and the torch fallback run the same bfloat16 model with oneDNN's linears (which round a
+    float32 input to bfloat16 as the torch path's attention output already is; the streaming linear
+    kernel takes C attention's float32 output unrounded): without bfloat16 dot products their
+    greedy outputs are identical; with them the C prefill kernel rounds its softmax weights to
+    bfloat16 and SDPA does not, and the torch path picks the C path's next token on 0.993 (llama)
+    and 0.986 (qwen2) of the teacher-forced prefixes (1-2 near-ties of 144), asserted >= 0.95."""
     (save_tiny_qwen2 if kind == "qwen2" else save_tiny_llama)(tmp_path)
     generator = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, TINY_VOCAB, (n,), generator=generator).tolist() for n in (5, 17, 40, 1, 33, 16)]
@@ -203,16 +220,19 @@ def test_tiny_models_in_bf16_agree_with_float32(tmp_path, caplog, kind):
         runner = load("bfloat16")
     assert runner.backend.name == "cpu" and runner.kv_cache.key_caches[0].dtype == torch.bfloat16
     assert "attention C kernels, KV cache bfloat16" in caplog.text and "residual stream float32" in caplog.text
-    forced = [p + out[:k] for p, out in zip(prompts, want) for k in range(tokens)]
-    got = [out[0] for out in _greedy(runner, forced, 1)]
-    agreement = sum(g == out[k] for g, (out, k) in zip(got, [(o, k) for o in want for k in range(tokens)]))
-    assert agreement / len(forced) >= 0.85, f"{kind}: next-token agreement {agreement / len(forced):.3f}"
+    agreement = _forced_agreement(runner, prompts, want)
+    assert agreement >= 0.85, f"{kind}: next-token agreement {agreement:.3f}"
 
-    c_kernels = _greedy(load("bfloat16", small_batch_linear=False), prompts, tokens)
+    c_kernels = load("bfloat16", small_batch_linear=False)
+    c_greedy = _greedy(c_kernels, prompts, tokens)
     with caplog.at_level(logging.WARNING, logger="vmesh.services.worker.model_runner"):
         torch_runner = load("bfloat16", "torch", small_batch_linear=False)
     assert "elementwise ops torch" in caplog.text  # the slow path says so
-    assert c_kernels == _greedy(torch_runner, prompts, tokens)
+    if not c_kernels.backend.kernels.bf16_dot:
+        assert c_greedy == _greedy(torch_runner, prompts, tokens)
+    else:  # the C prefill kernel rounds its softmax weights to bfloat16, SDPA does not: near, not equal
+        agreement = _forced_agreement(torch_runner, prompts, c_greedy)
+        assert agreement >= C_AGAINST_TORCH_AGREEMENT, f"{kind}: C against torch {agreement:.3f}"
 
 
 def test_mixed_model_holds_bf16_weights_and_float32_norms(tmp_path):

@@ -222,7 +222,7 @@ class CpuKernels:
         cos, sin: float32 [tokens, head_dim] (or [tokens, 1, head_dim]) rows for the tokens' positions.
         float32 rotates qkv in place and returns a view of it; bfloat16 leaves qkv as it is, returns
         a new float32 tensor of the rotated queries rounded to bfloat16 (prefill attention multiplies
-        them in bfloat16 pairs; softmax and sums stay float32) and rounds the rotated keys into the cache."""
+        them in bfloat16 pairs; the sums stay float32) and rounds the rotated keys into the cache."""
         head_dim = key_cache.shape[3]
         kernel = self._kernel("rotary_write_kv", dtype)
         if qkv.dtype != dtype or qkv.stride(1) != 1 or qkv.shape[1] != (heads + 2 * kv_heads) * head_dim:
@@ -409,7 +409,8 @@ class CpuKernels:
         token's own), written to the same rows of out. Shapes and layouts:
         see vmesh/kernels/cpu/prefill_attention.c; head_dim must be a multiple of prefill_head_dim_multiple.
         The caches may be bfloat16 (the query and out stay float32); where `bf16_dot`, the scores over
-        a bfloat16 cache then take the query rounded to bfloat16 (the bfloat16 mode's queries are)."""
+        a bfloat16 cache then take the query rounded to bfloat16 (the bfloat16 mode's queries are) and
+        the value sums the softmax weights rounded to bfloat16 (tests/support/paged.py bounds the error)."""
         block_size, kv_heads, head_dim, group = attention_shape(query, key_cache, value_cache, out, chunks)
         kernel = self._kernel("prefill_attention", key_cache.dtype)
         status = kernel(query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),

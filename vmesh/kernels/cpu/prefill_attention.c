@@ -19,7 +19,8 @@
  * is written: its token i sits at position seq_len - len + i and sees positions 0 ..= that.
  * prefill_attention_bf16 is the same over a bfloat16 cache (uint16_t elements): with AVX-512 BF16
  * its scores are bfloat16 pair dots of the query rounded to bfloat16 (below), its values widened
- * once per key tile; softmax, sums and output stay float32.
+ * once per key tile; with AVX-512 BF16 its value sums are pair dots too, of the softmax weights
+ * rounded to bfloat16 (below); the softmax, the sums and the output stay float32.
  */
 #include <math.h>
 #include <stdint.h>
@@ -129,8 +130,7 @@ static inline __attribute__((always_inline)) void score_rows(const float *q, con
  * summed in float32, and the scale multiplies the sums. The query is rounded to bfloat16: a no-op for
  * the bfloat16 model's, which rotary_write_kv_bf16 rounds (as every attention path of that mode
  * does), so the scores are float32 arithmetic's but for summation order and the instructions'
- * flushing of subnormals. (The softmax weights stay float32:
- * rounding them would change the values' sums.) Same condition as batch_linear_bf16.c. */
+ * flushing of subnormals. Same condition as batch_linear_bf16.c. */
 #define PAIRED_SCORES 1
 
 /* pairs[p] = x[2p], x[2p + 1] rounded to bfloat16 (nearest, ties to even), for head_dim / 2 pairs. */
@@ -163,6 +163,62 @@ static inline __attribute__((always_inline)) void score_pairs(const uint32_t *q,
     for (int64_t r = 0; r < rows && r < QK_ROWS; ++r)
         for (int64_t c = 0; c < KEY_VECS; ++c)
             _mm512_storeu_ps(scores + r * KEY_TILE + c * LANES, _mm512_mul_ps(acc[r][c], _mm512_set1_ps(scale)));
+}
+
+/* The value sums as pair dots too: the softmax weights rounded to bfloat16 (as transformers'
+ * bfloat16 models round theirs before the value product), two keys' weights per 32-bit word, meet
+ * a value tile interleaved by key pairs, vt[p][d] = (v[2p][d], v[2p + 1][d]): one instruction
+ * per two keys and 16 features where the float32 sums take two. The row sums divide by the
+ * rounded weights' own sum, so each output stays a convex combination of the values. */
+
+/* 16 floats rounded to bfloat16 and widened back: the weight the pair dot will multiply by. */
+static inline vec16 round_to_bf16(vec16 x) {
+    const __m512i narrow = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh((__m512)x));
+    return (vec16)_mm512_slli_epi32(narrow, 16);
+}
+
+/* vt[p][0..head_dim) for the key pairs of n keys (a missing last key's values are zeros): each
+ * word holds key 2p's and key 2p + 1's value of one feature. */
+static inline void interleave_value_pairs(const uint16_t *const *rows, int64_t n, const int64_t head_dim,
+                                          uint32_t *vt) {
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t p = 0; 2 * p < n; ++p) {
+        const uint16_t *even = rows[2 * p], *odd = 2 * p + 1 < n ? rows[2 * p + 1] : NULL;
+        for (int64_t d = 0; d < head_dim; d += LANES) {
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(even + d));
+            const __m256i b = odd ? _mm256_loadu_si256((const __m256i *)(odd + d)) : _mm256_setzero_si256();
+            const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+            _mm512_storeu_si512(vt + p * head_dim + d, _mm512_permutexvar_epi16(order, both));
+        }
+    }
+}
+
+/* acc[r] += sum_p w[r][p] . vt[p] over the pairs of n keys, for PV_ROWS rows (or fewer) and the 4
+ * (or fewer) vectors of head_dim starting at vector c0; row r's weight pairs at w + r KEY_TILE. */
+static inline __attribute__((always_inline)) void accumulate_pairs(const uint32_t *w, const uint32_t *vt, int64_t n,
+                                                                   int64_t rows, int64_t c0, int64_t chunks,
+                                                                   const int64_t head_dim, float *acc) {
+    __m512 a[PV_ROWS][4];
+    const int64_t width = chunks - c0 < 4 ? chunks - c0 : 4;
+    for (int64_t r = 0; r < PV_ROWS; ++r)
+        for (int64_t c = 0; c < 4; ++c)
+            a[r][c] = r < rows && c < width ? _mm512_loadu_ps(acc + r * head_dim + (c0 + c) * LANES)
+                                            : _mm512_setzero_ps();
+    for (int64_t p = 0; 2 * p < n; ++p) {
+        __m512bh vp[4];
+        for (int64_t c = 0; c < 4; ++c)
+            vp[c] = c < width ? (__m512bh)_mm512_loadu_si512(vt + p * head_dim + (c0 + c) * LANES)
+                              : (__m512bh)_mm512_setzero_si512();
+        for (int64_t r = 0; r < PV_ROWS; ++r) {
+            if (r < rows) {
+                const __m512bh wp = (__m512bh)_mm512_set1_epi32((int32_t)w[r * KEY_TILE + p]);
+                for (int64_t c = 0; c < 4; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], wp, vp[c]);
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows && r < PV_ROWS; ++r)
+        for (int64_t c = 0; c < width; ++c) _mm512_storeu_ps(acc + r * head_dim + (c0 + c) * LANES, a[r][c]);
 }
 #else
 #define PAIRED_SCORES 0

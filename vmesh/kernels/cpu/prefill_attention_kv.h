@@ -54,7 +54,9 @@ static inline __attribute__((always_inline)) void KV_FN(attend_tile)(
 #if KV_PAIRS
     uint32_t *q_pairs = (uint32_t *)q;                           /* [rows][head_dim / 2], in q's place */
     uint32_t *kt_pairs = (uint32_t *)kt;                          /* [head_dim / 2][KEY_TILE] */
+    uint32_t *vt_pairs = (uint32_t *)vt;                          /* [KEY_TILE / 2][head_dim], in vt's place */
     const int64_t pairs = head_dim / 2;
+    const KV_T *v_rows[KEY_TILE];
 #endif
     for (int64_t i = i0; i < i1; ++i)
         for (int64_t g = 0; g < group; ++g) {
@@ -72,8 +74,11 @@ static inline __attribute__((always_inline)) void KV_FN(attend_tile)(
     const int64_t key_end = first_position + i1; /* the last token sees up to here */
     const int64_t key_begin = window > 0 && first_position + i0 >= window ? first_position + i0 - window + 1 : 0;
     /* The value rows the tile's keys pair with, as floats: in the cache itself when it holds
-     * floats, else widened once per key tile into vt (not once per group of rows that reads them). */
+     * floats, else widened once per key tile into vt (not once per group of rows that reads them);
+     * with KV_PAIRS, interleaved by key pairs into vt's place instead, once per key tile too. */
+#if !KV_PAIRS
     const float *v_slots[KEY_TILE];
+#endif
     for (int64_t t0 = key_begin; t0 < key_end; t0 += KEY_TILE) {
         const int64_t n = key_end - t0 < KEY_TILE ? key_end - t0 : KEY_TILE;
         for (int64_t j = 0; j < n; ++j) {
@@ -81,13 +86,17 @@ static inline __attribute__((always_inline)) void KV_FN(attend_tile)(
             const int64_t offset = (int64_t)table[t / block_size] * block_stride + (t % block_size) * token_stride +
                                    h * head_dim;
             const KV_T *k = key_cache + offset;
-            v_slots[j] = KV_FN(value_row)(value_cache + offset, vt + j * head_dim, head_dim);
 #if KV_PAIRS
+            v_rows[j] = value_cache + offset;
             for (int64_t p = 0; p < pairs; ++p) memcpy(kt_pairs + p * KEY_TILE + j, k + 2 * p, sizeof(uint32_t));
 #else
+            v_slots[j] = KV_FN(value_row)(value_cache + offset, vt + j * head_dim, head_dim);
             for (int64_t d = 0; d < head_dim; ++d) kt[d * KEY_TILE + j] = KV_LOAD(k + d);
 #endif
         }
+#if KV_PAIRS
+        interleave_value_pairs(v_rows, n, head_dim, vt_pairs);
+#endif
 #if KV_PAIRS
         for (int64_t j = n; j < KEY_TILE; ++j)
             for (int64_t p = 0; p < pairs; ++p) kt_pairs[p * KEY_TILE + j] = 0;
@@ -129,10 +138,20 @@ static inline __attribute__((always_inline)) void KV_FN(attend_tile)(
             const float new_max = tile_max > row_max[r] ? tile_max : row_max[r];
             vec16 total = (vec16){0};
             for (int64_t c = 0; c < KEY_VECS; ++c) {
+#if KV_PAIRS
+                const vec16 e = round_to_bf16(select16(seen[c], exp16(v[c] - new_max), (vec16){0}));
+#else
                 const vec16 e = select16(seen[c], exp16(v[c] - new_max), (vec16){0});
+#endif
                 store16(s + c * LANES, e);
                 total += e;
             }
+#if KV_PAIRS /* the row's weights as bfloat16 pairs, in the first half of its scores */
+            for (int64_t c = 0; c < KEY_VECS; c += 2)
+                _mm512_storeu_si512((uint32_t *)s + c * LANES / 2,
+                                    (__m512i)_mm512_cvtne2ps_pbh((__m512)load16(s + (c + 1) * LANES),
+                                                                 (__m512)load16(s + c * LANES)));
+#endif
             if (new_max > row_max[r]) {
                 const float alpha = row_max[r] == -INFINITY ? 0.0f : exp_f32(row_max[r] - new_max);
                 row_sum[r] *= alpha;
@@ -142,12 +161,23 @@ static inline __attribute__((always_inline)) void KV_FN(attend_tile)(
             }
             row_sum[r] += sum_lanes(total);
         }
+#if KV_PAIRS
+        /* Row r's weight pairs sit at the start of its KEY_TILE floats: a stride of KEY_TILE words. */
+        for (r = 0; r + PV_ROWS <= rows; r += PV_ROWS)
+            for (int64_t c0 = 0; c0 < chunks; c0 += 4)
+                accumulate_pairs((const uint32_t *)(scores + r * KEY_TILE), vt_pairs, n, PV_ROWS, c0, chunks,
+                                 head_dim, acc + r * head_dim);
+        for (int64_t c0 = 0; r < rows && c0 < chunks; c0 += 4)
+            accumulate_pairs((const uint32_t *)(scores + r * KEY_TILE), vt_pairs, n, rows - r, c0, chunks, head_dim,
+                             acc + r * head_dim);
+#else
         for (r = 0; r + PV_ROWS <= rows; r += PV_ROWS)
             for (int64_t c0 = 0; c0 < chunks; c0 += 4)
                 KV_FN(accumulate_rows)(scores + r * KEY_TILE, v_slots, n, PV_ROWS, c0, chunks, head_dim,
                                 acc + r * head_dim);
         for (int64_t c0 = 0; r < rows && c0 < chunks; c0 += 4)
             KV_FN(accumulate_rows)(scores + r * KEY_TILE, v_slots, n, rows - r, c0, chunks, head_dim, acc + r * head_dim);
+#endif
     }
     for (int64_t i = i0; i < i1; ++i)
         for (int64_t g = 0; g < group; ++g) {
