@@ -8,8 +8,8 @@ share a forward pass. Logits are computed only at each request's last scheduled 
 bfloat16 on the CPU is mixed precision (`float32_residual`): the linears' weights, their inputs
 and outputs and the KV cache are bfloat16 (half the bytes a step streams), while the residual
 stream, the norms, rotary embedding and attention's softmax and sums stay float32 (the C prefill
-kernel rounds the softmax weights to bfloat16 for its value products, as transformers' bfloat16
-models round theirs). A model
+kernel rounds the softmax weights to bfloat16 for its value products, much as transformers'
+bfloat16 attention rounds them). A model
 entirely in bfloat16 drifts from float32 within a few tokens; this one keeps greedy output close
 to float32's (benchmarks/README.md, "bfloat16 on CPU").
 """

@@ -73,8 +73,12 @@ def test_tiled_prefill_attention_over_a_bf16_cache(kernels, head_dim, heads, kv_
     if not kernels.bf16_dot:
         torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
     else:  # the value sums take the softmax weights rounded to bfloat16
-        error = (out - want).abs().max().item()
-        assert 0 < error <= paired_value_sum_bound(vc32), error
+        error = (out - want).abs()
+        assert 0 < error.max().item() <= paired_value_sum_bound(vc32), error.max().item()
+        # The roundings' errors are independent and mostly cancel: on average far below one rounding's
+        # 2^-9 of the values (measured 2.1e-4 against this 7.8e-4 at every shape). A weight lost or
+        # misplaced in many rows (say a key of the 132-key rows) moves the mean by ~1e-3 or more.
+        assert error.mean().item() <= 2.0 ** -10 * vc32.abs().mean().item()
     if kernels.bf16_dot:  # and the same call on the rounded queries is the same computation
         again = torch.empty_like(q)
         kernels.prefill_attention(attended, kc, vc, chunks, scale, again)

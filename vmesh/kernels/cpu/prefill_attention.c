@@ -18,9 +18,9 @@
  * chunk_requests[c] of block_tables, whose context is chunk_seq_lens[c] tokens once the chunk
  * is written: its token i sits at position seq_len - len + i and sees positions 0 ..= that.
  * prefill_attention_bf16 is the same over a bfloat16 cache (uint16_t elements): with AVX-512 BF16
- * its scores are bfloat16 pair dots of the query rounded to bfloat16 (below), its values widened
- * once per key tile; with AVX-512 BF16 its value sums are pair dots too, of the softmax weights
- * rounded to bfloat16 (below); the softmax, the sums and the output stay float32.
+ * its scores are bfloat16 pair dots of the query rounded to bfloat16 and its value sums pair dots
+ * of the softmax weights rounded to bfloat16 (below), otherwise its values are widened once per
+ * key tile; the softmax, the sums and the output stay float32.
  */
 #include <math.h>
 #include <stdint.h>
@@ -165,8 +165,8 @@ static inline __attribute__((always_inline)) void score_pairs(const uint32_t *q,
             _mm512_storeu_ps(scores + r * KEY_TILE + c * LANES, _mm512_mul_ps(acc[r][c], _mm512_set1_ps(scale)));
 }
 
-/* The value sums as pair dots too: the softmax weights rounded to bfloat16 (as transformers'
- * bfloat16 models round theirs before the value product), two keys' weights per 32-bit word, meet
+/* The value sums as pair dots too: the softmax weights rounded to bfloat16 (much as transformers'
+ * bfloat16 attention rounds them before the value product), two keys' weights per 32-bit word, meet
  * a value tile interleaved by key pairs, vt[p][d] = (v[2p][d], v[2p + 1][d]): one instruction
  * per two keys and 16 features where the float32 sums take two. The row sums divide by the
  * rounded weights' own sum, so each output stays a convex combination of the values. */

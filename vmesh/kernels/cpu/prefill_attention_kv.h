@@ -1,6 +1,6 @@
 /* The part of prefill_attention.c that reads the KV cache, compiled once per cache element type
  * (see paged_attention_kv.h for the macros: KV_T, KV_LOAD, KV_LOAD16, KV_FN; KV_PAIRS 1: the
- * scores as bfloat16 pair dots, over a bfloat16 cache only). */
+ * scores and the value sums as bfloat16 pair dots, over a bfloat16 cache only). */
 
 /* acc[r] += sum_j p[r][j] v[j] over n keys, for PV_ROWS rows (or fewer) and the 4 (or fewer)
  * vectors of head_dim starting at vector c0. */
@@ -51,6 +51,7 @@ static inline __attribute__((always_inline)) void KV_FN(attend_tile)(
     float *row_max = kt + head_dim * KEY_TILE; /* [rows] */
     float *row_sum = row_max + rows;          /* [rows] */
     float *vt = row_sum + rows;               /* [KEY_TILE][head_dim]: a tile's values as floats */
+                                              /* (KV_PAIRS: their key-pair words, half of it) */
 #if KV_PAIRS
     uint32_t *q_pairs = (uint32_t *)q;                           /* [rows][head_dim / 2], in q's place */
     uint32_t *kt_pairs = (uint32_t *)kt;                          /* [head_dim / 2][KEY_TILE] */
@@ -137,20 +138,21 @@ static inline __attribute__((always_inline)) void KV_FN(attend_tile)(
             const float tile_max = max_lane(most);
             const float new_max = tile_max > row_max[r] ? tile_max : row_max[r];
             vec16 total = (vec16){0};
+#if KV_PAIRS /* the row's weights as bfloat16 pairs, in the first half of its scores */
+            vec16 e[KEY_VECS];
             for (int64_t c = 0; c < KEY_VECS; ++c) {
-#if KV_PAIRS
-                const vec16 e = round_to_bf16(select16(seen[c], exp16(v[c] - new_max), (vec16){0}));
+                e[c] = round_to_bf16(select16(seen[c], exp16(v[c] - new_max), (vec16){0}));
+                total += e[c];
+            }
+            for (int64_t c = 0; c < KEY_VECS; c += 2)
+                _mm512_storeu_si512((uint32_t *)s + c * LANES / 2,
+                                    (__m512i)_mm512_cvtne2ps_pbh((__m512)e[c + 1], (__m512)e[c]));
 #else
+            for (int64_t c = 0; c < KEY_VECS; ++c) {
                 const vec16 e = select16(seen[c], exp16(v[c] - new_max), (vec16){0});
-#endif
                 store16(s + c * LANES, e);
                 total += e;
             }
-#if KV_PAIRS /* the row's weights as bfloat16 pairs, in the first half of its scores */
-            for (int64_t c = 0; c < KEY_VECS; c += 2)
-                _mm512_storeu_si512((uint32_t *)s + c * LANES / 2,
-                                    (__m512i)_mm512_cvtne2ps_pbh((__m512)load16(s + (c + 1) * LANES),
-                                                                 (__m512)load16(s + c * LANES)));
 #endif
             if (new_max > row_max[r]) {
                 const float alpha = row_max[r] == -INFINITY ? 0.0f : exp_f32(row_max[r] - new_max);
