@@ -171,11 +171,8 @@ static inline __attribute__((always_inline)) void score_pairs(const uint32_t *q,
  * per two keys and 16 features where the float32 sums take two. The row sums divide by the
  * rounded weights' own sum, so each output stays a convex combination of the values. */
 
-/* 16 floats rounded to bfloat16 and widened back: the weight the pair dot will multiply by. */
-static inline vec16 round_to_bf16(vec16 x) {
-    const __m512i narrow = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh((__m512)x));
-    return (vec16)_mm512_slli_epi32(narrow, 16);
-}
+/* 16 bfloat16 values widened to float32 (exact). */
+static inline vec16 widen_bf16(__m256i x) { return (vec16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16); }
 
 /* vt[p][0..head_dim) for the key pairs of n keys (a missing last key's values are zeros): each
  * word holds key 2p's and key 2p + 1's value of one feature. */

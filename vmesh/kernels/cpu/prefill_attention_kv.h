@@ -97,8 +97,6 @@ static inline __attribute__((always_inline)) void KV_FN(attend_tile)(
         }
 #if KV_PAIRS
         interleave_value_pairs(v_rows, n, head_dim, vt_pairs);
-#endif
-#if KV_PAIRS
         for (int64_t j = n; j < KEY_TILE; ++j)
             for (int64_t p = 0; p < pairs; ++p) kt_pairs[p * KEY_TILE + j] = 0;
 #else
@@ -138,15 +136,14 @@ static inline __attribute__((always_inline)) void KV_FN(attend_tile)(
             const float tile_max = max_lane(most);
             const float new_max = tile_max > row_max[r] ? tile_max : row_max[r];
             vec16 total = (vec16){0};
-#if KV_PAIRS /* the row's weights as bfloat16 pairs, in the first half of its scores */
-            vec16 e[KEY_VECS];
-            for (int64_t c = 0; c < KEY_VECS; ++c) {
-                e[c] = round_to_bf16(select16(seen[c], exp16(v[c] - new_max), (vec16){0}));
-                total += e[c];
+#if KV_PAIRS /* the row's weights as bfloat16 pairs, in the first half of its scores; summed as rounded */
+            for (int64_t c = 0; c < KEY_VECS; c += 2) {
+                const __m512i rounded = (__m512i)_mm512_cvtne2ps_pbh(
+                    (__m512)select16(seen[c + 1], exp16(v[c + 1] - new_max), (vec16){0}),
+                    (__m512)select16(seen[c], exp16(v[c] - new_max), (vec16){0}));
+                _mm512_storeu_si512((uint32_t *)s + c * LANES / 2, rounded);
+                total += widen_bf16(_mm512_castsi512_si256(rounded)) + widen_bf16(_mm512_extracti64x4_epi64(rounded, 1));
             }
-            for (int64_t c = 0; c < KEY_VECS; c += 2)
-                _mm512_storeu_si512((uint32_t *)s + c * LANES / 2,
-                                    (__m512i)_mm512_cvtne2ps_pbh((__m512)e[c + 1], (__m512)e[c]));
 #else
             for (int64_t c = 0; c < KEY_VECS; ++c) {
                 const vec16 e = select16(seen[c], exp16(v[c] - new_max), (vec16){0});
@@ -163,23 +160,18 @@ static inline __attribute__((always_inline)) void KV_FN(attend_tile)(
             }
             row_sum[r] += sum_lanes(total);
         }
-#if KV_PAIRS
-        /* Row r's weight pairs sit at the start of its KEY_TILE floats: a stride of KEY_TILE words. */
-        for (r = 0; r + PV_ROWS <= rows; r += PV_ROWS)
-            for (int64_t c0 = 0; c0 < chunks; c0 += 4)
-                accumulate_pairs((const uint32_t *)(scores + r * KEY_TILE), vt_pairs, n, PV_ROWS, c0, chunks,
-                                 head_dim, acc + r * head_dim);
-        for (int64_t c0 = 0; r < rows && c0 < chunks; c0 += 4)
-            accumulate_pairs((const uint32_t *)(scores + r * KEY_TILE), vt_pairs, n, rows - r, c0, chunks, head_dim,
-                             acc + r * head_dim);
+#if KV_PAIRS /* row r's weight pairs sit at the start of its KEY_TILE floats: a stride of KEY_TILE words */
+#define ACCUMULATE(count, c0)                                                                                     \
+    accumulate_pairs((const uint32_t *)(scores + r * KEY_TILE), vt_pairs, n, count, c0, chunks, head_dim,        \
+                     acc + r * head_dim)
 #else
-        for (r = 0; r + PV_ROWS <= rows; r += PV_ROWS)
-            for (int64_t c0 = 0; c0 < chunks; c0 += 4)
-                KV_FN(accumulate_rows)(scores + r * KEY_TILE, v_slots, n, PV_ROWS, c0, chunks, head_dim,
-                                acc + r * head_dim);
-        for (int64_t c0 = 0; r < rows && c0 < chunks; c0 += 4)
-            KV_FN(accumulate_rows)(scores + r * KEY_TILE, v_slots, n, rows - r, c0, chunks, head_dim, acc + r * head_dim);
+#define ACCUMULATE(count, c0)                                                                                     \
+    KV_FN(accumulate_rows)(scores + r * KEY_TILE, v_slots, n, count, c0, chunks, head_dim, acc + r * head_dim)
 #endif
+        for (r = 0; r + PV_ROWS <= rows; r += PV_ROWS)
+            for (int64_t c0 = 0; c0 < chunks; c0 += 4) ACCUMULATE(PV_ROWS, c0);
+        for (int64_t c0 = 0; r < rows && c0 < chunks; c0 += 4) ACCUMULATE(rows - r, c0);
+#undef ACCUMULATE
     }
     for (int64_t i = i0; i < i1; ++i)
         for (int64_t g = 0; g < group; ++g) {
