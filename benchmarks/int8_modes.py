@@ -22,7 +22,7 @@ from unittest import mock
 
 import torch
 
-from benchmarks.native_quality import MODES, load
+from benchmarks.native_quality import DEFAULT_MODES, MODES, load
 from vmesh.services.common.model_loading import load_model_spec, resolve_model_dir
 from vmesh.services.common.step_types import NewRequest, StepPlan
 from vmesh.services.common.types import SamplingParams
@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=[*MODES, "native-before"])
+    parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=[*MODES, "native-before"])
     parser.add_argument("--model", default=None, help="a GGUF file or gemma3-270m (default: the embedded model)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--out", default=None)

@@ -3,8 +3,10 @@ against the float32 paths, on the embedded model (SmolLM2-135M-Instruct, a Q4_1 
 
 Modes: `dequantized` (the file's weights expanded to float32 at load: the float32 reference),
 `native-float` (today's native kernel, float32 products over the blocks: VMESH_QUANTIZED_DOT=float)
-`native-int8` (activations rounded to int8 per block of 32, VNNI dot products) and `int8` (`--weights
-int8` on the dequantized float32 checkpoint: int8 weights per output feature, int8 activations per token).
+`native-int8` (activations rounded to int8 per block of 32, VNNI dot products), `int8` (`--weights
+int8` on the dequantized float32 checkpoint: int8 weights per output feature; activations to 16 bits
+per token below 8 rows, to 8 bits per block of 32 from 8 rows, so perplexity's 255-row chunks measure
+the latter), and the mixed bfloat16 model (`--dtype bfloat16`) as `bf16` and `int8-bf16`.
 
 (a) Perplexity over benchmarks/data/bf16_perplexity.txt, measured as benchmarks/bf16.py does
 (teacher-forced in 256-token chunks through the paged cache). (b) Greedy outputs of the standard
@@ -38,17 +40,19 @@ from vmesh.services.worker.attention import AttentionMetadata
 from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
 from vmesh.services.worker.quantized_linear import DOT_ENV
 
-MODES = {"dequantized": ("dequantized", None), "native-float": ("native", "float"), "native-int8": ("native", "int8"),
-         "int8": ("int8", None)}
+MODES = {"dequantized": ("dequantized", None, "float32"), "native-float": ("native", "float", "float32"),
+         "native-int8": ("native", "int8", "float32"), "int8": ("int8", None, "float32"),
+         "bf16": ("dequantized", None, "bfloat16"), "int8-bf16": ("int8", None, "bfloat16")}
+DEFAULT_MODES = ["dequantized", "native-float", "native-int8", "int8"]
 
 
 def load(mode: str, **settings: Any) -> ModelRunner:
-    weights, dot = MODES[mode]
+    weights, dot, dtype = MODES[mode]
     if dot is None:
         os.environ.pop(DOT_ENV, None)
     else:
         os.environ[DOT_ENV] = dot  # read as the layers are built
-    return ModelRunner.load(WorkerConfig(weights=weights, **settings))
+    return ModelRunner.load(WorkerConfig(weights=weights, dtype=dtype, **settings))
 
 
 def log_probs(runner: ModelRunner, token_ids: list[int]) -> torch.Tensor:
@@ -84,7 +88,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=None, help="default: the workload's (128)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--text", type=Path, default=TEXT)
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here too")
     args = parser.parse_args()
     if args.threads:

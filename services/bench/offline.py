@@ -53,13 +53,15 @@ def transformers_generate(model_dir: Path, prompts: list[list[int]], max_tokens:
 
 @contextlib.contextmanager
 def engine_generate(model_dir: Path, prompts: list[list[int]], max_tokens: int, depth: int = 2,
-                    kv_cache_memory: int = 1 << 30, dtype: str = "float32") -> Iterator[Callable[[], float]]:
+                    kv_cache_memory: int = 1 << 30, dtype: str = "float32",
+                    weights: str = "dequantized") -> Iterator[Callable[[], float]]:
     """An in-process engine, warmed up; each call of the yielded function is one timed run."""
     from vmesh.services.engine.llm import EngineConfig, LLMEngine
     from vmesh.services.worker.model_runner import WorkerConfig
 
     engine = LLMEngine.from_config(EngineConfig(worker=WorkerConfig(model=str(model_dir), max_num_seqs=256,
-                                                                    kv_cache_memory=kv_cache_memory, dtype=dtype),
+                                                                    kv_cache_memory=kv_cache_memory, dtype=dtype,
+                                                                    weights=weights),
                                                 pipeline_depth=depth))
 
     def run() -> float:
@@ -113,7 +115,10 @@ NGRAM_4 = '{"method": "ngram", "num_speculative_tokens": 4}'
 MESH_VARIANTS = {"mesh": (), "mesh-native": ("--weights", "native"), "mesh-bf16": ("--dtype", "bfloat16"),
                  # bfloat16 with prefill uncapped beside decodes: throughput over the decode-first ITL bound.
                  "mesh-bf16-nocap": ("--dtype", "bfloat16", "--max-prefill-tokens-with-decodes", "0"),
-                 "mesh-int8": ("--weights", "int8"), "mesh-plaintext": ("--no-internal-tls",),
+                 "mesh-int8": ("--weights", "int8"), "mesh-int8-bf16": ("--weights", "int8", "--dtype", "bfloat16"),
+                 "mesh-int8-bf16-nocap": ("--weights", "int8", "--dtype", "bfloat16",
+                                          "--max-prefill-tokens-with-decodes", "0"),
+                 "mesh-plaintext": ("--no-internal-tls",),
                  "mesh-spec": ("--speculative-config", NGRAM_4),
                  # The GGUF's own blocks with speculation: single-stream latency against llama.cpp on that file.
                  "mesh-native-spec": ("--weights", "native", "--speculative-config", NGRAM_4),
@@ -123,9 +128,10 @@ MESH_VARIANTS = {"mesh": (), "mesh-native": ("--weights", "native"), "mesh-bf16"
 # The plain mesh again, each request asking its whole output at once (final_only) rather than a
 # stream of deltas: what an offline batch client does, and what the engine's generate returns.
 FINAL_OUTPUTS = "mesh-final"
-# The in-process engine in bfloat16: with whole outputs and no client beside it, what vLLM's
-# offline arm (LLM.generate) is.
-ENGINE_BF16 = "engine-bf16"
+# The in-process engine in its modes (dtype, weights): with whole outputs and no client beside it,
+# what vLLM's offline arm (LLM.generate) is.
+ENGINE_VARIANTS = {"engine": ("float32", "dequantized"), "engine-bf16": ("bfloat16", "dequantized"),
+                   "engine-int8-bf16": ("bfloat16", "int8")}
 
 
 def start_meshes(args: argparse.Namespace, baselines: set[str], model_dir: Path, work: dict[str, Any],
@@ -181,11 +187,11 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
     work = for_model(load_workload(args.workload, args.requests, args.max_tokens), model_dir, resolve_model_dir(),
                      Path(scratch.name))
     baselines = set(args.baselines.split(","))
-    unknown = (baselines - {"transformers", "engine", ENGINE_BF16, FINAL_OUTPUTS} - set(MESH_VARIANTS)
+    unknown = (baselines - {"transformers", FINAL_OUTPUTS} - set(ENGINE_VARIANTS) - set(MESH_VARIANTS)
                - set(PEER_BASELINES))
     if unknown:
-        raise SystemExit(f"unknown baselines {sorted(unknown)}: choose from transformers, engine, {ENGINE_BF16}, "
-                         f"{', '.join(MESH_VARIANTS)}, {FINAL_OUTPUTS}, {', '.join(PEER_BASELINES)}")
+        raise SystemExit(f"unknown baselines {sorted(unknown)}: choose from transformers, "
+                         f"{', '.join([*ENGINE_VARIANTS, *MESH_VARIANTS, FINAL_OUTPUTS, *PEER_BASELINES])}")
     prompt_tokens = sum(len(p) for p in work["prompts"])
     result: dict[str, Any] = {"mode": "offline", "workload": work["name"], "requests": len(work["prompts"]),
                               "prompt_tokens": prompt_tokens, "max_tokens": work["max_tokens"],
@@ -195,7 +201,7 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
         stack.enter_context(scratch)  # the tokenized workload file, for as long as the peers read it
         if "transformers" in baselines:
             runs["transformers"] = transformers_generate(model_dir, work["prompts"], work["max_tokens"])
-        for name, dtype in (("engine", "float32"), (ENGINE_BF16, "bfloat16")):
+        for name, (dtype, weights) in ENGINE_VARIANTS.items():
             if name in baselines:
                 # The engine runs on its offline defaults, the mesh on its serving ones: said in
                 # the results, for the engine / mesh ratio is not the serving path's cost alone.
@@ -204,7 +210,7 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
                 result["engine_max_prefill_tokens_with_decodes"] = EngineConfig().max_prefill_tokens_with_decodes
                 runs[name] = stack.enter_context(engine_generate(model_dir, work["prompts"], work["max_tokens"],
                                                                  kv_cache_memory=args.kv_cache_memory_bytes,
-                                                                 dtype=dtype))
+                                                                 dtype=dtype, weights=weights))
         peers = {name: stack.enter_context(contextlib.closing(start_peer(name, args, work, model_dir)))
                  for name in PEER_BASELINES if name in baselines}
         runs.update({name: peer.run for name, peer in peers.items()})

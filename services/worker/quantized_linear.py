@@ -296,11 +296,14 @@ def load_native_weights(model: str | None, spec: ModelSpec, device: torch.device
     return read_gguf_weights(path, spec), kernels
 
 
-def cpu_float32_kernels(mode: str, device: torch.device, dtype: torch.dtype, cache_dir: Path) -> CpuKernels:
-    """The C kernels a `--weights {mode}` model runs on (both integer modes run there, in float32
-    activations), or a ModelLoadError that says why they cannot run here."""
-    if device.type != "cpu" or dtype != torch.float32:
-        raise ModelLoadError(f"--weights {mode} runs on the CPU in float32 (got {device.type}, {dtype}); "
+def cpu_float32_kernels(mode: str, device: torch.device, dtype: torch.dtype, cache_dir: Path,
+                        dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> CpuKernels:
+    """The C kernels a `--weights {mode}` model runs on (both integer modes run there, `native` in
+    float32 and `int8` in float32 or the mixed bfloat16 model), or a ModelLoadError that says why
+    they cannot run here."""
+    if device.type != "cpu" or dtype not in dtypes:
+        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ModelLoadError(f"--weights {mode} runs on the CPU in {names} (got {device.type}, {dtype}); "
                              "use --weights dequantized")
     try:
         return load_cpu_kernels(cache_dir)

@@ -76,3 +76,18 @@ def drive(runner: ModelRunner, requests: list[DrivenRequest], chunk: int = 1 << 
             step += 1
             runner.execute(StepPlan(step=step, removed_handles=finished))
         step += 1
+
+
+def greedy_ragged(runner: ModelRunner, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy outputs over ragged steps: decodes beside prefill chunks of 16, chunks after cached context."""
+    requests = [DrivenRequest(p, max_tokens, join_step=i % 3) for i, p in enumerate(prompts)]
+    drive(runner, requests, chunk=16)
+    return [r.output for r in requests]
+
+
+def forced_agreement(runner: ModelRunner, prompts: list[list[int]], want: list[list[int]]) -> float:
+    """The share of `want`'s tokens that `runner` picks greedily given every prefix before it
+    (teacher forcing): each prefix one request for one token."""
+    forced = [(p + out[:k], out[k]) for p, out in zip(prompts, want) for k in range(len(out))]
+    got = [out[0] for out in greedy_ragged(runner, [f for f, _ in forced], 1)]
+    return sum(g == token for g, (_, token) in zip(got, forced)) / len(forced)

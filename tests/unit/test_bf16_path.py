@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.support.paged import paired_value_sum_bound, ragged_batch
-from tests.support.plan_driver import DrivenRequest, drive
+from tests.support.plan_driver import forced_agreement, greedy_ragged
 from tests.support.tiny_models import TINY_VOCAB, save_tiny_llama, save_tiny_qwen2
 from vmesh.kernels import reference
 from vmesh.kernels.reference import silu_and_mul_ref
@@ -179,20 +179,6 @@ def test_bf16_ops_refuse_wrong_dtypes(kernels):
                                 torch.zeros(1, dtype=torch.int64), dtype=torch.bfloat16)
 
 
-def _forced_agreement(runner: ModelRunner, prompts: list[list[int]], want: list[list[int]]) -> float:
-    """The share of `want`'s tokens that `runner` picks greedily given every prefix before it
-    (teacher forcing): each prefix one request for one token."""
-    forced = [(p + out[:k], out[k]) for p, out in zip(prompts, want) for k in range(len(out))]
-    got = [out[0] for out in _greedy(runner, [f for f, _ in forced], 1)]
-    return sum(g == token for g, (_, token) in zip(got, forced)) / len(forced)
-
-
-def _greedy(runner: ModelRunner, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    requests = [DrivenRequest(p, max_tokens, join_step=i % 3) for i, p in enumerate(prompts)]
-    drive(runner, requests, chunk=16)  # ragged steps: decodes beside prefill chunks, chunks after cached context
-    return [r.output for r in requests]
-
-
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_tiny_models_in_bf16_agree_with_float32(tmp_path, caplog, kind):
     """Next-token agreement with float32 under teacher forcing: each of float32's greedy prefixes
@@ -219,23 +205,23 @@ def test_tiny_models_in_bf16_agree_with_float32(tmp_path, caplog, kind):
                                              dtype=dtype, attention_backend=backend,
                                              small_batch_linear=small_batch_linear))
 
-    want = _greedy(load("float32"), prompts, tokens)
+    want = greedy_ragged(load("float32"), prompts, tokens)
     with caplog.at_level(logging.INFO, logger="vmesh.services.worker.model_runner"):
         runner = load("bfloat16")
     assert runner.backend.name == "cpu" and runner.kv_cache.key_caches[0].dtype == torch.bfloat16
     assert "attention C kernels, KV cache bfloat16" in caplog.text and "residual stream float32" in caplog.text
-    agreement = _forced_agreement(runner, prompts, want)
+    agreement = forced_agreement(runner, prompts, want)
     assert agreement >= 0.85, f"{kind}: next-token agreement {agreement:.3f}"
 
     c_kernels = load("bfloat16", small_batch_linear=False)
-    c_greedy = _greedy(c_kernels, prompts, tokens)
+    c_greedy = greedy_ragged(c_kernels, prompts, tokens)
     with caplog.at_level(logging.WARNING, logger="vmesh.services.worker.model_runner"):
         torch_runner = load("bfloat16", "torch", small_batch_linear=False)
     assert "elementwise ops torch" in caplog.text  # the slow path says so
     if not c_kernels.backend.kernels.bf16_dot:
-        assert c_greedy == _greedy(torch_runner, prompts, tokens)
+        assert c_greedy == greedy_ragged(torch_runner, prompts, tokens)
     else:  # the C prefill kernel rounds its softmax weights to bfloat16, SDPA does not: near, not equal
-        agreement = _forced_agreement(torch_runner, prompts, c_greedy)
+        agreement = forced_agreement(torch_runner, prompts, c_greedy)
         assert agreement >= C_AGAINST_TORCH_AGREEMENT, f"{kind}: C against torch {agreement:.3f}"
 
 

@@ -137,6 +137,8 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "quantized_linear_f32": ([P, P, INT, P, P, I64, I64, I64], INT),
     "quantized_linear_int8_f32": ([P, P, INT, P, P, I64, I64, I64], INT),  # x rounded to int8 per block
     "int8_linear_f32": ([P, P, P, P, P, P, I64, I64, I64], INT),
+    # x, whether x is bfloat16, the packed weight, w_scale, bias, y, whether y is bfloat16, shape
+    "int8_block_linear": ([P, INT, P, P, P, P, INT, I64, I64, I64], INT),
     "quantized_rows_f32": ([P, INT, P, I64, I64, I64, P], INT),
     # fused_linear.c: the norm's (x, residual, weight, eps), or gate_up, then quantized_linear's
     # arguments after x, then whether the product is the integer one.
@@ -331,6 +333,28 @@ class CpuKernels:
                                                     torch.get_num_threads())
         if status:
             raise (MemoryError if status == 2 else RuntimeError)(f"int8_linear_f32 failed with status {status}")
+        return out
+
+    def int8_block_linear(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                          bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+        """x [rows, in] rounded to 8 bits per block of 64, @ W.T + bias, in C (int8_block_linear in
+        vmesh/kernels/cpu/int8_linear.c): x float32 or bfloat16, the result in out_dtype (either).
+        packed uint8 [ceil(out / 16), in / 4, 16, 4] (int8_linear.py's pack_for_blocks), scale float32
+        [out], bias float32 [out]: as built at load; x is checked here."""
+        vectors, groups = packed.shape[0], packed.shape[1]
+        out_features, in_features = scale.shape[0], groups * 4
+        if x.dtype not in (torch.float32, torch.bfloat16) or out_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"x and the result are float32 or bfloat16, got {x.dtype} and {out_dtype}")
+        require_contiguous_cpu(("x", x, x.dtype), ("packed", packed, torch.uint8), ("scale", scale, torch.float32))
+        if x.dim() != 2 or x.shape[1] != in_features or packed.shape[2:] != (16, 4) or vectors * 16 < out_features:
+            raise ValueError(f"x [rows, {in_features}] against packed {tuple(packed.shape)}, got {tuple(x.shape)}")
+        out = torch.empty(x.shape[0], out_features, dtype=out_dtype)
+        status = self._functions["int8_block_linear"](
+            x.data_ptr(), int(x.dtype == torch.bfloat16), packed.data_ptr(), scale.data_ptr(),
+            0 if bias is None else bias.data_ptr(), out.data_ptr(), int(out_dtype == torch.bfloat16), x.shape[0],
+            out_features, in_features, torch.get_num_threads())
+        if status:
+            raise (MemoryError if status == 2 else RuntimeError)(f"int8_block_linear failed with status {status}")
         return out
 
     def quantized_rows(self, blocks: torch.Tensor, block_format: int, in_features: int,
