@@ -1,9 +1,10 @@
 # ruff: noqa: B023  (each lambda is timed inside the iteration that defines it)
 """`--weights int8`'s two activation paths per call, on the embedded model's linear shapes:
 16-bit activations per token against 8-bit per block of 64 (vmesh/kernels/cpu/int8_linear.c),
-beside the bfloat16 mode's linear (oneDNN's packed bfloat16, or the C kernel for 7-32 rows) and
-float32's. Prints milliseconds per call (best of --repeats, all shapes summed) and each path's
-ratio to bfloat16; the crossover row count is where the block path overtakes the 16-bit one.
+both bfloat16 in and out as in `--weights int8 --dtype bfloat16`, beside the bfloat16 mode's
+linear (oneDNN's packed bfloat16, or the C kernel for 7-32 rows) and float32's. Prints
+milliseconds per call (best of --repeats, all shapes summed) and each path's ratio to bfloat16;
+the crossover row count is where the block path overtakes the 16-bit one.
 
     .venv/bin/python -m benchmarks.int8_block_linear [--rows 1 4 8 16 64 256 2000] [--repeats 5]
 """
@@ -46,7 +47,9 @@ def main() -> None:
     layers = {}
     for name, (out, width) in SHAPES.items():
         weight = torch.randn(out, width) * 0.05
-        layers[name] = (Int8Linear(weight, None, kernels), Linear(weight.bfloat16(), small_batch_kernels=kernels),
+        # The int8 layer as the mixed bfloat16 model builds it: bfloat16 in and out.
+        layers[name] = (Int8Linear(weight.bfloat16(), None, kernels),
+                        Linear(weight.bfloat16(), small_batch_kernels=kernels),
                         Linear(weight, small_batch_kernels=kernels))
     print(f"threads {torch.get_num_threads()}; ms per call, the four shapes summed")
     print(f"{'rows':>5} {'int8 16-bit':>12} {'int8 block':>11} {'bfloat16':>9} {'float32':>8} "
@@ -57,7 +60,7 @@ def main() -> None:
             x = torch.randn(rows, SHAPES[name][1])
             xb = x.bfloat16()
             with mock.patch.object(int8_linear, "BLOCK_PATH_MIN_ROWS", 1 << 30):
-                totals["16-bit"] += best_ms(lambda: int8_layer(x), args.repeats)
+                totals["16-bit"] += best_ms(lambda: int8_layer(xb), args.repeats)
             with mock.patch.object(int8_linear, "BLOCK_PATH_MIN_ROWS", 1):
                 totals["block"] += best_ms(lambda: int8_layer(xb), args.repeats)
             totals["bf16"] += best_ms(lambda: bf16_layer(xb), args.repeats)

@@ -205,10 +205,14 @@ static inline __attribute__((always_inline)) void block_micro(const BlockActivat
         __m512i dot[BLOCK_ROWS][BLOCK_VECS];
         for (int r = 0; r < ROWS; ++r)
             for (int v = 0; v < VECS; ++v) dot[r][v] = _mm512_setzero_si512();
+#pragma GCC unroll 16 /* unrolled, the accumulators stay in place (rolled, gcc copied them each pass) */
         for (int g = 0; g < BLOCK / 4; ++g) {
             const int64_t group = b * (BLOCK / 4) + g;
             __m512i wv[BLOCK_VECS];
-            for (int v = 0; v < VECS; ++v) wv[v] = _mm512_loadu_si512((const void *)(wv0 + v * vec_bytes + group * 64));
+            for (int v = 0; v < VECS; ++v) {
+                wv[v] = _mm512_loadu_si512((const void *)(wv0 + v * vec_bytes + group * 64));
+                __asm__("" : "+v"(wv[v])); /* held in registers for every row (gcc would reload it) */
+            }
             for (int r = 0; r < ROWS; ++r) {
                 int32_t four;
                 memcpy(&four, codes + r * in_features + group * 4, sizeof four);
