@@ -12,12 +12,11 @@ the crossover row count is where the block path overtakes the 16-bit one.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 from unittest import mock
 
 import torch
 
+from benchmarks.prefill_attention import best_ms
 from vmesh.kernels.cpu_native import load_cpu_kernels
 from vmesh.services.common.model_loading import default_cache_dir
 from vmesh.services.worker import int8_linear
@@ -25,16 +24,6 @@ from vmesh.services.worker.int8_linear import Int8Linear
 from vmesh.services.worker.linear import Linear
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # (out, in)
-
-
-def best_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return min(times) * 1e3
 
 
 def main() -> None:

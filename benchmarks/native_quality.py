@@ -5,7 +5,7 @@ Modes: `dequantized` (the file's weights expanded to float32 at load: the float3
 `native-float` (today's native kernel, float32 products over the blocks: VMESH_QUANTIZED_DOT=float)
 `native-int8` (activations rounded to int8 per block of 32, VNNI dot products), `int8` (`--weights
 int8` on the dequantized float32 checkpoint: int8 weights per output feature; activations to 16 bits
-per token below 8 rows, to 8 bits per block of 32 from 8 rows, so perplexity's 255-row chunks measure
+per token below 8 rows, to 8 bits per block of 64 from 8 rows, so perplexity's 255-row chunks measure
 the latter), and the mixed bfloat16 model (`--dtype bfloat16`) as `bf16` and `int8-bf16`.
 
 (a) Perplexity over benchmarks/data/bf16_perplexity.txt, measured as benchmarks/bf16.py does

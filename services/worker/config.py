@@ -64,7 +64,7 @@ class WorkerConfig:
              "multiply the file's Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K blocks directly, on int8 dot products where the "
              "CPU has AVX-512 VNNI; other formats are dequantized) or int8 (any model on a CPU with AVX-512 VNNI, "
              "with --dtype float32 or bfloat16: int8 weights per output feature; activations rounded to 16 bits per "
-             "token below 8 rows, to 8 bits per block of 64 inputs from 8 rows)")
+             "token below 8 rows, to 8 bits per block of 64 inputs from 8 rows where the width divides by 64)")
     block_size: int = setting(16, section="worker")
     kv_cache_memory: int | None = setting(  # bytes; None: default budget for the device
         None, section="worker", parse_flag=str, to_field=_memory_size_or_none,

@@ -7,11 +7,15 @@ AVX-512 VNNI), by how many rows the call has:
   to 16 bits per row (token), each code as two bytes against the same weight byte: no measurable
   perplexity cost;
 - from BLOCK_PATH_MIN_ROWS rows (prefill chunks and batches, bound by arithmetic): to 8 bits per
-  block of BLOCK (64) inputs, one integer dot product per 4 inputs and half the products of the 16-bit
-  path; a block's few large values set only that block's scale (8 bits per token cost 3 % of
-  perplexity; per block, benchmarks/README.md "int8 dot products").
-The weights take a quarter of float32's bytes per path (the block path reads its own packed copy),
-and the mixed bfloat16 model (`--dtype bfloat16`) takes these layers too: bfloat16 in and out.
+  block of 64 inputs (`CpuKernels.int8_block_inputs`), one integer dot product per 4 inputs and half
+  the products of the 16-bit path; a block's few large values set only that block's scale (8 bits
+  per token cost 3 % of perplexity; per block +0.74 %, benchmarks/README.md "int8 linears in the
+  bfloat16 model"). Widths that do not divide by 64 keep the 16-bit path at every row count.
+So a request's outputs depend on how many rows its step carried, as the bfloat16 mode's do (its
+linears change kernels by row count too). The int8 weights are held twice, as codes [out, in] (the
+16-bit path, the tied embedding's lookups) and packed for the block path: half of float32's bytes,
+as bfloat16's. The mixed bfloat16 model (`--dtype bfloat16`) takes these layers too: bfloat16 in and
+out.
 
 Every linear takes it, the LM head included; a tied embedding table is then read back from the
 head's int8 rows (`weight_rows`), so it too is held once, in int8.
@@ -25,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vmesh.services.common.model_loading import ModelLoadError
-from vmesh.services.worker.quantized_linear import cpu_float32_kernels
+from vmesh.services.worker.quantized_linear import cpu_integer_kernels
 
 if TYPE_CHECKING:
     from vmesh.kernels.cpu_native import CpuKernels
@@ -39,11 +43,11 @@ def quantize_per_row(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (values * inverse[:, None]).round().to(torch.int8).contiguous(), scale.contiguous()
 
 
-# From this many rows a call rounds its activations per block of BLOCK (the module's docstring): below
-# it the 16-bit path streams the weights at the same speed, above it the block path computes ~2x
-# faster (benchmarks/int8_block_linear.py measures the crossover).
+# From this many rows a call rounds its activations per block (the module's docstring). Below it a
+# step is one or a few decode streams, bound by reading the weights, where the 16-bit path's
+# accuracy costs little time (the block path is faster even there while the weights sit in cache:
+# benchmarks/int8_block_linear.py); from it the block path runs 2.5-3x the 16-bit one.
 BLOCK_PATH_MIN_ROWS = 8
-BLOCK = 64
 
 
 def pack_for_blocks(codes: torch.Tensor) -> torch.Tensor:
@@ -58,7 +62,7 @@ def pack_for_blocks(codes: torch.Tensor) -> torch.Tensor:
 
 def int8_kernels(device: torch.device, dtype: torch.dtype, cache_dir: Path) -> CpuKernels:
     """The kernels `--weights int8` runs on, or a ModelLoadError that says why it cannot here."""
-    kernels = cpu_float32_kernels("int8", device, dtype, cache_dir, dtypes=(torch.float32, torch.bfloat16))
+    kernels = cpu_integer_kernels("int8", device, dtype, cache_dir, dtypes=(torch.float32, torch.bfloat16))
     if not kernels.integer_dot:
         raise ModelLoadError("--weights int8 needs AVX-512 VNNI, which this CPU lacks; use --weights dequantized")
     return kernels
@@ -85,11 +89,11 @@ class Int8Linear:
             raise ValueError(f"bias must be [{self.out_features}], got {tuple(self.bias.shape)}")
         self.kernels = kernels
         # Widths that are not whole blocks keep the 16-bit path for every row count.
-        self.blocks = pack_for_blocks(self.codes) if self.in_features % BLOCK == 0 else None
+        self.blocks = pack_for_blocks(self.codes) if self.in_features % kernels.int8_block_inputs == 0 else None
 
     @property
     def kernel_description(self) -> str:
-        batches = (f"; from {BLOCK_PATH_MIN_ROWS} rows 8-bit activations per block of {BLOCK}"
+        batches = (f"; from {BLOCK_PATH_MIN_ROWS} rows 8-bit activations per block of {self.kernels.int8_block_inputs}"
                    if self.blocks is not None else "")
         return f"int8 weights per output feature x 16-bit activations per token{batches} (AVX-512 VNNI)"
 

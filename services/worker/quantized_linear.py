@@ -292,11 +292,11 @@ def load_native_weights(model: str | None, spec: ModelSpec, device: torch.device
     if path is None:
         raise ModelLoadError(f"--weights native reads a GGUF file's quantized blocks, and {model} is a Hugging Face "
                              "directory; use --weights dequantized (the default) for it")
-    kernels = cpu_float32_kernels("native", device, dtype, cache_dir)
+    kernels = cpu_integer_kernels("native", device, dtype, cache_dir)
     return read_gguf_weights(path, spec), kernels
 
 
-def cpu_float32_kernels(mode: str, device: torch.device, dtype: torch.dtype, cache_dir: Path,
+def cpu_integer_kernels(mode: str, device: torch.device, dtype: torch.dtype, cache_dir: Path,
                         dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> CpuKernels:
     """The C kernels a `--weights {mode}` model runs on (both integer modes run there, `native` in
     float32 and `int8` in float32 or the mixed bfloat16 model), or a ModelLoadError that says why

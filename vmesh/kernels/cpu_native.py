@@ -169,6 +169,8 @@ class CpuKernels:
         # Whether the kernels were built with AVX-512 BF16 (the same way): batch_linear_bf16.c's products,
         # and prefill_attention.c's scores over a bfloat16 cache (its queries rounded to bfloat16).
         self.bf16_dot = bool(_bind(library.vmesh_batch_linear_bf16_available, [], INT)())
+        # int8_linear.c's batch path: inputs per activation scale (the packed layout's widths divide by it).
+        self.int8_block_inputs = int(_bind(library.vmesh_int8_block_inputs, [], INT)())
 
     def _kernel(self, op: str, dtype: torch.dtype) -> Any:
         """The C function of `op` for a model of `dtype` (float32, or the mixed bfloat16)."""
@@ -337,17 +339,24 @@ class CpuKernels:
 
     def int8_block_linear(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                           bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-        """x [rows, in] rounded to 8 bits per block of 64, @ W.T + bias, in C (int8_block_linear in
-        vmesh/kernels/cpu/int8_linear.c): x float32 or bfloat16, the result in out_dtype (either).
-        packed uint8 [ceil(out / 16), in / 4, 16, 4] (int8_linear.py's pack_for_blocks), scale float32
-        [out], bias float32 [out]: as built at load; x is checked here."""
+        """x [rows, in] rounded to 8 bits per block of `int8_block_inputs`, @ W.T + bias, in C
+        (int8_block_linear in vmesh/kernels/cpu/int8_linear.c): x float32 or bfloat16, the result in
+        out_dtype (either). packed uint8 [ceil(out / 16), in / 4, 16, 4] (int8_linear.py's
+        pack_for_blocks), scale and bias float32 [out]; every shape the C reads by is checked here."""
         vectors, groups = packed.shape[0], packed.shape[1]
         out_features, in_features = scale.shape[0], groups * 4
         if x.dtype not in (torch.float32, torch.bfloat16) or out_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"x and the result are float32 or bfloat16, got {x.dtype} and {out_dtype}")
-        require_contiguous_cpu(("x", x, x.dtype), ("packed", packed, torch.uint8), ("scale", scale, torch.float32))
-        if x.dim() != 2 or x.shape[1] != in_features or packed.shape[2:] != (16, 4) or vectors * 16 < out_features:
-            raise ValueError(f"x [rows, {in_features}] against packed {tuple(packed.shape)}, got {tuple(x.shape)}")
+        require_contiguous_cpu(("x", x, x.dtype), ("packed", packed, torch.uint8), ("scale", scale, torch.float32),
+                               *((("bias", bias, torch.float32),) if bias is not None else ()))
+        if (packed.dim() != 4 or packed.shape[2:] != (16, 4) or -(-out_features // 16) != vectors
+                or in_features % self.int8_block_inputs or scale.dim() != 1
+                or (bias is not None and bias.shape != scale.shape)):
+            raise ValueError(f"packed {tuple(packed.shape)}, scale {tuple(scale.shape)} and bias "
+                             f"{None if bias is None else tuple(bias.shape)} do not describe one layer whose width "
+                             f"divides by {self.int8_block_inputs}")
+        if x.dim() != 2 or x.shape[1] != in_features:
+            raise ValueError(f"x must be [rows, {in_features}], got {tuple(x.shape)}")
         out = torch.empty(x.shape[0], out_features, dtype=out_dtype)
         status = self._functions["int8_block_linear"](
             x.data_ptr(), int(x.dtype == torch.bfloat16), packed.data_ptr(), scale.data_ptr(),

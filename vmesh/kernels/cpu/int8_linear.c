@@ -13,21 +13,24 @@
  * products of |l w|, |u w| <= 255 * 127, inside int32 for any width below a million; the sums are
  * combined in int64.
  *
- * One path for every row count: each thread takes tiles of TILE_OUT features (their int8 rows stay
- * in L1/L2 while every row passes over them) and runs 3 rows x 3 features of accumulator pairs per
- * step. Input widths that are not a multiple of 64 end with one masked step. Without VNNI this file
- * builds to a stub (status 3); the caller then keeps the float32 Linear.
+ * Calls of fewer than 8 rows (int8_linear_f32; the caller picks the path): each thread takes tiles of
+ * TILE_OUT features (their int8 rows stay in L1/L2 while every row passes over them) and runs 3 rows
+ * x 3 features of accumulator pairs per step. Input widths that are not a multiple of 64 end with
+ * one masked step. Without VNNI this file builds to a stub (status 3); the caller then keeps the
+ * float32 Linear.
  *
  * Batches (int8_block_linear) round activations to 8 bits per block of 64 inputs instead: a block's
- * few large features no longer set the scale of the whole row, so 8 bits suffice (0.6 % of
- * perplexity on the embedded model against 3 % per token), and each product is one VPDPBUSD per 4
- * inputs where the 16-bit path takes two. There the lanes hold 16 output features, not 64 inputs:
- * each block's int32 sums are scaled into float accumulators once per block (a convert and an FMA
- * per 16 VPDPBUSD; blocks of 32, as llama.cpp's Q8_0 has, cost 1.3x the time for 0.07 % of
- * perplexity), so no horizontal sum is needed at all. The weights are held a second time for it,
- * packed for those lanes: for each 16 features, per 4 inputs 64 bytes (feature-major, then the 4
- * inputs), each code offset by 128 into the unsigned operand; the activations are the signed one,
- * so the offset adds 128 sum(q) per row and block, taken out once per row at the end (`correction`).
+ * few large features no longer set the scale of the whole row, so 8 bits suffice (+0.74 % of
+ * perplexity on the embedded model in float32, +0.42 % over bfloat16's in the mixed model, against
+ * 3 % per token), and each product is one VPDPBUSD per 4 inputs where the 16-bit path takes two.
+ * There the lanes hold 16 output features, not 64 inputs: each block's int32 sums are scaled into
+ * float accumulators once per block (a convert and an FMA per 16 VPDPBUSD; blocks of 32, llama.cpp's
+ * Q8_0 grain, ran at 0.75-0.8x the speed for no clear gain in perplexity), so no horizontal sum is
+ * needed at all. The weights are held a second time for it, packed for those lanes: for each 16
+ * features, per 4 inputs 64 bytes (feature-major, then the 4 inputs), each code offset by 128 into
+ * the unsigned operand; the activations are the signed one, so the offset adds 128 sum(q) per row
+ * and block, taken out once per row at the end (`correction`). A row holding a NaN or infinity
+ * gives NaN outputs (its scales are NaN), as a float product would.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -39,6 +42,8 @@
 #else
 #define HAVE_INT8_DOT 0
 #endif
+
+#define BLOCK 64 /* the batch path's inputs per activation scale */
 
 #if HAVE_INT8_DOT
 #define TILE_OUT 16
@@ -132,8 +137,7 @@ static void tile_product(const uint8_t *low, const uint8_t *high, const float *x
     }
 }
 
-/* The batch path: activations as 8-bit codes per block of 64 (see the file's comment). */
-#define BLOCK 64
+/* The batch path: activations as 8-bit codes per block of BLOCK inputs (see the file's comment). */
 #define BLOCK_ROWS 4  /* rows x 16-feature vectors of the micro product: 12 int32 and 12 float */
 #define BLOCK_VECS 3  /* accumulators, 3 weight vectors and a broadcast fill 28 of 32 registers */
 #define ROW_PANEL 256 /* rows whose codes (256 x in bytes) stay in L2 while every weight tile passes */
@@ -145,7 +149,7 @@ static inline __m512 load_widened(const void *x, int bf16, int64_t offset) {
     return _mm512_loadu_ps((const float *)x + offset);
 }
 
-/* Round to nearest even, as torch's .to(torch.bfloat16) does for finite values. */
+/* Round to nearest even, as torch's .to(torch.bfloat16) does. */
 static inline void store_rounded(void *y, int bf16, int64_t offset, __m512 v, __mmask16 mask) {
     if (!bf16) {
         _mm512_mask_storeu_ps((float *)y + offset, mask, v);
@@ -153,7 +157,9 @@ static inline void store_rounded(void *y, int bf16, int64_t offset, __m512 v, __
     }
     const __m512i bits = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    /* A NaN stays a (quiet) NaN: rounding its low bits up could carry it into an infinity. */
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
     _mm256_mask_storeu_epi16((uint16_t *)y + offset, mask, _mm512_cvtepi32_epi16(rounded));
 }
 
@@ -163,11 +169,13 @@ static float quantize_blocks(const void *x, int bf16, int64_t row, int64_t in_fe
     for (int64_t b = 0; b < in_features / BLOCK; ++b) {
         const int64_t k = row * in_features + b * BLOCK;
         __m512 v[BLOCK / 16], top = _mm512_setzero_ps();
+        __mmask16 nonfinite = 0; /* max would drop a NaN; v - v is NaN for NaN and for infinities */
         for (int i = 0; i < BLOCK / 16; ++i) {
             v[i] = load_widened(x, bf16, k + 16 * i);
             top = _mm512_max_ps(top, _mm512_abs_ps(v[i]));
+            nonfinite |= _mm512_cmp_ps_mask(_mm512_sub_ps(v[i], v[i]), _mm512_setzero_ps(), _CMP_UNORD_Q);
         }
-        const float largest = _mm512_reduce_max_ps(top);
+        const float largest = nonfinite ? 0.0f : _mm512_reduce_max_ps(top);
         const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
         __m512i sum = _mm512_setzero_si512();
         for (int i = 0; i < BLOCK / 16; ++i) {
@@ -175,7 +183,7 @@ static float quantize_blocks(const void *x, int bf16, int64_t row, int64_t in_fe
             _mm_storeu_si128((__m128i *)(codes + b * BLOCK + 16 * i), _mm512_cvtsepi32_epi8(q));
             sum = _mm512_add_epi32(sum, q);
         }
-        scales[b] = largest / 127.0f;
+        scales[b] = nonfinite ? __builtin_nanf("") : largest / 127.0f;
         correction += scales[b] * (float)_mm512_reduce_add_epi32(sum);
     }
     return 128.0f * correction;
@@ -303,10 +311,13 @@ int int8_linear_f32(const float *x, const int8_t *w, const float *w_scale, const
 #endif
 }
 
+/* The block path's inputs per activation scale: Python packs and checks shapes by it. */
+int vmesh_int8_block_inputs(void) { return BLOCK; }
+
 /* x [rows, in] (float32, or bfloat16 where x_bf16), packed as the file's comment lays it out
- * (int8_block_packed_bytes(out, in) bytes), w_scale [out], bias [out] or NULL (float32), y [rows,
- * out] (float32, or bfloat16 where y_bf16). in must be a multiple of 64. Returns 0, 1 for a bad
- * shape, 2 when out of memory, 3 when built without VNNI. */
+ * (ceil(out / 16) x in / 4 x 64 bytes), w_scale [out], bias [out] or NULL (float32), y [rows,
+ * out] (float32, or bfloat16 where y_bf16). in must be a multiple of BLOCK. Returns 0, 1 for a
+ * bad shape, 2 when out of memory, 3 when built without VNNI. */
 int int8_block_linear(const void *x, int x_bf16, const uint8_t *packed, const float *w_scale, const float *bias,
                       void *y, int y_bf16, int64_t rows, int64_t out_features, int64_t in_features, int num_threads) {
 #if HAVE_INT8_DOT
