@@ -112,8 +112,7 @@ class Int8Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
-        if self.blocks is not None and flat.shape[0] >= BLOCK_PATH_MIN_ROWS and x.dtype in (torch.float32,
-                                                                                          torch.bfloat16):
+        if self.blocks is not None and flat.shape[0] >= BLOCK_PATH_MIN_ROWS:
             out = self.kernels.int8_block_linear(flat.contiguous(), self.blocks, self.scale, self.bias,
                                                  self.out_dtype)
         else:

@@ -327,30 +327,29 @@ int int8_block_linear(const void *x, int x_bf16, const uint8_t *packed, const fl
     const int64_t blocks = in_features / BLOCK;
     int8_t *codes = malloc((size_t)(rows * in_features));
     float *scales = malloc((size_t)(rows * blocks) * sizeof(float)), *correction = malloc((size_t)rows * sizeof(float));
-    if (!codes || !scales || !correction) {
-        free(codes);
-        free(scales);
-        free(correction);
-        return 2;
-    }
+    int status = 2; /* out of memory, unless all three came */
+    if (codes && scales && correction) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows > 16)
-    for (int64_t r = 0; r < rows; ++r)
-        correction[r] = quantize_blocks(x, x_bf16, r, in_features, codes + r * in_features, scales + r * blocks);
-    const BlockActivations a = {codes, scales, correction, in_features};
-    const int64_t vectors = (out_features + 15) / 16, vec_bytes = in_features / 4 * 64;
-    const int64_t tiles = (vectors + BLOCK_VECS - 1) / BLOCK_VECS;
-    for (int64_t panel = 0; panel < rows; panel += ROW_PANEL) {
-        const int64_t panel_rows = rows - panel < ROW_PANEL ? rows - panel : ROW_PANEL;
+        for (int64_t r = 0; r < rows; ++r)
+            correction[r] = quantize_blocks(x, x_bf16, r, in_features, codes + r * in_features, scales + r * blocks);
+        const BlockActivations a = {codes, scales, correction, in_features};
+        const int64_t vectors = (out_features + 15) / 16, vec_bytes = in_features / 4 * 64;
+        const int64_t tiles = (vectors + BLOCK_VECS - 1) / BLOCK_VECS;
+        for (int64_t panel = 0; panel < rows; panel += ROW_PANEL) {
+            const int64_t panel_rows = rows - panel < ROW_PANEL ? rows - panel : ROW_PANEL;
 #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t t = 0; t < tiles; ++t) {
-            const int64_t v0 = t * BLOCK_VECS, vecs = vectors - v0 < BLOCK_VECS ? vectors - v0 : BLOCK_VECS;
-            block_tile(&a, panel, panel_rows, packed, vec_bytes, v0, vecs, w_scale, bias, y, y_bf16, out_features);
+            for (int64_t t = 0; t < tiles; ++t) {
+                const int64_t v0 = t * BLOCK_VECS, vecs = vectors - v0 < BLOCK_VECS ? vectors - v0 : BLOCK_VECS;
+                block_tile(&a, panel, panel_rows, packed, vec_bytes, v0, vecs, w_scale, bias, y, y_bf16,
+                           out_features);
+            }
         }
+        status = 0;
     }
     free(codes);
     free(scales);
     free(correction);
-    return 0;
+    return status;
 #else
     (void)x, (void)x_bf16, (void)packed, (void)w_scale, (void)bias, (void)y, (void)y_bf16, (void)rows;
     (void)out_features, (void)in_features, (void)num_threads;
