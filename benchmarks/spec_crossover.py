@@ -4,7 +4,7 @@ repeat their prompts) and the standard one (they rarely do). The two engines sha
 and run in turn, round by round.
 
     python -m benchmarks.spec_crossover [--batches 1 2 4 8 16 32] [--max-tokens 64]
-        [--weights native] [--dtype bfloat16]
+        [--weights native|int8] [--dtype bfloat16]
 
 The ratio (with / without) is what `disable_by_batch_size` should follow: speculation pays while
 a step is bound by reading the weights (a few rows), and costs once it is bound by arithmetic
@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    parser.add_argument("--weights", default="dequantized", choices=("dequantized", "native"))
+    parser.add_argument("--weights", default="dequantized", choices=("dequantized", "native", "int8"))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--workloads", nargs="+", default=["overlap", "standard"])
     parser.add_argument("--out", type=Path, default=None)

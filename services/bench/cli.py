@@ -74,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     srv.add_argument("--slo-tpot-ms", type=float, default=200.0)
     srv.add_argument("--seed", type=int, default=0)
+    srv.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                     help="the served model's dtype, for the mesh and the engine reference alike (default: the "
+                          "worker's)")
+    srv.add_argument("--weights", default=None, choices=("dequantized", "int8"),
+                     help="the linears' weights, as `vmesh serve --weights` (default: the worker's)")
+    srv.add_argument("--serve-flags", default="",
+                     help="more `vmesh serve` flags for the mesh it starts, one string (e.g. "
+                          "\"--service-niceness 10\"); the engine reference does not take them")
     srv.add_argument("--engine-reference", action="store_true",
                      help="after the mesh, the same schedule through the in-process engine, whose worker "
                           "thread's busy fraction and idle gaps are the reference for the mesh's worker")

@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import random
+import shlex
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -148,7 +149,8 @@ async def _serve_backends(backends: list[str], args: argparse.Namespace, work: d
 async def _serve_engine(args: argparse.Namespace, work: dict[str, Any]) -> tuple[list[dict[str, Any]], float,
                                                                                   dict[str, Any]]:
     """The same schedule through the in-process engine: the reference for the mesh's worker."""
-    with engine_sender(resolve_model_dir(args.model), args.kv_cache_memory_bytes) as (send, timed):
+    with engine_sender(resolve_model_dir(args.model), args.kv_cache_memory_bytes,
+                       getattr(args, "dtype", None), getattr(args, "weights", None)) as (send, timed):
         await send(work["prompts"][0], 2)
         mark = timed.timeline.steps
         before = sum(os.times()[:2])
@@ -176,6 +178,13 @@ def summarize(results: list[dict[str, Any]], elapsed: float, args: argparse.Name
     }
 
 
+def model_flags(args: argparse.Namespace) -> list[str]:
+    """`vmesh serve`'s flags for the --dtype and --weights asked of the benchmark, if any, and its
+    --serve-flags."""
+    return [*(flag for name in ("dtype", "weights") if (value := getattr(args, name, None))
+              for flag in (f"--{name}", value)), *shlex.split(getattr(args, "serve_flags", "") or "")]
+
+
 def serving(args: argparse.Namespace) -> dict[str, Any]:
     """The Poisson workload through each `--backend` in turn: vmesh's gRPC API, or any
     OpenAI-compatible server's /v1/completions (vmesh's own HTTP API, or vLLM's)."""
@@ -186,7 +195,7 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
     external = args.address or args.base_url
     args.served_model = args.model if args.base_url else None  # --model: a name for a server we did not start
     mesh = None if external else start_mesh("--model", str(resolve_model_dir(args.model)),
-                                              "--kv-cache-memory", args.kv_cache_memory)
+                                              "--kv-cache-memory", args.kv_cache_memory, *model_flags(args))
     address = args.address or (mesh.address if mesh else None)
     base_url = (args.base_url or (mesh.http_url if mesh else "")).rstrip("/")
     for backend in backends:
@@ -214,6 +223,7 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
         summaries["engine"] = {**summarize(results, elapsed, args), "steps": report}
         backends = [*backends, "engine"]
     result: dict[str, Any] = {"mode": "serving", **machine(), "request_rate": args.request_rate,
+                              "serve_flags": model_flags(args),
                               "interleaved": bool(args.interleave and len(backends) > 1),
                               "max_concurrency": args.max_concurrency, "max_tokens": work["max_tokens"],
                               "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}}

@@ -83,7 +83,7 @@ class TimedRunner:
 
 
 @contextlib.contextmanager
-def engine_sender(model_dir: Path, kv_cache_memory: int, dtype: str | None = None
+def engine_sender(model_dir: Path, kv_cache_memory: int, dtype: str | None = None, weights: str | None = None
                   ) -> Iterator[tuple[Callable[..., Any], TimedRunner]]:
     """An in-process engine streaming requests as the mesh does, and its timed runner. The
     engine's steps run on its own thread; the client's event loop shares this process with it."""
@@ -93,6 +93,8 @@ def engine_sender(model_dir: Path, kv_cache_memory: int, dtype: str | None = Non
     worker = WorkerConfig(model=str(model_dir), kv_cache_memory=kv_cache_memory)
     if dtype:
         worker.dtype = dtype
+    if weights:
+        worker.weights = weights
     # The mesh's scheduler settings (SchedulerSettings' defaults), not the offline engine's.
     engine = LLMEngine.from_config(EngineConfig(worker=worker, **serving_scheduler_defaults()))
     timed = TimedRunner(engine.runner.execute)

@@ -71,12 +71,17 @@ def test_unknown_workload_is_refused_by_name(tmp_path):
 
 def test_serving(tmp_path, tiny_model):
     r = bench(tmp_path, "serving", "--model", str(tiny_model), "--num-requests", "6", "--max-tokens", "4",
-              "--request-rate", "20", "--max-concurrency", "3")
-    for name in ("ttft_ms", "tpot_ms", "itl_ms"):
-        assert set(r[name]) == {"p50", "p90", "p99", "mean"}
-    assert r["num_requests"] == 6
-    assert positive(r["request_throughput"]) and positive(r["output_token_throughput"])
-    assert 0 <= r["goodput_requests_per_s"] <= r["request_throughput"]
+              "--request-rate", "20", "--max-concurrency", "3", "--dtype", "bfloat16",
+              "--serve-flags", "--service-niceness 5", "--engine-reference")
+    assert r["serve_flags"] == ["--dtype", "bfloat16", "--service-niceness", "5"]
+    assert set(r["backends"]) == {"grpc", "engine"}
+    for summary in r["backends"].values():
+        for name in ("ttft_ms", "tpot_ms", "itl_ms"):
+            assert set(summary[name]) == {"p50", "p90", "p99", "mean"}
+        assert summary["num_requests"] == 6
+        assert positive(summary["request_throughput"]) and positive(summary["output_token_throughput"])
+        assert 0 <= summary["goodput_requests_per_s"] <= summary["request_throughput"]
+        assert 0 < summary["steps"]["worker_busy_fraction"] <= 1
 
 
 def test_serving_grpc_and_openai_backends_in_turn(tmp_path, tiny_model):
