@@ -171,8 +171,33 @@ static inline __attribute__((always_inline)) void score_pairs(const uint32_t *q,
  * per two keys and 16 features where the float32 sums take two. The row sums divide by the
  * rounded weights' own sum, so each output stays a convex combination of the values. */
 
-/* 16 bfloat16 values widened to float32 (exact). */
-static inline vec16 widen_bf16(__m256i x) { return (vec16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16); }
+#define LOG2E 1.44269504088896341f
+#define LN2 0.693147180559945309f
+#define BF16_PAIR_OF_ONES 0x3F803F80 /* two bfloat16 1.0s: a pair dot with it sums a vector's pairs */
+
+/* Lanes lo .. hi - 1 of a vector's 16 (bounds clamped to 0 .. 16): which keys of it a row sees. */
+static inline __mmask16 lanes_between(int64_t lo, int64_t hi) {
+    lo = lo < 0 ? 0 : lo, hi = hi > LANES ? LANES : hi;
+    return hi <= lo ? 0 : (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
+
+/* 2^t for t <= 0, as softmax weights about to be rounded to bfloat16: t = n + f with n an integer
+ * and |f| <= 1/2; 2^f by the degree-5 series of e^(f ln 2) (relative error below 3e-6, far inside
+ * bfloat16's 2^-9) and 2^n by VSCALEFPS. t is raised to -125 first: 2^-125 is still a normal float,
+ * so no lane makes a subnormal, and masked lanes (-inf) come out finite for the caller to zero. A
+ * third of exp16's instructions, which in the float32 path make the weights' full precision. */
+static inline __m512 exp2_weights(__m512 t) {
+    t = _mm512_max_ps(t, _mm512_set1_ps(-125.0f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.3333558146428443e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022650695910071f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718055994531f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
 
 /* vt[p][0..head_dim) for the key pairs of n keys (a missing last key's values are zeros): each
  * word holds key 2p's and key 2p + 1's value of one feature. */

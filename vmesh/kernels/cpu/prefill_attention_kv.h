@@ -107,14 +107,53 @@ static inline __attribute__((always_inline)) void KV_FN(attend_tile)(
         int64_t r = 0;
 #if KV_PAIRS
         for (; r + QK_ROWS <= rows; r += QK_ROWS)
-            score_pairs(q_pairs + r * pairs, kt_pairs, QK_ROWS, pairs, scale, scores + r * KEY_TILE);
-        if (r < rows) score_pairs(q_pairs + r * pairs, kt_pairs, rows - r, pairs, scale, scores + r * KEY_TILE);
+            score_pairs(q_pairs + r * pairs, kt_pairs, QK_ROWS, pairs, scale * LOG2E, scores + r * KEY_TILE);
+        if (r < rows)
+            score_pairs(q_pairs + r * pairs, kt_pairs, rows - r, pairs, scale * LOG2E, scores + r * KEY_TILE);
 #else
         for (; r + QK_ROWS <= rows; r += QK_ROWS)
             score_rows(q + r * head_dim, kt, QK_ROWS, head_dim, scores + r * KEY_TILE);
         if (r < rows) score_rows(q + r * head_dim, kt, rows - r, head_dim, scores + r * KEY_TILE);
 #endif
         /* Online softmax: rescale what each row holds when its maximum grows. */
+#if KV_PAIRS /* scores in base 2 (score_pairs scaled them by log2 e); weights summed as rounded */
+        for (r = 0; r < rows; ++r) {
+            const int64_t position = first_position + i0 + r / group;
+            float *s = scores + r * KEY_TILE;
+            const int64_t visible = position - t0 + 1 < n ? position - t0 + 1 : n; /* keys this row sees */
+            const int64_t lowest = window > 0 && position - window + 1 > t0 ? position - window + 1 - t0 : 0;
+            if (visible <= 0 || lowest >= visible) {
+                memset(s, 0, sizeof(float) * KEY_TILE);
+                continue;
+            }
+            __mmask16 seen[KEY_VECS];
+            __m512 v[KEY_VECS], most = _mm512_set1_ps(-INFINITY);
+            for (int64_t c = 0; c < KEY_VECS; ++c) {
+                seen[c] = lanes_between(lowest - c * LANES, visible - c * LANES);
+                v[c] = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), seen[c], s + c * LANES);
+                most = _mm512_max_ps(most, v[c]);
+            }
+            const float tile_max = _mm512_reduce_max_ps(most);
+            const float new_max = tile_max > row_max[r] ? tile_max : row_max[r];
+            const __m512 shift = _mm512_set1_ps(new_max), ones = (__m512)_mm512_set1_epi32(BF16_PAIR_OF_ONES);
+            __m512 total = _mm512_setzero_ps();
+            for (int64_t c = 0; c < KEY_VECS; c += 2) { /* the row's weight pairs, in the first half of its scores */
+                const __m512bh rounded = _mm512_cvtne2ps_pbh(
+                    _mm512_maskz_mov_ps(seen[c + 1], exp2_weights(_mm512_sub_ps(v[c + 1], shift))),
+                    _mm512_maskz_mov_ps(seen[c], exp2_weights(_mm512_sub_ps(v[c], shift))));
+                _mm512_storeu_si512((uint32_t *)s + c * LANES / 2, (__m512i)rounded);
+                total = _mm512_dpbf16_ps(total, rounded, (__m512bh)ones);
+            }
+            if (new_max > row_max[r]) {
+                const float alpha = row_max[r] == -INFINITY ? 0.0f : exp_f32((row_max[r] - new_max) * LN2);
+                row_sum[r] *= alpha;
+                float *a = acc + r * head_dim;
+                for (int64_t c = 0; c < chunks; ++c) store16(a + c * LANES, load16(a + c * LANES) * alpha);
+                row_max[r] = new_max;
+            }
+            row_sum[r] += _mm512_reduce_add_ps(total);
+        }
+#else
         for (r = 0; r < rows; ++r) {
             const int64_t position = first_position + i0 + r / group;
             float *s = scores + r * KEY_TILE;
@@ -136,21 +175,11 @@ static inline __attribute__((always_inline)) void KV_FN(attend_tile)(
             const float tile_max = max_lane(most);
             const float new_max = tile_max > row_max[r] ? tile_max : row_max[r];
             vec16 total = (vec16){0};
-#if KV_PAIRS /* the row's weights as bfloat16 pairs, in the first half of its scores; summed as rounded */
-            for (int64_t c = 0; c < KEY_VECS; c += 2) {
-                const __m512i rounded = (__m512i)_mm512_cvtne2ps_pbh(
-                    (__m512)select16(seen[c + 1], exp16(v[c + 1] - new_max), (vec16){0}),
-                    (__m512)select16(seen[c], exp16(v[c] - new_max), (vec16){0}));
-                _mm512_storeu_si512((uint32_t *)s + c * LANES / 2, rounded);
-                total += widen_bf16(_mm512_castsi512_si256(rounded)) + widen_bf16(_mm512_extracti64x4_epi64(rounded, 1));
-            }
-#else
             for (int64_t c = 0; c < KEY_VECS; ++c) {
                 const vec16 e = select16(seen[c], exp16(v[c] - new_max), (vec16){0});
                 store16(s + c * LANES, e);
                 total += e;
             }
-#endif
             if (new_max > row_max[r]) {
                 const float alpha = row_max[r] == -INFINITY ? 0.0f : exp_f32(row_max[r] - new_max);
                 row_sum[r] *= alpha;
@@ -160,6 +189,7 @@ static inline __attribute__((always_inline)) void KV_FN(attend_tile)(
             }
             row_sum[r] += sum_lanes(total);
         }
+#endif
 #if KV_PAIRS /* row r's weight pairs sit at the start of its KEY_TILE floats: a stride of KEY_TILE words */
 #define ACCUMULATE(count, c0)                                                                                     \
     accumulate_pairs((const uint32_t *)(scores + r * KEY_TILE), vt_pairs, n, count, c0, chunks, head_dim,        \
