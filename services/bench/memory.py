@@ -1,67 +1,96 @@
-"""Peak proportional set size (PSS) of running processes, sampled while a benchmark runs.
+"""Peak proportional set size (PSS) of running processes over a benchmark's timed runs.
 
 PSS divides shared pages among the processes that map them, so the figures of a mesh's
-services add up to what the mesh costs the machine (Linux only: /proc/PID/smaps_rollup)."""
+services add up to what the mesh costs the machine (Linux only: /proc/PID/smaps_rollup).
+
+Reading smaps_rollup walks the process's page tables under its memory map lock: ~13 ms of
+kernel time for a 1.6 GiB worker, during which the worker's own mappings (a large tensor's
+allocation) wait. Sampled four times a second over two meshes and a peer, that took a quarter
+of a core from the runs it measured and slowed them unevenly. So PeakPss reads nothing while
+the runs go: it resets each process's resident high-water mark when they start and reads PSS,
+resident size and that mark once when they end. Pages resident at the peak but gone at the end
+were freed during the runs (activations, scratch), which are private to their process, so they
+count fully: peak PSS = PSS at the end + (high-water mark - resident size at the end)."""
 
 from __future__ import annotations
 
-import threading
+import contextlib
 from pathlib import Path
 from types import TracebackType
 
-SAMPLE_INTERVAL_S = 0.25
+
+def _kib_fields(path: Path, names: tuple[str, ...]) -> dict[str, int]:
+    """The "Name: N kB" lines of a /proc file whose names are in `names`, in KiB."""
+    found: dict[str, int] = {}
+    for line in path.read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name in names:
+            found[name] = int(rest.split()[0])
+    return found
 
 
-def pss_mib(pid: int) -> float | None:
-    """The PSS of the process and every process it started, now, in MiB (engines such as
-    vLLM's run their model in child processes); None once it is gone (or without smaps)."""
-    try:
-        total = 0.0
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                total = int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return total + sum(pss_mib(child) or 0.0 for child in _children(pid))
+def _own_pss_mib(pid: int) -> float:
+    return _kib_fields(Path(f"/proc/{pid}/smaps_rollup"), ("Pss",)).get("Pss", 0) / 1024
 
 
-def _children(pid: int) -> list[int]:
+def _tree(pid: int) -> list[int]:
+    """The process and every process it started (engines such as vLLM's run their model in
+    child processes)."""
     children: list[int] = []
     try:
         for task in Path(f"/proc/{pid}/task").iterdir():
             children += [int(c) for c in (task / "children").read_text().split()]
     except OSError:
         pass
-    return children
+    return [pid, *(p for child in children for p in _tree(child))]
+
+
+def pss_mib(pid: int) -> float | None:
+    """The PSS of the process and every process it started, now, in MiB; None once it is gone
+    (or without smaps)."""
+    total = 0.0
+    for number, member in enumerate(_tree(pid)):
+        try:
+            total += _own_pss_mib(member)
+        except OSError:
+            if number == 0:
+                return None
+    return total
+
+
+def _reset_peak(pid: int) -> None:
+    """Start the process's resident high-water mark (VmHWM) over from its resident size now."""
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+def _peak_pss_since_reset_mib(pid: int) -> float:
+    status = _kib_fields(Path(f"/proc/{pid}/status"), ("VmHWM", "VmRSS"))
+    freed_since_peak = max(0, status.get("VmHWM", 0) - status.get("VmRSS", 0))
+    return _own_pss_mib(pid) + freed_since_peak / 1024
 
 
 class PeakPss:
-    """`with PeakPss({"worker": pid, ...}) as peaks: ...` then `peaks.mib` holds each name's peak."""
+    """`with PeakPss({"worker": pid, ...}) as peaks: ...` then `peaks.mib` holds each name's
+    peak PSS over the block (a process gone by its end has no figure)."""
 
-    def __init__(self, pids: dict[str, int], interval_s: float = SAMPLE_INTERVAL_S):
+    def __init__(self, pids: dict[str, int]):
         self.pids = pids
-        self.interval_s = interval_s
         self.mib: dict[str, float] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample_until_stopped, name="pss-sampler", daemon=True)
-
-    def _sample(self) -> None:
-        for name, pid in self.pids.items():
-            now = pss_mib(pid)
-            if now is not None and now > self.mib.get(name, 0.0):
-                self.mib[name] = now
-
-    def _sample_until_stopped(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._sample()
 
     def __enter__(self) -> PeakPss:
-        self._sample()
-        self._thread.start()
+        for pid in self.pids.values():
+            for member in _tree(pid):
+                _reset_peak(member)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
+        for name, pid in self.pids.items():
+            total = 0.0
+            try:
+                for member in _tree(pid):
+                    total += _peak_pss_since_reset_mib(member)
+            except OSError:
+                continue  # gone (a child that ends meanwhile takes the whole figure with it)
+            self.mib[name] = total

@@ -19,7 +19,8 @@
  * is written: its token i sits at position seq_len - len + i and sees positions 0 ..= that.
  * prefill_attention_bf16 is the same over a bfloat16 cache (uint16_t elements): with AVX-512 BF16
  * its scores are bfloat16 pair dots of the query rounded to bfloat16 and its value sums pair dots
- * of the softmax weights rounded to bfloat16 (below), otherwise its values are widened once per
+ * of the softmax weights rounded to bfloat16, their exponentials computed only as precisely as that
+ * rounding needs (below), otherwise its values are widened once per
  * key tile; the softmax, the sums and the output stay float32.
  */
 #include <math.h>

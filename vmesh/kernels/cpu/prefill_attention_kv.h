@@ -116,16 +116,17 @@ static inline __attribute__((always_inline)) void KV_FN(attend_tile)(
         if (r < rows) score_rows(q + r * head_dim, kt, rows - r, head_dim, scores + r * KEY_TILE);
 #endif
         /* Online softmax: rescale what each row holds when its maximum grows. */
-#if KV_PAIRS /* scores in base 2 (score_pairs scaled them by log2 e); weights summed as rounded */
         for (r = 0; r < rows; ++r) {
             const int64_t position = first_position + i0 + r / group;
             float *s = scores + r * KEY_TILE;
             const int64_t visible = position - t0 + 1 < n ? position - t0 + 1 : n; /* keys this row sees */
+            /* The tile's first key this row sees (its window's start, when that falls in the tile). */
             const int64_t lowest = window > 0 && position - window + 1 > t0 ? position - window + 1 - t0 : 0;
             if (visible <= 0 || lowest >= visible) {
                 memset(s, 0, sizeof(float) * KEY_TILE);
                 continue;
             }
+#if KV_PAIRS /* scores in base 2 (score_pairs scaled them by log2 e); the weights summed as rounded */
             __mmask16 seen[KEY_VECS];
             __m512 v[KEY_VECS], most = _mm512_set1_ps(-INFINITY);
             for (int64_t c = 0; c < KEY_VECS; ++c) {
@@ -144,26 +145,8 @@ static inline __attribute__((always_inline)) void KV_FN(attend_tile)(
                 _mm512_storeu_si512((uint32_t *)s + c * LANES / 2, (__m512i)rounded);
                 total = _mm512_dpbf16_ps(total, rounded, (__m512bh)ones);
             }
-            if (new_max > row_max[r]) {
-                const float alpha = row_max[r] == -INFINITY ? 0.0f : exp_f32((row_max[r] - new_max) * LN2);
-                row_sum[r] *= alpha;
-                float *a = acc + r * head_dim;
-                for (int64_t c = 0; c < chunks; ++c) store16(a + c * LANES, load16(a + c * LANES) * alpha);
-                row_max[r] = new_max;
-            }
-            row_sum[r] += _mm512_reduce_add_ps(total);
-        }
+            const float tile_sum = _mm512_reduce_add_ps(total), base = LN2; /* e^(base x): 2^x */
 #else
-        for (r = 0; r < rows; ++r) {
-            const int64_t position = first_position + i0 + r / group;
-            float *s = scores + r * KEY_TILE;
-            const int64_t visible = position - t0 + 1 < n ? position - t0 + 1 : n; /* keys this row sees */
-            /* The tile's first key this row sees (its window's start, when that falls in the tile). */
-            const int64_t lowest = window > 0 && position - window + 1 > t0 ? position - window + 1 - t0 : 0;
-            if (visible <= 0 || lowest >= visible) {
-                memset(s, 0, sizeof(float) * KEY_TILE);
-                continue;
-            }
             idx16 seen[KEY_VECS];
             vec16 v[KEY_VECS], most = splat16(-INFINITY);
             for (int64_t c = 0; c < KEY_VECS; ++c) {
@@ -180,16 +163,17 @@ static inline __attribute__((always_inline)) void KV_FN(attend_tile)(
                 store16(s + c * LANES, e);
                 total += e;
             }
+            const float tile_sum = sum_lanes(total), base = 1.0f;
+#endif
             if (new_max > row_max[r]) {
-                const float alpha = row_max[r] == -INFINITY ? 0.0f : exp_f32(row_max[r] - new_max);
+                const float alpha = row_max[r] == -INFINITY ? 0.0f : exp_f32((row_max[r] - new_max) * base);
                 row_sum[r] *= alpha;
                 float *a = acc + r * head_dim;
                 for (int64_t c = 0; c < chunks; ++c) store16(a + c * LANES, load16(a + c * LANES) * alpha);
                 row_max[r] = new_max;
             }
-            row_sum[r] += sum_lanes(total);
+            row_sum[r] += tile_sum;
         }
-#endif
 #if KV_PAIRS /* row r's weight pairs sit at the start of its KEY_TILE floats: a stride of KEY_TILE words */
 #define ACCUMULATE(count, c0)                                                                                     \
     accumulate_pairs((const uint32_t *)(scores + r * KEY_TILE), vt_pairs, n, count, c0, chunks, head_dim,        \
