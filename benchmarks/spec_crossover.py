@@ -14,31 +14,19 @@ a step is bound by reading the weights (a few rows), and costs once it is bound 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from vmesh.services.bench.common import load_workload
-from vmesh.services.common.types import SamplingParams
-from vmesh.services.engine.llm import EngineConfig, LLMEngine
+from vmesh.services.bench.offline import engine_in_own_process
+from vmesh.services.common.model_loading import gguf_model_file, resolve_model_dir
 from vmesh.services.speculative.config import SpeculativeConfig
-from vmesh.services.worker.config import WorkerConfig
 
-
-def engine(weights: str, dtype: str, speculative: SpeculativeConfig | None, max_num_seqs: int) -> LLMEngine:
-    return LLMEngine.from_config(EngineConfig(worker=WorkerConfig(
-        weights=weights, dtype=dtype, speculative_config=speculative, max_num_seqs=max_num_seqs,
-        kv_cache_memory=512 << 20)))
-
-
-def tokens_per_s(llm: LLMEngine, prompts: list[list[int]], max_tokens: int) -> float:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    started = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    return sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - started)
+KV_CACHE_MEMORY = 512 << 20
 
 
 def main() -> None:
@@ -52,30 +40,35 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["overlap", "standard"])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    torch.set_num_threads(min(2, torch.get_num_threads()))
     largest = max(args.batches)
-    plain = engine(args.weights, args.dtype, None, largest)
     # No batch-size limit: this is the measurement the limit is set from.
-    spec = engine(args.weights, args.dtype, SpeculativeConfig("ngram", args.k, disable_by_batch_size=0), largest)
+    arms = {"plain": None, "spec": SpeculativeConfig("ngram", args.k, disable_by_batch_size=0)}
+    # --weights native reads the GGUF file's own blocks; the other modes the converted directory.
+    model = gguf_model_file(None) if args.weights == "native" else resolve_model_dir(None)
+    assert model is not None
     result: dict[str, dict[int, dict[str, float]]] = {}
-    try:
-        for workload in args.workloads:
-            prompts = load_workload(workload, largest, None)["prompts"]
-            tokens_per_s(plain, prompts[:2], 4)  # first-call costs out of the figures
-            tokens_per_s(spec, prompts[:2], 4)
+    for workload in args.workloads:
+        prompts = load_workload(workload, largest, None)["prompts"]
+        with contextlib.ExitStack() as stack:
+            # Each engine in a process of its own: two in one process share it with two OpenMP
+            # pools, which slows both (services/bench/offline.py, engine_in_own_process).
+            runs = {name: stack.enter_context(engine_in_own_process(
+                model, prompts, args.max_tokens, KV_CACHE_MEMORY, args.dtype, args.weights,
+                speculative=speculative, max_num_seqs=largest)) for name, speculative in arms.items()}
+            for run in runs.values():
+                run(2)  # first-call costs out of the figures
             result[workload] = {}
             for batch in args.batches:
-                runs: dict[str, list[float]] = {"plain": [], "spec": []}
+                times: dict[str, list[float]] = {name: [] for name in runs}
                 for _ in range(args.rounds):
-                    for name, llm in (("plain", plain), ("spec", spec)):
-                        runs[name].append(tokens_per_s(llm, prompts[:batch], args.max_tokens))
-                figures = {name: statistics.median(values) for name, values in runs.items()}
+                    for name, run in runs.items():
+                        times[name].append(run(batch))
+                figures = {name: statistics.median(values) for name, values in times.items()}
                 figures["ratio"] = figures["spec"] / figures["plain"]
                 result[workload][batch] = figures
                 print(f"{workload} batch {batch:>3}: plain {figures['plain']:7.1f} tok/s, with speculation "
                       f"{figures['spec']:7.1f} tok/s, ratio {figures['ratio']:.2f}", flush=True)
-    finally:
-        plain.shutdown()
-        spec.shutdown()
     if args.out:
         args.out.write_text(json.dumps({"weights": args.weights, "dtype": args.dtype, "k": args.k,
                                         "max_tokens": args.max_tokens,

@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the linears' weights, as `vmesh serve --weights` (default: the worker's)")
     srv.add_argument("--serve-flags", default="",
                      help="more `vmesh serve` flags for the mesh it starts, one string (e.g. "
-                          "\"--service-niceness 10\"); the engine reference does not take them")
+                          "\"--service-niceness 10\"; a single flag as --serve-flags=--no-internal-tls); the "
+                          "engine reference does not take them")
     srv.add_argument("--engine-reference", action="store_true",
                      help="after the mesh, the same schedule through the in-process engine, whose worker "
                           "thread's busy fraction and idle gaps are the reference for the mesh's worker")

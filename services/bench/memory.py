@@ -10,13 +10,17 @@ of a core from the runs it measured and slowed them unevenly. So PeakPss reads n
 the runs go: it resets each process's resident high-water mark when they start and reads PSS,
 resident size and that mark once when they end. Pages resident at the peak but gone at the end
 were freed during the runs (activations, scratch), which are private to their process, so they
-count fully: peak PSS = PSS at the end + (high-water mark - resident size at the end)."""
+count fully: peak PSS = PSS at the end + (high-water mark - resident size at the end). Two ways
+this overstates: file pages the kernel reclaimed during the runs count as if freed, and a process
+tree's figure sums each member's own peak, which need not have come at the same moment."""
 
 from __future__ import annotations
 
-import contextlib
+import logging
 from pathlib import Path
 from types import TracebackType
+
+logger = logging.getLogger(__name__)
 
 
 def _kib_fields(path: Path, names: tuple[str, ...]) -> dict[str, int]:
@@ -59,9 +63,14 @@ def pss_mib(pid: int) -> float | None:
 
 
 def _reset_peak(pid: int) -> None:
-    """Start the process's resident high-water mark (VmHWM) over from its resident size now."""
-    with contextlib.suppress(OSError):
+    """Start the process's resident high-water mark (VmHWM) over from its resident size now
+    (Linux 4.0+, and only for a process this one may trace: its own user's)."""
+    try:
         Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError as exc:
+        if Path(f"/proc/{pid}").exists():  # else it is gone, and has no figure anyway
+            logger.warning("could not reset process %d's memory high-water mark (%s): its peak may "
+                           "include what it held before the runs", pid, exc)
 
 
 def _peak_pss_since_reset_mib(pid: int) -> float:
@@ -88,9 +97,11 @@ class PeakPss:
                  tb: TracebackType | None) -> None:
         for name, pid in self.pids.items():
             total = 0.0
-            try:
-                for member in _tree(pid):
+            for number, member in enumerate(_tree(pid)):
+                try:
                     total += _peak_pss_since_reset_mib(member)
-            except OSError:
-                continue  # gone (a child that ends meanwhile takes the whole figure with it)
-            self.mib[name] = total
+                except OSError:
+                    if number == 0:
+                        break  # the process itself is gone: no figure
+            else:
+                self.mib[name] = total

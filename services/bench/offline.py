@@ -25,6 +25,7 @@ from vmesh.services.bench.peers import PEER_BASELINES, PeerError, PeerProcess, d
 from vmesh.services.client import VmeshClient
 from vmesh.services.common.model_loading import gguf_model_file, resolve_model_dir
 from vmesh.services.common.types import OutputMode, SamplingParams
+from vmesh.services.speculative.config import SpeculativeConfig
 
 
 def transformers_generate(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> Callable[[], float]:
@@ -53,20 +54,26 @@ def transformers_generate(model_dir: Path, prompts: list[list[int]], max_tokens:
     return run
 
 
+ENGINE_LOAD_TIMEOUT_S = 900.0  # a model converted and quantized on a loaded 2-core machine
+ENGINE_ROUND_TIMEOUT_S = 3600.0
+
+
 def _serve_engine_runs(connection: Connection, threads: int, model_dir: Path, prompts: list[list[int]],
-                       max_tokens: int, kv_cache_memory: int, dtype: str, weights: str) -> None:
-    """engine_in_own_process's child: answers each "run" with a timed run's tokens/s."""
+                       max_tokens: int, kv_cache_memory: int, dtype: str, weights: str,
+                       speculative: SpeculativeConfig | None, max_num_seqs: int) -> None:
+    """engine_in_own_process's child: answers each ("run", count) with a timed run's tokens/s."""
     torch.set_num_threads(threads)
     with engine_generate(model_dir, prompts, max_tokens, kv_cache_memory=kv_cache_memory, dtype=dtype,
-                         weights=weights) as run:
+                         weights=weights, speculative=speculative, max_num_seqs=max_num_seqs) as run:
         connection.send("ready")
-        while connection.recv() == "run":
-            connection.send(run())
+        while (command := connection.recv())[0] == "run":
+            connection.send(run(command[1]))
 
 
 @contextlib.contextmanager
 def engine_in_own_process(model_dir: Path, prompts: list[list[int]], max_tokens: int, kv_cache_memory: int,
-                          dtype: str, weights: str) -> Iterator[Callable[[], float]]:
+                          dtype: str, weights: str, speculative: SpeculativeConfig | None = None,
+                          max_num_seqs: int = 256) -> Iterator[Callable[..., float]]:
     """engine_generate in a process of its own, as a user runs an engine. OpenMP keeps a pool of
     helper threads per thread that starts parallel work, and a second pool in the process (a
     second engine, or transformers' baseline on the main thread) made every engine step slower:
@@ -76,21 +83,28 @@ def engine_in_own_process(model_dir: Path, prompts: list[list[int]], max_tokens:
     ours, theirs = context.Pipe()
     child = context.Process(target=_serve_engine_runs, name=f"vmesh-bench-engine-{dtype}-{weights}", daemon=True,
                             args=(theirs, torch.get_num_threads(), model_dir, prompts, max_tokens, kv_cache_memory,
-                                  dtype, weights))
+                                  dtype, weights, speculative, max_num_seqs))
     child.start()
     theirs.close()
 
-    def run() -> float:
-        ours.send("run")
-        return float(ours.recv())
+    def receive(timeout_s: float) -> Any:
+        if ours.poll(timeout_s):
+            with contextlib.suppress(EOFError):
+                return ours.recv()
+        child.join(timeout=5)
+        raise RuntimeError(f"the {dtype} / {weights} engine's process stopped or did not answer within "
+                           f"{timeout_s:.0f} s (exit code {child.exitcode}; its output is above)")
+
+    def run(count: int | None = None) -> float:
+        ours.send(("run", count))
+        return float(receive(ENGINE_ROUND_TIMEOUT_S))
 
     try:
-        if ours.recv() != "ready":  # EOFError if the child died loading
-            raise RuntimeError("the engine's process did not start")
+        receive(ENGINE_LOAD_TIMEOUT_S)  # "ready"
         yield run
     finally:
         with contextlib.suppress(OSError, EOFError):
-            ours.send("stop")
+            ours.send(("stop", None))
         child.join(timeout=60)
         if child.is_alive():
             child.kill()
@@ -100,24 +114,27 @@ def engine_in_own_process(model_dir: Path, prompts: list[list[int]], max_tokens:
 
 @contextlib.contextmanager
 def engine_generate(model_dir: Path, prompts: list[list[int]], max_tokens: int, depth: int = 2,
-                    kv_cache_memory: int = 1 << 30, dtype: str = "float32",
-                    weights: str = "dequantized") -> Iterator[Callable[[], float]]:
-    """An in-process engine, warmed up; each call of the yielded function is one timed run."""
+                    kv_cache_memory: int = 1 << 30, dtype: str = "float32", weights: str = "dequantized",
+                    speculative: SpeculativeConfig | None = None,
+                    max_num_seqs: int = 256) -> Iterator[Callable[..., float]]:
+    """An in-process engine, warmed up; each call of the yielded function is one timed run (of
+    the first `count` prompts, or all)."""
     from vmesh.services.engine.llm import EngineConfig, LLMEngine
     from vmesh.services.worker.model_runner import WorkerConfig
 
-    engine = LLMEngine.from_config(EngineConfig(worker=WorkerConfig(model=str(model_dir), max_num_seqs=256,
+    engine = LLMEngine.from_config(EngineConfig(worker=WorkerConfig(model=str(model_dir), max_num_seqs=max_num_seqs,
                                                                     kv_cache_memory=kv_cache_memory, dtype=dtype,
-                                                                    weights=weights),
+                                                                    weights=weights, speculative_config=speculative),
                                                 pipeline_depth=depth))
 
-    def run() -> float:
+    def run(count: int | None = None) -> float:
+        chosen = prompts[:count]
         engine.reset_prefix_cache()  # every round starts cold, as the first one does
         started = time.perf_counter()
-        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        outs = engine.generate(chosen, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
         elapsed = time.perf_counter() - started
         assert all(len(o.token_ids) == max_tokens for o in outs)
-        return len(prompts) * max_tokens / elapsed
+        return len(chosen) * max_tokens / elapsed
 
     try:
         engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2))  # warm-up

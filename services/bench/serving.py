@@ -179,10 +179,15 @@ def summarize(results: list[dict[str, Any]], elapsed: float, args: argparse.Name
 
 
 def model_flags(args: argparse.Namespace) -> list[str]:
-    """`vmesh serve`'s flags for the --dtype and --weights asked of the benchmark, if any, and its
-    --serve-flags."""
-    return [*(flag for name in ("dtype", "weights") if (value := getattr(args, name, None))
-              for flag in (f"--{name}", value)), *shlex.split(getattr(args, "serve_flags", "") or "")]
+    """`vmesh serve`'s flags for the --dtype and --weights asked of the benchmark, if any: the
+    mesh's and the engine reference's."""
+    return [flag for name in ("dtype", "weights") if (value := getattr(args, name, None))
+            for flag in (f"--{name}", value)]
+
+
+def mesh_only_flags(args: argparse.Namespace) -> list[str]:
+    """--serve-flags: more of `vmesh serve`'s flags, for the mesh the benchmark starts only."""
+    return shlex.split(getattr(args, "serve_flags", "") or "")
 
 
 def serving(args: argparse.Namespace) -> dict[str, Any]:
@@ -193,9 +198,13 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
     if unknown := set(backends) - {"grpc", "openai"}:
         raise SystemExit(f"vmesh bench serving: unknown --backend {', '.join(sorted(unknown))} (grpc, openai)")
     external = args.address or args.base_url
+    if external and (model_flags(args) or mesh_only_flags(args)):
+        raise SystemExit("vmesh bench serving: --dtype, --weights and --serve-flags configure a mesh it starts, "
+                         "not a server given by --address or --base-url")
     args.served_model = args.model if args.base_url else None  # --model: a name for a server we did not start
     mesh = None if external else start_mesh("--model", str(resolve_model_dir(args.model)),
-                                              "--kv-cache-memory", args.kv_cache_memory, *model_flags(args))
+                                              "--kv-cache-memory", args.kv_cache_memory, *model_flags(args),
+                                              *mesh_only_flags(args))
     address = args.address or (mesh.address if mesh else None)
     base_url = (args.base_url or (mesh.http_url if mesh else "")).rstrip("/")
     for backend in backends:
@@ -223,7 +232,8 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
         summaries["engine"] = {**summarize(results, elapsed, args), "steps": report}
         backends = [*backends, "engine"]
     result: dict[str, Any] = {"mode": "serving", **machine(), "request_rate": args.request_rate,
-                              "serve_flags": model_flags(args),
+                              "dtype": getattr(args, "dtype", None), "weights": getattr(args, "weights", None),
+                              "mesh_only_flags": mesh_only_flags(args),
                               "interleaved": bool(args.interleave and len(backends) > 1),
                               "max_concurrency": args.max_concurrency, "max_tokens": work["max_tokens"],
                               "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}}

@@ -73,7 +73,7 @@ def test_serving(tmp_path, tiny_model):
     r = bench(tmp_path, "serving", "--model", str(tiny_model), "--num-requests", "6", "--max-tokens", "4",
               "--request-rate", "20", "--max-concurrency", "3", "--dtype", "bfloat16",
               "--serve-flags", "--service-niceness 5", "--engine-reference")
-    assert r["serve_flags"] == ["--dtype", "bfloat16", "--service-niceness", "5"]
+    assert (r["dtype"], r["weights"], r["mesh_only_flags"]) == ("bfloat16", None, ["--service-niceness", "5"])
     assert set(r["backends"]) == {"grpc", "engine"}
     for summary in r["backends"].values():
         for name in ("ttft_ms", "tpot_ms", "itl_ms"):
@@ -82,6 +82,12 @@ def test_serving(tmp_path, tiny_model):
         assert positive(summary["request_throughput"]) and positive(summary["output_token_throughput"])
         assert 0 <= summary["goodput_requests_per_s"] <= summary["request_throughput"]
         assert 0 < summary["steps"]["worker_busy_fraction"] <= 1
+
+
+def test_serving_refuses_mesh_flags_for_a_server_it_did_not_start():
+    done = subprocess.run([sys.executable, "-m", "vmesh", "bench", "serving", "--address", "127.0.0.1:9",
+                           "--serve-flags=--no-internal-tls"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "configure a mesh it starts" in done.stderr
 
 
 def test_serving_grpc_and_openai_backends_in_turn(tmp_path, tiny_model):

@@ -85,6 +85,24 @@ def test_tiled_prefill_attention_over_a_bf16_cache(kernels, head_dim, heads, kv_
         assert torch.equal(again, out)
 
 
+def test_tiled_prefill_attention_over_a_bf16_cache_keeps_a_nan_key_nan(kernels):
+    """A NaN in one cached key makes the output NaN for exactly the query rows that see it (the
+    tokens at or after it, the query heads of its KV head), as the float32 reference does: the
+    base-2 softmax's clamp must not turn NaN scores into tiny weights."""
+    head_dim, heads, kv_heads, block_size, poisoned = 64, 9, 3, 16, 19
+    q, kc, vc, _, _, starts, seq_lens, tables = _bf16_batch([40], [0], heads, kv_heads, head_dim, block_size, seed=5)
+    kc[tables[0, poisoned // block_size], poisoned % block_size, 1, 7] = float("nan")
+    rows = torch.arange(1)
+    chunks = kernels.prefill_chunks(tables, rows, starts[:-1].long(), torch.tensor([40], dtype=torch.int32), seq_lens)
+    out = torch.empty_like(q)
+    kernels.prefill_attention(q, kc, vc, chunks, head_dim ** -0.5, out)
+    group = heads // kv_heads
+    nan_rows = out.view(40, heads, head_dim).isnan().any(dim=-1)
+    want = torch.zeros(40, heads, dtype=torch.bool)
+    want[poisoned:, group:2 * group] = True
+    assert torch.equal(nan_rows, want)
+
+
 def test_attention_refuses_a_bf16_query_or_mixed_caches(kernels):
     q, kc, vc, _, _, _, seq_lens, tables = _bf16_batch([1], [3], 4, 2, 64, 16, seed=1)
     rows = torch.arange(1)

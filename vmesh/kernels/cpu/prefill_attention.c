@@ -145,7 +145,7 @@ static inline void round_pairs(const float *x, uint32_t *pairs, int64_t head_dim
 }
 
 /* scores[r][0..KEY_TILE) = scale q[r] . keys[0..KEY_TILE) from pair words: q [rows][pairs], kt
- * [pairs][KEY_TILE]. */
+ * [pairs][KEY_TILE]. (The caller's scale includes log2 e: its softmax is in base 2.) */
 static inline __attribute__((always_inline)) void score_pairs(const uint32_t *q, const uint32_t *kt, int64_t rows,
                                                               const int64_t pairs, float scale, float *scores) {
     __m512 acc[QK_ROWS][KEY_VECS];
@@ -183,12 +183,14 @@ static inline __mmask16 lanes_between(int64_t lo, int64_t hi) {
 }
 
 /* 2^t for t <= 0, as softmax weights about to be rounded to bfloat16: t = n + f with n an integer
- * and |f| <= 1/2; 2^f by the degree-5 series of e^(f ln 2) (relative error below 3e-6, far inside
- * bfloat16's 2^-9) and 2^n by VSCALEFPS. t is raised to -125 first: 2^-125 is still a normal float,
- * so no lane makes a subnormal, and masked lanes (-inf) come out finite for the caller to zero. A
- * third of exp16's instructions, which in the float32 path make the weights' full precision. */
+ * and |f| <= 1/2; 2^f by the degree-5 series of e^(f ln 2) (relative error at most ~3.3e-6, far
+ * inside bfloat16's 2^-9) and 2^n by VSCALEFPS. t is raised to -125 first: 2^-125 is still a normal
+ * float, so no lane makes a subnormal, and masked lanes (-inf) come out finite for the caller to
+ * zero; a NaN stays NaN (VMAXPS returns its second operand when either is NaN), so a NaN or
+ * infinite score still makes the row's output NaN. About half of exp16's instructions, which in the
+ * float32 path make the weights' full precision. */
 static inline __m512 exp2_weights(__m512 t) {
-    t = _mm512_max_ps(t, _mm512_set1_ps(-125.0f));
+    t = _mm512_max_ps(_mm512_set1_ps(-125.0f), t);
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
     __m512 p = _mm512_set1_ps(1.3333558146428443e-3f);
