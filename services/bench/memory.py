@@ -17,6 +17,7 @@ tree's figure sums each member's own peak, which need not have come at the same 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -49,17 +50,23 @@ def _tree(pid: int) -> list[int]:
     return [pid, *(p for child in children for p in _tree(child))]
 
 
-def pss_mib(pid: int) -> float | None:
-    """The PSS of the process and every process it started, now, in MiB; None once it is gone
-    (or without smaps)."""
+def _tree_sum(pid: int, figure: Callable[[int], float]) -> float | None:
+    """`figure` summed over the process and every process it started; None once the process is
+    gone (a child that ends meanwhile counts nothing)."""
     total = 0.0
     for number, member in enumerate(_tree(pid)):
         try:
-            total += _own_pss_mib(member)
+            total += figure(member)
         except OSError:
             if number == 0:
                 return None
     return total
+
+
+def pss_mib(pid: int) -> float | None:
+    """The PSS of the process and every process it started, now, in MiB; None once it is gone
+    (or without smaps)."""
+    return _tree_sum(pid, _own_pss_mib)
 
 
 def _reset_peak(pid: int) -> None:
@@ -96,12 +103,5 @@ class PeakPss:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         for name, pid in self.pids.items():
-            total = 0.0
-            for number, member in enumerate(_tree(pid)):
-                try:
-                    total += _peak_pss_since_reset_mib(member)
-                except OSError:
-                    if number == 0:
-                        break  # the process itself is gone: no figure
-            else:
-                self.mib[name] = total
+            if (peak := _tree_sum(pid, _peak_pss_since_reset_mib)) is not None:
+                self.mib[name] = peak
