@@ -149,8 +149,8 @@ async def _serve_backends(backends: list[str], args: argparse.Namespace, work: d
 async def _serve_engine(args: argparse.Namespace, work: dict[str, Any]) -> tuple[list[dict[str, Any]], float,
                                                                                   dict[str, Any]]:
     """The same schedule through the in-process engine: the reference for the mesh's worker."""
-    with engine_sender(resolve_model_dir(args.model), args.kv_cache_memory_bytes,
-                       getattr(args, "dtype", None), getattr(args, "weights", None)) as (send, timed):
+    with engine_sender(resolve_model_dir(args.model), args.kv_cache_memory_bytes, args.dtype,
+                       args.weights) as (send, timed):
         await send(work["prompts"][0], 2)
         mark = timed.timeline.steps
         before = sum(os.times()[:2])
@@ -181,13 +181,13 @@ def summarize(results: list[dict[str, Any]], elapsed: float, args: argparse.Name
 def model_flags(args: argparse.Namespace) -> list[str]:
     """`vmesh serve`'s flags for the --dtype and --weights asked of the benchmark, if any: the
     mesh's and the engine reference's."""
-    return [flag for name in ("dtype", "weights") if (value := getattr(args, name, None))
+    return [flag for name, value in (("dtype", args.dtype), ("weights", args.weights)) if value
             for flag in (f"--{name}", value)]
 
 
 def mesh_only_flags(args: argparse.Namespace) -> list[str]:
     """--serve-flags: more of `vmesh serve`'s flags, for the mesh the benchmark starts only."""
-    return shlex.split(getattr(args, "serve_flags", "") or "")
+    return shlex.split(args.serve_flags)
 
 
 def serving(args: argparse.Namespace) -> dict[str, Any]:
@@ -232,7 +232,7 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
         summaries["engine"] = {**summarize(results, elapsed, args), "steps": report}
         backends = [*backends, "engine"]
     result: dict[str, Any] = {"mode": "serving", **machine(), "request_rate": args.request_rate,
-                              "dtype": getattr(args, "dtype", None), "weights": getattr(args, "weights", None),
+                              "dtype": args.dtype, "weights": args.weights,
                               "mesh_only_flags": mesh_only_flags(args),
                               "interleaved": bool(args.interleave and len(backends) > 1),
                               "max_concurrency": args.max_concurrency, "max_tokens": work["max_tokens"],
