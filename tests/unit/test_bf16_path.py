@@ -50,9 +50,40 @@ def test_decode_attention_over_a_bf16_cache(kernels, head_dim, heads, kv_heads, 
     scale = head_dim ** -0.5
     out = torch.zeros_like(q)
     rows = torch.arange(len(context_lens))
-    kernels.paged_attention(q, kc, vc, kernels.attention_items(tables, rows, rows, seq_lens), scale, out)
-    want = reference.paged_attention_ref(q, kc32, vc32, starts, seq_lens, tables, scale)
-    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)  # float32 arithmetic: as tight as float32's
+    items = kernels.attention_items(tables, rows, rows, seq_lens)
+    kernels.paged_attention(q, kc, vc, items, scale, out)
+    # head_dim a multiple of 32 with bfloat16 pair dots: as the prefill kernel, the query and the softmax
+    # weights rounded to bfloat16 (vmesh/kernels/cpu/paged_attention_pairs.h); otherwise float32 arithmetic.
+    paired = kernels.bf16_dot and head_dim % 32 == 0
+    attended = q.bfloat16().float() if paired else q
+    want = reference.paged_attention_ref(attended, kc32, vc32, starts, seq_lens, tables, scale)
+    if not paired:
+        torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)  # as tight as float32's
+        return
+    error = (out - want).abs()
+    assert 0 < error.max().item() <= paired_value_sum_bound(vc32), error.max().item()
+    assert error.mean().item() <= 2.0 ** -10 * vc32.abs().mean().item()  # see the prefill test below
+    again = torch.empty_like(q)
+    kernels.paged_attention(attended, kc, vc, items, scale, again)
+    assert torch.equal(again, out)
+
+
+def test_decode_attention_over_a_bf16_cache_keeps_a_nan_key_nan(kernels):
+    """A NaN in one cached key makes the output NaN for exactly the query heads of its KV head in the
+    requests whose context holds it, whichever path (pair dots or float32) the kernel takes."""
+    head_dim, heads, kv_heads, block_size = 64, 9, 3, 16
+    context_lens = [40, 40, 10]
+    q, kc, vc, _, _, _, seq_lens, tables = _bf16_batch([1] * 3, context_lens, heads, kv_heads, head_dim, block_size,
+                                                       seed=5)
+    poisoned = 19  # a key of request 0, in the middle of its second block
+    kc[tables[0, poisoned // block_size], poisoned % block_size, 1, 7] = float("nan")
+    rows = torch.arange(3)
+    out = torch.empty_like(q)
+    kernels.paged_attention(q, kc, vc, kernels.attention_items(tables, rows, rows, seq_lens), head_dim ** -0.5, out)
+    group = heads // kv_heads
+    want = torch.zeros(3, heads, dtype=torch.bool)
+    want[0, group:2 * group] = True
+    assert torch.equal(out.view(3, heads, head_dim).isnan().any(dim=-1), want)
 
 
 @pytest.mark.parametrize(("head_dim", "heads", "kv_heads", "block_size"), ATTENTION_CASES[:3])

@@ -167,7 +167,8 @@ class CpuKernels:
         # Whether vmesh/kernels/cpu/integer_linear.c was built with AVX-512 VNNI (-march=native: this CPU has it).
         self.integer_dot = bool(_bind(library.vmesh_integer_dot_available, [], INT)())
         # Whether the kernels were built with AVX-512 BF16 (the same way): batch_linear_bf16.c's products,
-        # and prefill_attention.c's scores over a bfloat16 cache (its queries rounded to bfloat16).
+        # and the attention kernels' pair dots over a bfloat16 cache (queries and softmax weights rounded
+        # to bfloat16: prefill_attention.c, paged_attention_pairs.h for head_dim a multiple of 32).
         self.bf16_dot = bool(_bind(library.vmesh_batch_linear_bf16_available, [], INT)())
         # int8_linear.c's batch path: inputs per activation scale (the packed layout's widths divide by it).
         self.int8_block_inputs = int(_bind(library.vmesh_int8_block_inputs, [], INT)())

@@ -7,4 +7,5 @@
 #define KV_LOAD16 load16
 #define KV_PREFETCH prefetch_slot
 #define KV_FN(name) CONCAT(name, f32)
+#define KV_PAIRS 0
 #include "paged_attention_kv.h"

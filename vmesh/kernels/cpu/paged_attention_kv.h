@@ -56,14 +56,18 @@ static inline __attribute__((always_inline)) void KV_FN(attend_request)(
 }
 
 
-/* Pointers to the slots of the tile of up to 16 tokens starting at t0 (its length). */
+/* Pointers to the slots of the tile of up to 16 tokens starting at t0 (its length). One division
+ * per tile, not per token: a tile walks at most two blocks. */
 static inline int64_t KV_FN(tile_slots)(const KV_T *cache, const int32_t *table, int64_t t0, int64_t seq_len,
                                  int64_t block_size, int64_t block_stride, int64_t token_stride,
                                  const KV_T *slots[LANES]) {
     const int64_t n = seq_len - t0 < LANES ? (seq_len > t0 ? seq_len - t0 : 0) : LANES;
-    for (int64_t j = 0; j < n; ++j) {
-        const int64_t t = t0 + j;
-        slots[j] = cache + (int64_t)table[t / block_size] * block_stride + (t % block_size) * token_stride;
+    if (n == 0) return 0;
+    int64_t b = t0 / block_size, slot = t0 - b * block_size;
+    const KV_T *block = cache + (int64_t)table[b] * block_stride;
+    for (int64_t j = 0; j < n; ++j, ++slot) {
+        if (slot == block_size) block = cache + (int64_t)table[++b] * block_stride, slot = 0;
+        slots[j] = block + slot * token_stride;
     }
     return n;
 }
@@ -200,6 +204,9 @@ static inline __attribute__((always_inline)) void KV_FN(attend_request_vec)(
     }
     memcpy(o, acc, sizeof(float) * (size_t)(heads * head_dim));
 }
+#if KV_PAIRS
+#include "paged_attention_pairs.h"
+#endif
 #undef FOR_HEAD_SETS
 
 /* Returns 0 on success, 1 if a size is out of the supported range, 2 if memory ran out.
@@ -228,8 +235,10 @@ int KV_FN(paged_attention)(const float *query, int64_t query_stride, const KV_T 
         float *o = out + (token_rows[item] * heads + h0 * group) * head_dim;
         const KV_T *k = key_cache + h0 * head_dim, *v = value_cache + h0 * head_dim;
         const int64_t part_heads = heads_per_part * group;
-        /* Per head: 16 vectors of partial dot products, then head_dim sums, then seq_len scores. */
-        const size_t floats = (size_t)part_heads * (size_t)(LANES * LANES + head_dim + seq_len - first);
+        /* Per head: 16 vectors of partial dot products, then head_dim sums, then seq_len scores
+         * (rounded up to 32), then the query's bfloat16 pairs where KV_PAIRS. */
+        const size_t floats =
+            (size_t)part_heads * (size_t)(LANES * LANES + 2 * head_dim + (seq_len - first + 31) / 32 * 32);
         float *scratch = aligned_alloc(sizeof(vec16), (floats * sizeof(float) + sizeof(vec16) - 1) /
                                                           sizeof(vec16) * sizeof(vec16));
         if (scratch == NULL) {
@@ -242,6 +251,21 @@ int KV_FN(paged_attention)(const float *query, int64_t query_stride, const KV_T 
 #define ATTEND_VEC(dim)                                                                                              \
     KV_FN(attend_request_vec)(q, k, v, table, first, seq_len, block_size, kv_heads, heads_per_part, group, dim, scale, scores, acc, \
                        partial, o)
+#if KV_PAIRS
+#define ATTEND_PAIRS(dim)                                                                                            \
+    attend_request_pairs(q, k, v, table, first, seq_len, block_size, kv_heads, heads_per_part, group, dim, scale,     \
+                         scratch, o)
+        if (head_dim % 32 == 0) {
+            switch (head_dim) {
+            case 64: ATTEND_PAIRS(64); break;
+            case 128: ATTEND_PAIRS(128); break;
+            default: ATTEND_PAIRS(head_dim);
+            }
+            free(scratch);
+            continue;
+        }
+#undef ATTEND_PAIRS
+#endif
         switch (head_dim) {
         case 64: ATTEND_VEC(64); break;
         case 128: ATTEND_VEC(128); break;

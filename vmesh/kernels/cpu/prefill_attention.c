@@ -31,6 +31,7 @@
 #include "kernel_limits.h"
 #include "vec_math.h"
 #include "cross_calls.h"
+#include "bf16_pairs.h"
 
 #define LANES PREFILL_LANES
 #define KEY_VECS 4 /* vectors of scores per row and key tile */
@@ -120,10 +121,7 @@ static inline __attribute__((always_inline)) void score_rows(const float *q, con
         for (int64_t c = 0; c < KEY_VECS; ++c) store16(scores + r * KEY_TILE + c * LANES, acc[r][c]);
 }
 
-
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
-#include <immintrin.h>
+#if BF16_PAIRS
 /* Over a bfloat16 cache the scores are bfloat16 pair dots (VDPBF16PS): each key's elements 2p and
  * 2p + 1 are one 32-bit word of the cache, so the key tile is a transpose of words, and a query
  * row in bfloat16 pairs meets 16 keys per instruction two elements at a time: half the
@@ -131,18 +129,7 @@ static inline __attribute__((always_inline)) void score_rows(const float *q, con
  * summed in float32, and the scale multiplies the sums. The query is rounded to bfloat16: a no-op for
  * the bfloat16 model's, which rotary_write_kv_bf16 rounds (as every attention path of that mode
  * does), so the scores are float32 arithmetic's but for summation order and the instructions'
- * flushing of subnormals. Same condition as batch_linear_bf16.c. */
-#define PAIRED_SCORES 1
-
-/* pairs[p] = x[2p], x[2p + 1] rounded to bfloat16 (nearest, ties to even), for head_dim / 2 pairs. */
-static inline void round_pairs(const float *x, uint32_t *pairs, int64_t head_dim) {
-    int64_t d = 0;
-    for (; d + 2 * LANES <= head_dim; d += 2 * LANES)
-        _mm512_storeu_si512(pairs + d / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + d + LANES),
-                                                                         _mm512_loadu_ps(x + d)));
-    if (d < head_dim) /* one vector of 16 left (head_dim is a multiple of 16) */
-        _mm256_storeu_si256((__m256i *)(pairs + d / 2), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + d)));
-}
+ * flushing of subnormals. (bf16_pairs.h). */
 
 /* scores[r][0..KEY_TILE) = scale q[r] . keys[0..KEY_TILE) from pair words: q [rows][pairs], kt
  * [pairs][KEY_TILE]. (The caller's scale includes log2 e: its softmax is in base 2.) */
@@ -171,36 +158,6 @@ static inline __attribute__((always_inline)) void score_pairs(const uint32_t *q,
  * a value tile interleaved by key pairs, vt[p][d] = (v[2p][d], v[2p + 1][d]): one instruction
  * per two keys and 16 features where the float32 sums take two. The row sums divide by the
  * rounded weights' own sum, so each output stays a convex combination of the values. */
-
-#define LOG2E 1.44269504088896341f
-#define LN2 0.693147180559945309f
-#define BF16_PAIR_OF_ONES 0x3F803F80 /* two bfloat16 1.0s: a pair dot with it sums a vector's pairs */
-
-/* Lanes lo .. hi - 1 of a vector's 16 (bounds clamped to 0 .. 16): which keys of it a row sees. */
-static inline __mmask16 lanes_between(int64_t lo, int64_t hi) {
-    lo = lo < 0 ? 0 : lo, hi = hi > LANES ? LANES : hi;
-    return hi <= lo ? 0 : (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
-}
-
-/* 2^t for t <= 0, as softmax weights about to be rounded to bfloat16: t = n + f with n an integer
- * and |f| <= 1/2; 2^f by the degree-5 series of e^(f ln 2) (relative error at most ~3.3e-6, far
- * inside bfloat16's 2^-9) and 2^n by VSCALEFPS. t is raised to -125 first: 2^-125 is still a normal
- * float, so no lane makes a subnormal, and masked lanes (-inf) come out finite for the caller to
- * zero; a NaN stays NaN (VMAXPS returns its second operand when either is NaN), so a NaN or
- * infinite score still makes the row's output NaN. About half of exp16's instructions, which in the
- * float32 path make the weights' full precision. */
-static inline __m512 exp2_weights(__m512 t) {
-    t = _mm512_max_ps(_mm512_set1_ps(-125.0f), t);
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.3333558146428443e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022650695910071f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718055994531f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* vt[p][0..head_dim) for the key pairs of n keys (a missing last key's values are zeros): each
  * word holds key 2p's and key 2p + 1's value of one feature. */
@@ -245,8 +202,6 @@ static inline __attribute__((always_inline)) void accumulate_pairs(const uint32_
     for (int64_t r = 0; r < rows && r < PV_ROWS; ++r)
         for (int64_t c = 0; c < width; ++c) _mm512_storeu_ps(acc + r * head_dim + (c0 + c) * LANES, a[r][c]);
 }
-#else
-#define PAIRED_SCORES 0
 #endif
 
 #define CONCAT_(a, b) a##_##b
@@ -265,11 +220,11 @@ static inline __attribute__((always_inline)) void accumulate_pairs(const uint32_
 #undef KV_LOAD16
 #undef KV_FN
 
-/* bfloat16 cache, float32 queries (bfloat16 pairs for the scores where PAIRED_SCORES), output and
+/* bfloat16 cache, float32 queries (bfloat16 pairs for the scores where BF16_PAIRS), output and
  * softmax: prefill_attention_bf16. */
 #define KV_T uint16_t
 #define KV_LOAD(p) bf16_to_f32(*(p))
 #define KV_LOAD16 load16_bf16
 #define KV_FN(name) CONCAT(name, bf16)
-#define KV_PAIRS PAIRED_SCORES
+#define KV_PAIRS BF16_PAIRS
 #include "prefill_attention_kv.h"
