@@ -102,6 +102,20 @@ static inline vec16 fold16(const vec16 a[LANES]) {
 
 
 
+/* A tile's scores from its partial sums: row hq's n tokens (of 16; the other partials are zeroed
+ * first) become scale times their folded sums, at row + hq * row_stride. */
+static inline void store_tile_scores(vec16 *partial, int64_t heads, int64_t n, float scale, float *row,
+                                     int64_t row_stride) {
+    if (n < LANES)
+        for (int64_t hq = 0; hq < heads; ++hq)
+            for (int64_t j = n; j < LANES; ++j) partial[hq * LANES + j] = (vec16){0};
+    for (int64_t hq = 0; hq < heads; ++hq) {
+        const vec16 tile = fold16(partial + hq * LANES) * scale;
+        if (n == LANES) store16(row + hq * row_stride, tile);
+        else memcpy(row + hq * row_stride, &tile, sizeof(float) * (size_t)n);
+    }
+}
+
 static inline void prefetch_bf16_slot(const uint16_t *slot, int64_t elements) {
     for (int64_t i = 0; i < elements; i += 32) __builtin_prefetch(slot + i, 0, 2);
 }

@@ -174,14 +174,7 @@ static inline __attribute__((always_inline)) void KV_FN(attend_request_vec)(
             FOR_HEAD_SETS(group, sub, SCORE)
 #undef SCORE
         }
-        if (n < LANES)
-            for (int64_t hq = 0; hq < heads; ++hq)
-                for (int64_t j = n; j < LANES; ++j) partial[hq * LANES + j] = (vec16){0};
-        for (int64_t hq = 0; hq < heads; ++hq) {
-            const vec16 tile = fold16(partial + hq * LANES) * scale;
-            if (n == LANES) store16(scores + hq * len + t0 - first, tile);
-            else memcpy(scores + hq * len + t0 - first, &tile, sizeof(float) * (size_t)n);
-        }
+        store_tile_scores(partial, heads, n, scale, scores + t0 - first, len);
         memcpy(slots, next, sizeof slots);
         n = n_next;
     }

@@ -151,12 +151,7 @@ static inline __attribute__((always_inline)) void attend_request_pairs(
             FOR_HEAD_SETS(group, score_sub, SCORE)
 #undef SCORE
         }
-        if (n < LANES)
-            for (int64_t hq = 0; hq < heads; ++hq)
-                for (int64_t j = n; j < LANES; ++j) partial[hq * LANES + j] = (vec16){0};
-        for (int64_t hq = 0; hq < heads; ++hq)
-            _mm512_mask_storeu_ps(scores + hq * stride + t0 - first, lanes_between(0, n),
-                                  (__m512)(fold16(partial + hq * LANES) * score_scale));
+        store_tile_scores(partial, heads, n, score_scale, scores + t0 - first, stride);
         memcpy(slots, next, sizeof slots);
         n = n_next;
     }
