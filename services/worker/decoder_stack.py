@@ -1,5 +1,6 @@
-"""Every decoder layer of a quantized (`--weights native`) Llama-shaped model in one C call
-(vmesh/kernels/cpu/decoder_stack.c) instead of six calls per layer from Python.
+"""Every decoder layer of a Llama-shaped model in one C call (vmesh/kernels/cpu/decoder_stack.c)
+instead of six to nine calls per layer from Python, in two modes: quantized (`--weights native`,
+float32) and `--weights int8 --dtype bfloat16`.
 
 At one stream the Python, checks, output tensors and ctypes dispatch around the per-op path's ~180
 kernel calls cost a fifth to a quarter of a decode step (benchmarks/README.md, "The decoder layers
@@ -7,11 +8,14 @@ in one C call"); here the same kernels run in the same order from C, so the outp
 for bit (tests/integration/test_decoder_stack.py). Every layer's shapes are checked when the stack
 is built, the step's once per step, and the scratch buffers are tensors made here.
 
-The stack serves the models whose layers are all plain: float32, one KV cache group, no tensor
-parallelism, pre-norm layers without QK-norm, a SiLU MLP, every projection a plain QuantizedLinear
-(a LoRA wrapper reads its own input), one RoPE table, heads within the C attention kernels' limits.
-Any other model, or a step on another attention backend or KV cache dtype, runs the per-op path
-(DecoderLayer.forward). The decision is made at the first step (LoRA wraps its layers at load).
+The stack serves the models whose layers are all plain: one KV cache group, no tensor
+parallelism, pre-norm layers without QK-norm, a SiLU MLP, one RoPE table, heads within the C
+attention kernels' limits, and every projection either a plain QuantizedLinear of a float32 model
+or a plain Int8Linear with its 8-bit block copy in the mixed bfloat16 model (a LoRA wrapper reads
+its own input). The int8 stack takes steps of BLOCK_PATH_MIN_ROWS rows or more, where every
+product is the block one; fewer rows, and any other model, or a step on another attention
+backend or KV cache dtype, run the per-op path (DecoderLayer.forward). The decision is made at
+the first step (LoRA wraps its layers at load).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 from vmesh.kernels.cpu_checks import attention_shape, require_contiguous_cpu
 from vmesh.kernels.cpu_native import kernel_status_error
 from vmesh.services.worker.attention import AttentionMetadata, CpuAttentionBackend
+from vmesh.services.worker.int8_linear import BLOCK_PATH_MIN_ROWS, Int8Linear
 from vmesh.services.worker.mlp import DenseMlp
 from vmesh.services.worker.quantized_linear import is_plain_quantized
 
@@ -42,6 +47,13 @@ class StackLayer(ctypes.Structure):
                 ("value_cache", P), ("scale", F32), ("window", I64)]
 
 
+class Int8StackLayer(ctypes.Structure):
+    _fields_ = [("input_norm", P), ("post_attention_norm", P), ("qkv", P), ("o", P), ("gate_up", P), ("down", P),
+                ("qkv_scale", P), ("o_scale", P), ("gate_up_scale", P), ("down_scale", P), ("qkv_bias", P),
+                ("o_bias", P), ("gate_up_bias", P), ("down_bias", P), ("key_cache", P), ("value_cache", P),
+                ("scale", F32), ("window", I64)]
+
+
 class StackAttention(ctypes.Structure):
     _fields_ = [("block_tables", P), ("table_width", I64), ("request_rows", P), ("token_rows", P),
                 ("context_lens", P), ("num_items", I64), ("chunk_requests", P), ("chunk_starts", P),
@@ -58,10 +70,15 @@ STACK_KERNELS = ("norm + q/k/v product", "decode attention", "prefill attention"
                  "norm + gate/up product", "SiLU + down product")
 
 
+def is_plain_int8(linear: object) -> TypeGuard[Int8Linear]:
+    """An Int8Linear itself (not a wrapper) with the packed copy the block product reads."""
+    return type(linear) is Int8Linear and linear.blocks is not None
+
+
 def stack_refusal(model: DecoderModel) -> str | None:
     """Why the model's layers cannot run as one C call, or None when they can."""
-    if model.device.type != "cpu" or model.dtype != torch.float32:
-        return "not a float32 model on the CPU"
+    if model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
+        return "not a float32 or bfloat16 model on the CPU"
     if model.parallel is not None:
         return "tensor parallel"
     if len(model.rotaries) != 1:
@@ -71,15 +88,27 @@ def stack_refusal(model: DecoderModel) -> str | None:
             return "sandwich norms or QK-norm"
         if not isinstance(layer.mlp, DenseMlp) or layer.mlp.plan.activation != "silu":
             return "not a SiLU MLP"
-        if not all(is_plain_quantized(p) for p in layer.projections()):
+    projections = [p for layer in model.layers for p in layer.projections()]
+    if model.dtype == torch.bfloat16:
+        if not all(is_plain_int8(p) for p in projections):
+            return "a bfloat16 model whose projections are not all plain int8 linears with 8-bit blocks"
+    else:
+        if not all(is_plain_quantized(p) for p in projections):
             return "a projection that is not a plain quantized linear"
-    products = [p._product for layer in model.layers for p in layer.projections()]  # type: ignore[union-attr]
-    if len({p.integer for p in products}) != 1:
-        return "integer and float products mixed"
-    spec, kernels = model.spec, model.quantized_kernels
+        if len({p._product.integer for p in projections}) != 1:  # type: ignore[union-attr]
+            return "integer and float products mixed"
+    spec, kernels = model.spec, stack_kernels(model)
     if kernels is not None and (spec.num_heads > kernels.max_heads or spec.head_dim > kernels.max_head_dim):
         return "heads beyond the C attention kernels' limits"  # the per-op path attends in torch then
     return None
+
+
+def stack_kernels(model: DecoderModel) -> CpuKernels | None:
+    """The kernels the model's linears run on: the quantized ones, or the int8 layers' (None: neither)."""
+    if model.quantized_kernels is not None:
+        return model.quantized_kernels
+    first = model.layers[0].qkv_proj if model.layers else None
+    return first.kernels if isinstance(first, Int8Linear) else None
 
 
 class DecoderStack:
@@ -90,6 +119,9 @@ class DecoderStack:
         if refusal is not None:
             raise ValueError(f"the decoder stack does not serve this model: {refusal}")
         self.model = model
+        # The mixed bfloat16 model with int8 linears (decoder_stack_int8_bf16), else native float32.
+        self.int8 = model.dtype == torch.bfloat16
+        self.cache_dtype = torch.bfloat16 if self.int8 else torch.float32
         spec = model.spec
         first_mlp = model.layers[0].mlp
         assert isinstance(first_mlp, DenseMlp)
@@ -102,7 +134,7 @@ class DecoderStack:
         # (in, out) features C assumes of each projection: it takes the sizes from the shape, not the weights.
         expected = {"qkv": (spec.hidden_size, self.qkv_width), "o": (attention_width, spec.hidden_size),
                     "gate_up": (spec.hidden_size, 2 * intermediate), "down": (intermediate, spec.hidden_size)}
-        self.layers = (StackLayer * len(model.layers))()
+        self.layers = ((Int8StackLayer if self.int8 else StackLayer) * len(model.layers))()
         # What the layers' addresses point into, held as long as the stack is (the model may drop them).
         self._held: list[object] = []
         integer = set()
@@ -117,30 +149,53 @@ class DecoderStack:
             entry.post_attention_norm = layer.post_attention_norm.data_ptr()
             for name, linear in (("qkv", layer.qkv_proj), ("o", layer.o_proj), ("gate_up", mlp.gate_up_proj),
                                  ("down", mlp.down_proj)):
-                product = linear._product  # type: ignore[union-attr]
-                if (product.in_features, product.out_features) != expected[name]:
-                    raise ValueError(f"layer {i}: {name} is {product.in_features} -> {product.out_features} "
-                                     f"features, not {expected[name][0]} -> {expected[name][1]}")
-                blocks, block_format, bias = product.pointers
-                setattr(entry, name, blocks)
-                setattr(entry, f"{name}_format", block_format)
-                setattr(entry, f"{name}_bias", bias or None)
-                integer.add(product.integer)
-                self._held.append(product)
+                features = (linear.in_features, linear.out_features)
+                if features != expected[name]:
+                    raise ValueError(f"layer {i}: {name} is {features[0]} -> {features[1]} features, not "
+                                     f"{expected[name][0]} -> {expected[name][1]}")
+                if self.int8:
+                    assert is_plain_int8(linear)
+                    self._point_at_int8(entry, name, linear)
+                else:
+                    product = linear._product  # type: ignore[union-attr]
+                    blocks, block_format, bias = product.pointers
+                    setattr(entry, name, blocks)
+                    setattr(entry, f"{name}_format", block_format)
+                    setattr(entry, f"{name}_bias", bias or None)
+                    integer.add(product.integer)
+                    self._held.append(product)
             self._held += [layer.input_norm, layer.post_attention_norm]
             entry.scale = layer.scale
             entry.window = layer.plan.attention.window or 0
-        (integer_products,) = integer  # stack_refusal: one kind
         self.shape = StackShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, intermediate,
-                                0, spec.rms_norm_eps, integer_products)
+                                0, spec.rms_norm_eps, integer.pop() if integer else 0)  # stack_refusal: one kind
         # The KV cache whose tensors self.layers points at, and those tensors (held).
         self._caches: tuple[KVCache, list[torch.Tensor]] | None = None
 
-    @staticmethod
-    def serves(backend: object, kv_cache: KVCache) -> TypeGuard[CpuAttentionBackend]:
-        """Whether this step can run as one call: the C attention backend, over one float32 cache group."""
+    def _point_at_int8(self, entry: Int8StackLayer, name: str, linear: Int8Linear) -> None:
+        """The packed copy, scales and bias of one int8 projection, checked as
+        CpuKernels.int8_block_linear checks them per call."""
+        blocks, scale, bias = linear.blocks, linear.scale, linear.bias
+        assert blocks is not None
+        require_contiguous_cpu(("packed", blocks, torch.uint8), ("scale", scale, torch.float32),
+                               *((("bias", bias, torch.float32),) if bias is not None else ()))
+        if (blocks.dim() != 4 or tuple(blocks.shape[2:]) != (16, 4) or blocks.shape[0] != -(-linear.out_features // 16)
+                or blocks.shape[1] * 4 != linear.in_features or linear.in_features % self.kernels.int8_block_inputs
+                or scale.shape != (linear.out_features,)
+                or (bias is not None and bias.shape != scale.shape)):
+            raise ValueError(f"{name}: packed {tuple(blocks.shape)} and scale {tuple(scale.shape)} do not describe "
+                             f"{linear.in_features} -> {linear.out_features} features")
+        setattr(entry, name, blocks.data_ptr())
+        setattr(entry, f"{name}_scale", scale.data_ptr())
+        setattr(entry, f"{name}_bias", bias.data_ptr() if bias is not None else None)
+        self._held += [blocks, scale, bias]
+
+    def serves(self, backend: object, kv_cache: KVCache, tokens: int) -> TypeGuard[CpuAttentionBackend]:
+        """Whether this step can run as one call: the C attention backend over one cache group of this
+        mode's dtype, and (int8) enough rows that every product is the 8-bit block one."""
         return (isinstance(backend, CpuAttentionBackend) and kv_cache.num_groups == 1
-                and kv_cache.key_caches[0].dtype == torch.float32)
+                and kv_cache.key_caches[0].dtype == self.cache_dtype
+                and (not self.int8 or tokens >= BLOCK_PATH_MIN_ROWS))
 
     def _point_at(self, kv_cache: KVCache) -> None:
         """Checks the caches once (every layer's has the first one's shape) and points the layers at them."""
@@ -150,7 +205,7 @@ class DecoderStack:
             raise ValueError(f"a KV cache of shape {tuple(first.shape)} does not fit {spec.num_kv_heads} KV heads "
                              f"of {spec.head_dim}")
         for entry, key, value in zip(self.layers, kv_cache.key_caches, kv_cache.value_caches, strict=True):
-            require_contiguous_cpu(("key_cache", key, torch.float32), ("value_cache", value, torch.float32))
+            require_contiguous_cpu(("key_cache", key, self.cache_dtype), ("value_cache", value, self.cache_dtype))
             if key.shape != first.shape or value.shape != first.shape:
                 raise ValueError("every layer's KV cache must have the first layer's shape")
             entry.key_cache, entry.value_cache = key.data_ptr(), value.data_ptr()
@@ -165,7 +220,7 @@ class DecoderStack:
     def run(self, embeddings: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
             kv_cache: KVCache, backend: CpuAttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         """(the last layer's MLP output, the residual stream before it), as the per-op loop over
-        DecoderLayer.forward returns them; `embeddings` becomes the stream (updated in place)."""
+        DecoderLayer.forward returns them; `embeddings` (float32) becomes the stream (updated in place)."""
         if not self._points_at(kv_cache):
             self._point_at(kv_cache)
         spec = self.model.spec
@@ -176,16 +231,45 @@ class DecoderStack:
         if embeddings.shape != (tokens, spec.hidden_size) or cos.numel() != tokens * spec.head_dim \
                 or sin.numel() != cos.numel() or meta.slot_mapping.numel() != tokens:
             raise ValueError(f"embeddings {tuple(embeddings.shape)}, rope and slot mapping do not fit {tokens} tokens")
-        items, chunks = backend.step_plan(meta, kv_cache.key_caches[0])
-        qkv = torch.empty(tokens, self.qkv_width)
+        activations = self.cache_dtype  # the linears' inputs and outputs: bfloat16 in the int8 mode
+        hidden = torch.empty(tokens, spec.hidden_size, dtype=activations)
+        qkv = torch.empty(tokens, self.qkv_width, dtype=activations)
         attention = torch.empty(tokens, spec.num_heads, spec.head_dim)
-        query = qkv[:, :spec.num_heads * spec.head_dim].view(tokens, spec.num_heads, spec.head_dim)
+        attention_out = torch.empty(tokens, spec.hidden_size, dtype=activations)
+        gate_up = torch.empty(tokens, 2 * self.shape.intermediate, dtype=activations)
+        scratch: tuple[torch.Tensor, ...]
+        if self.int8:  # rotary_write_kv_bf16 writes the rounded queries apart, as float32
+            query = torch.empty(tokens, spec.num_heads, spec.head_dim)
+            normed = torch.empty(tokens, spec.hidden_size, dtype=activations)
+            activated = torch.empty(tokens, self.shape.intermediate, dtype=activations)
+            scratch = (normed, qkv, query, attention, attention_out, gate_up, activated)
+        else:  # rotated in place
+            query = qkv[:, :spec.num_heads * spec.head_dim].view(tokens, spec.num_heads, spec.head_dim)
+            scratch = (qkv, attention, attention_out, gate_up)
+        work = self._attention_work(meta, kv_cache, backend, query, attention)
+        # Looked up per call, as every kernel is (benchmarks/step_breakdown.py times them).
+        stack = self.kernels._functions["decoder_stack_int8_bf16" if self.int8 else "decoder_stack_f32"]
+        status = stack(hidden.data_ptr(), embeddings.data_ptr(), tokens, self.layers, len(self.layers),
+                       ctypes.byref(self.shape), ctypes.byref(work), cos.data_ptr(), sin.data_ptr(),
+                       meta.slot_mapping.data_ptr(), *(t.data_ptr() for t in scratch), torch.get_num_threads())
+        if status:
+            layer, rest = divmod(status, 256)
+            kernel, code = divmod(rest, 16)
+            raise kernel_status_error(code, f"decoder stack, layer {layer - 1}'s {STACK_KERNELS[kernel]}",
+                                      f"the step's shapes (status {code})")
+        return hidden, embeddings
+
+    def _attention_work(self, meta: AttentionMetadata, kv_cache: KVCache, backend: CpuAttentionBackend,
+                        query: torch.Tensor, attention: torch.Tensor) -> StackAttention:
+        """The step's decode items and prefill chunks, checked against the first layer's cache (every
+        layer's has its shape) and the query and output buffers the kernels will read and write."""
+        items, chunks = backend.step_plan(meta, kv_cache.key_caches[0])
         # Both kernels' work reads the step's one block table (CpuAttentionBackend._plan builds both from it).
         work = StackAttention(block_tables=meta.block_tables.data_ptr(), table_width=meta.block_tables.shape[1])
         key, value = kv_cache.key_caches[0], kv_cache.value_caches[0]
         if items is not None:
             assert items.block_tables is meta.block_tables
-            attention_shape(query, key, value, attention, items)  # every layer's shapes are the first's
+            attention_shape(query, key, value, attention, items)
             work.request_rows, work.token_rows = items.request_rows.data_ptr(), items.token_rows.data_ptr()
             work.context_lens, work.num_items = items.context_lens.data_ptr(), items.token_rows.numel()
         if chunks is not None:
@@ -194,18 +278,4 @@ class DecoderStack:
             work.chunk_requests, work.chunk_starts = chunks.requests.data_ptr(), chunks.starts.data_ptr()
             work.chunk_lens, work.chunk_seq_lens = chunks.lengths.data_ptr(), chunks.seq_lens.data_ptr()
             work.num_chunks = chunks.requests.numel()
-        hidden = torch.empty(tokens, spec.hidden_size)
-        attention_out = torch.empty(tokens, spec.hidden_size)
-        gate_up = torch.empty(tokens, 2 * self.shape.intermediate)
-        # Looked up per call, as every kernel is (benchmarks/step_breakdown.py times them).
-        stack = self.kernels._functions["decoder_stack_f32"]
-        status = stack(hidden.data_ptr(), embeddings.data_ptr(), tokens, self.layers, len(self.layers),
-                       ctypes.byref(self.shape), ctypes.byref(work), cos.data_ptr(), sin.data_ptr(),
-                       meta.slot_mapping.data_ptr(), qkv.data_ptr(), attention.data_ptr(), attention_out.data_ptr(),
-                       gate_up.data_ptr(), torch.get_num_threads())
-        if status:
-            layer, rest = divmod(status, 256)
-            kernel, code = divmod(rest, 16)
-            raise kernel_status_error(code, f"decoder stack, layer {layer - 1}'s {STACK_KERNELS[kernel]}",
-                                      f"the step's shapes (status {code})")
-        return hidden, embeddings
+        return work

@@ -28,7 +28,7 @@ from vmesh.kernels.reference import rms_norm_ref, silu_and_mul_ref
 from vmesh.services.common.families.plan import LayerPlan
 from vmesh.services.common.model_spec import ModelSpec
 from vmesh.services.worker.attention import AttentionBackend, AttentionMetadata, CpuAttentionBackend
-from vmesh.services.worker.decoder_stack import DecoderStack, stack_refusal
+from vmesh.services.worker.decoder_stack import DecoderStack, stack_kernels, stack_refusal
 from vmesh.services.worker.int8_linear import Int8Linear
 from vmesh.services.worker.kv_cache import KVCache
 from vmesh.services.worker.linear import Linear
@@ -399,7 +399,7 @@ class DecoderModel:
         ropes = {key: rotary.tables(positions) for key, rotary in self.rotaries.items()}
         ops = self.fused_ops(backend)
         stack = self._decoder_stack()
-        if stack is not None and stack.serves(backend, kv_cache):
+        if stack is not None and stack.serves(backend, kv_cache, input_ids.numel()):
             hidden, residual = stack.run(hidden, ropes[self.layers[0].plan.attention.rope_key], metas[0], kv_cache,
                                          backend)
         else:
@@ -411,8 +411,8 @@ class DecoderModel:
         """The layers as one C call where they all allow it (services/worker/decoder_stack.py):
         decided at the first step, once LoRA has wrapped whatever it wraps, and kept."""
         if self.decoder_stack_enabled is None:
-            kernels = self.quantized_kernels
-            refusal = "weights not kept quantized" if kernels is None else stack_refusal(self)
+            kernels = stack_kernels(self)
+            refusal = "weights neither kept quantized nor int8" if kernels is None else stack_refusal(self)
             if kernels is not None and refusal is None:
                 self.decoder_stack = DecoderStack(self, kernels)
             self.decoder_stack_enabled = self.decoder_stack is not None

@@ -1,8 +1,9 @@
 """The decoder layers as one C call (services/worker/decoder_stack.py) against the per-op path,
-bit for bit, on the default model's native weights: every step's final hidden states and the KV
-cache it leaves, over a workload that has decodes, prefill chunks over cached context, steps that
-mix the two, and speculative verification rows; and once more with what the default model lacks
-(q/k/v and o biases, a sliding window, a softmax scale per layer)."""
+bit for bit, on the default model's native weights and in `--weights int8 --dtype bfloat16`:
+every step's final hidden states and the KV cache it leaves, over a workload that has decodes,
+prefill chunks over cached context, steps that mix the two, and speculative verification rows;
+and once more with what the default model lacks (q/k/v and o biases, a sliding window, a softmax
+scale per layer)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,12 @@ def load_native(dot: str, monkeypatch: pytest.MonkeyPatch) -> ModelRunner:
     return runner
 
 
+def load_int8_bf16() -> ModelRunner:
+    runner = ModelRunner.load(WorkerConfig(weights="int8", dtype="bfloat16", kv_cache_memory=32 << 20,
+                                           max_num_seqs=3, speculative_config=NGRAM))
+    return runner
+
+
 def compare_every_step(runner: ModelRunner) -> Callable[[], tuple[set[tuple[bool, bool, bool]], int, int]]:
     """Makes each forward run the per-op path, then the stack from the same KV cache, asserting
     equal hidden states and caches; returns what reports (the kinds of steps seen, the steps
@@ -57,6 +64,8 @@ def compare_every_step(runner: ModelRunner) -> Callable[[], tuple[set[tuple[bool
 
     def both_paths(input_ids, positions, meta, kv_cache, backend, indices):
         nonlocal compared
+        if not stack.serves(backend, kv_cache, input_ids.numel()):  # the int8 stack: 8 rows or more
+            return final_hidden(input_ids, positions, meta, kv_cache, backend, indices)
         compared += 1
         caches = [*kv_cache.key_caches, *kv_cache.value_caches]
         before = [c.clone() for c in caches]
@@ -112,6 +121,22 @@ def test_the_stack_equals_the_layers_one_by_one(dot, embedded_tokenizer, monkeyp
     assert {(True, False), (False, True), (True, True)} <= kinds, kinds
     assert any(drafts for *_, drafts in seen), "no step verified drafts"
     assert stack_runs == compared > 20, "the stack ran at every step"
+
+
+def test_the_int8_bf16_stack_equals_the_layers_one_by_one(embedded_tokenizer):
+    """`--weights int8 --dtype bfloat16`: every step of 8 rows or more through the stack equals the per-op
+    path bit for bit (fewer rows take the 16-bit products, one by one); both attention kernels over the
+    bfloat16 cache, and verification rows, among them."""
+    runner = load_int8_bf16()
+    if not runner.model.layers[0].qkv_proj.kernels.integer_dot:
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    report = compare_every_step(runner)
+    outputs = generate(runner, embedded_tokenizer)
+    assert [len(o) for o in outputs] == [12 + 4 * i for i in range(len(outputs))]
+    seen, compared, stack_runs = report()
+    kinds = {(d, c) for d, c, _ in seen}
+    assert {(True, True), (False, True)} <= kinds, kinds
+    assert stack_runs == compared > 5, (stack_runs, compared)
 
 
 def test_biases_windows_and_scales_reach_the_stack(embedded_tokenizer, monkeypatch):

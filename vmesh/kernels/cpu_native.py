@@ -148,6 +148,9 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     # decoder_stack.c: (hidden, residual, tokens, layers, num_layers, shape, attention work, cos, sin,
     # slot_mapping, then the scratch: qkv, attention, attention_out, gate_up); services/worker/decoder_stack.py.
     "decoder_stack_f32": ([P, P, I64, P, I64, P, P, P, P, P, P, P, P, P], INT),
+    # The same in `--weights int8 --dtype bfloat16`; its scratch: normed, qkv, query, attention,
+    # attention_out, gate_up, activated.
+    "decoder_stack_int8_bf16": ([P, P, I64, P, I64, P, P, P, P, P, P, P, P, P, P, P, P], INT),
 }
 # The C kernels' name suffix per model dtype. bfloat16 is the mixed model's: bfloat16 activations,
 # weights and KV cache around a float32 residual stream; attention's softmax and sums in float32.

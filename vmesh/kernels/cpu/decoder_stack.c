@@ -103,3 +103,71 @@ int decoder_stack_f32(float *hidden, float *residual, int64_t tokens, const stac
     }
     return 0;
 }
+
+/* ---- The same for `--weights int8 --dtype bfloat16` (services/worker/int8_linear.py in the mixed
+ * bfloat16 model): per layer add + RMSNorm into bfloat16, the int8 q/k/v product of 8-bit blocks
+ * (int8_block_linear, bfloat16 out), rotary + bfloat16 KV write with the float32 queries rounded,
+ * both attention kernels over the bfloat16 cache, the o product, add + RMSNorm, the gate/up product,
+ * SiLU-and-multiply and the down product: the per-op path's calls at 8 rows or more, in its order.
+ * Fewer rows take the 16-bit activation kernel, which the per-op path keeps. */
+typedef struct {
+    const float *input_norm, *post_attention_norm;
+    const uint8_t *qkv, *o, *gate_up, *down; /* int8_linear.py's pack_for_blocks */
+    const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale;
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
+    uint16_t *key_cache, *value_cache;
+    float scale;
+    int64_t window;
+} int8_stack_layer;
+
+/* As decoder_stack_f32, in the mixed model's dtypes: hidden (the last MLP output) bfloat16, residual
+ * float32; scratch normed [tokens, hidden] and qkv bfloat16, query and attention float32 [tokens,
+ * heads head_dim], attention_out [tokens, hidden], gate_up and activated [tokens, intermediate (x2)]
+ * bfloat16. Same return codes. */
+int decoder_stack_int8_bf16(uint16_t *hidden, float *residual, int64_t tokens, const int8_stack_layer *layers,
+                            int64_t num_layers, const stack_shape *shape, const stack_attention *work,
+                            const float *cos, const float *sin, const int64_t *slot_mapping, uint16_t *normed,
+                            uint16_t *qkv, float *query, float *attention, uint16_t *attention_out, uint16_t *gate_up,
+                            uint16_t *activated, int num_threads) {
+    const int64_t qkv_width = (shape->heads + 2 * shape->kv_heads) * shape->head_dim;
+    const int64_t attention_width = shape->heads * shape->head_dim, group = shape->heads / shape->kv_heads;
+    const int64_t hidden_size = shape->hidden, intermediate = shape->intermediate;
+    for (int64_t i = 0; i < num_layers; ++i) {
+        const int8_stack_layer *l = &layers[i];
+        int status;
+#define CHECKED(kernel, call)                                                                                        \
+    do {                                                                                                             \
+        if ((status = (call)) != 0) return status + 16 * (kernel) + 256 * (int)(i + 1);                             \
+    } while (0)
+        add_rms_norm_bf16(i == 0 ? NULL : hidden, residual, l->input_norm, normed, tokens, hidden_size, shape->eps,
+                          num_threads);
+        CHECKED(KERNEL_QKV, int8_block_linear(normed, 1, l->qkv, l->qkv_scale, l->qkv_bias, qkv, 1, tokens, qkv_width,
+                                              hidden_size, num_threads));
+        rotary_write_kv_bf16(qkv, tokens, qkv_width, shape->heads, shape->kv_heads, shape->head_dim, cos, sin,
+                             slot_mapping, l->key_cache, l->value_cache, query, num_threads);
+        if (work->num_items)
+            CHECKED(KERNEL_DECODE_ATTENTION,
+                    paged_attention_bf16(query, attention_width, l->key_cache, l->value_cache, work->block_tables,
+                                         work->table_width, work->request_rows, work->token_rows, work->context_lens,
+                                         work->num_items, shape->kv_heads, group, shape->head_dim, shape->block_size,
+                                         l->scale, l->window, attention, num_threads));
+        if (work->num_chunks)
+            CHECKED(KERNEL_PREFILL_ATTENTION,
+                    prefill_attention_bf16(query, attention_width, l->key_cache, l->value_cache, work->block_tables,
+                                           work->table_width, work->chunk_requests, work->chunk_starts,
+                                           work->chunk_lens, work->chunk_seq_lens, work->num_chunks, shape->kv_heads,
+                                           group, shape->head_dim, shape->block_size, l->scale, l->window, attention,
+                                           num_threads));
+        CHECKED(KERNEL_O, int8_block_linear(attention, 0, l->o, l->o_scale, l->o_bias, attention_out, 1, tokens,
+                                            hidden_size, attention_width, num_threads));
+        add_rms_norm_bf16(attention_out, residual, l->post_attention_norm, normed, tokens, hidden_size, shape->eps,
+                          num_threads);
+        CHECKED(KERNEL_GATE_UP, int8_block_linear(normed, 1, l->gate_up, l->gate_up_scale, l->gate_up_bias, gate_up, 1,
+                                                  tokens, 2 * intermediate, hidden_size, num_threads));
+        silu_and_mul_bf16(gate_up, activated, tokens, intermediate, num_threads);
+        CHECKED(KERNEL_DOWN, int8_block_linear(activated, 1, l->down, l->down_scale, l->down_bias, hidden, 1, tokens,
+                                               hidden_size, intermediate, num_threads));
+#undef CHECKED
+    }
+    return 0;
+}

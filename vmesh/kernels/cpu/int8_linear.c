@@ -36,6 +36,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "cross_calls.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define HAVE_INT8_DOT 1
 #include <immintrin.h>

@@ -2,6 +2,7 @@
  * and output (paged_attention.h). */
 #include "paged_attention.h"
 #include "bf16_pairs.h"
+#include "cross_calls.h"
 
 #define KV_T uint16_t
 #define KV_LOAD(p) bf16_to_f32(*(p))
