@@ -177,6 +177,8 @@ class DecoderStack:
         CpuKernels.int8_block_linear checks them per call."""
         blocks, scale, bias = linear.blocks, linear.scale, linear.bias
         assert blocks is not None
+        if linear.out_dtype != torch.bfloat16:  # the C writes every product's output in bfloat16
+            raise ValueError(f"{name}: an int8 linear with {linear.out_dtype} outputs in a bfloat16 stack")
         require_contiguous_cpu(("packed", blocks, torch.uint8), ("scale", scale, torch.float32),
                                *((("bias", bias, torch.float32),) if bias is not None else ()))
         if (blocks.dim() != 4 or tuple(blocks.shape[2:]) != (16, 4) or blocks.shape[0] != -(-linear.out_features // 16)

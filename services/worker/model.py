@@ -412,7 +412,9 @@ class DecoderModel:
         decided at the first step, once LoRA has wrapped whatever it wraps, and kept."""
         if self.decoder_stack_enabled is None:
             kernels = stack_kernels(self)
-            refusal = "weights neither kept quantized nor int8" if kernels is None else stack_refusal(self)
+            refusal = stack_refusal(self)
+            if refusal is None and kernels is None:
+                refusal = "weights neither kept quantized nor int8"
             if kernels is not None and refusal is None:
                 self.decoder_stack = DecoderStack(self, kernels)
             self.decoder_stack_enabled = self.decoder_stack is not None

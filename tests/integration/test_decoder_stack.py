@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import CHAT_PROMPTS
+from vmesh.kernels.cpu_native import load_cpu_kernels
+from vmesh.services.common.model_loading import default_cache_dir
 from vmesh.services.common.types import SamplingParams
 from vmesh.services.engine.llm import EngineConfig, LLMEngine
 from vmesh.services.speculative.config import SpeculativeConfig
@@ -35,9 +38,10 @@ def load_native(dot: str, monkeypatch: pytest.MonkeyPatch) -> ModelRunner:
 
 
 def load_int8_bf16() -> ModelRunner:
-    runner = ModelRunner.load(WorkerConfig(weights="int8", dtype="bfloat16", kv_cache_memory=32 << 20,
-                                           max_num_seqs=3, speculative_config=NGRAM))
-    return runner
+    if not load_cpu_kernels(Path(default_cache_dir())).integer_dot:
+        pytest.skip("this CPU has no AVX-512 VNNI: no --weights int8")
+    return ModelRunner.load(WorkerConfig(weights="int8", dtype="bfloat16", kv_cache_memory=32 << 20,
+                                         max_num_seqs=3, speculative_config=NGRAM))
 
 
 def compare_every_step(runner: ModelRunner) -> Callable[[], tuple[set[tuple[bool, bool, bool]], int, int]]:
@@ -128,8 +132,6 @@ def test_the_int8_bf16_stack_equals_the_layers_one_by_one(embedded_tokenizer):
     path bit for bit (fewer rows take the 16-bit products, one by one); both attention kernels over the
     bfloat16 cache, and verification rows, among them."""
     runner = load_int8_bf16()
-    if not runner.model.layers[0].qkv_proj.kernels.integer_dot:
-        pytest.skip("this CPU has no AVX-512 VNNI")
     report = compare_every_step(runner)
     outputs = generate(runner, embedded_tokenizer)
     assert [len(o) for o in outputs] == [12 + 4 * i for i in range(len(outputs))]
@@ -139,23 +141,27 @@ def test_the_int8_bf16_stack_equals_the_layers_one_by_one(embedded_tokenizer):
     assert stack_runs == compared > 5, (stack_runs, compared)
 
 
-def test_biases_windows_and_scales_reach_the_stack(embedded_tokenizer, monkeypatch):
+@pytest.mark.parametrize("mode", ["native", "int8-bf16"])
+def test_biases_windows_and_scales_reach_the_stack(mode, embedded_tokenizer, monkeypatch):
     """Each layer's q/k/v and o get a bias, a softmax scale of its own and, on every other layer, a
     sliding window of 8, before the first step (the stack reads them then)."""
-    runner = load_native("float", monkeypatch)
+    runner = load_native("float", monkeypatch) if mode == "native" else load_int8_bf16()
     generator = torch.Generator().manual_seed(0)
     for i, layer in enumerate(runner.model.layers):
         for name in ("qkv_proj", "o_proj"):
             linear = getattr(layer, name)
             bias = 0.05 * torch.randn(linear.out_features, generator=generator)
-            setattr(layer, name, QuantizedLinear(linear.quantized, bias, linear.kernels))
+            if mode == "native":
+                setattr(layer, name, QuantizedLinear(linear.quantized, bias, linear.kernels))
+            else:
+                linear.bias = bias
         layer.scale *= 1 + 0.02 * i
         if i % 2:
             layer.plan = dataclasses.replace(layer.plan, attention=dataclasses.replace(layer.plan.attention, window=8))
     report = compare_every_step(runner)
     generate(runner, embedded_tokenizer)
     _, compared, stack_runs = report()
-    assert stack_runs == compared > 20
+    assert stack_runs == compared > (20 if mode == "native" else 5)
 
 
 def test_models_the_stack_does_not_serve_run_one_by_one():

@@ -52,9 +52,9 @@ def test_decode_attention_over_a_bf16_cache(kernels, head_dim, heads, kv_heads, 
     rows = torch.arange(len(context_lens))
     items = kernels.attention_items(tables, rows, rows, seq_lens)
     kernels.paged_attention(q, kc, vc, items, scale, out)
-    # head_dim a multiple of 32 with bfloat16 pair dots: as the prefill kernel, the query and the softmax
-    # weights rounded to bfloat16 (vmesh/kernels/cpu/paged_attention_pairs.h); otherwise float32 arithmetic.
-    paired = kernels.bf16_dot and head_dim % 32 == 0
+    # head_dim 64 or 128 with bfloat16 pair dots: as the prefill kernel, the query and the softmax weights
+    # rounded to bfloat16 (vmesh/kernels/cpu/paged_attention_pairs.h); otherwise float32 arithmetic.
+    paired = kernels.bf16_dot and head_dim in (64, 128)
     attended = q.bfloat16().float() if paired else q
     want = reference.paged_attention_ref(attended, kc32, vc32, starts, seq_lens, tables, scale)
     if not paired:
@@ -66,6 +66,18 @@ def test_decode_attention_over_a_bf16_cache(kernels, head_dim, heads, kv_heads, 
     again = torch.empty_like(q)
     kernels.paged_attention(attended, kc, vc, items, scale, again)
     assert torch.equal(again, out)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_decode_attention_over_no_context_is_zeros(kernels, head_dim):
+    """An item with no cached token attends to nothing: zeros on either path (the pair dots' sum of
+    weights is 0 there, and must not become a division)."""
+    q, kc, vc, _, _, _, _, tables = _bf16_batch([1], [3], 4, 2, head_dim, 16, seed=2)
+    rows = torch.arange(1)
+    out = torch.full_like(q, 7.0)
+    items = kernels.attention_items(tables, rows, rows, torch.zeros(1, dtype=torch.int32))
+    kernels.paged_attention(q, kc, vc, items, head_dim ** -0.5, out)
+    assert torch.equal(out, torch.zeros_like(q))
 
 
 def test_decode_attention_over_a_bf16_cache_keeps_a_nan_key_nan(kernels):

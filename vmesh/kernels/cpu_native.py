@@ -171,7 +171,7 @@ class CpuKernels:
         self.integer_dot = bool(_bind(library.vmesh_integer_dot_available, [], INT)())
         # Whether the kernels were built with AVX-512 BF16 (the same way): batch_linear_bf16.c's products,
         # and the attention kernels' pair dots over a bfloat16 cache (queries and softmax weights rounded
-        # to bfloat16: prefill_attention.c, paged_attention_pairs.h for head_dim a multiple of 32).
+        # to bfloat16: prefill_attention.c, paged_attention_pairs.h for head_dim 64 or 128).
         self.bf16_dot = bool(_bind(library.vmesh_batch_linear_bf16_available, [], INT)())
         # int8_linear.c's batch path: inputs per activation scale (the packed layout's widths divide by it).
         self.int8_block_inputs = int(_bind(library.vmesh_int8_block_inputs, [], INT)())

@@ -15,7 +15,7 @@
  * Item i is query token token_rows[i] (a row of query/out), of the request in row
  * request_rows[i] of block_tables, attending to its first context_lens[i] cached tokens.
  * paged_attention_bf16 is the same over a bfloat16 cache (uint16_t elements): with AVX-512 BF16 and
- * head_dim a multiple of 32 its scores and value sums are bfloat16 pair dots, as prefill_attention.c's
+ * head_dim 64 or 128 its scores and value sums are bfloat16 pair dots, as prefill_attention.c's
  * (paged_attention_pairs.h); otherwise queries, scores, softmax, sums and out stay float32 and
  * each key and value is widened as it is loaded.
  *

@@ -1,5 +1,5 @@
-/* Decode attention over a bfloat16 cache as bfloat16 pair dots (VDPBF16PS), for head_dim a
- * multiple of 32; paged_attention_kv.h includes it where KV_PAIRS (bf16_pairs.h's BF16_PAIRS).
+/* Decode attention over a bfloat16 cache as bfloat16 pair dots (VDPBF16PS), for head_dim 64 or
+ * 128; paged_attention_kv.h includes it where KV_PAIRS (bf16_pairs.h's BF16_PAIRS).
  *
  * Widening a key to float32 costs as many instructions as its FMAs with the query heads of a
  * GQA group of three: here a key is used as the cache holds it, 32 elements per register, and
@@ -128,6 +128,10 @@ static inline __attribute__((always_inline)) void attend_request_pairs(
     int64_t seq_len, int64_t block_size, int64_t kv_heads, int64_t part_kv_heads, int64_t group,
     const int64_t head_dim, float scale, float *scratch, float *o) {
     const int64_t heads = part_kv_heads * group, pair_vecs = head_dim / (2 * LANES), len = seq_len - first;
+    if (len <= 0) { /* no context: zeros, as the float32 path's empty sums */
+        memset(o, 0, sizeof(float) * (size_t)(heads * head_dim));
+        return;
+    }
     const int64_t stride = (len + 2 * LANES - 1) / (2 * LANES) * (2 * LANES); /* a score row, in floats */
     const int64_t token_stride = kv_heads * head_dim, block_stride = block_size * token_stride;
     vec16 *partial = (vec16 *)scratch;
