@@ -48,6 +48,27 @@ typedef struct {
 /* The kernels of a layer, in the order they run: a failure's status names one (decoder_stack.py). */
 enum { KERNEL_QKV, KERNEL_DECODE_ATTENTION, KERNEL_PREFILL_ATTENTION, KERNEL_O, KERNEL_GATE_UP, KERNEL_DOWN };
 
+/* A layer's attention, in either stack's loop (its CHECKED, work, shape, layer l, group, attention and
+ * num_threads): the decodes' kernel, then the prefill chunks' (verification rows among them), over
+ * the cache's element type `suffix`, queries at `query`, rows `query_stride` floats apart. */
+#define ATTEND_STEP(suffix, query, query_stride)                                                                     \
+    do {                                                                                                             \
+        if (work->num_items)                                                                                         \
+            CHECKED(KERNEL_DECODE_ATTENTION,                                                                         \
+                    paged_attention_##suffix(query, query_stride, l->key_cache, l->value_cache, work->block_tables,  \
+                                             work->table_width, work->request_rows, work->token_rows,                \
+                                             work->context_lens, work->num_items, shape->kv_heads, group,            \
+                                             shape->head_dim, shape->block_size, l->scale, l->window, attention,     \
+                                             num_threads));                                                          \
+        if (work->num_chunks)                                                                                        \
+            CHECKED(KERNEL_PREFILL_ATTENTION,                                                                        \
+                    prefill_attention_##suffix(query, query_stride, l->key_cache, l->value_cache,                    \
+                                               work->block_tables, work->table_width, work->chunk_requests,          \
+                                               work->chunk_starts, work->chunk_lens, work->chunk_seq_lens,           \
+                                               work->num_chunks, shape->kv_heads, group, shape->head_dim,            \
+                                               shape->block_size, l->scale, l->window, attention, num_threads));     \
+    } while (0)
+
 /* residual [tokens, hidden]: the embeddings in, the residual stream before the last layer's MLP
  * output on return (updated in place, as the per-op path updates its stream); hidden [tokens,
  * hidden]: that output on return. Their sum is the stack's output, formed by the final norm.
@@ -73,19 +94,7 @@ int decoder_stack_f32(float *hidden, float *residual, int64_t tokens, const stac
                                                           shape->hidden, shape->integer, num_threads));
         rotary_write_kv_f32(qkv, tokens, qkv_width, shape->heads, shape->kv_heads, shape->head_dim, cos, sin,
                             slot_mapping, l->key_cache, l->value_cache, num_threads);
-        if (work->num_items)
-            CHECKED(KERNEL_DECODE_ATTENTION,
-                    paged_attention_f32(qkv, qkv_width, l->key_cache, l->value_cache, work->block_tables,
-                                        work->table_width, work->request_rows, work->token_rows, work->context_lens,
-                                        work->num_items, shape->kv_heads, group, shape->head_dim, shape->block_size,
-                                        l->scale, l->window, attention, num_threads));
-        if (work->num_chunks)
-            CHECKED(KERNEL_PREFILL_ATTENTION,
-                    prefill_attention_f32(qkv, qkv_width, l->key_cache, l->value_cache, work->block_tables,
-                                          work->table_width, work->chunk_requests, work->chunk_starts,
-                                          work->chunk_lens, work->chunk_seq_lens, work->num_chunks, shape->kv_heads,
-                                          group, shape->head_dim, shape->block_size, l->scale, l->window, attention,
-                                          num_threads));
+        ATTEND_STEP(f32, qkv, qkv_width);
         CHECKED(KERNEL_O, shape->integer
                               ? quantized_linear_int8_f32(attention, l->o, l->o_format, l->o_bias, attention_out,
                                                           tokens, shape->hidden, attention_width, num_threads)
@@ -145,19 +154,7 @@ int decoder_stack_int8_bf16(uint16_t *hidden, float *residual, int64_t tokens, c
                                               hidden_size, num_threads));
         rotary_write_kv_bf16(qkv, tokens, qkv_width, shape->heads, shape->kv_heads, shape->head_dim, cos, sin,
                              slot_mapping, l->key_cache, l->value_cache, query, num_threads);
-        if (work->num_items)
-            CHECKED(KERNEL_DECODE_ATTENTION,
-                    paged_attention_bf16(query, attention_width, l->key_cache, l->value_cache, work->block_tables,
-                                         work->table_width, work->request_rows, work->token_rows, work->context_lens,
-                                         work->num_items, shape->kv_heads, group, shape->head_dim, shape->block_size,
-                                         l->scale, l->window, attention, num_threads));
-        if (work->num_chunks)
-            CHECKED(KERNEL_PREFILL_ATTENTION,
-                    prefill_attention_bf16(query, attention_width, l->key_cache, l->value_cache, work->block_tables,
-                                           work->table_width, work->chunk_requests, work->chunk_starts,
-                                           work->chunk_lens, work->chunk_seq_lens, work->num_chunks, shape->kv_heads,
-                                           group, shape->head_dim, shape->block_size, l->scale, l->window, attention,
-                                           num_threads));
+        ATTEND_STEP(bf16, query, attention_width);
         CHECKED(KERNEL_O, int8_block_linear(attention, 0, l->o, l->o_scale, l->o_bias, attention_out, 1, tokens,
                                             hidden_size, attention_width, num_threads));
         add_rms_norm_bf16(attention_out, residual, l->post_attention_norm, normed, tokens, hidden_size, shape->eps,
