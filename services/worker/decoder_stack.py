@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 
-from vmesh.kernels.cpu_checks import attention_shape, require_contiguous_cpu
+from vmesh.kernels.cpu_checks import attention_shape, int8_block_weight, require_contiguous_cpu
 from vmesh.kernels.cpu_native import kernel_status_error
 from vmesh.services.worker.attention import AttentionMetadata, CpuAttentionBackend
 from vmesh.services.worker.int8_linear import BLOCK_PATH_MIN_ROWS, Int8Linear
@@ -179,14 +179,10 @@ class DecoderStack:
         assert blocks is not None
         if linear.out_dtype != torch.bfloat16:  # the C writes every product's output in bfloat16
             raise ValueError(f"{name}: an int8 linear with {linear.out_dtype} outputs in a bfloat16 stack")
-        require_contiguous_cpu(("packed", blocks, torch.uint8), ("scale", scale, torch.float32),
-                               *((("bias", bias, torch.float32),) if bias is not None else ()))
-        if (blocks.dim() != 4 or tuple(blocks.shape[2:]) != (16, 4) or blocks.shape[0] != -(-linear.out_features // 16)
-                or blocks.shape[1] * 4 != linear.in_features or linear.in_features % self.kernels.int8_block_inputs
-                or scale.shape != (linear.out_features,)
-                or (bias is not None and bias.shape != scale.shape)):
-            raise ValueError(f"{name}: packed {tuple(blocks.shape)} and scale {tuple(scale.shape)} do not describe "
-                             f"{linear.in_features} -> {linear.out_features} features")
+        features = int8_block_weight(blocks, scale, bias, self.kernels.int8_block_inputs)
+        if features != (linear.out_features, linear.in_features):
+            raise ValueError(f"{name}: its packed weight is {features[1]} -> {features[0]} features, not "
+                             f"{linear.in_features} -> {linear.out_features}")
         setattr(entry, name, blocks.data_ptr())
         setattr(entry, f"{name}_scale", scale.data_ptr())
         setattr(entry, f"{name}_bias", bias.data_ptr() if bias is not None else None)

@@ -80,3 +80,20 @@ def attention_shape(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         raise ValueError(f"the step reaches query row {work.rows_end - 1} and context {work.longest}, beyond "
                          f"{query.shape[0]} rows and {work.block_tables.shape[1] * block_size} tokens of block table")
     return block_size, kv_heads, head_dim, query.shape[1] // kv_heads
+
+
+def int8_block_weight(packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                      block_inputs: int) -> tuple[int, int]:
+    """What int8_block_linear (vmesh/kernels/cpu/int8_linear.c) reads of a weight, checked: packed
+    uint8 [ceil(out / 16), in / 4, 16, 4], scale and bias float32 [out], in a multiple of
+    block_inputs. Returns (out_features, in_features)."""
+    require_contiguous_cpu(("packed", packed, torch.uint8), ("scale", scale, torch.float32),
+                           *((("bias", bias, torch.float32),) if bias is not None else ()))
+    out_features, in_features = scale.shape[0], packed.shape[1] * 4 if packed.dim() > 1 else 0
+    if (packed.dim() != 4 or packed.shape[2:] != (16, 4) or -(-out_features // 16) != packed.shape[0]
+            or in_features % block_inputs or scale.dim() != 1
+            or (bias is not None and bias.shape != scale.shape)):
+        raise ValueError(f"packed {tuple(packed.shape)}, scale {tuple(scale.shape)} and bias "
+                         f"{None if bias is None else tuple(bias.shape)} do not describe one layer whose width "
+                         f"divides by {block_inputs}")
+    return out_features, in_features

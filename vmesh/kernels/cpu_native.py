@@ -27,6 +27,7 @@ from vmesh.kernels.cpu_checks import (
     AttentionItems,
     PrefillChunks,
     attention_shape,
+    int8_block_weight,
     reach,
     require_contiguous_cpu,
 )
@@ -347,18 +348,10 @@ class CpuKernels:
         (int8_block_linear in vmesh/kernels/cpu/int8_linear.c): x float32 or bfloat16, the result in
         out_dtype (either). packed uint8 [ceil(out / 16), in / 4, 16, 4] (int8_linear.py's
         pack_for_blocks), scale and bias float32 [out]; every shape the C reads by is checked here."""
-        vectors, groups = packed.shape[0], packed.shape[1]
-        out_features, in_features = scale.shape[0], groups * 4
         if x.dtype not in (torch.float32, torch.bfloat16) or out_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"x and the result are float32 or bfloat16, got {x.dtype} and {out_dtype}")
-        require_contiguous_cpu(("x", x, x.dtype), ("packed", packed, torch.uint8), ("scale", scale, torch.float32),
-                               *((("bias", bias, torch.float32),) if bias is not None else ()))
-        if (packed.dim() != 4 or packed.shape[2:] != (16, 4) or -(-out_features // 16) != vectors
-                or in_features % self.int8_block_inputs or scale.dim() != 1
-                or (bias is not None and bias.shape != scale.shape)):
-            raise ValueError(f"packed {tuple(packed.shape)}, scale {tuple(scale.shape)} and bias "
-                             f"{None if bias is None else tuple(bias.shape)} do not describe one layer whose width "
-                             f"divides by {self.int8_block_inputs}")
+        require_contiguous_cpu(("x", x, x.dtype))
+        out_features, in_features = int8_block_weight(packed, scale, bias, self.int8_block_inputs)
         if x.dim() != 2 or x.shape[1] != in_features:
             raise ValueError(f"x must be [rows, {in_features}], got {tuple(x.shape)}")
         out = torch.empty(x.shape[0], out_features, dtype=out_dtype)
