@@ -20,7 +20,7 @@ from tests.support.paged import ragged_batch
 from vmesh.kernels.cpu_native import CpuKernels, load_cpu_kernels
 from vmesh.services.common.model_loading import default_cache_dir
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
 
 
 def run_layers(kernels: CpuKernels, layers: list[tuple]) -> None:
@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=320)
     parser.add_argument("--shared", action="store_true")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
     kernels = load_cpu_kernels(Path(default_cache_dir()))
@@ -42,7 +43,7 @@ def main() -> None:
         layers = []
         for layer in range(LAYERS):
             q, kc, vc, _, seq_lens, tables = ragged_batch([1] * args.batch, [args.context - 1] * args.batch, HEADS,
-                                                          KV_HEADS, HEAD_DIM, BLOCK, dtype, seed=layer)
+                                                          KV_HEADS, HEAD_DIM, args.block_size, dtype, seed=layer)
             if args.shared:
                 tables = tables[:1].expand(args.batch, -1).contiguous()
             items = kernels.attention_items(tables, rows, rows, seq_lens)

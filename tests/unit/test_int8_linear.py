@@ -142,6 +142,27 @@ def test_bfloat16_in_and_out(int8_kernels, rows, bias):
                                                      layer.row_sums, layer.bias).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("out_features", [16, 100, 2000])
+def test_the_block_kernel_gives_the_same_bits_on_any_thread_count(int8_kernels, out_features):
+    """Each thread takes a run of weight tiles of its own (and fetches its next one ahead): from
+    one thread to more threads than tiles, over two panels of rows, every output is computed once
+    and the same."""
+    torch.manual_seed(out_features)
+    layer = Int8Linear(torch.randn(out_features, 192), None, int8_kernels)
+    x = torch.randn(300, 192)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2, 3, 7):
+            torch.set_num_threads(count)
+            results.append(int8_kernels.int8_block_linear(x, layer.blocks, layer.scale, None, torch.float32))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(results[0], other) for other in results[1:])
+    want = rounded_like_the_kernel(layer, x).double() @ layer.dequantized().double().T
+    torch.testing.assert_close(results[0].double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
 def test_the_block_kernel_refuses_what_does_not_describe_one_layer(int8_kernels):
     layer = Int8Linear(torch.randn(40, 128), torch.randn(40), int8_kernels)
     x = torch.randn(8, 128)
