@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     off = sub.add_parser("offline", parents=[common])
     off.add_argument("--requests", type=int, default=None)
     off.add_argument("--baselines", default="transformers,engine,mesh",
-                     help="any of transformers, engine, engine-bf16, engine-int8-bf16 (in process), mesh (float32, "
+                     help="any of transformers, engine, engine-bf16, engine-int8-bf16, engine-native (in process; each "
+                          "engine is also timed on the latency prompt alone, as the peers are), mesh (float32, "
                           "always run), "
                           "mesh-native (--weights native), mesh-bf16 (--dtype bfloat16), mesh-bf16-nocap (bfloat16 and "
                           "--max-prefill-tokens-with-decodes 0: prefill uncapped beside decodes), mesh-int8 (--weights "

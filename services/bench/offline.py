@@ -11,6 +11,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -58,22 +59,34 @@ ENGINE_LOAD_TIMEOUT_S = 900.0  # a model converted and quantized on a loaded 2-c
 ENGINE_ROUND_TIMEOUT_S = 3600.0
 
 
+@dataclass
+class EngineArm:
+    """A warmed-up engine: calling it times one run of the first `count` prompts (all by
+    default) and returns its output tokens/s; `latency(prompt)` times that prompt alone."""
+    run: Callable[[int | None], float]
+    latency: Callable[[list[int]], dict[str, float]]
+
+    def __call__(self, count: int | None = None) -> float:
+        return self.run(count)
+
+
 def _serve_engine_runs(connection: Connection, threads: int, model_dir: Path, prompts: list[list[int]],
                        max_tokens: int, kv_cache_memory: int, dtype: str, weights: str,
                        speculative: SpeculativeConfig | None, max_num_seqs: int) -> None:
-    """engine_in_own_process's child: answers each ("run", count) with a timed run's tokens/s."""
+    """engine_in_own_process's child: answers each ("run", count) with a timed run's tokens/s and
+    each ("latency", prompt) with that prompt's latency figures."""
     torch.set_num_threads(threads)
     with engine_generate(model_dir, prompts, max_tokens, kv_cache_memory=kv_cache_memory, dtype=dtype,
-                         weights=weights, speculative=speculative, max_num_seqs=max_num_seqs) as run:
+                         weights=weights, speculative=speculative, max_num_seqs=max_num_seqs) as arm:
         connection.send("ready")
-        while (command := connection.recv())[0] == "run":
-            connection.send(run(command[1]))
+        while (command := connection.recv())[0] in ("run", "latency"):
+            connection.send(arm.run(command[1]) if command[0] == "run" else arm.latency(command[1]))
 
 
 @contextlib.contextmanager
 def engine_in_own_process(model_dir: Path, prompts: list[list[int]], max_tokens: int, kv_cache_memory: int,
                           dtype: str, weights: str, speculative: SpeculativeConfig | None = None,
-                          max_num_seqs: int = 256) -> Iterator[Callable[..., float]]:
+                          max_num_seqs: int = 256) -> Iterator[EngineArm]:
     """engine_generate in a process of its own, as a user runs an engine. OpenMP keeps a pool of
     helper threads per thread that starts parallel work, and a second pool in the process (a
     second engine, or transformers' baseline on the main thread) made every engine step slower:
@@ -99,9 +112,13 @@ def engine_in_own_process(model_dir: Path, prompts: list[list[int]], max_tokens:
         ours.send(("run", count))
         return float(receive(ENGINE_ROUND_TIMEOUT_S))
 
+    def latency(prompt: list[int]) -> dict[str, float]:
+        ours.send(("latency", prompt))
+        return dict(receive(ENGINE_ROUND_TIMEOUT_S))
+
     try:
         receive(ENGINE_LOAD_TIMEOUT_S)  # "ready"
-        yield run
+        yield EngineArm(run, latency)
     finally:
         with contextlib.suppress(OSError, EOFError):
             ours.send(("stop", None))
@@ -116,9 +133,9 @@ def engine_in_own_process(model_dir: Path, prompts: list[list[int]], max_tokens:
 def engine_generate(model_dir: Path, prompts: list[list[int]], max_tokens: int, depth: int = 2,
                     kv_cache_memory: int = 1 << 30, dtype: str = "float32", weights: str = "dequantized",
                     speculative: SpeculativeConfig | None = None,
-                    max_num_seqs: int = 256) -> Iterator[Callable[..., float]]:
-    """An in-process engine, warmed up; each call of the yielded function is one timed run (of
-    the first `count` prompts, or all)."""
+                    max_num_seqs: int = 256) -> Iterator[EngineArm]:
+    """An in-process engine, warmed up, as an EngineArm: a timed run of the first `count`
+    prompts (or all), and one prompt's latency timed as the peers' runner times theirs."""
     from vmesh.services.engine.llm import EngineConfig, LLMEngine
     from vmesh.services.worker.model_runner import WorkerConfig
 
@@ -136,9 +153,23 @@ def engine_generate(model_dir: Path, prompts: list[list[int]], max_tokens: int, 
         assert all(len(o.token_ids) == max_tokens for o in outs)
         return len(chosen) * max_tokens / elapsed
 
+    def timed(prompt: list[int], tokens: int) -> float:
+        started = time.perf_counter()
+        engine.generate([prompt], SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+        return time.perf_counter() - started
+
+    def latency(prompt: list[int]) -> dict[str, float]:
+        """As services/bench/peer_runner.py's latency command, step for step: the prompt's time to
+        one token uncached and cached, and the extra time per token of a full-length call."""
+        engine.reset_prefix_cache()
+        timed(prompts[0], 2)
+        first, repeated, full = timed(prompt, 1), timed(prompt, 1), timed(prompt, max_tokens)
+        return {"ttft_ms": first * 1e3, "cached_ttft_ms": repeated * 1e3,
+                "mean_itl_ms": (full - repeated) / max(max_tokens - 1, 1) * 1e3}
+
     try:
         engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2))  # warm-up
-        yield run
+        yield EngineArm(run, latency)
     finally:
         engine.shutdown()
 
@@ -195,7 +226,18 @@ FINAL_OUTPUTS = "mesh-final"
 # The in-process engine in its modes (dtype, weights): with whole outputs and no client beside it,
 # what vLLM's offline arm (LLM.generate) is.
 ENGINE_VARIANTS = {"engine": ("float32", "dequantized"), "engine-bf16": ("bfloat16", "dequantized"),
-                   "engine-int8-bf16": ("bfloat16", "int8")}
+                   "engine-int8-bf16": ("bfloat16", "int8"),
+                   # The GGUF's own blocks: single-stream latency timed as the peers time theirs.
+                   "engine-native": ("float32", "native")}
+
+
+def native_model(args: argparse.Namespace, baseline: str) -> Path:
+    """The GGUF file itself, for a `--weights native` baseline: its blocks are what it reads."""
+    gguf = gguf_model_file(args.model)
+    if gguf is None:
+        raise SystemExit(f"the {baseline} baseline needs a GGUF model (--model FILE.gguf, gemma3-270m or the "
+                         "embedded one)")
+    return gguf
 
 
 def start_meshes(args: argparse.Namespace, baselines: set[str], model_dir: Path, work: dict[str, Any],
@@ -209,12 +251,8 @@ def start_meshes(args: argparse.Namespace, baselines: set[str], model_dir: Path,
         if variant != "mesh" and variant not in baselines:
             continue
         model = str(model_dir)
-        if "--weights" in flags and "native" in flags:  # the GGUF file itself: its blocks are what it reads
-            gguf = gguf_model_file(args.model)
-            if gguf is None:
-                raise SystemExit(f"the {variant} baseline needs a GGUF model (--model FILE.gguf, gemma3-270m or "
-                                 "the embedded one)")
-            model = str(gguf)
+        if "--weights" in flags and "native" in flags:
+            model = str(native_model(args, variant))
         adapters: dict[str, str] = {}
         if variant == "mesh-lora":
             adapters = write_random_adapters(model_dir, Path(stack.enter_context(tempfile.TemporaryDirectory())))
@@ -261,6 +299,7 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
                               "prompt_tokens": prompt_tokens, "max_tokens": work["max_tokens"],
                               "repeats": args.repeats, **machine(), "tokens_per_s": {}, "runs_tokens_per_s": {}}
     runs: dict[str, Callable[[], float]] = {}
+    engines: dict[str, EngineArm] = {}
     with contextlib.ExitStack() as stack:
         stack.enter_context(scratch)  # the tokenized workload file, for as long as the peers read it
         if "transformers" in baselines:
@@ -272,9 +311,9 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
                 from vmesh.services.engine.llm import EngineConfig
 
                 result["engine_max_prefill_tokens_with_decodes"] = EngineConfig().max_prefill_tokens_with_decodes
-                runs[name] = stack.enter_context(engine_in_own_process(model_dir, work["prompts"],
-                                                                       work["max_tokens"], args.kv_cache_memory_bytes,
-                                                                       dtype, weights))
+                runs[name] = engines[name] = stack.enter_context(engine_in_own_process(
+                    native_model(args, name) if weights == "native" else model_dir, work["prompts"],
+                    work["max_tokens"], args.kv_cache_memory_bytes, dtype, weights))
         peers = {name: stack.enter_context(contextlib.closing(start_peer(name, args, work, model_dir)))
                  for name in PEER_BASELINES if name in baselines}
         runs.update({name: peer.run for name, peer in peers.items()})
@@ -291,6 +330,7 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
         result["mesh_peak_pss_mib"] = {name: mib for name, mib in peaks.mib.items() if name in watched}
         result["peer_peak_pss_mib"] = {name: mib for name, mib in peaks.mib.items() if name in peers}
         result["peer_latency"] = {name: peer.latency() for name, peer in peers.items()}
+        result["engine_latency"] = {name: arm.latency(work["latency_prompt"]) for name, arm in engines.items()}
         result["mesh_duty_cycle"] = statistics.median(r["duty_cycle"] for r in mesh_runs["mesh"])
         result["mesh_ms_per_step"] = {variant: statistics.median(r["ms_per_step"] for r in runs_of_variant)
                                       for variant, runs_of_variant in mesh_runs.items()}
@@ -334,7 +374,7 @@ def print_report(result: dict[str, Any], work: dict[str, Any], repeats: int) -> 
     for name, lat in result["variant_latency"].items():
         print(f"single request through {name}: TTFT {lat['ttft_ms']:.0f} ms ({lat['cached_ttft_ms']:.0f} ms "
               f"repeated), mean ITL {lat['mean_itl_ms']:.1f} ms, TPOT {lat['tpot_ms']:.1f} ms")
-    for name, lat in result["peer_latency"].items():
+    for name, lat in [*result["engine_latency"].items(), *result["peer_latency"].items()]:
         print(f"single request, {name}: TTFT {lat['ttft_ms']:.0f} ms ({lat['cached_ttft_ms']:.0f} ms repeated), "
               f"mean ITL {lat['mean_itl_ms']:.1f} ms (one-token and full-length calls, no streaming)")
     for variant in ("mesh", *result["variant_latency"]):

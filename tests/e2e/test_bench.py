@@ -42,6 +42,8 @@ def test_offline(tmp_path, tiny_model):
     assert all(len(runs) == 2 and all(positive(v) for v in runs) for runs in r["runs_tokens_per_s"].values())
     assert r["ratio_to_mesh"]["mesh"] == pytest.approx(1.0)
     assert positive(r["latency"]["ttft_ms"]) and positive(r["latency"]["mean_itl_ms"])
+    # The in-process engine's single request, timed as the peers' runner times theirs.
+    assert set(r["engine_latency"]) == {"engine"} and all(positive(v) for v in r["engine_latency"]["engine"].values())
     assert 0 < r["mesh_duty_cycle"] <= 1
     assert set(r["mesh_peak_pss_mib"]) == {"worker", "detokenizer-0", "scheduler", "frontend"}
     assert all(positive(v) for v in r["mesh_peak_pss_mib"].values())
@@ -54,12 +56,14 @@ def test_offline_long_workload_reports_prompt_rate_and_uncached_ttft(tmp_path):
     """Two of the long workload's 2,000-token prompts through the mesh, float32 and with the GGUF's
     own blocks, on the embedded model whose tokenizer made them."""
     r = bench(tmp_path, "offline", "--workload", "long", "--requests", "2", "--max-tokens", "3",
-              "--baselines", "mesh,mesh-native", "--kv-cache-memory", "256MiB")
+              "--baselines", "mesh,mesh-native,engine-native", "--kv-cache-memory", "256MiB")
     assert r["workload"] == "long" and r["requests"] == 2 and r["prompt_tokens"] == 4000
     assert r["prompt_tokens_per_s"]["mesh"] == pytest.approx(r["tokens_per_s"]["mesh"] * 4000 / 6)
     assert positive(r["latency"]["ttft_ms"]) and positive(r["latency"]["cached_ttft_ms"])
-    assert set(r["tokens_per_s"]) == {"mesh", "mesh-native"} and positive(r["tokens_per_s"]["mesh-native"])
+    assert set(r["tokens_per_s"]) == {"mesh", "mesh-native", "engine-native"}
+    assert positive(r["tokens_per_s"]["mesh-native"]) and positive(r["tokens_per_s"]["engine-native"])
     assert positive(r["variant_latency"]["mesh-native"]["mean_itl_ms"])
+    assert positive(r["engine_latency"]["engine-native"]["mean_itl_ms"])
     assert r["mesh_peak_pss_mib"]["mesh-native/worker"] < r["mesh_peak_pss_mib"]["worker"]
 
 
