@@ -14,6 +14,11 @@ between them.
 --stack-ab: the decoder layers as one C call (services/worker/decoder_stack.py: native weights)
 against the same layers one by one, alternating in one process.
 
+--interference PERCENT: while the steps are timed, another process keeps a core busy for PERCENT
+% of every 10 ms, as the mesh's frontend, scheduler and detokenizer do beside its worker (~10 %
+of a core under a 32-stream burst, issue 35's measurement): how much a step loses when one of its
+threads is descheduled now and then.
+
 --baseline-ref REF: the same measurement over a temporary worktree of REF too, each tree in its
 own process, alternating in --rounds rounds (before and after in one sitting); prints each
 round's figures, the medians and this / baseline. With --threads 1 (the breakdown too) the
@@ -25,11 +30,14 @@ clock is the process's CPU time, which a shared machine's descheduling does not 
     .venv/bin/python -m benchmarks.decode_step --batch 1 --weights native --draft-tokens 4 --breakdown
     .venv/bin/python -m benchmarks.decode_step --batch 1 --weights native --threads 1 --baseline-ref main --rounds 5
     .venv/bin/python -m benchmarks.decode_step --batch 1 --weights native --context 256 --rounds 12 --stack-ab
+    .venv/bin/python -m benchmarks.decode_step --batch 64 --dtype bfloat16 --weights int8 --interference 10 \
+        --baseline-ref HEAD
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -37,7 +45,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -56,6 +64,33 @@ PASSAGE = 16  # --draft-tokens: the prompts repeat a passage of this many tokens
 # Runs the script at argv[1] as __main__ with the arguments after it (the working directory first
 # on the import path, where running it by path would put benchmarks/ there instead).
 RUN_SCRIPT = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+
+
+# A core busy for argv[1] % of every 10 ms period, until killed.
+BUSY_LOOP = """import sys, time
+busy = float(sys.argv[1]) / 100 * 0.010
+while True:
+    started = time.perf_counter()
+    while time.perf_counter() - started < busy:
+        pass
+    time.sleep(0.010 - busy)
+"""
+
+
+@contextlib.contextmanager
+def interference(percent: float) -> Iterator[None]:
+    """Another process busy for `percent` % of a core while the block runs (none at 0)."""
+    if not percent:
+        yield
+        return
+    if not 0 < percent < 100:
+        raise SystemExit(f"--interference is a percentage of one core in (0, 100), got {percent}")
+    busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(percent)])
+    try:
+        yield
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -113,10 +148,11 @@ def measure(args: argparse.Namespace) -> dict:
         breakdown = step_breakdown.Breakdown(clock)
         step_breakdown.instrument(runner, breakdown)
     rows = 0
-    started = clock()
-    for _ in range(args.steps):
-        decode()
-    elapsed = clock() - started
+    with interference(args.interference):
+        started = clock()
+        for _ in range(args.steps):
+            decode()
+        elapsed = clock() - started
     result = {"ms_per_step": elapsed / args.steps * 1e3, "rows_per_step": rows / args.steps,
               "tokens_per_s": len(produced) / elapsed if not args.breakdown else None,
               "clock": "process CPU" if cpu_clock else "wall", "attention": runner.backend.name,
@@ -214,6 +250,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--weights", default="dequantized", choices=("dequantized", "native", "int8"),
                         help="native reads the embedded GGUF file's blocks")
+    parser.add_argument("--interference", type=float, default=0.0,
+                        help="keep a core busy this %% of the time in another process while timing")
     parser.add_argument("--baseline-ref", help="also time a worktree of this git ref, alternating rounds")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--stack-ab", action="store_true",

@@ -262,9 +262,10 @@ static inline void prefetch_to_l2(const uint8_t *bytes, int64_t count) {
 /* Rows first_row .. first_row + rows of the tile of `vecs` 16-feature vectors from v0; meanwhile
  * next_bytes of weights at `next` (the tile this thread takes next) are fetched into L2, a share
  * per row group: a model's weights come from memory (a layer's are long evicted by the others'
- * and the KV cache's), which the hardware prefetcher alone did not hide: 30 distinct layers'
- * products at 64 rows took 29-30 ms against 24 on cached weights, and the 64-row int8 + bfloat16
- * decode step runs at 0.96x with this (benchmarks/README.md, "Weights fetched a tile ahead"). */
+ * and the KV cache's), which the hardware prefetcher alone did not hide: 30 layers' products at
+ * 64 rows took 1.15x the time from memory that they took on cached weights, 1.07x with this, and
+ * the 64-row int8 + bfloat16 decode step 0.96x (benchmarks/int8_layers_from_memory.py;
+ * benchmarks/README.md, "Weights fetched a tile ahead"). */
 static void block_tile(const BlockActivations *a, int64_t first_row, int64_t rows, const uint8_t *w,
                        int64_t vec_bytes, int64_t v0, int64_t vecs, const float *w_scale, const float *bias, void *y,
                        int y_bf16, int64_t out_features, const uint8_t *next, int64_t next_bytes) {
