@@ -66,10 +66,12 @@ PASSAGE = 16  # --draft-tokens: the prompts repeat a passage of this many tokens
 RUN_SCRIPT = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 
 
-# A core busy for argv[1] % of every 10 ms period, until killed.
-BUSY_LOOP = """import sys, time
-busy = float(sys.argv[1]) / 100 * 0.010
-while True:
+# A core busy for argv[1] % of every 10 ms period: says "ready" once running, and stops when
+# its parent does (were the benchmark killed, it would skew every later measurement).
+BUSY_LOOP = """import os, sys, time
+busy, parent = float(sys.argv[1]) / 100 * 0.010, os.getppid()
+print("ready", flush=True)
+while os.getppid() == parent:
     started = time.perf_counter()
     while time.perf_counter() - started < busy:
         pass
@@ -79,14 +81,16 @@ while True:
 
 @contextlib.contextmanager
 def interference(percent: float) -> Iterator[None]:
-    """Another process busy for `percent` % of a core while the block runs (none at 0)."""
+    """Another process busy for `percent` % of a core while the block runs (none at 0); the block
+    starts once that process runs, so its start-up is not timed."""
     if not percent:
         yield
         return
-    if not 0 < percent < 100:
-        raise SystemExit(f"--interference is a percentage of one core in (0, 100), got {percent}")
-    busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(percent)])
+    busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(percent)], stdout=subprocess.PIPE, text=True)
     try:
+        assert busy.stdout is not None
+        if busy.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the --interference process did not start (exit code {busy.poll()})")
         yield
     finally:
         busy.kill()
@@ -259,6 +263,11 @@ def main() -> None:
                              "alternating --rounds rounds of --steps steps")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # a --baseline-ref child's output
     args = parser.parse_args()
+    if args.interference and not 0 < args.interference < 100:
+        parser.error(f"--interference is a percentage of one core in (0, 100), got {args.interference}")
+    if args.interference and (args.threads == 1 or args.stack_ab):
+        parser.error("--interference times a step on the wall clock beside another process: not with --threads 1 "
+                     "(whose clock is the process's CPU time) or --stack-ab")
     if args.stack_ab and (args.baseline_ref or args.draft_tokens or args.breakdown or args.profile):
         parser.error("--stack-ab times the stack against the layers one by one alone: no --baseline-ref, "
                      "--draft-tokens, --breakdown or --profile")

@@ -5,7 +5,7 @@ bfloat16` runs them. Alternating in one process, so that the machine's drift rea
 prints each one's median milliseconds per step and their ratio. The gap is what fetching weights
 costs the kernel (vmesh/kernels/cpu/int8_linear.c: each thread fetches its next tile ahead).
 
-    .venv/bin/python -m benchmarks.int8_layers_from_memory [--rows 64] [--rounds 15]
+    .venv/bin/python -m benchmarks.int8_layers_from_memory [--rows 64] [--rounds 15] [--threads 2]
 """
 
 from __future__ import annotations
@@ -28,7 +28,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    if min(args.rows, args.rounds, args.threads) < 1:
+        parser.error("--rows, --rounds and --threads are at least 1")
+    torch.set_num_threads(args.threads)
     kernels = load_cpu_kernels(default_cache_dir())
     torch.manual_seed(0)
     layers = []

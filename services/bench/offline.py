@@ -155,8 +155,10 @@ def engine_generate(model_dir: Path, prompts: list[list[int]], max_tokens: int, 
 
     def timed(prompt: list[int], tokens: int) -> float:
         started = time.perf_counter()
-        engine.generate([prompt], SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
-        return time.perf_counter() - started
+        out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+        elapsed = time.perf_counter() - started
+        assert len(out[0].token_ids) == tokens
+        return elapsed
 
     def latency(prompt: list[int]) -> dict[str, float]:
         """As services/bench/peer_runner.py's latency command, step for step: the prompt's time to

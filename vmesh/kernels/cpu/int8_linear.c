@@ -143,6 +143,7 @@ static void tile_product(const uint8_t *low, const uint8_t *high, const float *x
 #define BLOCK_ROWS 4  /* rows x 16-feature vectors of the micro product: 12 int32 and 12 float */
 #define BLOCK_VECS 3  /* accumulators, 3 weight vectors and a broadcast fill 28 of 32 registers */
 #define ROW_PANEL 256 /* rows whose codes (256 x in bytes) stay in L2 while every weight tile passes */
+#define PREFETCH_MAX_TILE (256 << 10) /* a tile fetched ahead beside the current one: half of a 1 MiB L2 */
 
 static inline __m512 load_widened(const void *x, int bf16, int64_t offset) {
     if (bf16)
@@ -273,7 +274,8 @@ static void block_tile(const BlockActivations *a, int64_t first_row, int64_t row
     const __mmask16 last = tail >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << tail) - 1);
     const int64_t groups = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS, share = (next_bytes + groups - 1) / groups / 64 * 64 + 64;
     for (int64_t r = first_row, fetched = 0; r < first_row + rows; r += BLOCK_ROWS, fetched += share) {
-        prefetch_to_l2(next + fetched, fetched + share < next_bytes ? share : next_bytes - fetched);
+        if (fetched < next_bytes)
+            prefetch_to_l2(next + fetched, fetched + share < next_bytes ? share : next_bytes - fetched);
         switch (first_row + rows - r) {
         case 1: BLOCK_VECS_OF(1) break;
         case 2: BLOCK_VECS_OF(2) break;
@@ -353,8 +355,14 @@ int int8_block_linear(const void *x, int x_bf16, const uint8_t *packed, const fl
             /* Each thread's tiles are a run of its own, so that it knows which it takes next. */
             const int64_t team = omp_get_num_threads(), per = (tiles + team - 1) / team;
             const int64_t first = omp_get_thread_num() * per, end = first + per < tiles ? first + per : tiles;
-#define TILE_BYTES(t) ((t) < end ? (weight_bytes - (t) * tile_bytes < tile_bytes ? weight_bytes - (t) * tile_bytes : tile_bytes) : 0)
-            prefetch_to_l2(packed + first * tile_bytes, TILE_BYTES(first)); /* while the activations are rounded */
+            /* Tile t's bytes to fetch ahead: none past the run, nor where two tiles would not sit in
+             * half an L2 (a layer wider than the model's measured here: untried, so left alone). */
+#define TILE_BYTES(t)                                                                                              \
+    ((t) >= end || tile_bytes > PREFETCH_MAX_TILE ? 0                                                              \
+     : weight_bytes - (t) * tile_bytes < tile_bytes ? weight_bytes - (t) * tile_bytes                             \
+                                                    : tile_bytes)
+#define TILE_AHEAD(t) (TILE_BYTES(t) ? packed + (t) * tile_bytes : packed)
+            prefetch_to_l2(TILE_AHEAD(first), TILE_BYTES(first)); /* while the activations are rounded */
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; ++r)
                 correction[r] = quantize_blocks(x, x_bf16, r, in_features, codes + r * in_features, scales + r * blocks);
@@ -365,9 +373,10 @@ int int8_block_linear(const void *x, int x_bf16, const uint8_t *packed, const fl
                     /* After the run's last tile its first, for the next panel of rows. */
                     const int64_t next = t + 1 < end ? t + 1 : panel + ROW_PANEL < rows ? first : end;
                     block_tile(&a, panel, panel_rows, packed, vec_bytes, v0, vecs, w_scale, bias, y, y_bf16,
-                               out_features, packed + next * tile_bytes, TILE_BYTES(next));
+                               out_features, TILE_AHEAD(next), TILE_BYTES(next));
                 }
             }
+#undef TILE_AHEAD
 #undef TILE_BYTES
         }
         status = 0;
