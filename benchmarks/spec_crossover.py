@@ -55,7 +55,7 @@ def main() -> None:
             # pools, which slows both (services/bench/offline.py, engine_in_own_process).
             runs = {name: stack.enter_context(engine_in_own_process(
                 model, prompts, args.max_tokens, KV_CACHE_MEMORY, args.dtype, args.weights,
-                speculative=speculative, max_num_seqs=largest)) for name, speculative in arms.items()}
+                speculative=speculative, max_num_seqs=largest)).run for name, speculative in arms.items()}
             for run in runs.values():
                 run(2)  # first-call costs out of the figures
             result[workload] = {}

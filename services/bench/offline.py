@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import multiprocessing
 import statistics
 import tempfile
@@ -61,13 +62,10 @@ ENGINE_ROUND_TIMEOUT_S = 3600.0
 
 @dataclass
 class EngineArm:
-    """A warmed-up engine: calling it times one run of the first `count` prompts (all by
-    default) and returns its output tokens/s; `latency(prompt)` times that prompt alone."""
+    """A warmed-up engine: `run(count)` times one run of the first `count` prompts (all for
+    None) and returns its output tokens/s; `latency(prompt)` times that prompt alone."""
     run: Callable[[int | None], float]
     latency: Callable[[list[int]], dict[str, float]]
-
-    def __call__(self, count: int | None = None) -> float:
-        return self.run(count)
 
 
 def _serve_engine_runs(connection: Connection, threads: int, model_dir: Path, prompts: list[list[int]],
@@ -144,28 +142,25 @@ def engine_generate(model_dir: Path, prompts: list[list[int]], max_tokens: int, 
                                                                     weights=weights, speculative_config=speculative),
                                                 pipeline_depth=depth))
 
+    def timed(chosen: list[list[int]], tokens: int) -> float:
+        """Seconds to generate exactly `tokens` greedy tokens for each of `chosen`."""
+        started = time.perf_counter()
+        outs = engine.generate(chosen, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+        elapsed = time.perf_counter() - started
+        assert all(len(o.token_ids) == tokens for o in outs)
+        return elapsed
+
     def run(count: int | None = None) -> float:
         chosen = prompts[:count]
         engine.reset_prefix_cache()  # every round starts cold, as the first one does
-        started = time.perf_counter()
-        outs = engine.generate(chosen, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-        elapsed = time.perf_counter() - started
-        assert all(len(o.token_ids) == max_tokens for o in outs)
-        return len(chosen) * max_tokens / elapsed
-
-    def timed(prompt: list[int], tokens: int) -> float:
-        started = time.perf_counter()
-        out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
-        elapsed = time.perf_counter() - started
-        assert len(out[0].token_ids) == tokens
-        return elapsed
+        return len(chosen) * max_tokens / timed(chosen, max_tokens)
 
     def latency(prompt: list[int]) -> dict[str, float]:
         """As services/bench/peer_runner.py's latency command, step for step: the prompt's time to
         one token uncached and cached, and the extra time per token of a full-length call."""
         engine.reset_prefix_cache()
-        timed(prompts[0], 2)
-        first, repeated, full = timed(prompt, 1), timed(prompt, 1), timed(prompt, max_tokens)
+        timed(prompts[:1], 2)
+        first, repeated, full = timed([prompt], 1), timed([prompt], 1), timed([prompt], max_tokens)
         return {"ttft_ms": first * 1e3, "cached_ttft_ms": repeated * 1e3,
                 "mean_itl_ms": (full - repeated) / max(max_tokens - 1, 1) * 1e3}
 
@@ -313,9 +308,10 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
                 from vmesh.services.engine.llm import EngineConfig
 
                 result["engine_max_prefill_tokens_with_decodes"] = EngineConfig().max_prefill_tokens_with_decodes
-                runs[name] = engines[name] = stack.enter_context(engine_in_own_process(
+                engines[name] = stack.enter_context(engine_in_own_process(
                     native_model(args, name) if weights == "native" else model_dir, work["prompts"],
                     work["max_tokens"], args.kv_cache_memory_bytes, dtype, weights))
+                runs[name] = functools.partial(engines[name].run, None)  # every prompt
         peers = {name: stack.enter_context(contextlib.closing(start_peer(name, args, work, model_dir)))
                  for name in PEER_BASELINES if name in baselines}
         runs.update({name: peer.run for name, peer in peers.items()})
