@@ -56,7 +56,8 @@ from vmesh.services.common.model_loading import embedded_model_file, load_model_
 from vmesh.services.common.step_types import NewRequest, StepPlan
 from vmesh.services.common.types import SamplingParams
 from vmesh.services.speculative.config import SpeculativeConfig
-from vmesh.services.worker.kv_cache import bytes_per_block
+from vmesh.services.worker.config import KV_CACHE_DTYPES
+from vmesh.services.worker.kv_cache import bytes_per_block, kv_cache_dtype
 from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
 
 WARMUP_STEPS = 3
@@ -109,11 +110,11 @@ def measure(args: argparse.Namespace) -> dict:
     speculative = SpeculativeConfig("ngram", args.draft_tokens) if args.draft_tokens else None
     config = WorkerConfig(model=model, max_num_seqs=args.batch, dtype=args.dtype, weights=args.weights,
                           attention_backend=args.attention_backend, small_batch_linear=not args.no_small_batch_linear,
-                          speculative_config=speculative)
+                          speculative_config=speculative, kv_cache_dtype=args.kv_cache_dtype)
     block_size = config.block_size
     blocks_per_request = -(-(args.context + decode_steps * rows_per_request + args.draft_tokens) // block_size)
     spec = load_model_spec(resolve_model_dir(None))
-    kv_dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    kv_dtype = kv_cache_dtype(args.kv_cache_dtype, torch.device("cpu"), getattr(torch, args.dtype))
     config.kv_cache_memory = args.batch * blocks_per_request * bytes_per_block(spec, block_size, kv_dtype)
     runner = ModelRunner.load(config)
     handles = list(range(args.batch))
@@ -206,7 +207,8 @@ def sibling_module(name: str) -> ModuleType:
 def describe(args: argparse.Namespace, result: dict) -> str:
     drafts = f", {args.draft_tokens} draft slots ({result['rows_per_step']:.1f} rows/step)" if args.draft_tokens else ""
     rate = f", {result['tokens_per_s']:.1f} tokens/s" if result["tokens_per_s"] else ""
-    return (f"{args.dtype} {args.weights}, batch {args.batch}, context {args.context}{drafts}, attention "
+    cache = "" if args.kv_cache_dtype == "auto" else f", {args.kv_cache_dtype} KV cache"
+    return (f"{args.dtype} {args.weights}{cache}, batch {args.batch}, context {args.context}{drafts}, attention "
             f"{result['attention']}, {args.threads} threads: {result['ms_per_step']:.2f} ms/step "
             f"({result['clock']}){rate}")
 
@@ -254,6 +256,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--weights", default="dequantized", choices=("dequantized", "native", "int8"),
                         help="native reads the embedded GGUF file's blocks")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="the worker's --kv-cache-dtype (int8: the 8-bit cache)")
     parser.add_argument("--interference", type=float, default=0.0,
                         help="keep a core busy this %% of the time in another process while timing")
     parser.add_argument("--baseline-ref", help="also time a worktree of this git ref, alternating rounds")

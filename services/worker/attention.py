@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from vmesh.kernels.reference import write_kv_ref
+from vmesh.kernels.cpu_checks import cache_head_dim
+from vmesh.kernels.reference import cache_as, write_kv_ref
 from vmesh.services.common.model_loading import cache_dir_path
 
 if TYPE_CHECKING:
@@ -66,7 +67,9 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def write_kv(self, key, value, key_cache, value_cache, slot_mapping):
-        write_kv_ref(key.to(key_cache.dtype), value.to(value_cache.dtype), key_cache, value_cache, slot_mapping)
+        if key_cache.dtype != torch.int8:  # an 8-bit cache quantizes the rows as they are
+            key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
+        write_kv_ref(key, value, key_cache, value_cache, slot_mapping)
 
     def attend(self, query, key_cache, value_cache, meta, scale, window=None):
         out = torch.empty_like(query)
@@ -97,10 +100,10 @@ class TorchAttentionBackend(AttentionBackend):
     def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int,
                         dtype: torch.dtype) -> torch.Tensor:
         # [..., num_blocks] block ids -> [..., kv_heads, num_blocks * block_size, head_dim], in the
-        # query's dtype (float32 over the mixed bfloat16 model's cache)
-        blocks = cache[block_table[..., :num_blocks].long()].to(dtype)
+        # query's dtype (float32 over the mixed bfloat16 model's cache; an 8-bit cache dequantized)
+        blocks = cache_as(cache[block_table[..., :num_blocks].long()], dtype)
         lead = blocks.shape[:-4]
-        blocks = blocks.reshape(*lead, num_blocks * cache.shape[1], cache.shape[2], cache.shape[3])
+        blocks = blocks.reshape(*lead, num_blocks * cache.shape[1], cache.shape[2], blocks.shape[-1])
         return blocks.transpose(-3, -2)
 
     @staticmethod
@@ -120,7 +123,7 @@ class TorchAttentionBackend(AttentionBackend):
         if ("padded", window) not in meta.backend_cache:
             meta.backend_cache["padded", window] = self._plan_padded(meta, rows, key_cache.shape[1], window)
         tables, num_blocks, mask = meta.backend_cache["padded", window]
-        head_dim = key_cache.shape[3]
+        head_dim = cache_head_dim(key_cache)
         keys = self._gather_context(key_cache, tables, num_blocks, query.dtype)  # [B, kvh, L, d]
         values = self._gather_context(value_cache, tables, num_blocks, query.dtype)
         # The query heads sharing one KV head become that head's "query length" (GQA).

@@ -14,7 +14,7 @@ attention kernels' limits, and every projection either a plain QuantizedLinear o
 or a plain Int8Linear with its 8-bit block copy in the mixed bfloat16 model (a LoRA wrapper reads
 its own input). The int8 stack takes steps of BLOCK_PATH_MIN_ROWS rows or more, where every
 product is the block one; fewer rows, and any other model, or a step on another attention
-backend or KV cache dtype, run the per-op path (DecoderLayer.forward). The decision is made at
+backend or cache group layout, run the per-op path (DecoderLayer.forward). The decision is made at
 the first step (LoRA wraps its layers at load).
 """
 
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 
-from vmesh.kernels.cpu_checks import attention_shape, int8_block_weight, require_contiguous_cpu
+from vmesh.kernels.cpu_checks import attention_shape, cache_head_dim, int8_block_weight, require_contiguous_cpu
 from vmesh.kernels.cpu_native import kernel_status_error
 from vmesh.services.worker.attention import AttentionMetadata, CpuAttentionBackend
 from vmesh.services.worker.int8_linear import BLOCK_PATH_MIN_ROWS, Int8Linear
@@ -62,7 +62,7 @@ class StackAttention(ctypes.Structure):
 
 class StackShape(ctypes.Structure):
     _fields_ = [("hidden", I64), ("heads", I64), ("kv_heads", I64), ("head_dim", I64), ("intermediate", I64),
-                ("block_size", I64), ("eps", F32), ("integer", I32)]
+                ("block_size", I64), ("eps", F32), ("integer", I32), ("kv_int8", I32)]
 
 
 # vmesh/kernels/cpu/decoder_stack.c's kernels of a layer, in its order.
@@ -192,22 +192,24 @@ class DecoderStack:
         """Whether this step can run as one call: the C attention backend over one cache group of this
         mode's dtype, and (int8) enough rows that every product is the 8-bit block one."""
         return (isinstance(backend, CpuAttentionBackend) and kv_cache.num_groups == 1
-                and kv_cache.key_caches[0].dtype == self.cache_dtype
+                and kv_cache.key_caches[0].dtype in (self.cache_dtype, torch.int8)
                 and (not self.int8 or tokens >= BLOCK_PATH_MIN_ROWS))
 
     def _point_at(self, kv_cache: KVCache) -> None:
         """Checks the caches once (every layer's has the first one's shape) and points the layers at them."""
         first = kv_cache.key_caches[0]
         spec = self.model.spec
-        if first.dim() != 4 or tuple(first.shape[2:]) != (spec.num_kv_heads, spec.head_dim):
-            raise ValueError(f"a KV cache of shape {tuple(first.shape)} does not fit {spec.num_kv_heads} KV heads "
-                             f"of {spec.head_dim}")
+        if (first.dim() != 4 or first.dtype not in (self.cache_dtype, torch.int8)
+                or (first.shape[2], cache_head_dim(first)) != (spec.num_kv_heads, spec.head_dim)):
+            raise ValueError(f"a {first.dtype} KV cache of shape {tuple(first.shape)} does not fit "
+                             f"{spec.num_kv_heads} KV heads of {spec.head_dim}")
         for entry, key, value in zip(self.layers, kv_cache.key_caches, kv_cache.value_caches, strict=True):
-            require_contiguous_cpu(("key_cache", key, self.cache_dtype), ("value_cache", value, self.cache_dtype))
+            require_contiguous_cpu(("key_cache", key, first.dtype), ("value_cache", value, first.dtype))
             if key.shape != first.shape or value.shape != first.shape:
                 raise ValueError("every layer's KV cache must have the first layer's shape")
             entry.key_cache, entry.value_cache = key.data_ptr(), value.data_ptr()
         self.shape.block_size = first.shape[1]
+        self.shape.kv_int8 = int(first.dtype == torch.int8)
         self._caches = (kv_cache, [*kv_cache.key_caches, *kv_cache.value_caches])
 
     def _points_at(self, kv_cache: KVCache) -> bool:

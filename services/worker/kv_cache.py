@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vmesh.kernels.cpu_checks import KV_INT8_SCALE_BYTES
 from vmesh.services.common.kv_cache_groups import KVCacheLayout, kv_cache_layout
 from vmesh.services.common.model_spec import ModelSpec
 
@@ -25,12 +26,31 @@ def model_kv_layout(spec: ModelSpec, max_model_len: int) -> KVCacheLayout:
     return kv_cache_layout([layer.attention.window for layer in spec.layers], max_model_len)
 
 
+def cache_row(spec: ModelSpec, dtype: torch.dtype) -> int:
+    """Elements of one KV head's row in a cache of `dtype`: head_dim, and an 8-bit cache's scale bytes."""
+    return spec.head_dim + (KV_INT8_SCALE_BYTES if dtype == torch.int8 else 0)
+
+
 def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype, layout: KVCacheLayout | None = None) -> int:
-    """One block's keys and values: every layer's without `layout` (one global group), else its
-    slots' (each group's layers share the page)."""
+    """One block's keys and values in a cache of `dtype`: every layer's without `layout` (one global
+    group), else its slots' (each group's layers share the page)."""
     element = torch.empty((), dtype=dtype).element_size()
     slots = spec.num_layers if layout is None else layout.slots_per_block
-    return 2 * slots * block_size * spec.num_kv_heads * spec.head_dim * element
+    return 2 * slots * block_size * spec.num_kv_heads * cache_row(spec, dtype) * element
+
+
+def kv_cache_dtype(name: str, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for `--kv-cache-dtype name`: auto is the model's dtype; int8 is
+    vmesh/kernels/cpu/kv_int8.h's rows, which the CPU's attention kernels (and the torch reference
+    backend) read."""
+    if name == "auto":
+        return model_dtype
+    if name == "int8":
+        if device.type != "cpu":
+            raise ValueError(f"--kv-cache-dtype int8 runs on the CPU (its attention kernels are C); on {device} "
+                             "use --kv-cache-dtype auto")
+        return torch.int8
+    raise ValueError(f"unknown KV cache dtype {name!r} (auto or int8)")
 
 
 def kv_cache_budget(device: torch.device, kv_cache_memory: int | None, memory_fraction: float) -> int:
@@ -44,7 +64,8 @@ def kv_cache_budget(device: torch.device, kv_cache_memory: int | None, memory_fr
 
 @dataclass
 class KVCache:
-    key_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, kv_heads, head_dim] (slots shared)
+    # per layer [num_blocks, block_size, kv_heads, head_dim] (slots shared); int8: head_dim + 4 bytes
+    key_caches: list[torch.Tensor]
     value_caches: list[torch.Tensor]
     num_blocks: int
     block_size: int
@@ -64,7 +85,7 @@ class KVCache:
                  dtype: torch.dtype, layout: KVCacheLayout) -> KVCache:
         if num_blocks < 1:
             raise ValueError("the KV cache budget does not hold a single block")
-        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (num_blocks, block_size, spec.num_kv_heads, cache_row(spec, dtype))
         keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layout.slots_per_block)]
         values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layout.slots_per_block)]
         slot = layout.slot_of_layer()
@@ -79,7 +100,7 @@ class KVCache:
         if num_blocks < 1:
             raise ValueError(f"KV cache memory {budget_bytes} B is less than one block ({per_block} B)")
         windows = ", ".join("global" if w is None else f"window {w}" for w in layout.windows)
-        logger.info("KV cache: %d blocks of %d tokens x %d layers (%.2f GiB), %d group(s) (%s)", num_blocks,
-                    block_size, layout.slots_per_block, num_blocks * per_block / (1 << 30), len(layout.groups),
-                    windows)
+        logger.info("KV cache: %d blocks of %d tokens x %d layers (%.2f GiB, %s), %d group(s) (%s)", num_blocks,
+                    block_size, layout.slots_per_block, num_blocks * per_block / (1 << 30),
+                    str(dtype).removeprefix("torch."), len(layout.groups), windows)
         return cls.allocate(spec, num_blocks, block_size, device, dtype, layout)

@@ -246,10 +246,12 @@ class DecoderLayer:
             qk = RotaryEmbedding.apply(qk.reshape(-1, spec.num_heads + spec.num_kv_heads, spec.head_dim), *rope)
             q, k = qk.split([spec.num_heads, spec.num_kv_heads], dim=1)
             v = v.reshape(-1, spec.num_kv_heads, spec.head_dim)
-            # (In the mixed bfloat16 model float32 tables promote q and k to float32; the cache rounds
-            # k, and q is rounded as rotary_write_kv_bf16 rounds it, so that every path attends alike.)
-            backend.write_kv(k.to(key_cache.dtype), v, key_cache, value_cache, meta.slot_mapping)
-            if q.dtype == torch.float32 and key_cache.dtype == torch.bfloat16:
+            # (In the mixed bfloat16 model float32 tables promote q and k to float32; a bfloat16 cache
+            # rounds k, an 8-bit one quantizes it as it is, and q is rounded as rotary_write_kv_bf16
+            # rounds it, so that every path attends alike.)
+            backend.write_kv(k if key_cache.dtype == torch.int8 else k.to(key_cache.dtype), v, key_cache,
+                             value_cache, meta.slot_mapping)
+            if q.dtype == torch.float32 and qkv.dtype == torch.bfloat16:
                 q = q.to(torch.bfloat16).float()
         attn = backend.attend(q, key_cache, value_cache, meta, self.scale, self.plan.attention.window)
         attn_out = self.o_proj(attn.reshape(-1, self.q_size))

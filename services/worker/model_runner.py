@@ -27,7 +27,7 @@ from vmesh.services.worker.attention import AttentionBackend, make_attention_bac
 from vmesh.services.worker.config import DTYPE_NAMES, WorkerConfig
 from vmesh.services.worker.grammar_rows import GrammarMask, GrammarTokenizer, RowGrammar
 from vmesh.services.worker.int8_linear import int8_kernels
-from vmesh.services.worker.kv_cache import KVCache, kv_cache_budget
+from vmesh.services.worker.kv_cache import KVCache, kv_cache_budget, kv_cache_dtype
 from vmesh.services.worker.lora import LoraManager
 from vmesh.services.worker.model import DecoderModel, MissingWeightError
 from vmesh.services.worker.persistent_batch import PersistentBatch, PlanError, StepInputs
@@ -94,6 +94,7 @@ class ModelRunner:
         if parallel is not None:
             device = parallel.device  # a CUDA rank's own GPU
         dtype = DTYPES[config.dtype]
+        cache_dtype = kv_cache_dtype(config.kv_cache_dtype, device, dtype)  # refused before the model loads
         max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
         cpu_kernels = None
         if config.small_batch_linear and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
@@ -119,9 +120,11 @@ class ModelRunner:
         if parallel is not None:  # equal block counts on every rank, however their free memory differs
             budget = parallel.agree_loaded(budget)
         # model.spec: a tensor-parallel rank caches only its own KV heads.
-        kv_cache = KVCache.from_budget(model.spec, budget, config.block_size, device, dtype, max_model_len)
+        kv_cache = KVCache.from_budget(model.spec, budget, config.block_size, device, cache_dtype, max_model_len)
         backend = make_attention_backend(config.attention_backend, device, cache_dir_path(config.cache_dir))
-        placement = model.describe_placement(backend, dtype)
+        if cache_dtype == torch.int8 and backend.name == "triton":
+            raise ValueError("--kv-cache-dtype int8 needs the cpu or torch attention backend, not triton")
+        placement = model.describe_placement(backend, cache_dtype)
         # Said once, and loudly where the bfloat16 model lost its C kernels: no silent slow path.
         logger.log(logging.WARNING if model.mixed and backend.name != "cpu" else logging.INFO, "%s", placement)
         runner = cls(model, kv_cache, backend, config.max_num_seqs, max_model_len,

@@ -9,8 +9,16 @@ from dataclasses import dataclass
 
 import torch
 
-# The attention kernels' cache element types (float32 arithmetic either way).
-KV_DTYPES = (torch.float32, torch.bfloat16)
+# The attention kernels' cache element types (float32 arithmetic in each).
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+# An 8-bit cache's head rows end in their float32 scale (vmesh/kernels/cpu/kv_int8.h): its last
+# dimension is head_dim + this many bytes.
+KV_INT8_SCALE_BYTES = 4
+
+
+def cache_head_dim(cache: torch.Tensor) -> int:
+    """The head size of a KV cache tensor [blocks, block_size, kv_heads, row]."""
+    return cache.shape[3] - KV_INT8_SCALE_BYTES if cache.dtype == torch.int8 else cache.shape[3]
 
 
 def require_contiguous_cpu(*tensors: tuple[str, torch.Tensor, torch.dtype]) -> None:
@@ -67,13 +75,14 @@ def attention_shape(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if query.dim() != 3 or query.dtype != torch.float32 or query.stride(2) != 1 or query.stride(1) != query.shape[2]:
         raise ValueError("query must be float32 [tokens, heads, head_dim] with each token's heads contiguous")
     if key_cache.dtype not in KV_DTYPES:
-        raise ValueError(f"the KV cache must be float32 or bfloat16, got {key_cache.dtype}")
+        raise ValueError(f"the KV cache must be float32, bfloat16 or int8, got {key_cache.dtype}")
     require_contiguous_cpu(("key_cache", key_cache, key_cache.dtype), ("value_cache", value_cache, key_cache.dtype),
                            ("out", out, torch.float32))
     if key_cache.dim() != 4 or value_cache.shape != key_cache.shape or out.shape != query.shape:
         raise ValueError(f"caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)} and out {tuple(out.shape)} "
                          f"do not fit query {tuple(query.shape)}")
-    _, block_size, kv_heads, head_dim = key_cache.shape
+    _, block_size, kv_heads, _ = key_cache.shape
+    head_dim = cache_head_dim(key_cache)
     if query.shape[2] != head_dim or query.shape[1] % kv_heads:
         raise ValueError(f"query {tuple(query.shape)} does not fit {kv_heads} KV heads of size {head_dim}")
     if work.rows_end > query.shape[0] or work.longest > work.block_tables.shape[1] * block_size:

@@ -27,6 +27,7 @@ from vmesh.kernels.cpu_checks import (
     AttentionItems,
     PrefillChunks,
     attention_shape,
+    cache_head_dim,
     int8_block_weight,
     reach,
     require_contiguous_cpu,
@@ -129,6 +130,9 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "add_rms_norm_f32": (_NORM, None), "add_rms_norm_bf16": (_NORM, None),
     "silu_and_mul_f32": (_SILU, None), "silu_and_mul_bf16": (_SILU, None),
     "rotary_write_kv_f32": (_ROTARY, None), "rotary_write_kv_bf16": ([*_ROTARY, P], None),  # + float32 queries
+    # The 8-bit KV cache's (vmesh/kernels/cpu/kv_int8.h): its writers per model dtype, its attention.
+    "rotary_write_kv_f32_int8": (_ROTARY, None), "rotary_write_kv_bf16_int8": ([*_ROTARY, P], None),
+    "paged_attention_int8": (_ATTENTION, INT), "prefill_attention_int8": (_PREFILL, INT),
     "small_batch_linear_f32": ([P, P, P, P, I64, I64, I64], None),
     "packed_small_batch_linear_f32": ([P, P, P, P, I64, I64, I64, I64], INT),
     # + whether x is bfloat16, and the layout's block width
@@ -156,6 +160,8 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
 # The C kernels' name suffix per model dtype. bfloat16 is the mixed model's: bfloat16 activations,
 # weights and KV cache around a float32 residual stream; attention's softmax and sums in float32.
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+# The attention kernels' suffix per KV cache dtype.
+_CACHE_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "int8"}
 
 
 class CpuKernels:
@@ -182,6 +188,12 @@ class CpuKernels:
         if dtype not in _SUFFIXES:
             raise ValueError(f"{op} has no {dtype} kernel (float32 or bfloat16)")
         return self._functions[f"{op}_{_SUFFIXES[dtype]}"]
+
+    def _cache_kernel(self, op: str, cache_dtype: torch.dtype) -> Any:
+        """The C function of attention `op` over a KV cache of `cache_dtype`."""
+        if cache_dtype not in _CACHE_SUFFIXES:
+            raise ValueError(f"{op} has no kernel for a {cache_dtype} KV cache (float32, bfloat16 or int8)")
+        return self._functions[f"{op}_{_CACHE_SUFFIXES[cache_dtype]}"]
 
     # The elementwise ops below run 3-4 times per layer: they check only dtype and layout,
     # which is what a wrong pointer would corrupt memory through. `dtype` is the model's.
@@ -231,16 +243,21 @@ class CpuKernels:
         cos, sin: float32 [tokens, head_dim] (or [tokens, 1, head_dim]) rows for the tokens' positions.
         float32 rotates qkv in place and returns a view of it; bfloat16 leaves qkv as it is, returns
         a new float32 tensor of the rotated queries rounded to bfloat16 (prefill attention multiplies
-        them in bfloat16 pairs; the sums stay float32) and rounds the rotated keys into the cache."""
-        head_dim = key_cache.shape[3]
+        them in bfloat16 pairs; the sums stay float32) and rounds the rotated keys into the cache.
+        An int8 cache (either model dtype; vmesh/kernels/cpu/kv_int8.h) takes each rotated key and
+        each value as its codes and scale."""
+        head_dim = cache_head_dim(key_cache)
         kernel = self._kernel("rotary_write_kv", dtype)
+        cache_dtype = dtype
+        if key_cache.dtype == torch.int8:
+            kernel, cache_dtype = self._functions[f"rotary_write_kv_{_SUFFIXES[dtype]}_int8"], torch.int8
         if qkv.dtype != dtype or qkv.stride(1) != 1 or qkv.shape[1] != (heads + 2 * kv_heads) * head_dim:
             raise ValueError(f"qkv must be {str(dtype).removeprefix('torch.')} "
                              f"[tokens, {(heads + 2 * kv_heads) * head_dim}] with contiguous rows")
         if key_cache.shape[2] != kv_heads or value_cache.shape != key_cache.shape or head_dim % 2:
             raise ValueError(f"caches of shape {tuple(key_cache.shape)} do not fit {kv_heads} KV heads")
         require_contiguous_cpu(("cos", cos, torch.float32), ("sin", sin, torch.float32),
-                               ("key_cache", key_cache, dtype), ("value_cache", value_cache, dtype),
+                               ("key_cache", key_cache, cache_dtype), ("value_cache", value_cache, cache_dtype),
                                ("slot_mapping", slot_mapping, torch.int64))
         tokens = qkv.shape[0]
         if cos.numel() != tokens * head_dim or sin.numel() != tokens * head_dim or slot_mapping.numel() != tokens:
@@ -398,13 +415,13 @@ class CpuKernels:
                                                    num_rows, vocab, torch.get_num_threads())
 
     def supports(self, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-        """float32 queries over a float32 or bfloat16 cache, in the kernels' size limits."""
+        """float32 queries over a float32, bfloat16 or int8 cache, in the kernels' size limits."""
         return (query.is_cpu and query.dtype == torch.float32 and key_cache.dtype in KV_DTYPES
-                and query.shape[1] <= self.max_heads and key_cache.shape[3] <= self.max_head_dim)
+                and query.shape[1] <= self.max_heads and cache_head_dim(key_cache) <= self.max_head_dim)
 
     def supports_prefill(self, key_cache: torch.Tensor) -> bool:
         """Whether prefill_attention takes this cache's head size (the per-token kernel takes any)."""
-        return key_cache.shape[3] % self.prefill_head_dim_multiple == 0
+        return cache_head_dim(key_cache) % self.prefill_head_dim_multiple == 0
 
     @staticmethod
     def attention_items(block_tables: torch.Tensor, request_rows: torch.Tensor, token_rows: torch.Tensor,
@@ -442,7 +459,7 @@ class CpuKernels:
         a bfloat16 cache then take the query rounded to bfloat16 (the bfloat16 mode's queries are) and
         the value sums the softmax weights rounded to bfloat16 (tests/support/paged.py bounds the error)."""
         block_size, kv_heads, head_dim, group = attention_shape(query, key_cache, value_cache, out, chunks)
-        kernel = self._kernel("prefill_attention", key_cache.dtype)
+        kernel = self._cache_kernel("prefill_attention", key_cache.dtype)
         status = kernel(query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
                         chunks.block_tables.data_ptr(), chunks.block_tables.shape[1], chunks.requests.data_ptr(),
                         chunks.starts.data_ptr(), chunks.lengths.data_ptr(), chunks.seq_lens.data_ptr(),
@@ -461,7 +478,7 @@ class CpuKernels:
         layouts: see vmesh/kernels/cpu/paged_attention.h. The caches may be bfloat16 (the query and out
         stay float32)."""
         block_size, kv_heads, head_dim, group = attention_shape(query, key_cache, value_cache, out, items)
-        kernel = self._kernel("paged_attention", key_cache.dtype)
+        kernel = self._cache_kernel("paged_attention", key_cache.dtype)
         status = kernel(query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
                         items.block_tables.data_ptr(), items.block_tables.shape[1], items.request_rows.data_ptr(),
                         items.token_rows.data_ptr(), items.context_lens.data_ptr(), items.token_rows.numel(),

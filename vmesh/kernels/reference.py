@@ -7,9 +7,37 @@ import torch
 import torch.nn.functional as F
 
 
+def quantize_kv_int8_ref(x: torch.Tensor) -> torch.Tensor:
+    """[..., head_dim] float -> the 8-bit cache's rows [..., head_dim + 4] int8 (vmesh/kernels/cpu/kv_int8.h):
+    codes round(x * 127 / max|x|) to nearest even, then the float32 scale max|x| / 127 in its 4 bytes.
+    A row with a NaN or an infinity gets a NaN scale."""
+    x = x.float()
+    largest = x.abs().amax(-1, keepdim=True)
+    finite = torch.isfinite(x).all(-1, keepdim=True)
+    inverse = torch.where(finite & (largest > 0), 127.0 / largest, torch.zeros_like(largest))
+    codes = torch.round(torch.where(finite, x, torch.zeros_like(x)) * inverse).to(torch.int8)
+    scale = torch.where(finite, largest / 127.0, torch.full_like(largest, float("nan")))
+    return torch.cat([codes, scale.contiguous().view(torch.int8)], dim=-1)
+
+
+def dequantize_kv_int8_ref(rows: torch.Tensor) -> torch.Tensor:
+    """The 8-bit cache's rows [..., head_dim + 4] -> their float32 values [..., head_dim]."""
+    head_dim = rows.shape[-1] - 4
+    scale = rows[..., head_dim:].contiguous().view(torch.float32)
+    return rows[..., :head_dim].float() * scale
+
+
+def cache_as(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A KV cache tensor's values (blocks or rows of it) in `dtype`: an 8-bit cache's dequantized."""
+    return (dequantize_kv_int8_ref(cache) if cache.dtype == torch.int8 else cache).to(dtype)
+
+
 def write_kv_ref(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-    """key/value [tokens, kv_heads, d] -> caches [blocks, block_size, kv_heads, d] at flat slots; -1 skipped."""
+    """key/value [tokens, kv_heads, d] -> caches [blocks, block_size, kv_heads, d] at flat slots; -1 skipped.
+    An int8 cache ([..., d + 4]) takes each row's codes and scale (quantize_kv_int8_ref)."""
+    if key_cache.dtype == torch.int8:
+        key, value = quantize_kv_int8_ref(key), quantize_kv_int8_ref(value)
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
@@ -32,8 +60,8 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
         q = query[starts[i]:starts[i + 1]].float()
         n = q.shape[0]
         blocks = block_tables[i, :-(-seq_len // block_size)].long()
-        k = key_cache[blocks].reshape(-1, kv_heads, key_cache.shape[3])[:seq_len].float()
-        v = value_cache[blocks].reshape(-1, kv_heads, value_cache.shape[3])[:seq_len].float()
+        k = cache_as(key_cache[blocks], torch.float32).reshape(-1, kv_heads, q.shape[2])[:seq_len]
+        v = cache_as(value_cache[blocks], torch.float32).reshape(-1, kv_heads, q.shape[2])[:seq_len]
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale

@@ -21,7 +21,7 @@ typedef struct {
     const uint8_t *qkv, *o, *gate_up, *down;
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
     int32_t qkv_format, o_format, gate_up_format, down_format;
-    float *key_cache, *value_cache;
+    void *key_cache, *value_cache; /* float32, or int8 rows (kv_int8.h) with stack_shape.kv_int8 */
     float scale;
     int64_t window; /* 0: none */
 } stack_layer;
@@ -43,6 +43,7 @@ typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
     float eps;
     int32_t integer; /* the products round activations to int8 (integer_linear.c) */
+    int32_t kv_int8; /* the KV cache is 8-bit (kv_int8.h): its writer and attention kernels' int8 variants */
 } stack_shape;
 
 /* The kernels of a layer, in the order they run: a failure's status names one (decoder_stack.py). */
@@ -92,9 +93,15 @@ int decoder_stack_f32(float *hidden, float *residual, int64_t tokens, const stac
         CHECKED(KERNEL_QKV, rms_norm_quantized_linear_f32(i == 0 ? NULL : hidden, residual, l->input_norm, shape->eps,
                                                           l->qkv, l->qkv_format, l->qkv_bias, qkv, tokens, qkv_width,
                                                           shape->hidden, shape->integer, num_threads));
-        rotary_write_kv_f32(qkv, tokens, qkv_width, shape->heads, shape->kv_heads, shape->head_dim, cos, sin,
-                            slot_mapping, l->key_cache, l->value_cache, num_threads);
-        ATTEND_STEP(f32, qkv, qkv_width);
+        if (shape->kv_int8) {
+            rotary_write_kv_f32_int8(qkv, tokens, qkv_width, shape->heads, shape->kv_heads, shape->head_dim, cos,
+                                     sin, slot_mapping, l->key_cache, l->value_cache, num_threads);
+            ATTEND_STEP(int8, qkv, qkv_width);
+        } else {
+            rotary_write_kv_f32(qkv, tokens, qkv_width, shape->heads, shape->kv_heads, shape->head_dim, cos, sin,
+                                slot_mapping, l->key_cache, l->value_cache, num_threads);
+            ATTEND_STEP(f32, qkv, qkv_width);
+        }
         CHECKED(KERNEL_O, shape->integer
                               ? quantized_linear_int8_f32(attention, l->o, l->o_format, l->o_bias, attention_out,
                                                           tokens, shape->hidden, attention_width, num_threads)
@@ -116,7 +123,7 @@ int decoder_stack_f32(float *hidden, float *residual, int64_t tokens, const stac
 /* ---- The same for `--weights int8 --dtype bfloat16` (services/worker/int8_linear.py in the mixed
  * bfloat16 model): per layer add + RMSNorm into bfloat16, the int8 q/k/v product of 8-bit blocks
  * (int8_block_linear, bfloat16 out), rotary + bfloat16 KV write with the float32 queries rounded,
- * both attention kernels over the bfloat16 cache, the o product, add + RMSNorm, the gate/up product,
+ * both attention kernels over the bfloat16 (or 8-bit) cache, the o product, add + RMSNorm, the gate/up product,
  * SiLU-and-multiply and the down product: the per-op path's calls at 8 rows or more, in its order.
  * Fewer rows take the 16-bit activation kernel, which the per-op path keeps. */
 typedef struct {
@@ -124,7 +131,7 @@ typedef struct {
     const uint8_t *qkv, *o, *gate_up, *down; /* int8_linear.py's pack_for_blocks */
     const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale;
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
-    uint16_t *key_cache, *value_cache;
+    void *key_cache, *value_cache; /* bfloat16, or int8 rows (kv_int8.h) with stack_shape.kv_int8 */
     float scale;
     int64_t window;
 } int8_stack_layer;
@@ -152,9 +159,15 @@ int decoder_stack_int8_bf16(uint16_t *hidden, float *residual, int64_t tokens, c
                           num_threads);
         CHECKED(KERNEL_QKV, int8_block_linear(normed, 1, l->qkv, l->qkv_scale, l->qkv_bias, qkv, 1, tokens, qkv_width,
                                               hidden_size, num_threads));
-        rotary_write_kv_bf16(qkv, tokens, qkv_width, shape->heads, shape->kv_heads, shape->head_dim, cos, sin,
-                             slot_mapping, l->key_cache, l->value_cache, query, num_threads);
-        ATTEND_STEP(bf16, query, attention_width);
+        if (shape->kv_int8) {
+            rotary_write_kv_bf16_int8(qkv, tokens, qkv_width, shape->heads, shape->kv_heads, shape->head_dim, cos,
+                                      sin, slot_mapping, l->key_cache, l->value_cache, query, num_threads);
+            ATTEND_STEP(int8, query, attention_width);
+        } else {
+            rotary_write_kv_bf16(qkv, tokens, qkv_width, shape->heads, shape->kv_heads, shape->head_dim, cos, sin,
+                                 slot_mapping, l->key_cache, l->value_cache, query, num_threads);
+            ATTEND_STEP(bf16, query, attention_width);
+        }
         CHECKED(KERNEL_O, int8_block_linear(attention, 0, l->o, l->o_scale, l->o_bias, attention_out, 1, tokens,
                                             hidden_size, attention_width, num_threads));
         add_rms_norm_bf16(attention_out, residual, l->post_attention_norm, normed, tokens, hidden_size, shape->eps,

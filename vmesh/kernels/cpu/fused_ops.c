@@ -13,7 +13,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernel_limits.h"
 #include "vec_math.h"
+#include "kv_int8.h"
 #include "cross_calls.h"
 
 /* Below this many floats a pass is cheaper on one thread than the fork and join. */
@@ -84,6 +86,37 @@ void rotary_write_kv_f32(float *qkv, int64_t rows, int64_t stride, int64_t heads
             const float *k = row + heads * head_dim;
             memcpy(key_cache + slot * kv_floats, k, sizeof(float) * (size_t)kv_floats);
             memcpy(value_cache + slot * kv_floats, k + kv_floats, sizeof(float) * (size_t)kv_floats);
+        }
+    }
+}
+
+/* As rotary_write_kv_f32 with an 8-bit cache [num_slots, kv_heads * (head_dim + 4)] bytes
+ * (kv_int8.h): each rotated key and each value row goes in as its codes and scale. */
+void rotary_write_kv_f32_int8(float *qkv, int64_t rows, int64_t stride, int64_t heads, int64_t kv_heads,
+                              int64_t head_dim, const float *cos, const float *sin, const int64_t *slot_mapping,
+                              int8_t *key_cache, int8_t *value_cache, int num_threads) {
+    const int64_t half = head_dim / 2, row_bytes = head_dim + KV_INT8_SCALE_BYTES, slot_bytes = kv_heads * row_bytes;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * stride >= PARALLEL_MIN_FLOATS)
+    for (int64_t r = 0; r < rows; ++r) {
+        float *row = qkv + r * stride;
+        const float *c = cos + r * head_dim, *s = sin + r * head_dim;
+        for (int64_t h = 0; h < heads + kv_heads; ++h) {
+            float *x1 = row + h * head_dim, *x2 = x1 + half;
+#pragma omp simd
+            for (int64_t i = 0; i < half; ++i) {
+                const float a = x1[i], b = x2[i];
+                const float rotated_first = a * c[i] - b * s[i];
+                x2[i] = b * c[i + half] + a * s[i + half];
+                x1[i] = rotated_first;
+            }
+        }
+        const int64_t slot = slot_mapping[r];
+        if (slot >= 0) {
+            const float *k = row + heads * head_dim, *v = k + kv_heads * head_dim;
+            for (int64_t h = 0; h < kv_heads; ++h) {
+                quantize_row_int8(k + h * head_dim, head_dim, key_cache + slot * slot_bytes + h * row_bytes);
+                quantize_row_int8(v + h * head_dim, head_dim, value_cache + slot * slot_bytes + h * row_bytes);
+            }
         }
     }
 }
@@ -169,5 +202,46 @@ void rotary_write_kv_bf16(const uint16_t *qkv, int64_t rows, int64_t stride, int
         if (slot >= 0)
             memcpy(value_cache + slot * kv_elements, row + (heads + kv_heads) * head_dim,
                    sizeof(uint16_t) * (size_t)kv_elements);
+    }
+}
+
+/* As rotary_write_kv_bf16 with an 8-bit cache (kv_int8.h, as rotary_write_kv_f32_int8): the rotated
+ * keys (float32, not first rounded to bfloat16) and the bfloat16 values go in as codes and scales. */
+void rotary_write_kv_bf16_int8(const uint16_t *qkv, int64_t rows, int64_t stride, int64_t heads, int64_t kv_heads,
+                               int64_t head_dim, const float *cos, const float *sin, const int64_t *slot_mapping,
+                               int8_t *key_cache, int8_t *value_cache, float *query, int num_threads) {
+    const int64_t half = head_dim / 2, row_bytes = head_dim + KV_INT8_SCALE_BYTES, slot_bytes = kv_heads * row_bytes;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * stride >= PARALLEL_MIN_FLOATS)
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t *row = qkv + r * stride;
+        const float *c = cos + r * head_dim, *s = sin + r * head_dim;
+        const int64_t slot = slot_mapping[r];
+        float widened[MAX_HEAD_DIM];
+        for (int64_t h = 0; h < heads + kv_heads; ++h) {
+            const uint16_t *x1 = row + h * head_dim, *x2 = x1 + half;
+            if (h < heads) {
+                float *q1 = query + (r * heads + h) * head_dim, *q2 = q1 + half;
+#pragma omp simd
+                for (int64_t i = 0; i < half; ++i) {
+                    const float a = bf16_to_f32(x1[i]), b = bf16_to_f32(x2[i]);
+                    q1[i] = bf16_to_f32(f32_to_bf16(a * c[i] - b * s[i]));
+                    q2[i] = bf16_to_f32(f32_to_bf16(b * c[i + half] + a * s[i + half]));
+                }
+            } else if (slot >= 0) {
+#pragma omp simd
+                for (int64_t i = 0; i < half; ++i) {
+                    const float a = bf16_to_f32(x1[i]), b = bf16_to_f32(x2[i]);
+                    widened[i] = a * c[i] - b * s[i];
+                    widened[i + half] = b * c[i + half] + a * s[i + half];
+                }
+                quantize_row_int8(widened, head_dim, key_cache + slot * slot_bytes + (h - heads) * row_bytes);
+            }
+        }
+        if (slot >= 0)
+            for (int64_t h = 0; h < kv_heads; ++h) {
+                const uint16_t *v = row + (heads + kv_heads + h) * head_dim;
+                for (int64_t i = 0; i < head_dim; ++i) widened[i] = bf16_to_f32(v[i]);
+                quantize_row_int8(widened, head_dim, value_cache + slot * slot_bytes + h * row_bytes);
+            }
     }
 }

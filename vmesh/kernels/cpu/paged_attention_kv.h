@@ -1,8 +1,14 @@
 /* The part of paged attention (paged_attention.h) that reads the KV cache, compiled once per
- * cache element type: paged_attention_f32.c and paged_attention_bf16.c include it with KV_T (the
- * element), KV_LOAD / KV_LOAD16 (one element / 16 elements widened to float), KV_PREFETCH (a slot
- * of that many elements) and KV_FN (the name of each function for that type) defined. Queries,
- * scores and sums are float32 in every variant. */
+ * cache element type: paged_attention_f32.c, paged_attention_bf16.c and paged_attention_int8.c
+ * include it with KV_T (the element), KV_LOAD / KV_LOAD16 (one element / 16 elements widened to
+ * float), KV_PREFETCH (a slot of that many elements) and KV_FN (the name of each function for that
+ * type) defined, and optionally KV_ROW (elements per KV head's row of a slot, from head_dim) and
+ * KV_SCALE (the factor of a row's elements: int8 codes' scale, kv_int8.h). Queries, scores and
+ * sums are float32 in every variant. */
+#ifndef KV_ROW
+#define KV_ROW(head_dim) (head_dim)
+#define KV_SCALE(row, head_dim) 1.0f
+#endif
 
 /* One request: the query heads of `part_kv_heads` consecutive KV heads (groups of `group`)
  * attend to cached tokens first .. seq_len - 1 (first > 0 under a sliding window); q, o and the
@@ -16,7 +22,7 @@ static inline __attribute__((always_inline)) void KV_FN(attend_request)(
     const int64_t head_dim, float scale, float *scores /* [heads][seq_len - first] */,
     float *acc /* [heads][head_dim] */, float *o) {
     const int64_t heads = part_kv_heads * group, len = seq_len - first;
-    const int64_t token_stride = kv_heads * head_dim;
+    const int64_t token_stride = kv_heads * KV_ROW(head_dim);
     const int64_t block_stride = block_size * token_stride;
     for (int64_t t = first; t < seq_len; ++t) {
         const int64_t b = t / block_size, slot = t % block_size;
@@ -25,13 +31,14 @@ static inline __attribute__((always_inline)) void KV_FN(attend_request)(
         if (t + block_size < seq_len)
             KV_PREFETCH(key_cache + (int64_t)table[b + 1] * block_stride + slot * token_stride, token_stride);
         for (int64_t h = 0, hq = 0; h < part_kv_heads; ++h) {
-            const KV_T *kh = k + h * head_dim;
+            const KV_T *kh = k + h * KV_ROW(head_dim);
+            const float key_scale = scale * KV_SCALE(kh, head_dim);
             for (int64_t g = 0; g < group; ++g, ++hq) {
                 const float *qh = q + hq * head_dim;
                 float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                 for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * KV_LOAD(kh + d);
-                scores[hq * len + t - first] = dot * scale;
+                scores[hq * len + t - first] = dot * key_scale;
             }
         }
     }
@@ -43,9 +50,10 @@ static inline __attribute__((always_inline)) void KV_FN(attend_request)(
         if (t + block_size < seq_len)
             KV_PREFETCH(value_cache + (int64_t)table[b + 1] * block_stride + slot * token_stride, token_stride);
         for (int64_t h = 0, hq = 0; h < part_kv_heads; ++h) {
-            const KV_T *vh = v + h * head_dim;
+            const KV_T *vh = v + h * KV_ROW(head_dim);
+            const float value_scale = KV_SCALE(vh, head_dim);
             for (int64_t g = 0; g < group; ++g, ++hq) {
-                const float p = scores[hq * len + t - first];
+                const float p = scores[hq * len + t - first] * value_scale;
                 float *a = acc + hq * head_dim;
 #pragma omp simd
                 for (int64_t d = 0; d < head_dim; ++d) a[d] += p * KV_LOAD(vh + d);
@@ -93,12 +101,13 @@ static inline __attribute__((always_inline)) void KV_FN(score_heads)(
         vec16 key[MAX_CHUNKS];
 #pragma GCC unroll 16
         for (int64_t c = 0; c < chunks; ++c) key[c] = KV_LOAD16(k + c * LANES);
+        const float key_scale = KV_SCALE(k, chunks * LANES);
 #pragma GCC unroll 4
         for (int64_t g = 0; g < heads; ++g) {
             vec16 sum = query[g][0] * key[0];
 #pragma GCC unroll 16
             for (int64_t c = 1; c < chunks; ++c) sum += query[g][c] * key[c];
-            partial[g * LANES + j] = sum;
+            partial[g * LANES + j] = sum * key_scale;
         }
     }
 }
@@ -120,9 +129,10 @@ static inline __attribute__((always_inline)) void KV_FN(accumulate_heads)(
         vec16 value[MAX_CHUNKS];
 #pragma GCC unroll 16
         for (int64_t c = 0; c < chunks; ++c) value[c] = KV_LOAD16(v + c * LANES);
+        const float value_scale = KV_SCALE(v, chunks * LANES);
 #pragma GCC unroll 4
         for (int64_t g = 0; g < heads; ++g) {
-            const float weight = p[g * p_stride + j];
+            const float weight = p[g * p_stride + j] * value_scale;
 #pragma GCC unroll 16
             for (int64_t c = 0; c < chunks; ++c) sum[g][c] += weight * value[c];
         }
@@ -155,7 +165,7 @@ static inline __attribute__((always_inline)) void KV_FN(attend_request_vec)(
     const int64_t head_dim, float scale, float *scores /* [heads][seq_len - first] */,
     float *acc /* [heads][head_dim] */, vec16 *partial, float *o) {
     const int64_t heads = part_kv_heads * group, chunks = head_dim / LANES, len = seq_len - first;
-    const int64_t token_stride = kv_heads * head_dim, block_stride = block_size * token_stride;
+    const int64_t token_stride = kv_heads * KV_ROW(head_dim), block_stride = block_size * token_stride;
     /* Sets of query heads whose queries (or sums) and one key (or value) fit in the registers. */
     const int64_t sub = chunks <= 4 ? 4 : chunks <= 8 ? 2 : 1;
     /* Blocks sit at random places in the pool, and the hardware prefetcher stops at each
@@ -168,7 +178,7 @@ static inline __attribute__((always_inline)) void KV_FN(attend_request_vec)(
                                           token_stride, next);
         for (int64_t h = 0; h < part_kv_heads; ++h) {
 #define SCORE(g0, set)                                                                                               \
-    KV_FN(score_heads)(q + (h * group + (g0)) * head_dim, slots, h * head_dim, n,                                  \
+    KV_FN(score_heads)(q + (h * group + (g0)) * head_dim, slots, h * KV_ROW(head_dim), n,                                  \
                        partial + (h * group + (g0)) * LANES, set, chunks, next, h == 0 && (g0) == 0 ? n_next : 0, \
                        token_stride)
             FOR_HEAD_SETS(group, sub, SCORE)
@@ -188,7 +198,8 @@ static inline __attribute__((always_inline)) void KV_FN(attend_request_vec)(
         for (int64_t h = 0; h < part_kv_heads; ++h) {
 #define ACCUMULATE(g0, set)                                                                                          \
     KV_FN(accumulate_heads)(acc + (h * group + (g0)) * head_dim, scores + (h * group + (g0)) * len + t0 - first, len, \
-                            slots, h * head_dim, n, set, chunks, next, h == 0 && (g0) == 0 ? n_next : 0, token_stride)
+                            slots, h * KV_ROW(head_dim), n, set, chunks, next, h == 0 && (g0) == 0 ? n_next : 0,     \
+                            token_stride)
             FOR_HEAD_SETS(group, sub, ACCUMULATE)
 #undef ACCUMULATE
         }
@@ -226,7 +237,7 @@ int KV_FN(paged_attention)(const float *query, int64_t query_stride, const KV_T 
         const int32_t *table = block_tables + request_rows[item] * table_width;
         const float *q = query + token_rows[item] * query_stride + h0 * group * head_dim;
         float *o = out + (token_rows[item] * heads + h0 * group) * head_dim;
-        const KV_T *k = key_cache + h0 * head_dim, *v = value_cache + h0 * head_dim;
+        const KV_T *k = key_cache + h0 * KV_ROW(head_dim), *v = value_cache + h0 * KV_ROW(head_dim);
         const int64_t part_heads = heads_per_part * group;
         /* Per head: 16 vectors of partial dot products, then head_dim sums, then seq_len scores
          * (rounded up to 32), then the query's bfloat16 pairs where KV_PAIRS. */

@@ -32,6 +32,7 @@
 #include "vec_math.h"
 #include "cross_calls.h"
 #include "bf16_pairs.h"
+#include "kv_int8.h"
 
 #define LANES PREFILL_LANES
 #define KEY_VECS 4 /* vectors of scores per row and key tile */
@@ -227,4 +228,22 @@ static inline __attribute__((always_inline)) void accumulate_pairs(const uint32_
 #define KV_LOAD16 load16_bf16
 #define KV_FN(name) CONCAT(name, bf16)
 #define KV_PAIRS BF16_PAIRS
+#include "prefill_attention_kv.h"
+#undef KV_PAIRS
+#undef KV_T
+#undef KV_LOAD
+#undef KV_LOAD16
+#undef KV_FN
+
+/* 8-bit cache (kv_int8.h), float32 queries, arithmetic and output: each key tile and value row is
+ * widened and scaled once per key tile, then the float32 cache's path: prefill_attention_int8. */
+#define KV_T int8_t
+#define KV_LOAD(p) ((float)*(p))
+#define KV_LOAD16 load16_i8
+#define KV_FN(name) CONCAT(name, int8)
+#define KV_PAIRS 0
+#undef KV_ROW
+#undef KV_SCALE
+#define KV_ROW(head_dim) ((head_dim) + KV_INT8_SCALE_BYTES)
+#define KV_SCALE(row, head_dim) int8_row_scale(row, head_dim)
 #include "prefill_attention_kv.h"

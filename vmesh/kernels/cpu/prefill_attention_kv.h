@@ -1,6 +1,10 @@
 /* The part of prefill_attention.c that reads the KV cache, compiled once per cache element type
- * (see paged_attention_kv.h for the macros: KV_T, KV_LOAD, KV_LOAD16, KV_FN; KV_PAIRS 1: the
- * scores and the value sums as bfloat16 pair dots, over a bfloat16 cache only). */
+ * (see paged_attention_kv.h for the macros: KV_T, KV_LOAD, KV_LOAD16, KV_FN, KV_ROW, KV_SCALE;
+ * KV_PAIRS 1: the scores and the value sums as bfloat16 pair dots, over a bfloat16 cache only). */
+#ifndef KV_ROW
+#define KV_ROW(head_dim) (head_dim)
+#define KV_SCALE(row, head_dim) 1.0f
+#endif
 
 /* acc[r] += sum_j p[r][j] v[j] over n keys, for PV_ROWS rows (or fewer) and the 4 (or fewer)
  * vectors of head_dim starting at vector c0. */
@@ -26,11 +30,13 @@ static inline __attribute__((always_inline)) void KV_FN(accumulate_rows)(
         for (int64_t c = 0; c < width; ++c) store16(acc + r * head_dim + (c0 + c) * LANES, a[r][c]);
 }
 
-/* The float32 cache's value row as it is; a bfloat16 one widened into `staged`. */
+/* The float32 cache's value row as it is; a bfloat16 one widened into `staged`, an int8 one
+ * widened and scaled. */
 static inline __attribute__((always_inline)) const float *KV_FN(value_row)(const KV_T *row, float *staged,
                                                                           const int64_t head_dim) {
     if (sizeof(KV_T) == sizeof(float)) return (const float *)row;
-    for (int64_t d = 0; d < head_dim; d += LANES) store16(staged + d, KV_LOAD16(row + d));
+    const float row_scale = KV_SCALE(row, head_dim);
+    for (int64_t d = 0; d < head_dim; d += LANES) store16(staged + d, KV_LOAD16(row + d) * row_scale);
     return staged;
 }
 
@@ -43,7 +49,7 @@ static inline __attribute__((always_inline)) void KV_FN(attend_tile)(
     int64_t kv_heads, int64_t group, const int64_t head_dim, int64_t block_size, float scale, int64_t window,
     float *out, float *scratch) {
     const int64_t rows = (i1 - i0) * group, chunks = head_dim / LANES, heads = kv_heads * group;
-    const int64_t token_stride = kv_heads * head_dim, block_stride = block_size * token_stride;
+    const int64_t token_stride = kv_heads * KV_ROW(head_dim), block_stride = block_size * token_stride;
     float *q = scratch;                       /* [rows][head_dim], scaled (KV_PAIRS: its pairs) */
     float *acc = q + rows * head_dim;         /* [rows][head_dim] */
     float *scores = acc + rows * head_dim;    /* [rows][KEY_TILE] */
@@ -85,14 +91,15 @@ static inline __attribute__((always_inline)) void KV_FN(attend_tile)(
         for (int64_t j = 0; j < n; ++j) {
             const int64_t t = t0 + j;
             const int64_t offset = (int64_t)table[t / block_size] * block_stride + (t % block_size) * token_stride +
-                                   h * head_dim;
+                                   h * KV_ROW(head_dim);
             const KV_T *k = key_cache + offset;
 #if KV_PAIRS
             v_rows[j] = value_cache + offset;
             for (int64_t p = 0; p < pairs; ++p) memcpy(kt_pairs + p * KEY_TILE + j, k + 2 * p, sizeof(uint32_t));
 #else
             v_slots[j] = KV_FN(value_row)(value_cache + offset, vt + j * head_dim, head_dim);
-            for (int64_t d = 0; d < head_dim; ++d) kt[d * KEY_TILE + j] = KV_LOAD(k + d);
+            const float key_scale = KV_SCALE(k, head_dim);
+            for (int64_t d = 0; d < head_dim; ++d) kt[d * KEY_TILE + j] = KV_LOAD(k + d) * key_scale;
 #endif
         }
 #if KV_PAIRS
