@@ -6,7 +6,9 @@ Modes: `dequantized` (the file's weights expanded to float32 at load: the float3
 `native-int8` (activations rounded to int8 per block of 32, VNNI dot products), `int8` (`--weights
 int8` on the dequantized float32 checkpoint: int8 weights per output feature; activations to 16 bits
 per token below 8 rows, to 8 bits per block of 64 from 8 rows, so perplexity's 255-row chunks measure
-the latter), and the mixed bfloat16 model (`--dtype bfloat16`) as `bf16` and `int8-bf16`.
+the latter), and the mixed bfloat16 model (`--dtype bfloat16`) as `bf16` and `int8-bf16`; `kv8`,
+`bf16-kv8` and `int8-bf16-kv8` are `dequantized`, `bf16` and `int8-bf16` over the 8-bit KV cache
+(`--kv-cache-dtype int8`).
 
 (a) Perplexity over benchmarks/data/bf16_perplexity.txt, measured as benchmarks/bf16.py does
 (teacher-forced in 256-token chunks through the paged cache). (b) Greedy outputs of the standard
@@ -40,19 +42,22 @@ from vmesh.services.worker.attention import AttentionMetadata
 from vmesh.services.worker.model_runner import ModelRunner, WorkerConfig
 from vmesh.services.worker.quantized_linear import DOT_ENV
 
-MODES = {"dequantized": ("dequantized", None, "float32"), "native-float": ("native", "float", "float32"),
-         "native-int8": ("native", "int8", "float32"), "int8": ("int8", None, "float32"),
-         "bf16": ("dequantized", None, "bfloat16"), "int8-bf16": ("int8", None, "bfloat16")}
+# mode: (weights, VMESH_QUANTIZED_DOT, dtype, kv_cache_dtype)
+MODES = {"dequantized": ("dequantized", None, "float32", "auto"),
+         "native-float": ("native", "float", "float32", "auto"), "native-int8": ("native", "int8", "float32", "auto"),
+         "int8": ("int8", None, "float32", "auto"), "bf16": ("dequantized", None, "bfloat16", "auto"),
+         "int8-bf16": ("int8", None, "bfloat16", "auto"), "kv8": ("dequantized", None, "float32", "int8"),
+         "bf16-kv8": ("dequantized", None, "bfloat16", "int8"), "int8-bf16-kv8": ("int8", None, "bfloat16", "int8")}
 DEFAULT_MODES = ["dequantized", "native-float", "native-int8", "int8"]
 
 
 def load(mode: str, **settings: Any) -> ModelRunner:
-    weights, dot, dtype = MODES[mode]
+    weights, dot, dtype, kv_cache_dtype = MODES[mode]
     if dot is None:
         os.environ.pop(DOT_ENV, None)
     else:
         os.environ[DOT_ENV] = dot  # read as the layers are built
-    return ModelRunner.load(WorkerConfig(weights=weights, dtype=dtype, **settings))
+    return ModelRunner.load(WorkerConfig(weights=weights, dtype=dtype, kv_cache_dtype=kv_cache_dtype, **settings))
 
 
 def log_probs(runner: ModelRunner, token_ids: list[int]) -> torch.Tensor:

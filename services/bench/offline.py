@@ -70,12 +70,13 @@ class EngineArm:
 
 def _serve_engine_runs(connection: Connection, threads: int, model_dir: Path, prompts: list[list[int]],
                        max_tokens: int, kv_cache_memory: int, dtype: str, weights: str,
-                       speculative: SpeculativeConfig | None, max_num_seqs: int) -> None:
+                       speculative: SpeculativeConfig | None, max_num_seqs: int, kv_cache_dtype: str) -> None:
     """engine_in_own_process's child: answers each ("run", count) with a timed run's tokens/s and
     each ("latency", prompt) with that prompt's latency figures."""
     torch.set_num_threads(threads)
     with engine_generate(model_dir, prompts, max_tokens, kv_cache_memory=kv_cache_memory, dtype=dtype,
-                         weights=weights, speculative=speculative, max_num_seqs=max_num_seqs) as arm:
+                         weights=weights, speculative=speculative, max_num_seqs=max_num_seqs,
+                         kv_cache_dtype=kv_cache_dtype) as arm:
         connection.send("ready")
         while (command := connection.recv())[0] in ("run", "latency"):
             connection.send(arm.run(command[1]) if command[0] == "run" else arm.latency(command[1]))
@@ -84,7 +85,7 @@ def _serve_engine_runs(connection: Connection, threads: int, model_dir: Path, pr
 @contextlib.contextmanager
 def engine_in_own_process(model_dir: Path, prompts: list[list[int]], max_tokens: int, kv_cache_memory: int,
                           dtype: str, weights: str, speculative: SpeculativeConfig | None = None,
-                          max_num_seqs: int = 256) -> Iterator[EngineArm]:
+                          max_num_seqs: int = 256, kv_cache_dtype: str = "auto") -> Iterator[EngineArm]:
     """engine_generate in a process of its own, as a user runs an engine. OpenMP keeps a pool of
     helper threads per thread that starts parallel work, and a second pool in the process (a
     second engine, or transformers' baseline on the main thread) made every engine step slower:
@@ -94,7 +95,7 @@ def engine_in_own_process(model_dir: Path, prompts: list[list[int]], max_tokens:
     ours, theirs = context.Pipe()
     child = context.Process(target=_serve_engine_runs, name=f"vmesh-bench-engine-{dtype}-{weights}", daemon=True,
                             args=(theirs, torch.get_num_threads(), model_dir, prompts, max_tokens, kv_cache_memory,
-                                  dtype, weights, speculative, max_num_seqs))
+                                  dtype, weights, speculative, max_num_seqs, kv_cache_dtype))
     child.start()
     theirs.close()
 
@@ -131,7 +132,7 @@ def engine_in_own_process(model_dir: Path, prompts: list[list[int]], max_tokens:
 def engine_generate(model_dir: Path, prompts: list[list[int]], max_tokens: int, depth: int = 2,
                     kv_cache_memory: int = 1 << 30, dtype: str = "float32", weights: str = "dequantized",
                     speculative: SpeculativeConfig | None = None,
-                    max_num_seqs: int = 256) -> Iterator[EngineArm]:
+                    max_num_seqs: int = 256, kv_cache_dtype: str = "auto") -> Iterator[EngineArm]:
     """An in-process engine, warmed up, as an EngineArm: a timed run of the first `count`
     prompts (or all), and one prompt's latency timed as the peers' runner times theirs."""
     from vmesh.services.engine.llm import EngineConfig, LLMEngine
@@ -139,7 +140,8 @@ def engine_generate(model_dir: Path, prompts: list[list[int]], max_tokens: int, 
 
     engine = LLMEngine.from_config(EngineConfig(worker=WorkerConfig(model=str(model_dir), max_num_seqs=max_num_seqs,
                                                                     kv_cache_memory=kv_cache_memory, dtype=dtype,
-                                                                    weights=weights, speculative_config=speculative),
+                                                                    weights=weights, speculative_config=speculative,
+                                                                    kv_cache_dtype=kv_cache_dtype),
                                                 pipeline_depth=depth))
 
     def timed(chosen: list[list[int]], tokens: int) -> float:
@@ -210,6 +212,7 @@ MESH_VARIANTS = {"mesh": (), "mesh-native": ("--weights", "native"), "mesh-bf16"
                  "mesh-int8": ("--weights", "int8"), "mesh-int8-bf16": ("--weights", "int8", "--dtype", "bfloat16"),
                  "mesh-int8-bf16-nocap": ("--weights", "int8", "--dtype", "bfloat16",
                                           "--max-prefill-tokens-with-decodes", "0"),
+                 "mesh-int8-bf16-kv8": ("--weights", "int8", "--dtype", "bfloat16", "--kv-cache-dtype", "int8"),
                  "mesh-plaintext": ("--no-internal-tls",),
                  "mesh-spec": ("--speculative-config", NGRAM_4),
                  # The GGUF's own blocks with speculation: single-stream latency against llama.cpp on that file.
@@ -222,10 +225,13 @@ MESH_VARIANTS = {"mesh": (), "mesh-native": ("--weights", "native"), "mesh-bf16"
 FINAL_OUTPUTS = "mesh-final"
 # The in-process engine in its modes (dtype, weights): with whole outputs and no client beside it,
 # what vLLM's offline arm (LLM.generate) is.
-ENGINE_VARIANTS = {"engine": ("float32", "dequantized"), "engine-bf16": ("bfloat16", "dequantized"),
-                   "engine-int8-bf16": ("bfloat16", "int8"),
+# name: (dtype, weights, KV cache dtype)
+ENGINE_VARIANTS = {"engine": ("float32", "dequantized", "auto"), "engine-bf16": ("bfloat16", "dequantized", "auto"),
+                   "engine-int8-bf16": ("bfloat16", "int8", "auto"),
+                   # The same over the 8-bit KV cache.
+                   "engine-int8-bf16-kv8": ("bfloat16", "int8", "int8"),
                    # The GGUF's own blocks: single-stream latency timed as the peers time theirs.
-                   "engine-native": ("float32", "native")}
+                   "engine-native": ("float32", "native", "auto")}
 
 
 def native_model(args: argparse.Namespace, baseline: str) -> Path:
@@ -301,7 +307,7 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
         stack.enter_context(scratch)  # the tokenized workload file, for as long as the peers read it
         if "transformers" in baselines:
             runs["transformers"] = transformers_generate(model_dir, work["prompts"], work["max_tokens"])
-        for name, (dtype, weights) in ENGINE_VARIANTS.items():
+        for name, (dtype, weights, kv_cache_dtype) in ENGINE_VARIANTS.items():
             if name in baselines:
                 # The engine runs on its offline defaults, the mesh on its serving ones: said in
                 # the results, for the engine / mesh ratio is not the serving path's cost alone.
@@ -310,7 +316,7 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
                 result["engine_max_prefill_tokens_with_decodes"] = EngineConfig().max_prefill_tokens_with_decodes
                 engines[name] = stack.enter_context(engine_in_own_process(
                     native_model(args, name) if weights == "native" else model_dir, work["prompts"],
-                    work["max_tokens"], args.kv_cache_memory_bytes, dtype, weights))
+                    work["max_tokens"], args.kv_cache_memory_bytes, dtype, weights, kv_cache_dtype=kv_cache_dtype))
                 runs[name] = functools.partial(engines[name].run, None)  # every prompt
         peers = {name: stack.enter_context(contextlib.closing(start_peer(name, args, work, model_dir)))
                  for name in PEER_BASELINES if name in baselines}

@@ -28,20 +28,20 @@ from vmesh.services.worker.quantized_linear import DOT_ENV, QuantizedLinear
 NGRAM = SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=3)
 
 
-def load_native(dot: str, monkeypatch: pytest.MonkeyPatch) -> ModelRunner:
+def load_native(dot: str, monkeypatch: pytest.MonkeyPatch, kv_cache_dtype: str = "auto") -> ModelRunner:
     monkeypatch.setenv(DOT_ENV, dot)  # read as the layers are built
     runner = ModelRunner.load(WorkerConfig(weights="native", kv_cache_memory=32 << 20, max_num_seqs=3,
-                                           speculative_config=NGRAM))
+                                           speculative_config=NGRAM, kv_cache_dtype=kv_cache_dtype))
     if dot == "int8" and not runner.model.layers[0].qkv_proj.integer:  # type: ignore[union-attr]
         pytest.skip("this CPU has no AVX-512 VNNI: the int8 products are the float ones")
     return runner
 
 
-def load_int8_bf16() -> ModelRunner:
+def load_int8_bf16(kv_cache_dtype: str = "auto") -> ModelRunner:
     if not load_cpu_kernels(Path(default_cache_dir())).integer_dot:
         pytest.skip("this CPU has no AVX-512 VNNI: no --weights int8")
     return ModelRunner.load(WorkerConfig(weights="int8", dtype="bfloat16", kv_cache_memory=32 << 20,
-                                         max_num_seqs=3, speculative_config=NGRAM))
+                                         max_num_seqs=3, speculative_config=NGRAM, kv_cache_dtype=kv_cache_dtype))
 
 
 def compare_every_step(runner: ModelRunner) -> Callable[[], tuple[set[tuple[bool, bool, bool]], int, int]]:
@@ -139,6 +139,20 @@ def test_the_int8_bf16_stack_equals_the_layers_one_by_one(embedded_tokenizer):
     kinds = {(d, c) for d, c, _ in seen}
     assert {(True, True), (False, True)} <= kinds, kinds
     assert stack_runs == compared > 5, (stack_runs, compared)
+
+
+@pytest.mark.parametrize("mode", ["native", "int8-bf16"])
+def test_the_stack_over_the_int8_kv_cache_equals_the_layers_one_by_one(mode, embedded_tokenizer, monkeypatch):
+    """`--kv-cache-dtype int8` (vmesh/kernels/cpu/kv_int8.h) in both stacks: the same bits and the same
+    8-bit cache as the per-op path, decodes and prefill chunks among the steps."""
+    runner = load_native("float", monkeypatch, "int8") if mode == "native" else load_int8_bf16("int8")
+    assert runner.kv_cache.key_caches[0].dtype == torch.int8
+    report = compare_every_step(runner)
+    outputs = generate(runner, embedded_tokenizer)
+    assert [len(o) for o in outputs] == [12 + 4 * i for i in range(len(outputs))]
+    seen, compared, stack_runs = report()
+    assert (False, True) in {(d, c) for d, c, _ in seen}
+    assert stack_runs == compared > (20 if mode == "native" else 5), (stack_runs, compared)
 
 
 @pytest.mark.parametrize("mode", ["native", "int8-bf16"])

@@ -154,7 +154,7 @@ def test_attention_refuses_a_bf16_query_or_mixed_caches(kernels):
         kernels.paged_attention(q.bfloat16(), kc, vc, items, 0.1, torch.empty_like(q))
     with pytest.raises(ValueError, match="value_cache"):
         kernels.paged_attention(q, kc, vc.float(), items, 0.1, torch.empty_like(q))
-    with pytest.raises(ValueError, match="float32 or bfloat16"):
+    with pytest.raises(ValueError, match="float32, bfloat16 or int8"):
         kernels.paged_attention(q, kc.half(), vc.half(), items, 0.1, torch.empty_like(q))
     assert kernels.supports(q, kc) and not kernels.supports(q.bfloat16(), kc)
 
