@@ -1,9 +1,9 @@
 """Decode attention on CPU, per layer: the C kernel (vmesh/kernels/cpu/paged_attention.h) over a batch of
 decodes, each with its own context (block tables shuffled, as a long-running pool's are), on the
-default model's heads (9 query, 3 KV, head_dim 64), over an 8-bit, a bfloat16 and a float32 cache. Thirty layers' caches, so that they come from
-memory as in a real step; `--shared`: every request reads the same blocks, which then sit in L2,
-so the figure is the kernel's arithmetic alone. Prints milliseconds per layer (best of --repeats)
-and the cache bytes read per second.
+default model's heads (9 query, 3 KV, head_dim 64), over an 8-bit, a bfloat16 and a float32 cache.
+Thirty layers' caches, so that they come from memory as in a real step; `--shared`: every request
+reads the same blocks, which then sit in L2, so the figure is the kernel's arithmetic alone. Prints
+milliseconds per layer (best of --repeats) and the cache bytes read per second.
 
     .venv/bin/python -m benchmarks.decode_attention [--batch 64] [--context 320] [--shared]
 """
