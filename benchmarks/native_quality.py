@@ -13,7 +13,7 @@ the latter), and the mixed bfloat16 model (`--dtype bfloat16`) as `bf16` and `in
 (a) Perplexity over benchmarks/data/bf16_perplexity.txt, measured as benchmarks/bf16.py does
 (teacher-forced in 256-token chunks through the paged cache). (b) Greedy outputs of the standard
 workload's prompts (EOS ignored) in each mode: the fraction of identical requests and the mean
-leading match against `native-float` (or, without it, `dequantized`: the same tokens); for every
+leading match against `native-float` (or, without it, `dequantized`, else the first mode); for every
 request that differs, the margin at its first difference under the reference's own logits
 (log-probability of its token minus that of the token the other mode chose).
 
@@ -123,7 +123,7 @@ def main() -> None:
         finally:
             engine.shutdown()
     result["requests"], result["max_tokens"] = len(prompts), max_tokens
-    base = "native-float" if "native-float" in outputs else "dequantized"
+    base = next(mode for mode in ("native-float", "dequantized", *args.modes) if mode in outputs)
     result["reference"] = base
     reference = load(base, kv_cache_memory=64 << 20)
     for mode in outputs.keys() - {base}:

@@ -22,6 +22,13 @@
 
 #define KV_INT8_SCALE_BYTES 4
 
+/* Decode attention over the cache on 16-bit integer pair dots (paged_attention_words.h). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define INT8_WORDS 1
+#else
+#define INT8_WORDS 0
+#endif
+
 static inline float int8_row_scale(const int8_t *row, int64_t head_dim) {
     float scale;
     memcpy(&scale, row + head_dim, sizeof scale);

@@ -120,6 +120,19 @@ static inline void prefetch_bf16_slot(const uint16_t *slot, int64_t elements) {
     for (int64_t i = 0; i < elements; i += 32) __builtin_prefetch(slot + i, 0, 2);
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+/* The 32 features starting at `out` in order, scaled, from sums in the order that interleaving two
+ * tokens' 16-bit values within 128-bit lanes (VPUNPCKLWD / VPUNPCKHWD) leaves them: in 32-bit lane
+ * k, lo holds feature 8 (k / 4) + k % 4 and hi feature 8 (k / 4) + 4 + k % 4. */
+static inline void store_features(float *out, __m512 lo, __m512 hi, __m512 scale) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), scale));
+    _mm512_storeu_ps(out + LANES, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), scale));
+}
+#endif
+
 #define CONCAT_(a, b) a##_##b
 #define CONCAT(a, b) CONCAT_(a, b)
 

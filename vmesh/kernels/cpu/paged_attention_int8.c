@@ -11,6 +11,7 @@
 #define KV_PREFETCH prefetch_i8_slot
 #define KV_FN(name) CONCAT(name, int8)
 #define KV_PAIRS 0
+#define KV_WORDS INT8_WORDS
 #define KV_ROW(head_dim) ((head_dim) + KV_INT8_SCALE_BYTES)
 #define KV_SCALE(row, head_dim) int8_row_scale(row, head_dim)
 #include "paged_attention_kv.h"

@@ -4,7 +4,8 @@
  * float), KV_PREFETCH (a slot of that many elements) and KV_FN (the name of each function for that
  * type) defined, and optionally KV_ROW (elements per KV head's row of a slot, from head_dim) and
  * KV_SCALE (the factor of a row's elements: int8 codes' scale, kv_int8.h). Queries, scores and
- * sums are float32 in every variant. */
+ * sums are float32 in every variant. KV_PAIRS (bfloat16) and KV_WORDS (int8) select the integer or
+ * bfloat16 dot-product paths of paged_attention_pairs.h and paged_attention_words.h. */
 #ifndef KV_ROW
 #define KV_ROW(head_dim) (head_dim)
 #define KV_SCALE(row, head_dim) 1.0f
@@ -211,6 +212,12 @@ static inline __attribute__((always_inline)) void KV_FN(attend_request_vec)(
 #if KV_PAIRS
 #include "paged_attention_pairs.h"
 #endif
+#ifndef KV_WORDS
+#define KV_WORDS 0
+#endif
+#if KV_WORDS
+#include "paged_attention_words.h"
+#endif
 #undef FOR_HEAD_SETS
 
 /* Returns 0 on success, 1 if a size is out of the supported range, 2 if memory ran out.
@@ -267,6 +274,21 @@ int KV_FN(paged_attention)(const float *query, int64_t query_stride, const KV_T 
             continue;
         }
 #undef ATTEND_PAIRS
+#endif
+#if KV_WORDS
+#define ATTEND_WORDS(dim)                                                                                            \
+    attend_request_words(q, k, v, table, first, seq_len, block_size, kv_heads, heads_per_part, group, dim, scale,     \
+                         scratch, o)
+        if (head_dim % 32 == 0) {
+            switch (head_dim) {
+            case 64: ATTEND_WORDS(64); break;
+            case 128: ATTEND_WORDS(128); break;
+            default: ATTEND_WORDS(head_dim);
+            }
+            free(scratch);
+            continue;
+        }
+#undef ATTEND_WORDS
 #endif
         switch (head_dim) {
         case 64: ATTEND_VEC(64); break;

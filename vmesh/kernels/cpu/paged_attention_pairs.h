@@ -111,14 +111,6 @@ static inline float softmax_pairs(float *s, int64_t len) {
     return _mm512_reduce_add_ps(total);
 }
 
-/* The 32 features starting at `out` in order, scaled, from the interleave-order sums lo and hi. */
-static inline void store_features(float *out, __m512 lo, __m512 hi, __m512 scale) {
-    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), scale));
-    _mm512_storeu_ps(out + LANES, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), scale));
-}
-
 /* As attend_request_vec over a bfloat16 cache, for head_dim = 32 * pair_vecs: tiles of 16 context
  * tokens from `first`, KV head by KV head, the query heads of its group at once. `scratch` holds
  * part_kv_heads * group * (16 vectors + 2 head_dim + len rounded up to 32) floats, 64-byte aligned.
