@@ -3,9 +3,10 @@
 against the per-token C kernel it replaced for prefill chunks and the torch backend's SDPA
 path, on the default model's heads (9 query, 3 KV, head_dim 64), run in turn in one process.
 Prints milliseconds per layer (best of --repeats) and the tiled kernel's GFLOP/s. --cache-dtype
-bfloat16: the bfloat16 mode's cache (the query and output stay float32).
+bfloat16: the bfloat16 mode's cache (the query and output stay float32); int8: the 8-bit cache
+(`--kv-cache-dtype int8`, vmesh/kernels/cpu/kv_int8.h).
 
-    .venv/bin/python -m benchmarks.prefill_attention [--repeats 5] [--cache-dtype bfloat16]
+    .venv/bin/python -m benchmarks.prefill_attention [--repeats 5] [--cache-dtype bfloat16|int8]
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from tests.support.paged import ragged_batch
 from vmesh.kernels.cpu_native import load_cpu_kernels
+from vmesh.kernels.reference import quantize_kv_int8_ref
 from vmesh.services.common.model_loading import default_cache_dir
 from vmesh.services.worker.attention import AttentionMetadata, TorchAttentionBackend
 
@@ -51,7 +53,7 @@ def causal_flops(query_lens: list[int], context_lens: list[int]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--cache-dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--cache-dtype", default="float32", choices=("float32", "bfloat16", "int8"))
     args = parser.parse_args()
     cache_dtype = getattr(torch, args.cache_dtype)
     torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -61,7 +63,10 @@ def main() -> None:
     for label, query_lens, context_lens in CASES:
         q, kc, vc, starts, seq_lens, tables = ragged_batch(query_lens, context_lens, HEADS, KV_HEADS, HEAD_DIM,
                                                            BLOCK, torch.float32)
-        kc, vc = kc.to(cache_dtype), vc.to(cache_dtype)
+        if cache_dtype == torch.int8:
+            kc, vc = quantize_kv_int8_ref(kc), quantize_kv_int8_ref(vc)
+        else:
+            kc, vc = kc.to(cache_dtype), vc.to(cache_dtype)
         if cache_dtype == torch.bfloat16:  # the bfloat16 mode's queries hold bfloat16 values
             q = q.bfloat16().float()
         rows = torch.arange(len(query_lens))

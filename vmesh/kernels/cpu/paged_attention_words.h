@@ -6,7 +6,8 @@
  * a key's codes are sign-extended to 16 bits, 32 per register (one instruction), and one VPDPWSSD
  * multiplies them by a query head rounded to 16 bits (its largest magnitude to 32767: a relative
  * error of 2^-16, far below bfloat16's 2^-9) and sums pairs into 32-bit lanes; each token's 16
- * partial sums become float32 once and take the key's and the query's scales. The softmax is float32.
+ * partial sums become float32, and a tile's 16 folded scores take their keys' and the query's
+ * scales in one multiply. The softmax is float32.
  * For the values, a tile's 16 softmax weights of a head, each times its value row's scale, are
  * rounded to 16 bits against the tile's largest (2^-16 of it), two tokens' weights per 32-bit word,
  * and meet the two tokens' codes interleaved (as paged_attention_pairs.h interleaves bfloat16
@@ -35,12 +36,13 @@ static inline float round_query_words(const float *q, int64_t head_dim, int16_t 
 /* 32 codes at p, sign-extended to 16 bits. */
 static inline __m512i load32_codes(const int8_t *p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
 
-/* Partial scores of tile tokens 0..n-1 for `heads` query heads (16-bit rows q, head_dim apart, with
- * scales q_scale) that share the key at `offset` in each slot: partial[g * LANES + j] holds token
- * j's 16 partial sums for head g, scaled. As score_heads, slot ahead[j] is fetched with token j. */
+/* Partial scores of tile tokens 0..n-1 for `heads` query heads (16-bit rows q, head_dim apart) that
+ * share the key at `offset` in each slot: partial[g * LANES + j] holds token j's 16 partial sums for
+ * head g, unscaled (the scales multiply each tile's 16 folded scores at once: store_word_scores).
+ * As score_heads, slot ahead[j] is fetched with token j. */
 static inline __attribute__((always_inline)) void score_heads_words(
-    const int16_t *q, const float *q_scale, const int8_t *const slots[LANES], int64_t offset, int64_t n,
-    vec16 *partial, const int64_t heads, const int64_t word_vecs, const int8_t *const ahead[LANES], int64_t n_ahead,
+    const int16_t *q, const int8_t *const slots[LANES], int64_t offset, int64_t n, vec16 *partial,
+    const int64_t heads, const int64_t word_vecs, const int8_t *const ahead[LANES], int64_t n_ahead,
     int64_t slot_len) {
     __m512i query[SUB_HEADS][MAX_CHUNKS / 2];
 #pragma GCC unroll 4
@@ -50,7 +52,6 @@ static inline __attribute__((always_inline)) void score_heads_words(
     for (int64_t j = 0; j < n; ++j) {
         if (j < n_ahead) prefetch_i8_slot(ahead[j], slot_len);
         const int8_t *k = slots[j] + offset;
-        const float key_scale = int8_row_scale(k, word_vecs * 2 * LANES);
         __m512i key[MAX_CHUNKS / 2];
 #pragma GCC unroll 8
         for (int64_t c = 0; c < word_vecs; ++c) key[c] = load32_codes(k + c * 2 * LANES);
@@ -59,9 +60,24 @@ static inline __attribute__((always_inline)) void score_heads_words(
             __m512i sum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), query[g][0], key[0]);
 #pragma GCC unroll 8
             for (int64_t c = 1; c < word_vecs; ++c) sum = _mm512_dpwssd_epi32(sum, query[g][c], key[c]);
-            partial[g * LANES + j] =
-                (vec16)_mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(key_scale * q_scale[g]));
+            partial[g * LANES + j] = (vec16)_mm512_cvtepi32_ps(sum);
         }
+    }
+}
+
+/* A tile's scores from score_heads_words's partial sums: for each of the `heads` query heads of one KV
+ * head (rows at row, row_stride apart) its n tokens' folded sums times the tokens' key scales, the
+ * head's query scale and `scale`. */
+static inline void store_word_scores(vec16 *partial, int64_t heads, int64_t n, const float *key_scales,
+                                     const float *q_scale, float scale, float *row, int64_t row_stride) {
+    if (n < LANES)
+        for (int64_t hq = 0; hq < heads; ++hq)
+            for (int64_t j = n; j < LANES; ++j) partial[hq * LANES + j] = (vec16){0};
+    const vec16 keys = load16(key_scales);
+    for (int64_t hq = 0; hq < heads; ++hq) {
+        const vec16 tile = fold16(partial + hq * LANES) * keys * (q_scale[hq] * scale);
+        if (n == LANES) store16(row + hq * row_stride, tile);
+        else memcpy(row + hq * row_stride, &tile, sizeof(float) * (size_t)n);
     }
 }
 
@@ -148,19 +164,22 @@ static inline __attribute__((always_inline)) void attend_request_words(
     const int64_t score_sub = word_vecs <= 4 ? 4 : 2, value_sub = word_vecs <= 2 ? 4 : word_vecs <= 4 ? 2 : 1;
 
     const int8_t *slots[LANES], *next[LANES];
+    float row_scales[LANES] = {0};
     int64_t n = tile_slots_int8(key_cache, table, first, seq_len, block_size, block_stride, token_stride, slots);
     for (int64_t t0 = first; t0 < seq_len; t0 += LANES) {
         const int64_t n_next =
             tile_slots_int8(key_cache, table, t0 + LANES, seq_len, block_size, block_stride, token_stride, next);
         for (int64_t h = 0; h < part_kv_heads; ++h) {
 #define SCORE(g0, set)                                                                                               \
-    score_heads_words(q_words + (h * group + (g0)) * head_dim, q_scale + h * group + (g0), slots, h * row, n,        \
+    score_heads_words(q_words + (h * group + (g0)) * head_dim, slots, h * row, n,                                   \
                       partial + (h * group + (g0)) * LANES, set, word_vecs, next, h == 0 && (g0) == 0 ? n_next : 0, \
                       token_stride)
             FOR_HEAD_SETS(group, score_sub, SCORE)
 #undef SCORE
+            for (int64_t j = 0; j < n; ++j) row_scales[j] = int8_row_scale(slots[j] + h * row, head_dim);
+            store_word_scores(partial + h * group * LANES, group, n, row_scales, q_scale + h * group, scale,
+                              scores + h * group * len + t0 - first, len);
         }
-        store_tile_scores(partial, heads, n, scale, scores + t0 - first, len);
         memcpy(slots, next, sizeof slots);
         n = n_next;
     }
@@ -169,14 +188,14 @@ static inline __attribute__((always_inline)) void attend_request_words(
     softmax_rows(scores, heads, len);
     memset(acc, 0, sizeof(float) * (size_t)(heads * head_dim));
     uint32_t words[MAX_HEADS * LANES / 2]; /* a KV head's query heads' weight words */
-    float w_scale[MAX_HEADS], value_scales[LANES];
+    float w_scale[MAX_HEADS];
     for (int64_t t0 = first; t0 < seq_len; t0 += LANES) {
         const int64_t n_next =
             tile_slots_int8(value_cache, table, t0 + LANES, seq_len, block_size, block_stride, token_stride, next);
         for (int64_t h = 0; h < part_kv_heads; ++h) {
-            for (int64_t j = 0; j < n; ++j) value_scales[j] = int8_row_scale(slots[j] + h * row, head_dim);
+            for (int64_t j = 0; j < n; ++j) row_scales[j] = int8_row_scale(slots[j] + h * row, head_dim);
             for (int64_t g = 0; g < group; ++g)
-                w_scale[g] = round_weight_words(scores + (h * group + g) * len + t0 - first, value_scales, n,
+                w_scale[g] = round_weight_words(scores + (h * group + g) * len + t0 - first, row_scales, n,
                                                 words + g * (LANES / 2));
 #define ACCUMULATE(g0, set)                                                                                          \
     accumulate_heads_words(acc + (h * group + (g0)) * head_dim, words + (g0) * (LANES / 2), w_scale + (g0), slots,    \
