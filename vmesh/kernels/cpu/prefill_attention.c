@@ -235,13 +235,30 @@ static inline __attribute__((always_inline)) void accumulate_pairs(const uint32_
 #undef KV_LOAD16
 #undef KV_FN
 
-/* 8-bit cache (kv_int8.h), float32 queries, arithmetic and output: each key tile and value row is
- * widened and scaled once per key tile, then the float32 cache's path: prefill_attention_int8. */
+/* 8-bit cache (kv_int8.h), float32 queries and output: with AVX-512 BF16 each key and value row of a
+ * key tile is converted to bfloat16 once (its codes times its scale, rounded: 2^-9 relative, as a
+ * bfloat16 cache's rounding) and the bfloat16 cache's pair-dot path runs on them; otherwise they are
+ * widened and scaled to float32 once per key tile, and the float32 cache's path runs:
+ * prefill_attention_int8. */
+#if BF16_PAIRS
+/* A row's codes times its scale, rounded to bfloat16, into staged (head_dim elements). */
+static inline const uint16_t *int8_row_bf16(const int8_t *row, int64_t head_dim, uint16_t *staged) {
+    const __m512 scale = _mm512_set1_ps(int8_row_scale(row, head_dim));
+    for (int64_t d = 0; d < head_dim; d += LANES) {
+        const __m512 values = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + d)))), scale);
+        _mm256_storeu_si256((__m256i *)(staged + d), (__m256i)_mm512_cvtneps_pbh(values));
+    }
+    return staged;
+}
+#undef KV_PAIR_ROW
+#define KV_PAIR_ROW(row, staged, head_dim) int8_row_bf16(row, head_dim, staged)
+#endif
 #define KV_T int8_t
 #define KV_LOAD(p) ((float)*(p))
 #define KV_LOAD16 load16_i8
 #define KV_FN(name) CONCAT(name, int8)
-#define KV_PAIRS 0
+#define KV_PAIRS BF16_PAIRS
 #undef KV_ROW
 #undef KV_SCALE
 #define KV_ROW(head_dim) ((head_dim) + KV_INT8_SCALE_BYTES)

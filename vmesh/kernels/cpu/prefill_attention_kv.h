@@ -5,6 +5,11 @@
 #define KV_ROW(head_dim) (head_dim)
 #define KV_SCALE(row, head_dim) 1.0f
 #endif
+/* With KV_PAIRS: a cache row as bfloat16 elements, in the cache (a bfloat16 one) or converted into
+ * `staged` (an 8-bit one: int8_row_bf16). */
+#ifndef KV_PAIR_ROW
+#define KV_PAIR_ROW(row, staged, head_dim) (row)
+#endif
 
 /* acc[r] += sum_j p[r][j] v[j] over n keys, for PV_ROWS rows (or fewer) and the 4 (or fewer)
  * vectors of head_dim starting at vector c0. */
@@ -63,7 +68,11 @@ static inline __attribute__((always_inline)) void KV_FN(attend_tile)(
     uint32_t *kt_pairs = (uint32_t *)kt;                          /* [head_dim / 2][KEY_TILE] */
     uint32_t *vt_pairs = (uint32_t *)vt;                          /* [KEY_TILE / 2][head_dim], in vt's place */
     const int64_t pairs = head_dim / 2;
-    const KV_T *v_rows[KEY_TILE];
+    const uint16_t *v_rows[KEY_TILE];
+    /* An 8-bit cache's rows as bfloat16, in the halves of kt and vt that the pair words leave free. */
+    uint16_t *k_staged = (uint16_t *)(kt + head_dim * KEY_TILE / 2);
+    uint16_t *v_staged = (uint16_t *)(vt + head_dim * KEY_TILE / 2); /* [KEY_TILE][head_dim] */
+    (void)k_staged, (void)v_staged;
 #endif
     for (int64_t i = i0; i < i1; ++i)
         for (int64_t g = 0; g < group; ++g) {
@@ -94,8 +103,10 @@ static inline __attribute__((always_inline)) void KV_FN(attend_tile)(
                                    h * KV_ROW(head_dim);
             const KV_T *k = key_cache + offset;
 #if KV_PAIRS
-            v_rows[j] = value_cache + offset;
-            for (int64_t p = 0; p < pairs; ++p) memcpy(kt_pairs + p * KEY_TILE + j, k + 2 * p, sizeof(uint32_t));
+            v_rows[j] = KV_PAIR_ROW(value_cache + offset, v_staged + j * head_dim, head_dim);
+            const uint16_t *key_words = KV_PAIR_ROW(k, k_staged, head_dim);
+            for (int64_t p = 0; p < pairs; ++p)
+                memcpy(kt_pairs + p * KEY_TILE + j, key_words + 2 * p, sizeof(uint32_t));
 #else
             v_slots[j] = KV_FN(value_row)(value_cache + offset, vt + j * head_dim, head_dim);
             const float key_scale = KV_SCALE(k, head_dim);
