@@ -26,7 +26,7 @@ class VllmPeer:
 
         self.params = SamplingParams
         self.llm = LLM(model=config["model_dir"], dtype=config["dtype"], max_model_len=config["max_model_len"],
-                       enable_prefix_caching=True, seed=0)
+                       kv_cache_dtype=config.get("kv_cache_dtype", "auto"), enable_prefix_caching=True, seed=0)
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> None:
         params = self.params(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True)

@@ -16,11 +16,13 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any
 
-# baseline name -> (environment under the peers directory, engine, dtype)
+# baseline name -> (environment under the peers directory, engine, dtype, KV cache dtype)
 PEER_BASELINES = {
-    "vllm": ("vllm", "vllm", "float32"),
-    "vllm-bf16": ("vllm", "vllm", "bfloat16"),
-    "llama.cpp": ("llama.cpp", "llama.cpp", "gguf"),
+    "vllm": ("vllm", "vllm", "float32", "auto"),
+    "vllm-bf16": ("vllm", "vllm", "bfloat16", "auto"),
+    # vLLM's own 8-bit KV cache (--kv-cache-dtype fp8), beside vmesh's --kv-cache-dtype int8.
+    "vllm-bf16-fp8kv": ("vllm", "vllm", "bfloat16", "fp8"),
+    "llama.cpp": ("llama.cpp", "llama.cpp", "gguf", "auto"),
 }
 PEERS_DIR_ENV = "VMESH_PEERS_DIR"
 RUNNER = Path(__file__).resolve().parent / "peer_runner.py"
@@ -68,8 +70,9 @@ class PeerProcess:
     def __init__(self, baseline: str, peers_dir: Path, *, model_dir: Path, gguf: Path, workload: Path,
                  requests: int, max_tokens: int, max_model_len: int, threads: int, kv_cache_bytes: int):
         python = peer_python(peers_dir, baseline)
-        _, engine, dtype = PEER_BASELINES[baseline]
-        config = {"engine": engine, "dtype": dtype, "model_dir": str(model_dir), "gguf": str(gguf),
+        _, engine, dtype, kv_cache_dtype = PEER_BASELINES[baseline]
+        config = {"engine": engine, "dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "model_dir": str(model_dir),
+                  "gguf": str(gguf),
                   "workload": str(workload), "requests": requests, "max_tokens": max_tokens,
                   "max_model_len": max_model_len, "threads": threads}
         self.baseline = baseline
