@@ -161,8 +161,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
     token); prefill chunks, whatever their length or cached context, to the tiled kernel,
     which reads each key and value once per tile of query tokens and computes the scores and
     the weighted values as register-blocked matrix products (timings in benchmarks/README.md,
-    "Prefill attention"). Both take a float32 or a bfloat16 cache (float32 queries, bfloat16-valued over the latter,
-    and float32 sums).
+    "Prefill attention"). Both take a float32, a bfloat16 or an 8-bit cache (float32 queries,
+    bfloat16-valued over a bfloat16 cache, and float32 sums; vmesh/kernels/cpu/kv_int8.h).
     The plan is built once per step from the host copies, in work that grows with the number
     of requests, not with their lengths."""
 

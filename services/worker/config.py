@@ -71,8 +71,8 @@ class WorkerConfig:
     kv_cache_dtype: str = setting(
         "auto", section="worker", choices=KV_CACHE_DTYPES,
         help="auto (the model's dtype) or int8 (the CPU only: keys and values rounded to 8 bits per token and KV "
-             "head, each row with its own scale; about half of a bfloat16 cache's bytes, so twice the tokens in the "
-             "same --kv-cache-memory and faster decode attention, for a small perplexity cost)")
+             "head, each row with its own scale: 0.53x of a bfloat16 cache's bytes at head size 64, so 1.9x the "
+             "tokens in the same --kv-cache-memory, and faster decode attention)")
     kv_cache_memory: int | None = setting(  # bytes; None: default budget for the device
         None, section="worker", parse_flag=str, to_field=_memory_size_or_none,
         help="KV cache budget, e.g. 2GiB (default: 1GiB on CPU, a fraction of free memory on CUDA)")

@@ -23,7 +23,7 @@ from vmesh.services.common.model_spec import ModelSpec
 from vmesh.services.common.step_types import StepPlan, StepResult
 from vmesh.services.common.types import FLOAT_SAMPLING_FIELDS, TokenLogprobs
 from vmesh.services.speculative.config import SpeculativeConfig
-from vmesh.services.worker.attention import AttentionBackend, make_attention_backend
+from vmesh.services.worker.attention import AttentionBackend, CpuAttentionBackend, make_attention_backend
 from vmesh.services.worker.config import DTYPE_NAMES, WorkerConfig
 from vmesh.services.worker.grammar_rows import GrammarMask, GrammarTokenizer, RowGrammar
 from vmesh.services.worker.int8_linear import int8_kernels
@@ -95,6 +95,8 @@ class ModelRunner:
             device = parallel.device  # a CUDA rank's own GPU
         dtype = DTYPES[config.dtype]
         cache_dtype = kv_cache_dtype(config.kv_cache_dtype, device, dtype)  # refused before the model loads
+        if cache_dtype == torch.int8 and config.attention_backend == "triton":
+            raise ValueError("--kv-cache-dtype int8 needs the cpu or torch attention backend, not triton")
         max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
         cpu_kernels = None
         if config.small_batch_linear and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
@@ -122,8 +124,11 @@ class ModelRunner:
         # model.spec: a tensor-parallel rank caches only its own KV heads.
         kv_cache = KVCache.from_budget(model.spec, budget, config.block_size, device, cache_dtype, max_model_len)
         backend = make_attention_backend(config.attention_backend, device, cache_dir_path(config.cache_dir))
-        if cache_dtype == torch.int8 and backend.name == "triton":
-            raise ValueError("--kv-cache-dtype int8 needs the cpu or torch attention backend, not triton")
+        if (cache_dtype == torch.int8 and dtype == torch.bfloat16 and isinstance(backend, CpuAttentionBackend)
+                and spec.head_dim > backend.kernels.max_head_dim):
+            raise ValueError(f"--kv-cache-dtype int8 with --dtype bfloat16 takes heads of up to "
+                             f"{backend.kernels.max_head_dim} on the C kernels, not {spec.head_dim} (use "
+                             "--attention-backend torch, or --kv-cache-dtype auto)")
         placement = model.describe_placement(backend, cache_dtype)
         # Said once, and loudly where the bfloat16 model lost its C kernels: no silent slow path.
         logger.log(logging.WARNING if model.mixed and backend.name != "cpu" else logging.INFO, "%s", placement)

@@ -151,7 +151,10 @@ def test_the_stack_over_the_int8_kv_cache_equals_the_layers_one_by_one(mode, emb
     outputs = generate(runner, embedded_tokenizer)
     assert [len(o) for o in outputs] == [12 + 4 * i for i in range(len(outputs))]
     seen, compared, stack_runs = report()
-    assert (False, True) in {(d, c) for d, c, _ in seen}
+    kinds = {(d, c) for d, c, _ in seen}
+    # The int8 stack takes steps of 8 rows or more: with 3 sequences, decodes come beside chunks.
+    assert ({(True, False), (False, True), (True, True)} if mode == "native" else {(True, True), (False, True)}) \
+        <= kinds, kinds
     assert stack_runs == compared > (20 if mode == "native" else 5), (stack_runs, compared)
 
 

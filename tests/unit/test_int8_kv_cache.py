@@ -23,8 +23,8 @@ from vmesh.services.worker.rotary import RotaryEmbedding
 ATTENTION_CASES = [  # (head_dim, heads, kv_heads, block_size), as test_bf16_path.py's
     (64, 9, 3, 16),
     (128, 8, 1, 32),
-    (256, 4, 2, 16),
-    (80, 6, 2, 16),  # not a multiple of 32: float32 arithmetic
+    (256, 4, 2, 16),  # float32 arithmetic from here on
+    (80, 6, 2, 16),
     (40, 4, 2, 16),  # the scalar path of the decode kernel
 ]
 # float32 attention over the dequantized rows, by another summation order: as tight as float32's.
@@ -71,9 +71,12 @@ def test_a_zero_row_is_zero_and_a_non_finite_row_has_a_nan_scale():
     assert values[1:].isnan().all()
 
 
+@pytest.mark.parametrize("items", ["five", "one"])
 @pytest.mark.parametrize(("head_dim", "heads", "kv_heads", "block_size"), ATTENTION_CASES)
-def test_decode_attention_over_an_int8_cache(kernels, head_dim, heads, kv_heads, block_size):
-    context_lens = [0, block_size - 1, block_size, 70, 300]
+def test_decode_attention_over_an_int8_cache(kernels, head_dim, heads, kv_heads, block_size, items):
+    """Five items: on 2 threads each work item is a whole item, all its KV heads; one item: a work
+    item per KV head (paged_attention_kv.h's split), so both sets of head offsets run."""
+    context_lens = [0, block_size - 1, block_size, 70, 300] if items == "five" else [300]
     q, kc, vc, starts, seq_lens, tables = int8_batch([1] * len(context_lens), context_lens, heads, kv_heads,
                                                      head_dim, block_size, seed=head_dim)
     assert cache_head_dim(kc) == head_dim
@@ -81,7 +84,7 @@ def test_decode_attention_over_an_int8_cache(kernels, head_dim, heads, kv_heads,
     rows = torch.arange(len(context_lens))
     kernels.paged_attention(q, kc, vc, kernels.attention_items(tables, rows, rows, seq_lens), head_dim ** -0.5, out)
     want = reference.paged_attention_ref(q, kc, vc, starts, seq_lens, tables, head_dim ** -0.5)
-    if kernels.integer_dot and head_dim % 32 == 0:  # VPDPWSSD: AVX-512 VNNI (-march=native)
+    if kernels.int8_words and head_dim in (64, 128):  # VPDPWSSD: AVX-512 VNNI (-march=native)
         assert_words_close(out, want, vc)
     else:
         torch.testing.assert_close(out, want, **FLOAT32_TOLERANCE)
@@ -153,28 +156,46 @@ def _rotary_case(rows, heads, kv_heads, head_dim, dtype):
 @pytest.mark.parametrize("rows", [1, 7, 300])  # 300 rows takes the OpenMP path
 def test_rotary_write_into_an_int8_cache(kernels, model_dtype, rows):
     """Keys rotated, then each key and value row quantized as the reference does; the untouched slots
-    stay as they were. The C fuses its multiply-adds (the rotation, and the scaling with the rounding
-    shift), so a code may differ from the reference's by one where the scaled value sits at a rounding
-    boundary, and a key row's scale by its largest element's last bit."""
+    stay as they were. The C rotation fuses its multiply-adds, so a key's code may differ from the
+    reference's by one where its scaled value sits at a rounding boundary, and a key row's scale by
+    its largest element's last bit; the values' rows are the reference's, byte for byte."""
     heads, kv_heads, head_dim = 9, 3, 64
     qkv, cos, sin, (key_cache, value_cache), slots = _rotary_case(rows, heads, kv_heads, head_dim, model_dtype)
     qk = RotaryEmbedding.apply(qkv[:, :(heads + kv_heads) * head_dim].float().reshape(rows, -1, head_dim), cos, sin)
     values = qkv[:, (heads + kv_heads) * head_dim:].float().reshape(rows, kv_heads, head_dim)
     written = slots >= 0
     want_k, want_v = key_cache.clone(), value_cache.clone()
-    want_k.view(-1, kv_heads, head_dim + 4)[slots[written]] = reference.quantize_kv_int8_ref(qk[written, heads:])
-    want_v.view(-1, kv_heads, head_dim + 4)[slots[written]] = reference.quantize_kv_int8_ref(values[written])
+    row = head_dim + KV_INT8_SCALE_BYTES
+    want_k.view(-1, kv_heads, row)[slots[written]] = reference.quantize_kv_int8_ref(qk[written, heads:])
+    want_v.view(-1, kv_heads, row)[slots[written]] = reference.quantize_kv_int8_ref(values[written])
 
     q = kernels.rotary_write_kv(qkv, heads, kv_heads, cos, sin, key_cache, value_cache, slots, dtype=model_dtype)
     assert q.shape == (rows, heads, head_dim)
     torch.testing.assert_close(q, qk[:, :heads].to(model_dtype).float(), atol=1e-5, rtol=2.0 ** -7)
-    assert torch.equal(value_cache[..., head_dim:], want_v[..., head_dim:])  # the values' scales exactly
-    for got, want in ((key_cache, want_k), (value_cache, want_v)):
+    assert torch.equal(value_cache, want_v)  # values are quantized as they are, as the reference does
+    for got, want in ((key_cache, want_k),):
         step = want[..., head_dim:].contiguous().view(torch.float32)
         error = (reference.dequantize_kv_int8_ref(got) - reference.dequantize_kv_int8_ref(want)).abs()
         assert (error <= step * 1.001).all()
         codes_differ = got[..., :head_dim] != want[..., :head_dim]
         assert codes_differ.float().mean() < 0.01  # rounding boundaries only
+
+
+def test_rotary_write_gives_a_non_finite_row_zero_codes_and_a_nan_scale(kernels):
+    """The C quantizer (kv_int8.h) on rows with an infinity or a NaN, and one far below the smallest
+    representable inverse, as the reference makes them."""
+    heads, kv_heads, head_dim = 9, 3, 64
+    for model_dtype in (torch.float32, torch.bfloat16):
+        qkv, cos, sin, (key_cache, value_cache), _ = _rotary_case(4, heads, kv_heads, head_dim, model_dtype)
+        values = qkv[:, (heads + kv_heads) * head_dim:].view(4, kv_heads, head_dim)
+        values[0, 1, 5], values[1, 2, 0], values[2, 0] = float("inf"), float("nan"), 1e-38
+        slots = torch.tensor([0, 1, 2, 3])
+        kernels.rotary_write_kv(qkv, heads, kv_heads, cos, sin, key_cache, value_cache, slots, dtype=model_dtype)
+        written = value_cache.view(-1, kv_heads, head_dim + KV_INT8_SCALE_BYTES)[:4]
+        assert torch.equal(written, reference.quantize_kv_int8_ref(values.float()))
+        scales = written[..., head_dim:].contiguous().view(torch.float32)
+        assert scales[0, 1].isnan() and scales[1, 2].isnan() and not scales[3].isnan().any()
+        assert not written[0, 1, :head_dim].any() and not written[2, 0, :head_dim].any()
 
 
 def test_the_torch_backend_reads_and_writes_the_int8_cache_as_the_reference_does():
@@ -192,16 +213,18 @@ def test_the_torch_backend_reads_and_writes_the_int8_cache_as_the_reference_does
 
     key, value = torch.randn(2, 3, 64), torch.randn(2, 3, 64)
     TorchAttentionBackend().write_kv(key, value, kc, vc, torch.tensor([5, -1]))
-    assert torch.equal(kc.view(-1, 3, 68)[5], reference.quantize_kv_int8_ref(key[0]))
-    assert torch.equal(vc.view(-1, 3, 68)[5], reference.quantize_kv_int8_ref(value[0]))
+    row = 64 + KV_INT8_SCALE_BYTES
+    assert torch.equal(kc.view(-1, 3, row)[5], reference.quantize_kv_int8_ref(key[0]))
+    assert torch.equal(vc.view(-1, 3, row)[5], reference.quantize_kv_int8_ref(value[0]))
 
 
 def test_the_cache_holds_about_twice_the_tokens_of_a_bfloat16_one(embedded_model_dir):
     spec = load_model_spec(embedded_model_dir)
     int8, bf16 = bytes_per_block(spec, 16, torch.int8), bytes_per_block(spec, 16, torch.bfloat16)
-    assert int8 / bf16 == (spec.head_dim + 4) / (2 * spec.head_dim)  # 0.53 at head_dim 64
+    row = spec.head_dim + KV_INT8_SCALE_BYTES
+    assert int8 / bf16 == row / (2 * spec.head_dim)  # 0.53 at head_dim 64: 1.88x the tokens
     cache = KVCache.from_budget(spec, 100 * int8, 16, torch.device("cpu"), torch.int8, 2048)
-    assert cache.num_blocks == 100 and cache.key_caches[0].shape == (100, 16, spec.num_kv_heads, spec.head_dim + 4)
+    assert cache.num_blocks == 100 and cache.key_caches[0].shape == (100, 16, spec.num_kv_heads, row)
 
 
 def test_the_int8_cache_is_refused_off_the_cpu():
@@ -213,9 +236,9 @@ def test_the_int8_cache_is_refused_off_the_cpu():
         kv_cache_dtype("fp8", torch.device("cpu"), torch.float32)
 
 
-def test_the_triton_backend_refuses_the_int8_cache(tmp_path, monkeypatch):
+def test_the_triton_backend_refuses_the_int8_cache(tmp_path):
+    """Refused before the model loads (and whether or not triton is installed)."""
     save_tiny_llama(tmp_path)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(ValueError, match="not triton"):
         ModelRunner.load(WorkerConfig(model=str(tmp_path), kv_cache_memory=4 << 20, kv_cache_dtype="int8",
                                       attention_backend="triton"))
@@ -227,8 +250,9 @@ def test_a_tiny_model_on_the_int8_cache_agrees_with_its_own_cache(tmp_path, capl
     tokens = 144 contexts), through the C kernels and through the torch backend; and the two int8
     paths against each other. Measured (2026-12-05, the AVX-512 machine): 0.924 / 0.958 (float32 /
     bfloat16) against the own cache; C against torch 1.0 / 0.965. These random tiny models have many
-    near-tied logits (test_bf16_path.py's bfloat16 against float32 measured 0.93-0.96): asserted
-    >= 0.85 and >= 0.95."""
+    near-tied logits (test_bf16_path.py's bfloat16 against float32 measured 0.93-0.96), and the C
+    paths' roundings (16-bit integer decode, bfloat16 prefill) depend on the CPU: asserted >= 0.85 and
+    >= 0.93."""
     save_tiny_llama(tmp_path)
     generator = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, TINY_VOCAB, (n,), generator=generator).tolist() for n in (5, 17, 40, 1, 33, 16)]
@@ -245,4 +269,4 @@ def test_a_tiny_model_on_the_int8_cache_agrees_with_its_own_cache(tmp_path, capl
     assert agreement >= 0.85, f"int8 cache against {dtype}'s own: {agreement:.3f}"
     c_greedy = greedy_ragged(load("int8"), prompts, 24)
     agreement = forced_agreement(load("int8", "torch"), prompts, c_greedy)
-    assert agreement >= 0.95, f"torch backend against the C kernels on the int8 cache: {agreement:.3f}"
+    assert agreement >= 0.93, f"torch backend against the C kernels on the int8 cache: {agreement:.3f}"

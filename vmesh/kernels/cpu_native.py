@@ -180,6 +180,9 @@ class CpuKernels:
         # and the attention kernels' pair dots over a bfloat16 cache (queries and softmax weights rounded
         # to bfloat16: prefill_attention.c, paged_attention_pairs.h for head_dim 64 or 128).
         self.bf16_dot = bool(_bind(library.vmesh_batch_linear_bf16_available, [], INT)())
+        # Whether decode attention over an 8-bit KV cache multiplies on 16-bit integer pair dots (AVX-512
+        # VNNI; vmesh/kernels/cpu/paged_attention_words.h, head_dim 64 or 128), else in float32.
+        self.int8_words = bool(_bind(library.vmesh_int8_words_available, [], INT)())
         # int8_linear.c's batch path: inputs per activation scale (the packed layout's widths divide by it).
         self.int8_block_inputs = int(_bind(library.vmesh_int8_block_inputs, [], INT)())
 
@@ -250,6 +253,8 @@ class CpuKernels:
         kernel = self._kernel("rotary_write_kv", dtype)
         cache_dtype = dtype
         if key_cache.dtype == torch.int8:
+            if dtype == torch.bfloat16 and head_dim > self.max_head_dim:  # it rotates a key in a buffer of that size
+                raise ValueError(f"an 8-bit KV cache takes heads of up to {self.max_head_dim}, not {head_dim}")
             kernel, cache_dtype = self._functions[f"rotary_write_kv_{_SUFFIXES[dtype]}_int8"], torch.int8
         if qkv.dtype != dtype or qkv.stride(1) != 1 or qkv.shape[1] != (heads + 2 * kv_heads) * head_dim:
             raise ValueError(f"qkv must be {str(dtype).removeprefix('torch.')} "
@@ -455,9 +460,10 @@ class CpuKernels:
         (the chunk's own keys included; with `window`, only the last `window` positions up to each
         token's own), written to the same rows of out. Shapes and layouts:
         see vmesh/kernels/cpu/prefill_attention.c; head_dim must be a multiple of prefill_head_dim_multiple.
-        The caches may be bfloat16 (the query and out stay float32); where `bf16_dot`, the scores over
-        a bfloat16 cache then take the query rounded to bfloat16 (the bfloat16 mode's queries are) and
-        the value sums the softmax weights rounded to bfloat16 (tests/support/paged.py bounds the error)."""
+        The caches may be bfloat16 or int8 (the query and out stay float32); where `bf16_dot`, the scores
+        over either then take the query rounded to bfloat16 (the bfloat16 mode's queries are) and the
+        value sums the softmax weights rounded to bfloat16 (tests/support/paged.py bounds the error), an
+        8-bit cache's rows rounded to bfloat16 first."""
         block_size, kv_heads, head_dim, group = attention_shape(query, key_cache, value_cache, out, chunks)
         kernel = self._cache_kernel("prefill_attention", key_cache.dtype)
         status = kernel(query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
@@ -475,8 +481,9 @@ class CpuKernels:
         """For each item i, writes out[token_rows[i]] = attention of query[token_rows[i]] over the
         first context_lens[i] cached tokens of block_tables[request_rows[i]] (with `window`, the
         last `window` of them). Shapes and
-        layouts: see vmesh/kernels/cpu/paged_attention.h. The caches may be bfloat16 (the query and out
-        stay float32)."""
+        layouts: see vmesh/kernels/cpu/paged_attention.h. The caches may be bfloat16 or int8 (the query
+        and out stay float32; over an 8-bit cache, where `int8_words`, the query and the softmax
+        weights are rounded to 16 bits: vmesh/kernels/cpu/paged_attention_words.h)."""
         block_size, kv_heads, head_dim, group = attention_shape(query, key_cache, value_cache, out, items)
         kernel = self._cache_kernel("paged_attention", key_cache.dtype)
         status = kernel(query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),

@@ -6,23 +6,30 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vmesh.kernels.cpu_checks import KV_INT8_SCALE_BYTES
+
 
 def quantize_kv_int8_ref(x: torch.Tensor) -> torch.Tensor:
-    """[..., head_dim] float -> the 8-bit cache's rows [..., head_dim + 4] int8 (vmesh/kernels/cpu/kv_int8.h):
-    codes round(x * 127 / max|x|) to nearest even, then the float32 scale max|x| / 127 in its 4 bytes.
-    A row with a NaN or an infinity gets a NaN scale."""
+    """[..., head_dim] float -> the 8-bit cache's rows [..., head_dim + KV_INT8_SCALE_BYTES] int8
+    (vmesh/kernels/cpu/kv_int8.h): codes round(x * (127 / max|x|)) to nearest even, then the float32
+    scale max|x| / 127 in its bytes. A row with a NaN or an infinity gets zero codes and a NaN scale."""
     x = x.float()
     largest = x.abs().amax(-1, keepdim=True)
     finite = torch.isfinite(x).all(-1, keepdim=True)
-    inverse = torch.where(finite & (largest > 0), 127.0 / largest, torch.zeros_like(largest))
+    # Below 127 / the largest float the inverse would be infinite: such a row is all zeros. The divisions
+    # are tensor by tensor: torch multiplies by a scalar divisor's (or numerator's) reciprocal, which is
+    # not the correctly rounded quotient C computes, and a code at a tie would round the other way.
+    representable = largest > 127.0 / torch.finfo(torch.float32).max
+    codes_per_unit = torch.full_like(largest, 127.0)
+    inverse = torch.where(finite & representable, codes_per_unit / largest, torch.zeros_like(largest))
     codes = torch.round(torch.where(finite, x, torch.zeros_like(x)) * inverse).to(torch.int8)
-    scale = torch.where(finite, largest / 127.0, torch.full_like(largest, float("nan")))
+    scale = torch.where(finite, largest / codes_per_unit, torch.full_like(largest, float("nan")))
     return torch.cat([codes, scale.contiguous().view(torch.int8)], dim=-1)
 
 
 def dequantize_kv_int8_ref(rows: torch.Tensor) -> torch.Tensor:
-    """The 8-bit cache's rows [..., head_dim + 4] -> their float32 values [..., head_dim]."""
-    head_dim = rows.shape[-1] - 4
+    """The 8-bit cache's rows [..., head_dim + KV_INT8_SCALE_BYTES] -> their float32 values [..., head_dim]."""
+    head_dim = rows.shape[-1] - KV_INT8_SCALE_BYTES
     scale = rows[..., head_dim:].contiguous().view(torch.float32)
     return rows[..., :head_dim].float() * scale
 
@@ -35,7 +42,7 @@ def cache_as(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def write_kv_ref(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
     """key/value [tokens, kv_heads, d] -> caches [blocks, block_size, kv_heads, d] at flat slots; -1 skipped.
-    An int8 cache ([..., d + 4]) takes each row's codes and scale (quantize_kv_int8_ref)."""
+    An int8 cache ([..., d + KV_INT8_SCALE_BYTES]) takes each row's codes and scale (quantize_kv_int8_ref)."""
     if key_cache.dtype == torch.int8:
         key, value = quantize_kv_int8_ref(key), quantize_kv_int8_ref(value)
     valid = slot_mapping >= 0

@@ -58,6 +58,22 @@ void silu_and_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t in
     }
 }
 
+/* The first `count` heads of a float32 row rotated in place (halves, as Llama and Qwen2 do: with x1,
+ * x2 the two halves, x1 cos - x2 sin and x2 cos + x1 sin); c, s: the row's [head_dim] tables. */
+static inline void rotate_heads_f32(float *row, int64_t count, int64_t head_dim, const float *c, const float *s) {
+    const int64_t half = head_dim / 2;
+    for (int64_t h = 0; h < count; ++h) {
+        float *x1 = row + h * head_dim, *x2 = x1 + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+            const float a = x1[i], b = x2[i];
+            const float rotated_first = a * c[i] - b * s[i];
+            x2[i] = b * c[i + half] + a * s[i + half];
+            x1[i] = rotated_first;
+        }
+    }
+}
+
 /* qkv [rows, (heads + 2 * kv_heads) * head_dim], rows `stride` floats apart: queries, keys,
  * values. Rotates the queries and keys in place (halves, as Llama and Qwen2 do: with x1, x2
  * the two halves, x1 cos - x2 sin and x2 cos + x1 sin), then copies each row's keys and
@@ -66,21 +82,12 @@ void silu_and_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t in
 void rotary_write_kv_f32(float *qkv, int64_t rows, int64_t stride, int64_t heads, int64_t kv_heads, int64_t head_dim,
                          const float *cos, const float *sin, const int64_t *slot_mapping, float *key_cache,
                          float *value_cache, int num_threads) {
-    const int64_t half = head_dim / 2, kv_floats = kv_heads * head_dim;
+    const int64_t kv_floats = kv_heads * head_dim;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * stride >= PARALLEL_MIN_FLOATS)
     for (int64_t r = 0; r < rows; ++r) {
         float *row = qkv + r * stride;
         const float *c = cos + r * head_dim, *s = sin + r * head_dim;
-        for (int64_t h = 0; h < heads + kv_heads; ++h) {
-            float *x1 = row + h * head_dim, *x2 = x1 + half;
-#pragma omp simd
-            for (int64_t i = 0; i < half; ++i) {
-                const float a = x1[i], b = x2[i];
-                const float rotated_first = a * c[i] - b * s[i];
-                x2[i] = b * c[i + half] + a * s[i + half];
-                x1[i] = rotated_first;
-            }
-        }
+        rotate_heads_f32(row, heads + kv_heads, head_dim, c, s);
         const int64_t slot = slot_mapping[r];
         if (slot >= 0) {
             const float *k = row + heads * head_dim;
@@ -95,21 +102,12 @@ void rotary_write_kv_f32(float *qkv, int64_t rows, int64_t stride, int64_t heads
 void rotary_write_kv_f32_int8(float *qkv, int64_t rows, int64_t stride, int64_t heads, int64_t kv_heads,
                               int64_t head_dim, const float *cos, const float *sin, const int64_t *slot_mapping,
                               int8_t *key_cache, int8_t *value_cache, int num_threads) {
-    const int64_t half = head_dim / 2, row_bytes = head_dim + KV_INT8_SCALE_BYTES, slot_bytes = kv_heads * row_bytes;
+    const int64_t row_bytes = head_dim + KV_INT8_SCALE_BYTES, slot_bytes = kv_heads * row_bytes;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * stride >= PARALLEL_MIN_FLOATS)
     for (int64_t r = 0; r < rows; ++r) {
         float *row = qkv + r * stride;
         const float *c = cos + r * head_dim, *s = sin + r * head_dim;
-        for (int64_t h = 0; h < heads + kv_heads; ++h) {
-            float *x1 = row + h * head_dim, *x2 = x1 + half;
-#pragma omp simd
-            for (int64_t i = 0; i < half; ++i) {
-                const float a = x1[i], b = x2[i];
-                const float rotated_first = a * c[i] - b * s[i];
-                x2[i] = b * c[i + half] + a * s[i + half];
-                x1[i] = rotated_first;
-            }
-        }
+        rotate_heads_f32(row, heads + kv_heads, head_dim, c, s);
         const int64_t slot = slot_mapping[r];
         if (slot >= 0) {
             const float *k = row + heads * head_dim, *v = k + kv_heads * head_dim;
@@ -166,6 +164,20 @@ void silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int
     }
 }
 
+/* A bfloat16 query head (x, head_dim elements) rotated as rotate_heads_f32 rotates, rounded to
+ * bfloat16, into the float32 q. */
+static inline void rotate_query_bf16(const uint16_t *x1, int64_t head_dim, const float *c, const float *s, float *q1) {
+    const int64_t half = head_dim / 2;
+    const uint16_t *x2 = x1 + half;
+    float *q2 = q1 + half;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+        const float a = bf16_to_f32(x1[i]), b = bf16_to_f32(x2[i]);
+        q1[i] = bf16_to_f32(f32_to_bf16(a * c[i] - b * s[i]));
+        q2[i] = bf16_to_f32(f32_to_bf16(b * c[i + half] + a * s[i + half]));
+    }
+}
+
 /* As rotary_write_kv_f32 over a bfloat16 qkv (rows `stride` elements apart), which it leaves as
  * it is: the rotated queries, rounded to bfloat16, go to query [rows, heads * head_dim] as float32
  * (the mode's activations are bfloat16, and prefill attention multiplies them in bfloat16 pairs),
@@ -182,13 +194,7 @@ void rotary_write_kv_bf16(const uint16_t *qkv, int64_t rows, int64_t stride, int
         for (int64_t h = 0; h < heads + kv_heads; ++h) {
             const uint16_t *x1 = row + h * head_dim, *x2 = x1 + half;
             if (h < heads) {
-                float *q1 = query + (r * heads + h) * head_dim, *q2 = q1 + half;
-#pragma omp simd
-                for (int64_t i = 0; i < half; ++i) {
-                    const float a = bf16_to_f32(x1[i]), b = bf16_to_f32(x2[i]);
-                    q1[i] = bf16_to_f32(f32_to_bf16(a * c[i] - b * s[i]));
-                    q2[i] = bf16_to_f32(f32_to_bf16(b * c[i + half] + a * s[i + half]));
-                }
+                rotate_query_bf16(x1, head_dim, c, s, query + (r * heads + h) * head_dim);
             } else if (slot >= 0) {
                 uint16_t *k1 = key_cache + slot * kv_elements + (h - heads) * head_dim, *k2 = k1 + half;
 #pragma omp simd
@@ -206,7 +212,9 @@ void rotary_write_kv_bf16(const uint16_t *qkv, int64_t rows, int64_t stride, int
 }
 
 /* As rotary_write_kv_bf16 with an 8-bit cache (kv_int8.h, as rotary_write_kv_f32_int8): the rotated
- * keys (float32, not first rounded to bfloat16) and the bfloat16 values go in as codes and scales. */
+ * keys (float32, not first rounded to bfloat16) and the bfloat16 values go in as codes and scales.
+ * head_dim <= MAX_HEAD_DIM (a row is widened in a buffer of that size): its callers check it
+ * (CpuKernels.rotary_write_kv, and the decoder stack's refusal of larger heads). */
 void rotary_write_kv_bf16_int8(const uint16_t *qkv, int64_t rows, int64_t stride, int64_t heads, int64_t kv_heads,
                                int64_t head_dim, const float *cos, const float *sin, const int64_t *slot_mapping,
                                int8_t *key_cache, int8_t *value_cache, float *query, int num_threads) {
@@ -220,13 +228,7 @@ void rotary_write_kv_bf16_int8(const uint16_t *qkv, int64_t rows, int64_t stride
         for (int64_t h = 0; h < heads + kv_heads; ++h) {
             const uint16_t *x1 = row + h * head_dim, *x2 = x1 + half;
             if (h < heads) {
-                float *q1 = query + (r * heads + h) * head_dim, *q2 = q1 + half;
-#pragma omp simd
-                for (int64_t i = 0; i < half; ++i) {
-                    const float a = bf16_to_f32(x1[i]), b = bf16_to_f32(x2[i]);
-                    q1[i] = bf16_to_f32(f32_to_bf16(a * c[i] - b * s[i]));
-                    q2[i] = bf16_to_f32(f32_to_bf16(b * c[i + half] + a * s[i + half]));
-                }
+                rotate_query_bf16(x1, head_dim, c, s, query + (r * heads + h) * head_dim);
             } else if (slot >= 0) {
 #pragma omp simd
                 for (int64_t i = 0; i < half; ++i) {

@@ -1,5 +1,6 @@
 /* The kernels' size limits, stated once: paged_attention.h and prefill_attention.c refuse shapes
- * beyond them, the linear kernels switch paths at STREAM_ROWS, and vmesh_kernel_limits
+ * beyond them (and fused_ops.c's 8-bit bfloat16 KV writer widens a row in MAX_HEAD_DIM floats), the
+ * linear kernels switch paths at STREAM_ROWS, and vmesh_kernel_limits
  * (kernel_limits.c) hands them to vmesh/kernels/cpu_native.py, which sends such shapes to the torch path
  * (or picks the linear path) instead. */
 #ifndef VMESH_KERNEL_LIMITS_H

@@ -12,6 +12,7 @@
 #define VMESH_KV_INT8_H
 
 #include <float.h>
+#include <math.h>
 #include <stdint.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -35,8 +36,11 @@ static inline float int8_row_scale(const int8_t *row, int64_t head_dim) {
     return scale;
 }
 
-/* x[0..head_dim) -> its codes and scale at row. A NaN or infinity in x makes the scale NaN, so
- * that attention over the row is NaN, as it would be over a float cache, not finite garbage. */
+/* x[0..head_dim) -> its codes and scale at row: each code round(x * (127 / largest)), the product
+ * rounded to float32 first and then to nearest even, exactly as vmesh/kernels/reference.py's
+ * quantize_kv_int8_ref (so no fused multiply-add: the rounding is an instruction of its own). A row
+ * with a NaN or an infinity gets zero codes and a NaN scale, so that attention over it is NaN rather
+ * than finite garbage; a row below 127 / FLT_MAX in magnitude (no finite inverse) is all zeros. */
 static inline void quantize_row_int8(const float *x, int64_t head_dim, int8_t *row) {
     float largest = 0.0f;
     int finite = 1;
@@ -47,15 +51,20 @@ static inline void quantize_row_int8(const float *x, int64_t head_dim, int8_t *r
         finite &= magnitude <= FLT_MAX; /* false for NaN and infinity */
     }
     const float scale = finite ? largest / 127.0f : __builtin_nanf("");
-    const float inverse = finite && largest > 0.0f ? 127.0f / largest : 0.0f;
-#pragma omp simd
-    for (int64_t i = 0; i < head_dim; ++i) {
-        /* Round to nearest even by the 1.5 * 2^23 shift (rintf does not vectorise under strict
-         * floating point); |x * inverse| <= 127. */
-        const float rounded = (x[i] * inverse + 12582912.0f) - 12582912.0f;
-        row[i] = (int8_t)(int32_t)rounded;
-    }
+    const float inverse = finite && largest > 127.0f / FLT_MAX ? 127.0f / largest : 0.0f;
     memcpy(row + head_dim, &scale, sizeof scale);
+    if (!finite) {
+        memset(row, 0, (size_t)head_dim);
+        return;
+    }
+    int64_t i = 0;
+#ifdef __AVX512F__
+    const __m512 inverses = _mm512_set1_ps(inverse);
+    for (; i + 16 <= head_dim; i += 16) /* |x * inverse| <= 127: no saturation */
+        _mm_storeu_si128((__m128i *)(row + i),
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), inverses))));
+#endif
+    for (; i < head_dim; ++i) row[i] = (int8_t)nearbyintf(x[i] * inverse);
 }
 
 /* 16 codes widened to float32. (GCC lowers a generic vector conversion from int8 lane by lane, at

@@ -19,9 +19,13 @@
  * (paged_attention_pairs.h); otherwise queries, scores, softmax, sums and out stay float32 and
  * each key and value is widened as it is loaded.
  *
- * This header holds what both element types share; paged_attention_f32.c and
- * paged_attention_bf16.c each instantiate paged_attention_kv.h once (two translation units,
- * compiled in parallel: one unit took most of the kernels' build).
+ * paged_attention_int8 is the same over the 8-bit cache (kv_int8.h: each KV head's row is head_dim
+ * codes and a float32 scale, head_dim + 4 bytes): with AVX-512 VNNI and head_dim 64 or 128 on 16-bit
+ * integer pair dots (paged_attention_words.h), otherwise widened and scaled as loaded.
+ *
+ * This header holds what the element types share; paged_attention_f32.c, paged_attention_bf16.c and
+ * paged_attention_int8.c each instantiate paged_attention_kv.h once (translation units compiled in
+ * parallel: one unit took most of the kernels' build).
  *
  * Built with -fopenmp; after `import torch` the soname libgomp.so.1 resolves to the copy
  * torch already loaded, so this shares torch's thread pool rather than adding a second one.

@@ -15,3 +15,7 @@
 #define KV_ROW(head_dim) ((head_dim) + KV_INT8_SCALE_BYTES)
 #define KV_SCALE(row, head_dim) int8_row_scale(row, head_dim)
 #include "paged_attention_kv.h"
+
+/* Whether decode attention over this cache runs on 16-bit integer pair dots (paged_attention_words.h)
+ * for head_dim 64 and 128: vmesh/kernels/cpu_native.py's int8_words. */
+int vmesh_int8_words_available(void) { return INT8_WORDS; }

@@ -279,12 +279,11 @@ int KV_FN(paged_attention)(const float *query, int64_t query_stride, const KV_T 
 #define ATTEND_WORDS(dim)                                                                                            \
     attend_request_words(q, k, v, table, first, seq_len, block_size, kv_heads, heads_per_part, group, dim, scale,     \
                          scratch, o)
-        if (head_dim % 32 == 0) {
-            switch (head_dim) {
-            case 64: ATTEND_WORDS(64); break;
-            case 128: ATTEND_WORDS(128); break;
-            default: ATTEND_WORDS(head_dim);
-            }
+        /* 64 and 128 (measured), as the pair dots: at 256 a head's sums and a value pair would fill
+         * the registers. */
+        if (head_dim == 64 || head_dim == 128) {
+            if (head_dim == 64) ATTEND_WORDS(64);
+            else ATTEND_WORDS(128);
             free(scratch);
             continue;
         }
@@ -304,3 +303,8 @@ int KV_FN(paged_attention)(const float *query, int64_t query_stride, const KV_T 
     }
     return failed;
 }
+
+/* Each instantiation states its own: none leaks into the next. */
+#undef KV_ROW
+#undef KV_SCALE
+#undef KV_WORDS

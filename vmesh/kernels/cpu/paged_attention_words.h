@@ -1,6 +1,6 @@
 /* Decode attention over the 8-bit cache (kv_int8.h) on 16-bit integer pair dots (VPDPWSSD), for
- * head_dim a multiple of 32; paged_attention_kv.h includes it where KV_WORDS (kv_int8.h's
- * INT8_WORDS: AVX-512 BW and VNNI).
+ * head_dim 64 or 128; paged_attention_kv.h includes it where KV_WORDS (kv_int8.h's INT8_WORDS:
+ * AVX-512 BW and VNNI).
  *
  * Widening each code to float32 costs two instructions per 16 elements before any arithmetic. Here
  * a key's codes are sign-extended to 16 bits, 32 per register (one instruction), and one VPDPWSSD
@@ -13,7 +13,7 @@
  * and meet the two tokens' codes interleaved (as paged_attention_pairs.h interleaves bfloat16
  * values): one VPDPWSSD per two tokens and 16 features. The tile's integer sums (at most 16 x 32767
  * x 127, far inside int32) become float32 once and take the weights' scale. A NaN anywhere in a
- * head's weights makes its output NaN, as over a float cache. */
+ * head's weights (a NaN score, or a value row's NaN scale: kv_int8.h) makes its output NaN. */
 
 /* q rounded to 16 bits: words[d] = round(q[d] / scale), scale = max |q| / 32767 (returned; NaN for
  * a non-finite q, 0 for a zero one). */
@@ -26,7 +26,8 @@ static inline float round_query_words(const float *q, int64_t head_dim, int16_t 
         bad |= _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(3.4028235e38f), _CMP_NLE_UQ); /* NaN, inf */
     }
     const float top = _mm512_reduce_max_ps(largest);
-    const __m512 inverse = _mm512_set1_ps(!bad && top > 0.0f ? 32767.0f / top : 0.0f);
+    /* Below 32767 / FLT_MAX the inverse would be infinite: such a query scores 0. */
+    const __m512 inverse = _mm512_set1_ps(!bad && top > 32767.0f / FLT_MAX ? 32767.0f / top : 0.0f);
     for (int64_t d = 0; d < head_dim; d += LANES)
         _mm256_storeu_si256((__m256i *)(words + d),
                             _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(q + d), inverse))));
@@ -135,7 +136,8 @@ static inline float round_weight_words(const float *p, const float *value_scales
     const __m512 weights = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, p), _mm512_maskz_loadu_ps(valid, value_scales));
     const __mmask16 bad = _mm512_cmp_ps_mask(weights, weights, _CMP_UNORD_Q);
     const float top = _mm512_reduce_max_ps(weights);
-    const __m512 inverse = _mm512_set1_ps(!bad && top > 0.0f ? 32767.0f / top : 0.0f);
+    /* Weights below 32767 / FLT_MAX (a tile far below the row's largest score) count as zeros. */
+    const __m512 inverse = _mm512_set1_ps(!bad && top > 32767.0f / FLT_MAX ? 32767.0f / top : 0.0f);
     _mm256_storeu_si256((__m256i *)words, _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(weights, inverse))));
     return bad ? __builtin_nanf("") : top / 32767.0f;
 }

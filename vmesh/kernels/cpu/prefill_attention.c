@@ -243,15 +243,13 @@ static inline __attribute__((always_inline)) void accumulate_pairs(const uint32_
 #if BF16_PAIRS
 /* A row's codes times its scale, rounded to bfloat16, into staged (head_dim elements). */
 static inline const uint16_t *int8_row_bf16(const int8_t *row, int64_t head_dim, uint16_t *staged) {
-    const __m512 scale = _mm512_set1_ps(int8_row_scale(row, head_dim));
+    const vec16 scale = splat16(int8_row_scale(row, head_dim));
     for (int64_t d = 0; d < head_dim; d += LANES) {
-        const __m512 values = _mm512_mul_ps(
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + d)))), scale);
-        _mm256_storeu_si256((__m256i *)(staged + d), (__m256i)_mm512_cvtneps_pbh(values));
+        const vec16 values = load16_i8(row + d) * scale;
+        _mm256_storeu_si256((__m256i *)(staged + d), (__m256i)_mm512_cvtneps_pbh((__m512)values));
     }
     return staged;
 }
-#undef KV_PAIR_ROW
 #define KV_PAIR_ROW(row, staged, head_dim) int8_row_bf16(row, head_dim, staged)
 #endif
 #define KV_T int8_t
@@ -259,8 +257,6 @@ static inline const uint16_t *int8_row_bf16(const int8_t *row, int64_t head_dim,
 #define KV_LOAD16 load16_i8
 #define KV_FN(name) CONCAT(name, int8)
 #define KV_PAIRS BF16_PAIRS
-#undef KV_ROW
-#undef KV_SCALE
 #define KV_ROW(head_dim) ((head_dim) + KV_INT8_SCALE_BYTES)
 #define KV_SCALE(row, head_dim) int8_row_scale(row, head_dim)
 #include "prefill_attention_kv.h"

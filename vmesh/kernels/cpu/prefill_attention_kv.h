@@ -1,6 +1,7 @@
 /* The part of prefill_attention.c that reads the KV cache, compiled once per cache element type
  * (see paged_attention_kv.h for the macros: KV_T, KV_LOAD, KV_LOAD16, KV_FN, KV_ROW, KV_SCALE;
- * KV_PAIRS 1: the scores and the value sums as bfloat16 pair dots, over a bfloat16 cache only). */
+ * KV_PAIRS 1: the scores and the value sums as bfloat16 pair dots, over a bfloat16 cache or over an
+ * 8-bit one's rows converted to bfloat16 by KV_PAIR_ROW). */
 #ifndef KV_ROW
 #define KV_ROW(head_dim) (head_dim)
 #define KV_SCALE(row, head_dim) 1.0f
@@ -272,3 +273,8 @@ int KV_FN(prefill_attention)(const float *query, int64_t query_stride, const KV_
     free(first_item);
     return failed;
 }
+
+/* Each instantiation states its own: none leaks into the next. */
+#undef KV_ROW
+#undef KV_SCALE
+#undef KV_PAIR_ROW
