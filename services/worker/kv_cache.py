@@ -39,16 +39,19 @@ def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype, layout
     return 2 * slots * block_size * spec.num_kv_heads * cache_row(spec, dtype) * element
 
 
-def kv_cache_dtype(name: str, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
+def kv_cache_dtype(name: str, device: torch.device, model_dtype: torch.dtype,
+                   attention_backend: str = "auto") -> torch.dtype:
     """The KV cache's element type for `--kv-cache-dtype name`: auto is the model's dtype; int8 is
     vmesh/kernels/cpu/kv_int8.h's rows, which the CPU's attention kernels (and the torch reference
-    backend) read."""
+    backend) read, and the Triton kernels do not."""
     if name == "auto":
         return model_dtype
     if name == "int8":
         if device.type != "cpu":
             raise ValueError(f"--kv-cache-dtype int8 runs on the CPU (its attention kernels are C); on {device} "
                              "use --kv-cache-dtype auto")
+        if attention_backend == "triton":
+            raise ValueError("--kv-cache-dtype int8 needs the cpu or torch attention backend, not triton")
         return torch.int8
     raise ValueError(f"unknown KV cache dtype {name!r} (auto or int8)")
 

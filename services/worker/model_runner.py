@@ -94,9 +94,8 @@ class ModelRunner:
         if parallel is not None:
             device = parallel.device  # a CUDA rank's own GPU
         dtype = DTYPES[config.dtype]
-        cache_dtype = kv_cache_dtype(config.kv_cache_dtype, device, dtype)  # refused before the model loads
-        if cache_dtype == torch.int8 and config.attention_backend == "triton":
-            raise ValueError("--kv-cache-dtype int8 needs the cpu or torch attention backend, not triton")
+        # Refused before the model loads.
+        cache_dtype = kv_cache_dtype(config.kv_cache_dtype, device, dtype, config.attention_backend)
         max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
         cpu_kernels = None
         if config.small_batch_linear and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
