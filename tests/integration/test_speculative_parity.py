@@ -127,3 +127,31 @@ def test_copying_a_text_accepts_drafts_and_keeps_tokens_and_logprobs(embedded_ru
     assert len(outputs[2].token_ids) == 9 and len(outputs[0].token_ids) < 40 and len(outputs[4].token_ids) >= 30
     assert engine.scheduler.pool.num_free == engine.scheduler.pool.num_blocks
     engine.shutdown()
+
+
+def test_speculation_on_the_triton_backend_changes_no_token(tmp_path, embedded_tokenizer, tiny_prompts):
+    """The CUDA path's attention (Triton kernels, interpreted on the CPU here) verifies drafts as
+    the C kernels do: rows of 1 + k query tokens over cached context, the KV of accepted drafts
+    kept and of rejected ones written over. Negative penalties make the tiny model repeat itself,
+    so that drafts are accepted, runs of them included; greedy, at depth 2, token for token and
+    logprob for logprob against the same backend without drafts."""
+    pytest.importorskip("triton")
+    save_tiny_llama(tmp_path)
+    runner = ModelRunner.load(WorkerConfig(model=str(tmp_path), kv_cache_memory=4 << 20, max_num_seqs=8,
+                                           attention_backend="triton"))
+    prompts = tiny_prompts[:3]
+    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, presence_penalty=-2.0,
+                             frequency_penalty=-1.0, logprobs=1)] * len(prompts)
+    baseline = _engine(runner, embedded_tokenizer, None, depth=2)
+    expected = baseline.generate(prompts, params)
+    baseline.shutdown()
+    engine = _engine(runner, embedded_tokenizer, NGRAM, depth=2)
+    outputs = engine.generate(prompts, params)
+    stats = engine.scheduler.spec_stats
+    assert stats.num_accepted_tokens > 0 and len(stats.accepted_per_position) > 1, stats
+    assert stats.accepted_per_position[1] > 0, "a run of two accepted drafts"
+    for got, want in zip(outputs, expected, strict=True):
+        assert got.token_ids == want.token_ids
+        assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
+    assert engine.scheduler.pool.num_free == engine.scheduler.pool.num_blocks
+    engine.shutdown()
