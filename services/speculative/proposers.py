@@ -7,7 +7,9 @@ followed there:
 - suffix: the longest suffix match up to the tree depth, proposing at most spec_factor times its
   length (a long match predicts more than a short one); a match of one token is enough.
 Ties go to the latest occurrence (recent text predicts best). The matching is one pass per
-compared depth over a [rows, tokens] tensor, never a loop over the batch.
+compared depth over a [rows, tokens] tensor, never a loop over the batch. With
+`suffix_decoding_max_cached_requests`, the suffix method also matches the outputs of recent
+requests (recent_outputs.py) and proposes from there where that match is the longer one.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from vmesh.services.speculative.config import SpeculativeConfig
+from vmesh.services.speculative.recent_outputs import RecentOutputs
 
 
 def suffix_match_lengths(tokens: torch.Tensor, lengths: torch.Tensor, max_depth: int) -> torch.Tensor:
@@ -37,10 +40,11 @@ def suffix_match_lengths(tokens: torch.Tensor, lengths: torch.Tensor, max_depth:
 
 
 def propose(config: SpeculativeConfig, tokens: torch.Tensor, lengths: torch.Tensor,
-            max_drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            max_drafts: torch.Tensor, recent: RecentOutputs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(drafts [R, k] int64, num_drafts [R] int64): each row's proposal, at most max_drafts[r]
-    (the slots the scheduler reserved) and never past the row's known tokens. Rows without a
-    match propose nothing."""
+    (the slots the scheduler reserved) and never past the row's known tokens (or the cached
+    output it came from). Rows without a match propose nothing. `recent`: the suffix method's
+    cache of recent outputs, whose match wins where it is strictly longer than the row's own."""
     k = config.num_speculative_tokens
     rows, width = tokens.shape
     matched = suffix_match_lengths(tokens, lengths, config.max_match_length)
@@ -51,11 +55,19 @@ def propose(config: SpeculativeConfig, tokens: torch.Tensor, lengths: torch.Tens
     end = score.argmax(dim=1)
     length = matched.gather(1, end[:, None]).squeeze(1)
     start = end + 1  # the first token that followed the match
-    count = torch.minimum(lengths - start, max_drafts.clamp(max=k))
+    available = lengths - start
+    offsets = start[:, None] + torch.arange(k)[None, :]
+    drafts = tokens.gather(1, offsets.clamp(max=width - 1))
+    if recent is not None and len(recent) and config.method == "suffix":
+        cached_length, cached_end = recent.longest_matches(tokens, lengths, config.max_match_length)
+        cached_drafts, cached_available = recent.proposals(cached_end, k)
+        from_cache = cached_length > length
+        length = torch.where(from_cache, cached_length, length)
+        available = torch.where(from_cache, cached_available, available)
+        drafts = torch.where(from_cache[:, None], cached_drafts, drafts)
+    count = torch.minimum(available, max_drafts.clamp(max=k))
     if config.method == "suffix":
         count = torch.minimum(count, (length.double() * config.suffix_decoding_max_spec_factor).floor().long())
     count = torch.where(length >= config.min_match_length, count, 0).clamp(min=0)
-    offsets = start[:, None] + torch.arange(k)[None, :]
-    drafts = tokens.gather(1, offsets.clamp(max=width - 1))
     drafts = drafts.masked_fill(torch.arange(k)[None, :] >= count[:, None], 0)
     return drafts, count

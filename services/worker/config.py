@@ -114,7 +114,9 @@ class WorkerConfig:
         None, section="worker", parse_flag=checked_speculative_config, to_field=parse_speculative_config,
         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
              '"prompt_lookup_max": 5}\' (method ngram or suffix; also disable_by_batch_size, '
-             'suffix_decoding_max_tree_depth, suffix_decoding_max_spec_factor); default: off')
+             'suffix_decoding_max_tree_depth, suffix_decoding_max_spec_factor, and '
+             'suffix_decoding_max_cached_requests: the suffix method also matches that many recent '
+             'requests\' outputs); default: off')
 
     @property
     def lora_enabled(self) -> bool:

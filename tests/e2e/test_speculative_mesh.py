@@ -45,3 +45,21 @@ def test_speculative_mesh_keeps_greedy_outputs(chat_prompt_ids, reference_output
         accepted = scheduler["vmesh:spec_decode_num_accepted_tokens_total"]
         assert drafts > 0 and 0 < accepted <= drafts
         assert scheduler['vmesh:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] > 0
+
+
+def test_suffix_drafts_from_recent_outputs_through_the_mesh(chat_prompt_ids, reference_outputs):
+    """`suffix_decoding_max_cached_requests` through `vmesh serve`: asked the held prompts a second
+    time, the worker drafts from the first answers (the prompts do not hold them), so most drafts
+    are accepted, and greedy outputs still match transformers'."""
+    config = json.dumps({"method": "suffix", "num_speculative_tokens": 4, "disable_by_batch_size": 0,
+                         "suffix_decoding_max_cached_requests": 32})
+    with stops_cleanly(start_mesh("--metrics", "--speculative-config", config)) as mesh:
+        accepted = []
+        for round_ in ("first", "again"):
+            for i, ids in enumerate(asyncio.run(_greedy_all(mesh.address, chat_prompt_ids, 32))):
+                assert_greedy_match(ids, reference_outputs[i], label=f"{round_} round, prompt {i}")
+            assert wait_idle(mesh).num_used_blocks == 0
+            accepted.append(scrape(mesh.metrics["scheduler"])["vmesh:spec_decode_num_accepted_tokens_total"])
+        again = accepted[1] - accepted[0]
+        assert again >= 0.5 * 31 * len(chat_prompt_ids), accepted  # 31 decodes a prompt, most now drafted
+        assert again > 2 * accepted[0], accepted

@@ -46,7 +46,7 @@ def test_verified_drafts_keep_the_target_distribution(tiny, monkeypatch):
     x1 = int(p1.argmax())
     assert 0.05 < float(p0[x0]) < 0.95, "a draft that is sometimes right, sometimes not"
 
-    def fixed_drafts(config, tokens, lengths, max_drafts):
+    def fixed_drafts(config, tokens, lengths, max_drafts, recent=None):
         return torch.tensor([[x0, x1]] * len(lengths)), torch.full((len(lengths),), 2)
 
     monkeypatch.setattr(persistent_batch, "propose", fixed_drafts)
