@@ -42,16 +42,20 @@ def build_parser() -> argparse.ArgumentParser:
     off = sub.add_parser("offline", parents=[common])
     off.add_argument("--requests", type=int, default=None)
     off.add_argument("--baselines", default="transformers,engine,mesh",
-                     help="any of transformers, engine, engine-bf16, engine-int8-bf16, engine-native (in process; each "
+                     help="any of transformers, engine, engine-bf16, engine-int8-bf16, engine-int8-bf16-kv8 (the "
+                          "same over the 8-bit KV cache), engine-native (in process; each "
                           "engine is also timed on the latency prompt alone, as the peers are), mesh (float32, "
                           "always run), "
                           "mesh-native (--weights native), mesh-bf16 (--dtype bfloat16), mesh-bf16-nocap (bfloat16 and "
                           "--max-prefill-tokens-with-decodes 0: prefill uncapped beside decodes), mesh-int8 (--weights "
                           "int8), mesh-int8-bf16 and mesh-int8-bf16-nocap (int8 linears in the bfloat16 mode), "
-                          "mesh-spec (n-gram speculative decoding, 4 tokens), mesh-native-spec (both), "
+                          "mesh-int8-bf16-kv8 (and the 8-bit KV cache), "
+                          "mesh-spec (n-gram speculative decoding, 4 tokens), mesh-native-spec and "
+                          "mesh-int8-bf16-kv8-spec (each mode with it), "
                           "mesh-plaintext (--no-internal-tls), mesh-lora (4 random rank-16 LoRA adapters: the "
                           "requests over all 4, then under one), mesh-final (the mesh again, each request asking "
-                          "its whole output at once: final_only), and the peers vllm (float32), vllm-bf16 and "
+                          "its whole output at once: final_only), and the peers vllm (float32), vllm-bf16, "
+                          "vllm-bf16-fp8kv (its fp8 KV cache) and "
                           "llama.cpp (the GGUF), which need benchmarks/peers/setup.sh's environments")
     off.add_argument("--peers-dir", default=None,
                      help="where benchmarks/peers/setup.sh built the peers' environments "

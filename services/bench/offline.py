@@ -217,6 +217,9 @@ MESH_VARIANTS = {"mesh": (), "mesh-native": ("--weights", "native"), "mesh-bf16"
                  "mesh-spec": ("--speculative-config", NGRAM_4),
                  # The GGUF's own blocks with speculation: single-stream latency against llama.cpp on that file.
                  "mesh-native-spec": ("--weights", "native", "--speculative-config", NGRAM_4),
+                 # The batch's fastest mode with speculation.
+                 "mesh-int8-bf16-kv8-spec": ("--weights", "int8", "--dtype", "bfloat16", "--kv-cache-dtype", "int8",
+                                             "--speculative-config", NGRAM_4),
                  # Every service but the workers 10 nicer, against the default (all equal).
                  "mesh-niced": ("--service-niceness", "10"),
                  "mesh-lora": ()}  # its flags name the adapters bench/lora.py writes
