@@ -10,8 +10,9 @@ token (checked), so the three decode the same tokens; TPOT is decode time over d
 the first `--warm` requests excluded (they fill the cache). With `--threads 1` (the default) the
 clock is the process's CPU time, immune to a shared machine's descheduling.
 
-`--cache-cost` also times one proposal step's matching against caches of random outputs
-(128 tokens each), for 1 and 16 speculating rows: the price of a large cache.
+`--cache-cost` also times one proposal step against caches of 64 to 10,000 of those answers, for
+1 and 16 speculating rows partway through one, and the adding of an output: the price of a
+large cache.
 
     .venv/bin/python -m benchmarks.recent_outputs [--requests 40] [--cached 64] [--cache-cost]
 """
@@ -23,6 +24,7 @@ import json
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from vmesh.services.common.types import SamplingParams
@@ -77,6 +79,7 @@ def single_stream(args: argparse.Namespace) -> dict:
                for text in sentences(args.requests)]
     seconds = {name: 0.0 for name in engines}
     tokens = {name: 0 for name in engines}
+    answers = []
     for i, prompt in enumerate(prompts):
         outputs = {}
         for name, engine in engines.items():
@@ -85,6 +88,7 @@ def single_stream(args: argparse.Namespace) -> dict:
                 seconds[name] += spent
                 tokens[name] += len(outputs[name]) - 1
         assert all(out == outputs["plain"] for out in outputs.values()), f"request {i}: speculation changed tokens"
+        answers.append(outputs["plain"])
     results = {}
     for name, engine in engines.items():
         stats = engine.scheduler.spec_stats
@@ -95,34 +99,42 @@ def single_stream(args: argparse.Namespace) -> dict:
         print(f"{name:16s}: TPOT {results[name]['tpot_ms']:6.2f} ms (x plain {results[name]['x_plain']:.2f}); "
               f"{stats.num_accepted_tokens} of {stats.num_draft_tokens} drafts accepted", flush=True)
         engine.shutdown()
-    return {"decoded_tokens": tokens["plain"], "requests_timed": args.requests - args.warm, "variants": results}
+    return {"decoded_tokens": tokens["plain"], "requests_timed": args.requests - args.warm, "variants": results,
+            "answers": answers}
 
 
-def cache_cost(k: int) -> list[dict]:
-    """Milliseconds of one propose() against caches of random 128-token outputs."""
-    generator = torch.Generator().manual_seed(0)
-    rows = []
-    for cached in (64, 256, 1_000):
+def cache_cost(k: int, answers: list[list[int]]) -> list[dict]:
+    """Milliseconds of one proposal step against caches of `answers` (the extraction outputs,
+    repeated to fill them: every place of `"`, `,` or a newline is a candidate), for 1 and 16
+    speculating rows that are partway through such an answer, and of adding one output."""
+    rows_out = []
+    for cached in (64, 1_000, 10_000):
         cache = RecentOutputs(cached)
-        for _ in range(cached):
-            cache.add(torch.randint(0, 49_152, (128,), generator=generator))
+        started = time.perf_counter()
+        for i in range(cached):
+            cache.add(i, np.array(answers[i % len(answers)]))
+        add_ms = (time.perf_counter() - started) / cached * 1e3
         config = SpeculativeConfig("suffix", k, suffix_decoding_max_cached_requests=cached)
         for batch in (1, 16):
-            tokens = torch.randint(0, 49_152, (batch, 300), generator=generator)
-            lengths = torch.full((batch,), 300)
-            propose(config, tokens, lengths, torch.full((batch,), k), cache)  # joins the cache once
-            started = time.perf_counter()
-            for _ in range(20):
-                propose(config, tokens, lengths, torch.full((batch,), k), cache)
-            ms = (time.perf_counter() - started) / 20 * 1e3
-            without = time.perf_counter()
-            for _ in range(20):
-                propose(config, tokens, lengths, torch.full((batch,), k))
-            ms_without = (time.perf_counter() - without) / 20 * 1e3
-            rows.append({"cached_requests": cached, "rows": batch, "propose_ms": ms, "without_cache_ms": ms_without})
-            print(f"cache of {cached:6d} outputs, {batch:2d} rows: propose {ms:6.3f} ms "
-                  f"(without the cache {ms_without:.3f})", flush=True)
-    return rows
+            seqs = [answers[(3 * r + 1) % len(answers)][:len(answers[(3 * r + 1) % len(answers)]) // 2 + r % 5]
+                    for r in range(batch)]
+            width = max(map(len, seqs))
+            tokens = torch.zeros(batch, width, dtype=torch.int64)
+            for r, seq in enumerate(seqs):
+                tokens[r, :len(seq)] = torch.tensor(seq)
+            lengths = torch.tensor([len(seq) for seq in seqs])
+            slots = torch.full((batch,), k)
+            timings = {}
+            for name, recent in (("with", cache), ("without", None)):
+                started = time.perf_counter()
+                for _ in range(50):
+                    propose(config, tokens, lengths, slots, recent)
+                timings[name] = (time.perf_counter() - started) / 50 * 1e3
+            rows_out.append({"cached_requests": cached, "rows": batch, "propose_ms": timings["with"],
+                             "without_cache_ms": timings["without"], "add_ms": add_ms})
+            print(f"cache of {cached:6d} outputs, {batch:2d} rows: propose {timings['with']:6.3f} ms "
+                  f"(without the cache {timings['without']:.3f}); adding an output {add_ms:.3f} ms", flush=True)
+    return rows_out
 
 
 def main() -> None:
@@ -137,8 +149,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     result = {"threads": args.threads, "k": args.k, "single_stream": single_stream(args)}
+    answers = result["single_stream"].pop("answers")
     if args.cache_cost:
-        result["cache_cost"] = cache_cost(args.k)
+        result["cache_cost"] = cache_cost(args.k, answers)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

@@ -13,11 +13,9 @@ METHODS = ("ngram", "suffix")
 # 8) and cost nothing on ordinary ones (1.00-1.07x); from 16 on a step is bound by arithmetic and
 # verifying drafts cost 13 % on ordinary prompts while gaining 2-9 % on repeating ones.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 16
-# The suffix method's cache is matched by a dense comparison each step (recent_outputs.py), whose
-# cost grows with the cached tokens (python -m benchmarks.recent_outputs --cache-cost: ~0.6 ms a
-# step for one row against 1,000 outputs of 128 tokens, ~3.6 ms for 16 rows), so it is bounded.
-# vLLM's default of 10,000 comes with a compiled suffix tree.
-MAX_CACHED_REQUESTS = 1_000
+# The suffix method's cache holds up to 1,024 tokens a request on average at 16 bytes a token
+# (recent_outputs.py), so vLLM's default of 10,000 requests is the bound: up to 160 MiB.
+MAX_CACHED_REQUESTS = 10_000
 # The JSON values each annotation takes (an int is a float's value too).
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {"str": str, "int": int, "float": (int, float)}
 
@@ -32,7 +30,6 @@ class SpeculativeConfig:
     # suffix: a match of m tokens proposes at most spec_factor * m of them (short matches guess less).
     suffix_decoding_max_spec_factor: float = 1.0
     # suffix: the outputs of this many recent requests are matched too (recent_outputs.py); 0: off.
-    # Each step compares every speculating row's last token with every cached token.
     suffix_decoding_max_cached_requests: int = 0
     # Steps with this many running requests or more propose nothing (0: never off by batch size).
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE

@@ -59,8 +59,10 @@ def propose(config: SpeculativeConfig, tokens: torch.Tensor, lengths: torch.Tens
     offsets = start[:, None] + torch.arange(k)[None, :]
     drafts = tokens.gather(1, offsets.clamp(max=width - 1))
     if recent is not None and len(recent) and config.method == "suffix":
-        cached_length, cached_end = recent.longest_matches(tokens, lengths, config.max_match_length)
-        cached_drafts, cached_available = recent.proposals(cached_end, k)
+        found, cached_end = recent.longest_matches(tokens.numpy(), lengths.numpy(), config.max_match_length)
+        numpy_drafts, numpy_available = recent.proposals(cached_end, k)
+        cached_length = torch.from_numpy(found)
+        cached_drafts, cached_available = torch.from_numpy(numpy_drafts), torch.from_numpy(numpy_available)
         from_cache = cached_length > length
         length = torch.where(from_cache, cached_length, length)
         available = torch.where(from_cache, cached_available, available)

@@ -144,6 +144,8 @@ class ModelRunner:
         nothing reads them before they are overwritten.)"""
         for handle in list(self.batch.handle_of_row):
             self.batch.remove(handle)
+        if self.batch.recent_outputs is not None:
+            self.batch.recent_outputs.clear()
         self.prompt_logprobs.clear()
         self.pooler.clear()
         self.last_step = -1
@@ -151,6 +153,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         if plan.step != self.last_step + 1:
             raise PlanError(f"step {plan.step} does not follow step {self.last_step}")
+        self.batch.keep_recent_outputs(self.speculative)
         self.batch.apply(plan)
         self.prompt_logprobs.follow(plan, self.batch)
         self.pooler.follow(plan, self.batch)

@@ -94,8 +94,8 @@ class PersistentBatch:
         self.spare_grammars: dict[int, RowGrammar] = {}
         self.handle_of_row: list[int] = []
         self.row_of_handle: dict[int, int] = {}
-        # The suffix method's cache of recent outputs, made by the first proposal that asks for one:
-        # the outputs of requests the plans remove (finished, aborted or preempted) go in.
+        # The suffix method's cache of recent outputs (keep_recent_outputs): the outputs of requests
+        # the plans remove (finished, aborted or preempted) go in.
         self.recent_outputs: RecentOutputs | None = None
 
     def __len__(self) -> int:
@@ -109,7 +109,8 @@ class PersistentBatch:
     def apply(self, plan: StepPlan) -> None:
         for handle in plan.removed_handles:
             if self.recent_outputs is not None and (row := self.row_of_handle.get(handle)) is not None:
-                self.recent_outputs.add(self.token_ids[row, int(self.num_prompt_tokens[row]):int(self.num_tokens[row])])
+                self.recent_outputs.add(handle, self._token_ids_np[row, self._sampling_np["num_prompt_tokens"][row]:
+                                                                   self._num_tokens_np[row]])
             self.remove(handle)
         for request in plan.new_requests:
             self.add(request)
@@ -315,7 +316,7 @@ class PersistentBatch:
             return num_drafts
         chosen_rows, chosen_lengths = rows[chosen], lengths[chosen]
         tokens = self.token_ids[chosen_rows, :int(chosen_lengths.max())]
-        drafts, counts = propose(speculative, tokens, chosen_lengths, slots[chosen], self._recent_outputs(speculative))
+        drafts, counts = propose(speculative, tokens, chosen_lengths, slots[chosen], self.recent_outputs)
         # Each draft goes where its position lies; columns past a row's count are written back unchanged.
         column = (chosen_lengths[:, None] + torch.arange(drafts.shape[1])[None, :]).clamp(max=self.max_model_len - 1)
         keep = torch.arange(drafts.shape[1])[None, :] < counts[:, None]
@@ -324,13 +325,14 @@ class PersistentBatch:
         num_drafts[chosen] = counts
         return num_drafts
 
-    def _recent_outputs(self, speculative: SpeculativeConfig) -> RecentOutputs | None:
-        wanted = speculative.suffix_decoding_max_cached_requests
+    def keep_recent_outputs(self, speculative: SpeculativeConfig | None) -> None:
+        """Keep a cache of recent outputs as `speculative` asks (before a plan's removals are
+        applied, so that none is missed), or none."""
+        wanted = speculative.suffix_decoding_max_cached_requests if speculative is not None else 0
         if not wanted:
-            return None
-        if self.recent_outputs is None or self.recent_outputs.max_requests != wanted:
+            self.recent_outputs = None
+        elif self.recent_outputs is None or self.recent_outputs.max_requests != wanted:
             self.recent_outputs = RecentOutputs(wanted)
-        return self.recent_outputs
 
     def finish_step(self, inputs: StepInputs, sampled: torch.Tensor) -> torch.Tensor:
         """Advance computed counts and append each request's sampled tokens when its step

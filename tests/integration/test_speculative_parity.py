@@ -94,7 +94,6 @@ def test_speculation_changes_no_token_with_preemption_and_prefix_hits(tiny_runne
         engine.shutdown()
 
 
-
 def test_recent_outputs_propose_an_answer_given_before(tiny_runner, embedded_tokenizer, tiny_prompts):
     """The suffix method with a cache of recent outputs: asked the same prompts again, the rows
     find their earlier answers in the cache (their own prompts do not hold them) and most drafts
@@ -113,8 +112,6 @@ def test_recent_outputs_propose_an_answer_given_before(tiny_runner, embedded_tok
             accepted[cached, round_] = engine.scheduler.spec_stats.num_accepted_tokens - before
         assert engine.scheduler.pool.num_free == engine.scheduler.pool.num_blocks
         engine.shutdown()
-    # A finished request leaves the batch with the next plan: the first round's answers are all in.
-    assert tiny_runner.batch.recent_outputs is not None and len(tiny_runner.batch.recent_outputs) >= len(tiny_prompts)
     # Each of 10 answers has 29 decodes; a repeated answer accepts most of them as drafts.
     assert accepted[16, "again"] >= 0.6 * 29 * len(tiny_prompts), accepted
     assert accepted[16, "again"] > 3 * max(accepted[0, "again"], 1), accepted

@@ -48,3 +48,18 @@ def test_every_overlap_passage_outlasts_the_fixed_output_length() -> None:
         user_turn = prompt.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
         passage = user_turn.split("\n\n", 1)[1]
         assert len(tokenizer.encode(passage, add_special_tokens=False)) > workload["max_new_tokens"], passage[:40]
+
+
+def test_the_offline_help_names_every_baseline():
+    """`vmesh bench offline --help` is where a user finds the variants: each one is named there."""
+    import re
+
+    from vmesh.services.bench.cli import build_parser
+    from vmesh.services.bench.offline import ENGINE_VARIANTS, FINAL_OUTPUTS, MESH_VARIANTS
+    from vmesh.services.bench.peers import PEER_BASELINES
+
+    offline = build_parser()._subparsers._group_actions[0].choices["offline"]  # type: ignore[union-attr]
+    [baselines] = [action.help for action in offline._actions if action.dest == "baselines"]
+    named = set(re.findall(r"[a-z0-9.]+(?:-[a-z0-9.]+)*", baselines))
+    for name in ["transformers", *ENGINE_VARIANTS, *MESH_VARIANTS, FINAL_OUTPUTS, *PEER_BASELINES]:
+        assert name in named, name
