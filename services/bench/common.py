@@ -146,4 +146,6 @@ async def mesh_generate(mesh: RunningMesh, prompts: list[list[int]], max_tokens:
     return {"tokens_per_s": len(prompts) * max_tokens / elapsed,
             "duty_cycle": (w1.busy_seconds - w0.busy_seconds) / wall if wall else 0.0,
             "bytes_per_decode_step": (s1.decode_plan_bytes - s0.decode_plan_bytes) / max(decode_steps, 1),
-            "decode_steps": decode_steps, "ms_per_step": elapsed * 1e3 / max(s1.steps - s0.steps, 1)}
+            "decode_steps": decode_steps, "ms_per_step": elapsed * 1e3 / max(s1.steps - s0.steps, 1),
+            "num_draft_tokens": s1.num_draft_tokens - s0.num_draft_tokens,
+            "num_accepted_tokens": s1.num_accepted_tokens - s0.num_accepted_tokens}

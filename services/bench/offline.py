@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from vmesh.services.bench.common import for_model, load_workload, machine, mesh_generate, timed_request
+from vmesh.services.bench.common import for_model, load_workload, machine, mesh_generate, mesh_stats, timed_request
 from vmesh.services.bench.lora import lora_flags, write_random_adapters
 from vmesh.services.bench.memory import PeakPss
 from vmesh.services.bench.mesh import RunningMesh, start_mesh
@@ -196,12 +196,16 @@ async def mesh_latency(mesh: RunningMesh, prompt: list[int], max_tokens: int,
     (beyond what it shares with the workload's prompts), the second finds all of it."""
     async with VmeshClient(mesh.address) as client:
         await client.complete(token_ids=warm_up_prompt, max_tokens=2, temperature=0)
+        before, _worker = await mesh_stats(mesh)
         first = await timed_request(client, prompt, max_tokens)
+        after, _worker = await mesh_stats(mesh)
         repeated = await timed_request(client, prompt, max_tokens)
     return {"ttft_ms": first["ttft"] * 1e3, "cached_ttft_ms": repeated["ttft"] * 1e3,
             "mean_itl_ms": statistics.fmean(first["itl"]) * 1e3 if first["itl"] else 0.0,
             # Time per output token after the first: the fair figure where responses merge tokens (speculation).
-            "tpot_ms": first["tpot"] * 1e3}
+            "tpot_ms": first["tpot"] * 1e3,
+            "num_draft_tokens": after.num_draft_tokens - before.num_draft_tokens,
+            "num_accepted_tokens": after.num_accepted_tokens - before.num_accepted_tokens}
 
 
 # The mesh in its precision modes: `mesh` (float32) always runs; the others on request.
@@ -341,6 +345,11 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
         result["mesh_duty_cycle"] = statistics.median(r["duty_cycle"] for r in mesh_runs["mesh"])
         result["mesh_ms_per_step"] = {variant: statistics.median(r["ms_per_step"] for r in runs_of_variant)
                                       for variant, runs_of_variant in mesh_runs.items()}
+        # Speculative meshes: drafts verified and accepted over every round (the spec_decode counters).
+        result["mesh_drafts"] = {variant: {key: sum(r[key] for r in runs_of_variant)
+                                           for key in ("num_draft_tokens", "num_accepted_tokens")}
+                                 for variant, runs_of_variant in mesh_runs.items()
+                                 if any(r["num_draft_tokens"] for r in runs_of_variant)}
         latencies = {variant: asyncio.run(mesh_latency(mesh, work["latency_prompt"], work["max_tokens"],
                                                        work["prompts"][0])) for variant, mesh in meshes.items()}
         result["latency"] = latencies.pop("mesh")
@@ -356,6 +365,11 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
                                   "one_adapter": result["ratio_to_mesh"]["mesh-lora-1"]}
     print_report(result, work, args.repeats)
     return result
+
+
+def acceptance(counts: dict[str, Any]) -> str:
+    drafts, accepted = counts["num_draft_tokens"], counts["num_accepted_tokens"]
+    return f"{accepted} of {drafts} draft tokens accepted ({100 * accepted / max(drafts, 1):.1f} %)"
 
 
 def print_report(result: dict[str, Any], work: dict[str, Any], repeats: int) -> None:
@@ -380,7 +394,10 @@ def print_report(result: dict[str, Any], work: dict[str, Any], repeats: int) -> 
                                                      for variant, ms in result["mesh_ms_per_step"].items()))
     for name, lat in result["variant_latency"].items():
         print(f"single request through {name}: TTFT {lat['ttft_ms']:.0f} ms ({lat['cached_ttft_ms']:.0f} ms "
-              f"repeated), mean ITL {lat['mean_itl_ms']:.1f} ms, TPOT {lat['tpot_ms']:.1f} ms")
+              f"repeated), mean ITL {lat['mean_itl_ms']:.1f} ms, TPOT {lat['tpot_ms']:.1f} ms"
+              + (f", {acceptance(lat)}" if lat["num_draft_tokens"] else ""))
+    for name, drafts in result["mesh_drafts"].items():
+        print(f"{name}, every round of the workload: {acceptance(drafts)}")
     for name, lat in [*result["engine_latency"].items(), *result["peer_latency"].items()]:
         print(f"single request, {name}: TTFT {lat['ttft_ms']:.0f} ms ({lat['cached_ttft_ms']:.0f} ms repeated), "
               f"mean ITL {lat['mean_itl_ms']:.1f} ms (one-token and full-length calls, no streaming)")

@@ -131,6 +131,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         if session.scheduler is None or session.info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "not connected to a worker yet")
         s, sent, settings = session.scheduler.stats(), session.workers.traffic, session.settings
+        spec = session.scheduler.spec_stats
         return scheduler_pb2.GetSchedulerStatsResponse(
             num_running=s.num_running, num_waiting=s.num_waiting, num_used_blocks=s.num_blocks - s.num_free_blocks,
             num_free_blocks=s.num_free_blocks, num_blocks=s.num_blocks, prefix_cache_queries=s.prefix_queries,
@@ -139,7 +140,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             stateless_worker=settings.stateless_worker, model_name=session.info.model_name,
             max_model_len=session.scheduler.max_model_len, vocab_size=session.info.vocab_size,
             decode_steps=sent.decode_steps, decode_plan_bytes=sent.decode_plan_bytes, incarnation=self.incarnation,
-            lora_adapters=sorted(session.lora_adapters))
+            lora_adapters=sorted(session.lora_adapters), num_draft_tokens=spec.num_draft_tokens,
+            num_accepted_tokens=spec.num_accepted_tokens)
 
     async def LoadLoraAdapter(self, request, context):
         return await self._change_adapters(context, request.lora_name, request.lora_path)

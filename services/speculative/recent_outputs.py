@@ -36,6 +36,8 @@ class RecentOutputs:
             raise ValueError(f"RecentOutputs needs max_requests >= 1, got {max_requests}")
         self.max_requests = max_requests
         self.max_tokens = max_tokens or max_requests * TOKENS_PER_REQUEST
+        if self.max_tokens < 3:
+            raise ValueError(f"RecentOutputs needs room for two tokens and a separator, got max_tokens={max_tokens}")
         self._capacity = 0
         self._tokens = np.zeros(0, dtype=np.int64)
         self._previous = np.zeros(0, dtype=np.int64)  # the same token's previous absolute position, or -1
@@ -53,9 +55,9 @@ class RecentOutputs:
         self._latest[:] = -1
 
     def add(self, key: int, output_token_ids: np.ndarray) -> None:
-        """Keep one request's output tokens under `key` (its handle), replacing what an earlier
-        removal of the same request (a preemption) left; the oldest outputs go past max_requests
-        or max_tokens."""
+        """Keep one request's output tokens under `key` (its handle, which a scheduler never
+        reuses), replacing what an earlier removal of the same request (a preemption) left; the
+        oldest outputs go past max_requests or max_tokens."""
         self.forget(key)
         tokens = np.asarray(output_token_ids, dtype=np.int64)[-(self.max_tokens - 1):]
         if len(tokens) < 2:  # one token predicts nothing after itself

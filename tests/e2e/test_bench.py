@@ -71,6 +71,20 @@ def test_offline_long_workload_reports_prompt_rate_and_uncached_ttft(tmp_path):
     assert r["mesh_peak_pss_mib"]["mesh-native/worker"] < r["mesh_peak_pss_mib"]["worker"]
 
 
+def test_offline_counts_the_drafts_of_a_speculative_mesh(tmp_path):
+    """Two overlap prompts (the embedded model quoting a passage) through the mesh with n-gram
+    speculation: the report carries the scheduler's draft counters for the workload's rounds and
+    for the single request, and most drafts are accepted; the plain mesh reports none."""
+    r = bench(tmp_path, "offline", "--workload", "overlap", "--requests", "2", "--max-tokens", "24",
+              "--baselines", "mesh,mesh-spec", "--kv-cache-memory", "128MiB")
+    assert set(r["mesh_drafts"]) == {"mesh-spec"}
+    drafts = r["mesh_drafts"]["mesh-spec"]
+    assert drafts["num_draft_tokens"] > 0 and 2 * drafts["num_accepted_tokens"] >= drafts["num_draft_tokens"]
+    single = r["variant_latency"]["mesh-spec"]
+    assert 0 < single["num_accepted_tokens"] <= single["num_draft_tokens"]
+    assert r["latency"]["num_draft_tokens"] == 0
+
+
 def test_unknown_workload_is_refused_by_name(tmp_path):
     done = subprocess.run([sys.executable, "-m", "vmesh", "bench", "offline", "--workload", "longest"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)

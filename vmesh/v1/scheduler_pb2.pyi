@@ -76,7 +76,7 @@ class GetSchedulerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetSchedulerStatsResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_used_blocks", "num_free_blocks", "num_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "steps", "plan_bytes_sent", "pipeline_depth", "stateless_worker", "model_name", "max_model_len", "vocab_size", "decode_steps", "decode_plan_bytes", "incarnation", "lora_adapters")
+    __slots__ = ("num_running", "num_waiting", "num_used_blocks", "num_free_blocks", "num_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "steps", "plan_bytes_sent", "pipeline_depth", "stateless_worker", "model_name", "max_model_len", "vocab_size", "decode_steps", "decode_plan_bytes", "incarnation", "lora_adapters", "num_draft_tokens", "num_accepted_tokens")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,8 @@ class GetSchedulerStatsResponse(_message.Message):
     DECODE_PLAN_BYTES_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_used_blocks: int
@@ -115,7 +117,9 @@ class GetSchedulerStatsResponse(_message.Message):
     decode_plan_bytes: int
     incarnation: str
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., steps: _Optional[int] = ..., plan_bytes_sent: _Optional[int] = ..., pipeline_depth: _Optional[int] = ..., stateless_worker: _Optional[bool] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., decode_steps: _Optional[int] = ..., decode_plan_bytes: _Optional[int] = ..., incarnation: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., steps: _Optional[int] = ..., plan_bytes_sent: _Optional[int] = ..., pipeline_depth: _Optional[int] = ..., stateless_worker: _Optional[bool] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., decode_steps: _Optional[int] = ..., decode_plan_bytes: _Optional[int] = ..., incarnation: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ()
