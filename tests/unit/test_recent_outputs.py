@@ -7,20 +7,13 @@ import numpy as np
 import pytest
 import torch
 
+from tests.support.token_rows import token_rows
 from vmesh.services.common.step_types import NewRequest, StepPlan
 from vmesh.services.common.types import SamplingParams
 from vmesh.services.speculative.config import SpeculativeConfig, parse_speculative_config
 from vmesh.services.speculative.proposers import propose
 from vmesh.services.speculative.recent_outputs import CANDIDATES, RecentOutputs
 from vmesh.services.worker.persistent_batch import PersistentBatch
-
-
-def _rows(*seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, seqs)) + 3
-    tokens = torch.full((len(seqs), width), 99, dtype=torch.int64)  # junk past each row's tokens
-    for r, seq in enumerate(seqs):
-        tokens[r, :len(seq)] = torch.tensor(seq)
-    return tokens, torch.tensor([len(s) for s in seqs])
 
 
 def _cache(*outputs: list[int], max_requests: int = 8, max_tokens: int | None = None) -> RecentOutputs:
@@ -31,7 +24,7 @@ def _cache(*outputs: list[int], max_requests: int = 8, max_tokens: int | None = 
 
 
 def _matches(cache: RecentOutputs, *seqs: list[int], max_depth: int = 6, k: int = 3):
-    tokens, lengths = _rows(*seqs)
+    tokens, lengths = token_rows(*seqs)
     length, end = cache.longest_matches(tokens.numpy(), lengths.numpy(), max_depth)
     drafts, available = cache.proposals(end, k)
     return length.tolist(), drafts, available.tolist()
@@ -128,7 +121,7 @@ def test_propose_takes_the_cache_where_its_match_is_longer():
     # Row 0: its own text matches "12" once; the cache matches "11 12": the cache's. Row 1: its own
     # "21 22" and the cache's "21 22" tie: its own. Row 2: nothing anywhere. Row 3: the cache's
     # "40 41", whose output holds one more token, not k.
-    tokens, lengths = _rows([12, 5, 11, 12], [21, 22, 7, 21, 22], [30, 31], [9, 40, 41])
+    tokens, lengths = token_rows([12, 5, 11, 12], [21, 22, 7, 21, 22], [30, 31], [9, 40, 41])
     drafts, counts = propose(config, tokens, lengths, torch.tensor([4, 4, 4, 4]), cache)
     assert counts.tolist() == [4, 3, 0, 1]
     assert drafts[0].tolist() == [13, 14, 15, 16]

@@ -1,17 +1,10 @@
 import pytest
 import torch
 
+from tests.support.token_rows import token_rows
 from vmesh.services.speculative.config import SpeculativeConfig, parse_speculative_config
 from vmesh.services.speculative.proposers import propose, suffix_match_lengths
 from vmesh.services.speculative.verification import num_accepted
-
-
-def _rows(*seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, seqs)) + 3
-    tokens = torch.full((len(seqs), width), 99, dtype=torch.int64)  # junk past each row's tokens
-    for r, seq in enumerate(seqs):
-        tokens[r, :len(seq)] = torch.tensor(seq)
-    return tokens, torch.tensor([len(s) for s in seqs])
 
 
 def _reference_ngram(seq: list[int], lo: int, hi: int, k: int, cap: int) -> list[int]:
@@ -26,7 +19,7 @@ def _reference_ngram(seq: list[int], lo: int, hi: int, k: int, cap: int) -> list
 
 
 def test_suffix_match_lengths_counts_common_suffixes():
-    tokens, lengths = _rows([1, 2, 3, 9, 2, 3])
+    tokens, lengths = token_rows([1, 2, 3, 9, 2, 3])
     matched = suffix_match_lengths(tokens, lengths, 4)
     # ends before the last token: [1]=2 matches "2" only ... [2]=3 matches "2 3"
     assert matched[0].tolist()[:5] == [0, 0, 2, 0, 0]
@@ -39,7 +32,7 @@ def test_ngram_matches_a_plain_python_reference(seed):
             for n in torch.randint(2, 40, (16,), generator=generator)]
     caps = torch.randint(0, 5, (16,), generator=generator)
     config = SpeculativeConfig("ngram", 4, prompt_lookup_min=2, prompt_lookup_max=3)
-    tokens, lengths = _rows(*seqs)
+    tokens, lengths = token_rows(*seqs)
     drafts, counts = propose(config, tokens, lengths, caps)
     for r, seq in enumerate(seqs):
         expected = _reference_ngram(seq, 2, 3, 4, int(caps[r]))
@@ -48,7 +41,7 @@ def test_ngram_matches_a_plain_python_reference(seed):
 
 def test_no_match_proposes_nothing_and_proposals_stop_at_known_tokens():
     config = SpeculativeConfig("ngram", 4, prompt_lookup_min=2, prompt_lookup_max=3)
-    tokens, lengths = _rows([1, 2, 3, 4, 5], [7, 8, 5, 7, 8])
+    tokens, lengths = token_rows([1, 2, 3, 4, 5], [7, 8, 5, 7, 8])
     drafts, counts = propose(config, tokens, lengths, torch.tensor([4, 4]))
     assert counts.tolist() == [0, 3]  # "7 8" recurs; what followed it: 5, 7, 8 (then the row ends)
     assert drafts[1, :3].tolist() == [5, 7, 8]
@@ -56,7 +49,7 @@ def test_no_match_proposes_nothing_and_proposals_stop_at_known_tokens():
 
 def test_suffix_scales_drafts_with_match_length():
     config = SpeculativeConfig("suffix", 8, suffix_decoding_max_spec_factor=1.0)
-    tokens, lengths = _rows([5, 6, 1, 2, 3, 4, 9, 9, 9, 2, 3], [1, 2, 3, 4, 5, 6, 7, 8, 0, 7])
+    tokens, lengths = token_rows([5, 6, 1, 2, 3, 4, 9, 9, 9, 2, 3], [1, 2, 3, 4, 5, 6, 7, 8, 0, 7])
     drafts, counts = propose(config, tokens, lengths, torch.tensor([8, 8]))
     assert counts.tolist() == [2, 1]  # "2 3" matched: two tokens; "7" matched: one
     assert drafts[0, :2].tolist() == [4, 9] and drafts[1, :1].tolist() == [8]
