@@ -307,7 +307,9 @@ async def _run(mesh: Mesh) -> int:
         print(f"vmesh: {name} at {entry.address} (pid {entry.pid}{metrics})", flush=True)
     if description.http_url:
         url = description.http_url
-        print(f"vmesh: OpenAI-compatible HTTP API on {url} — try: curl {url}/models", flush=True)
+        keyed = getattr(args, "api_key", None) or os.environ.get("VMESH_API_KEY")
+        header = "-H 'Authorization: Bearer <your API key>' " if keyed else ""
+        print(f"vmesh: OpenAI-compatible HTTP API on {url} — try: curl {header}{url}/models", flush=True)
     if description.certificates:
         print(f"vmesh: internal mutual TLS; CA and admin certificate in {description.certificates}", flush=True)
     print(f"vmesh: serving on {frontend.address} — try: vmesh generate \"Hello\" --address {frontend.address}",

@@ -113,8 +113,13 @@ def add_error_handlers(app: FastAPI) -> None:
         return request_error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def on_invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def on_invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
+        content_type = request.headers.get("content-type", "")
+        if tuple(first.get("loc", ())) == ("body",) and "json" not in content_type.lower():
+            # FastAPI reads a body as JSON only when its type says so (`curl -d` sends a form)
+            return error_response(400, f"body: send JSON with Content-Type: application/json "
+                                       f"(got {content_type or 'no Content-Type'})", "invalid_request_error")
         if first.get("type") == "json_invalid":  # its location is a character offset, not a field
             where, why = first.get("loc", ("body", "?"))[-1], first.get("ctx", {}).get("error", "")
             return error_response(400, f"body: not valid JSON at character {where} ({why})", "invalid_request_error")

@@ -52,6 +52,7 @@ class Reply:
     resuming: bool = field(init=False, default=False)
     event_ids: bool = field(init=False, default=False)  # streamed events carry ids (http_resume.py)
     _chunk_head: str | None = field(init=False, default=None, repr=False)  # plain_chunk's, rendered once
+    _chunk_tail: str = field(init=False, default="", repr=False)
 
     def __post_init__(self, prompts: int) -> None:
         self.request_id = render.new_id("chatcmpl" if self.chat else "cmpl")
@@ -72,6 +73,10 @@ class Reply:
         return ",".join(_progress(start, choice) for start, choice in zip(self.starts, self.choices, strict=True))
 
     def chunk(self, choices: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
+        """`fields`: the usage chunk's usage; where the client asked for one, every other chunk
+        says `"usage": null`, as OpenAI's do."""
+        if self.include_usage and "usage" not in fields:
+            fields["usage"] = None
         return {"id": self.request_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, **fields}
 
@@ -81,13 +86,16 @@ class Reply:
         client. Chat's delta holds the text only when there is some; a completion's always."""
         if self._chunk_head is None:
             head = _COMPACT.encode(self.chunk([]))
-            self._chunk_head = head[:-len("[]}")] + "["  # everything before the choices' entries
+            cut = head.index('"choices":[]') + len('"choices":[')
+            # everything before the choices' entries, and after them
+            self._chunk_head, self._chunk_tail = head[:cut], head[cut:]
         if self.chat:
             body = f'"delta":{{"content":{_json_string(text)}}}' if text else '"delta":{}'
         else:
             body = f'"text":{_json_string(text)}'
         finish = _json_string(finish_reason) if finish_reason is not None else "null"
-        return f'{self._chunk_head}{{"index":{index},{body},"logprobs":null,"finish_reason":{finish}}}]}}'
+        entry = f'{{"index":{index},{body},"logprobs":null,"finish_reason":{finish}}}'
+        return f"{self._chunk_head}{entry}{self._chunk_tail}"
 
 
 def _progress(start: ResumePoint, choice: render.Choice) -> str:

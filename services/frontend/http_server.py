@@ -22,7 +22,7 @@ from vmesh.services.frontend import embeddings_api, http_resume, responses_api, 
 from vmesh.services.frontend import openai_protocol as oai
 from vmesh.services.frontend import openai_responses as render
 from vmesh.services.frontend.core import FrontendCore
-from vmesh.services.frontend.errors import RequestError, refused_as_request_errors
+from vmesh.services.frontend.errors import Code, RequestError, refused_as_request_errors
 from vmesh.services.frontend.fanout import ClientGone, Fanout, FanoutStreamingResponse, until_disconnect
 from vmesh.services.frontend.http_connections import (
     ConnectionGuard,
@@ -56,21 +56,26 @@ LIMIT_CONCURRENCY = 4096
 KEEP_ALIVE_S = 15  # an idle keep-alive connection is closed after this long
 
 
-def tool_call_delta(delta: Delta) -> dict[str, Any]:
+def tool_call_delta(delta: Delta, legacy: bool = False) -> dict[str, Any]:
     """One parser delta as OpenAI's chunk `delta`: a call's first chunk carries its id, type and
-    name (and arguments ""), later ones its index and a fragment of its arguments."""
+    name (and arguments ""), later ones its index and a fragment of its arguments. `legacy`: the
+    legacy `functions`' one `function_call`, its name first, then its arguments' fragments."""
     if isinstance(delta, ContentDelta):
         return {"content": delta.text}
+    if legacy:
+        return {"function_call": {"name": delta.name, "arguments": delta.arguments} if delta.id is not None
+                else {"arguments": delta.arguments}}
     if delta.id is not None:
         return {"tool_calls": [{"index": delta.index, "id": delta.id, "type": "function",
                                 "function": {"name": delta.name, "arguments": delta.arguments}}]}
     return {"tool_calls": [{"index": delta.index, "function": {"arguments": delta.arguments}}]}
 
 
-def _tool_deltas(parser: ToolCallParser, text: str, finished: bool, want_one: bool) -> list[dict[str, Any]]:
+def _tool_deltas(parser: ToolCallParser, text: str, finished: bool, want_one: bool, legacy: bool
+                 ) -> list[dict[str, Any]]:
     """The chunk deltas one output makes through `parser` (`finished`: its last, so the parser
     lets go of what it holds); `want_one`: at least one delta, to carry the output's logprobs."""
-    deltas = [tool_call_delta(d) for d in [*parser.feed(text), *(parser.finish() if finished else ())]]
+    deltas = [tool_call_delta(d, legacy) for d in [*parser.feed(text), *(parser.finish() if finished else ())]]
     return deltas or ([{}] if want_one else [])
 
 
@@ -204,16 +209,19 @@ class OpenAIRoutes:
             await fanout.close()
 
     async def _completion_events(self, fanout: Fanout, reply: Reply) -> AsyncIterator[list[Chunk]]:
+        characters = [0] * len(reply.choices)  # each choice's text_offset so far (its tokens' bytes)
         async for index, out in fanout.events():
             choice = reply.choices[index]
-            offset = len(choice.text)
             choice.add(out)
+            if out.resumed_text:  # a resumed stream: offsets go on from the text the client has
+                characters[index] = len(out.resumed_text)
             if not (out.text or out.finish_reason or out.logprobs):
                 continue
             if not reply.want_logprobs:
                 yield [reply.plain_chunk(index, out.text, render.finish_reason(out.finish_reason))]
                 continue
-            logprobs = render.completion_logprobs(out.logprobs, out.token_ids, self.tokens, offset)
+            offsets, characters[index] = render.text_offsets(out.token_ids, self.tokens, characters[index])
+            logprobs = render.completion_logprobs(out.logprobs, out.token_ids, self.tokens, offsets)
             yield [reply.chunk([{"index": index, "text": out.text, "logprobs": logprobs,
                                  "finish_reason": render.finish_reason(out.finish_reason)}])]
 
@@ -222,6 +230,7 @@ class OpenAIRoutes:
             return reply.chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
 
         parsers = [make_parser(reply.tools) for _ in reply.choices]
+        legacy = render.legacy_calls(reply.tools)
         if not reply.resuming:  # OpenAI opens every choice with the role (a resumed client has it)
             yield [chunk(index, {"role": "assistant", "content": ""}) for index in range(len(reply.choices))]
         async for index, out in fanout.events():
@@ -241,11 +250,12 @@ class OpenAIRoutes:
                              render.finish_reason(out.finish_reason))]
                 continue
             chunks: list[Chunk] = []
-            for delta in _tool_deltas(parser, out.text, bool(out.finish_reason), logprobs is not None):
+            for delta in _tool_deltas(parser, out.text, bool(out.finish_reason), logprobs is not None, legacy):
                 chunks.append(chunk(index, delta, logprobs))
                 logprobs = None
             if out.finish_reason:
-                chunks.append(chunk(index, {}, None, render.finish_reason(out.finish_reason, parser.calls > 0)))
+                chunks.append(chunk(index, {}, None,
+                                    render.finish_reason(out.finish_reason, parser.calls > 0, legacy)))
             if chunks:
                 yield chunks
 
@@ -296,6 +306,14 @@ class OpenAIRoutes:
                                            *await adapter_cards(self.frontend, limits.name, self.created)]}
 
 
+    async def model(self, model: str) -> dict[str, Any]:
+        """One /v1/models entry (OpenAI's GET /v1/models/{model}, the client's models.retrieve)."""
+        for card in (await self.models())["data"]:
+            if card["id"] == model:
+                return card
+        raise RequestError(Code.NOT_FOUND, f"model: the model {model!r} does not exist", "model")
+
+
 def build_app(frontend: FrontendCore, registry: CollectorRegistry | None,
               guard: ConnectionGuard | None = None) -> FastAPI:
     """`guard`: the connections' guard (HttpServer's), whose limit spares /health and /metrics."""
@@ -321,6 +339,10 @@ def build_app(frontend: FrontendCore, registry: CollectorRegistry | None,
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return await routes.models()
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        return await routes.model(model)
 
     @app.post("/v1/completions")
     async def completions(body: oai.CompletionRequest, request: Request) -> Response:

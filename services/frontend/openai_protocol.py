@@ -323,12 +323,12 @@ def fan_out(requests: list[GenerationRequest], n: int, prompts: list[list[int]])
     return out
 
 
-ErrorType = Literal["invalid_request_error", "authentication_error", "not_found_error", "rate_limit_error",
+ErrorType = Literal["invalid_request_error", "authentication_error", "rate_limit_error",
                     "service_unavailable_error", "timeout_error", "internal_error"]
 HTTP_STATUS: dict[grpc.StatusCode, tuple[int, ErrorType]] = {
     Code.INVALID_ARGUMENT: (400, "invalid_request_error"),
     Code.UNAUTHENTICATED: (401, "authentication_error"),
-    Code.NOT_FOUND: (404, "not_found_error"),
+    Code.NOT_FOUND: (404, "invalid_request_error"),  # OpenAI's type for an unknown model, with its code
     Code.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     Code.UNAVAILABLE: (503, "service_unavailable_error"),
     Code.DEADLINE_EXCEEDED: (504, "timeout_error"),
@@ -384,12 +384,14 @@ def _aliased(name: str, aliases: dict[str, str]) -> str:
 def request_error_body(exc: RequestError, aliases: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
     """`aliases`: param_aliases of the HTTP request refused (token_ids -> prompt)."""
     status, error_type = HTTP_STATUS.get(exc.code, (500, "internal_error"))
-    code = {Code.UNAUTHENTICATED: "invalid_api_key", Code.NOT_FOUND: "model_not_found"}.get(exc.code)
+    code = "invalid_api_key" if exc.code == Code.UNAUTHENTICATED else None
+    if exc.code == Code.NOT_FOUND and exc.field == "model":
+        code = "model_not_found"
     param = None
     message = exc.message
     if exc.field is not None:
         name = exc.field.removeprefix("sampling.")
         param = _aliased(name, aliases or {})
-        if param != name and message.startswith(f"{exc.field}: "):  # the message names it as the body does
+        if param != exc.field and message.startswith(f"{exc.field}: "):  # the message names it as the body does
             message = f"{param}{message[len(exc.field):]}"
     return status, error_body(message, error_type, param, code)

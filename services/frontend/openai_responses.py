@@ -117,16 +117,44 @@ class TokenTable:
         return self.text(token_id).encode(errors="surrogatepass")
 
 
-def completion_logprobs(entries: list[TokenLogprobs], token_ids: list[int],
-                        tokens: TokenTexts, offset: int = 0) -> dict[str, Any]:
-    """OpenAI's legacy completions logprobs; `offset`: where this piece starts in the choice's text."""
-    texts = [tokens.text(t) for t in token_ids]
+def completion_token(tokens: TokenTexts, token_id: int) -> str:
+    """A token as legacy completions' logprobs name it: its text, or, where its bytes are part of
+    a UTF-8 character (a byte-level or byte-fallback piece), `bytes:` and their escapes, as
+    OpenAI writes them ("bytes:\\xf0\\x9f"): U+FFFD for each would make distinct tokens one key."""
+    raw = tokens.raw(token_id)
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return tokens.text(token_id)
+
+
+def _continues_a_character(byte: int) -> bool:
+    return 0x80 <= byte < 0xC0  # a UTF-8 continuation byte
+
+
+def text_offsets(token_ids: Sequence[int], tokens: TokenTexts, characters: int = 0) -> tuple[list[int], int]:
+    """Each token's offset in the text its bytes decode to (characters, as Python counts them,
+    from `characters`: where the first token's bytes start), and the offset after the last. A
+    token starting inside a character (the rest of an emoji) is at that character's offset, so
+    offsets never decrease and each names where its token's text starts."""
     offsets = []
-    for t in texts:
-        offsets.append(offset)
-        offset += len(t)
-    return {"tokens": texts, "token_logprobs": [_lp(e.logprob) for e in entries],
-            "top_logprobs": [{tokens.text(t): _lp(lp) for t, lp in zip(e.top_token_ids, e.top_logprobs)}
+    for t in token_ids:
+        raw = tokens.raw(t)
+        offsets.append(max(characters - bool(raw and _continues_a_character(raw[0])), 0))
+        characters += sum(not _continues_a_character(b) for b in raw)
+    return offsets, characters
+
+
+def completion_logprobs(entries: list[TokenLogprobs], token_ids: list[int], tokens: TokenTexts,
+                        offsets: list[int] | None = None) -> dict[str, Any]:
+    """OpenAI's legacy completions logprobs; `offsets`: the tokens' text_offset (text_offsets,
+    from the choice's start; None: from 0)."""
+    if offsets is None:
+        offsets = text_offsets(token_ids, tokens)[0]
+    return {"tokens": [completion_token(tokens, t) for t in token_ids],
+            "token_logprobs": [_lp(e.logprob) for e in entries],
+            "top_logprobs": [{completion_token(tokens, t): _lp(lp) for t, lp in zip(e.top_token_ids, e.top_logprobs)}
                              for e in entries],
             "text_offset": offsets}
 
@@ -170,15 +198,17 @@ def echoed(choice: Choice, prompt: str, echo: Echo) -> Choice:
 
 def echo_logprobs(choice: Choice, prompt: str, tokens: TokenTexts) -> dict[str, Any]:
     """OpenAI's completions logprobs of an echo: the prompt's tokens (the first one's logprob and
-    top entries null: nothing scores it), then the generated ones."""
-    scored = completion_logprobs(choice.prompt_logprobs, choice.prompt_token_ids[1:], tokens)
-    first = tokens.text(choice.prompt_token_ids[0]) if choice.prompt_token_ids else ""
-    generated = completion_logprobs(choice.logprobs, choice.token_ids, tokens, len(prompt))
-    return {"tokens": [first] * bool(first) + scored["tokens"] + generated["tokens"],
-            "token_logprobs": [None] * bool(first) + scored["token_logprobs"] + generated["token_logprobs"],
-            "top_logprobs": [None] * bool(first) + scored["top_logprobs"] + generated["top_logprobs"],
-            "text_offset": [0] * bool(first) + [o + len(first) for o in scored["text_offset"]]
-                           + generated["text_offset"]}
+    top entries null: nothing scores it), then the generated ones, whose offsets start after the
+    prompt's text."""
+    prompt_offsets = text_offsets(choice.prompt_token_ids, tokens)[0]
+    scored = completion_logprobs(choice.prompt_logprobs, choice.prompt_token_ids[1:], tokens, prompt_offsets[1:])
+    first = choice.prompt_token_ids[:1]
+    generated = completion_logprobs(choice.logprobs, choice.token_ids, tokens,
+                                    text_offsets(choice.token_ids, tokens, len(prompt))[0])
+    return {"tokens": [completion_token(tokens, t) for t in first] + scored["tokens"] + generated["tokens"],
+            "token_logprobs": [None] * len(first) + scored["token_logprobs"] + generated["token_logprobs"],
+            "top_logprobs": [None] * len(first) + scored["top_logprobs"] + generated["top_logprobs"],
+            "text_offset": prompt_offsets[:1] + scored["text_offset"] + generated["text_offset"]}
 
 
 def chat_logprobs(entries: list[TokenLogprobs], token_ids: list[int],
@@ -200,11 +230,17 @@ def usage(choices: list[Choice], n: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def finish_reason(reason: FinishReason | None, made_calls: bool = False) -> str | None:
-    """`made_calls`: the choice's text held tool calls ("tool_calls" where the model stopped)."""
+def finish_reason(reason: FinishReason | None, made_calls: bool = False, legacy: bool = False) -> str | None:
+    """`made_calls`: the choice's text held tool calls ("tool_calls" where the model stopped;
+    "function_call" for the legacy `functions`)."""
     if reason is FinishReason.STOP and made_calls:
-        return "tool_calls"
+        return "function_call" if legacy else "tool_calls"
     return reason.value if reason in OPENAI_FINISH_REASONS else None
+
+
+def legacy_calls(tools: ToolReader | None) -> bool:
+    """The request named the legacy `functions`: its calls are answered in their shape."""
+    return tools is not None and tools.plan.legacy
 
 
 def chat_message(choice: Choice, tools: ToolReader | None) -> tuple[dict[str, Any], bool]:
@@ -215,7 +251,9 @@ def chat_message(choice: Choice, tools: ToolReader | None) -> tuple[dict[str, An
         return {"role": "assistant", "content": choice.text}, False
     content, calls = parse_text(parser, choice.text)
     message: dict[str, Any] = {"role": "assistant", "content": content}
-    if calls:
+    if calls and legacy_calls(tools):  # one call at most (the plan is not parallel)
+        message["function_call"] = calls[0]["function"]
+    elif calls:
         message["tool_calls"] = calls
     return message, bool(calls)
 
@@ -246,7 +284,8 @@ def chat_body(request_id: str, created: int, model: str, choices: list[Choice], 
     rendered = []
     for i, c in enumerate(choices):
         message, made_calls = chat_message(c, tools)
-        rendered.append({"index": i, "message": message, "finish_reason": finish_reason(c.finish_reason, made_calls),
+        rendered.append({"index": i, "message": message,
+                         "finish_reason": finish_reason(c.finish_reason, made_calls, legacy_calls(tools)),
                          "logprobs": chat_logprobs(c.logprobs, c.token_ids, tokens) if want_logprobs else None})
     body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
             "choices": rendered, "usage": usage(choices, n)}

@@ -42,6 +42,9 @@ class ToolPlan:
     tools: tuple[dict[str, Any], ...]
     choice: str
     parallel: bool = True
+    # The legacy functions/function_call: a call is answered as OpenAI answered those, the
+    # message's one `function_call` and finish_reason "function_call".
+    legacy: bool = False
 
     @property
     def prompt_tools(self) -> list[dict[str, Any]] | None:
@@ -148,7 +151,8 @@ def tool_plan(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bo
             raise _invalid("functions", "use tools/tool_choice or the legacy functions/function_call, not both")
         checked = check_tools(functions, "functions", legacy=True)
         names = [t["function"]["name"] for t in checked]
-        return ToolPlan(checked, _choice("function_call", function_call, names, legacy=True), parallel=False)
+        return ToolPlan(checked, _choice("function_call", function_call, names, legacy=True), parallel=False,
+                        legacy=True)
     checked = check_tools(tools)
     names = [t["function"]["name"] for t in checked]
     return ToolPlan(checked, _choice("tool_choice", tool_choice, names, legacy=False),

@@ -51,6 +51,44 @@ def test_models_health_metrics_openapi(mesh, model):
         assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(paths)
 
 
+def test_models_retrieve_usage_nulls_and_emoji_logprobs(mesh, model):
+    """The client's models.retrieve; every streamed chunk before the usage chunk says
+    "usage": null; completions' logprobs over emoji name partial tokens by their bytes and
+    offset into the text, streamed as whole."""
+    client = sync_client(mesh)
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("no-such-model")
+    assert missing.value.code == "model_not_found" and missing.value.type == "invalid_request_error"
+
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": model, "messages": CHAT, "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.Client(base_url=mesh.http_url, timeout=60, headers=headers) as http:
+        with http.stream("POST", "/chat/completions", json=body) as events:
+            chunks = [json.loads(line[len("data: "):]) for line in events.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+    assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["usage"]["completion_tokens"] == 4
+
+    prompt = "Emoji: 🌍🚀🎉🍕"
+    for stream in (False, True):
+        request = dict(model=model, prompt=prompt, max_tokens=8, temperature=0, logprobs=1, echo=not stream,
+                       stream=stream, extra_body={"ignore_eos": True})
+        if stream:
+            pieces = list(client.completions.create(**request))
+            text = "".join(p.choices[0].text for p in pieces)
+            tokens = [t for p in pieces if p.choices[0].logprobs for t in p.choices[0].logprobs.tokens]
+            offsets = [o for p in pieces if p.choices[0].logprobs for o in p.choices[0].logprobs.text_offset]
+        else:
+            done = client.completions.create(**request).choices[0]
+            text, tokens, offsets = done.text, done.logprobs.tokens, done.logprobs.text_offset
+            assert text.startswith(prompt) and any(t.startswith("bytes:") for t in tokens)
+        # <=: a last token that begins a character max_tokens cut off is at the text's end
+        assert len(tokens) == len(offsets) and offsets == sorted(offsets) and offsets[-1] <= len(text)
+        for token, offset in zip(tokens, offsets):
+            assert token.startswith("bytes:") or text.startswith(token, offset), (token, offset, text)
+
+
 def test_sync_client_chat_and_completions(mesh, model, embedded_tokenizer):
     client = sync_client(mesh)
     chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=60, temperature=0, stop=["5"])
@@ -258,8 +296,10 @@ def test_invalid_requests_get_openai_errors_naming_the_field(mesh, model):
             r = http.post(f"/{endpoint}", json=body)
             error = r.json()["error"]
             assert (r.status_code, error["param"]) == (status, param), (endpoint, body, r.text[:300])
-            expected_type = "not_found_error" if status == 404 else "invalid_request_error"
-            assert error["message"] and error["type"] == expected_type
+            assert error["message"] and error["type"] == "invalid_request_error"  # OpenAI's, 404 included
+            assert error["code"] == ("model_not_found" if status == 404 else None)
+            # the message names the field as the body spells it, not as the gRPC API does
+            assert error["message"].startswith(f"{param}: ") or param is None, error["message"]
             assert set(error) == {"message", "type", "param", "code"}
         r = http.post("/completions", content=b"{not json", headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and "error" in r.json()

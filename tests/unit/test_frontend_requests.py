@@ -174,12 +174,18 @@ def test_refused_chat_fields_are_named(body, param):
 def test_unknown_model_is_404_and_errors_map_to_http_statuses():
     with pytest.raises(RequestError) as err:
         oai.completion_requests(oai.CompletionRequest(prompt="a", model="other"), "m")
-    assert oai.request_error_body(err.value)[0] == 404
+    status, body = oai.request_error_body(err.value)
+    assert status == 404  # OpenAI's shape for an unknown model: an invalid request, code model_not_found
+    assert (body["error"]["type"], body["error"]["code"], body["error"]["param"]) == (
+        "invalid_request_error", "model_not_found", "model")
+    resume = oai.request_error_body(RequestError(grpc.StatusCode.NOT_FOUND, "nothing to resume"))
+    assert resume[0] == 404 and resume[1]["error"]["code"] is None  # not a model
     for code, status in [(grpc.StatusCode.INVALID_ARGUMENT, 400), (grpc.StatusCode.UNAUTHENTICATED, 401),
                          (grpc.StatusCode.RESOURCE_EXHAUSTED, 429), (grpc.StatusCode.UNAVAILABLE, 503)]:
         assert oai.request_error_body(RequestError(code, "x"))[0] == status
     top_p = RequestError.invalid(InvalidRequest("sampling.top_p", "must be in (0, 1], got 2"))
-    assert oai.request_error_body(top_p)[1]["error"]["param"] == "top_p"
+    error = oai.request_error_body(top_p)[1]["error"]
+    assert (error["param"], error["message"]) == ("top_p", "top_p: must be in (0, 1], got 2")  # the body's name
     empty = RequestError.invalid(InvalidRequest("prompt", "empty"))
     assert oai.request_error_body(empty)[1]["error"]["param"] == "prompt"
 

@@ -193,15 +193,18 @@ def test_a_stream_whose_client_left_midway_aborts_its_requests(n: int):
     assert aborted == submitted
 
 
+@pytest.mark.parametrize("include_usage", [False, True])
 @pytest.mark.parametrize("chat", [True, False])
-def test_plain_chunks_are_the_chunks_json_byte_for_byte(chat: bool):
+def test_plain_chunks_are_the_chunks_json_byte_for_byte(chat: bool, include_usage: bool):
     """Reply.plain_chunk writes a chunk without building it: the same bytes as json.dumps of the
-    chunk, for any text (escapes, non-ASCII, a lone surrogate) and model name."""
+    chunk, for any text (escapes, non-ASCII, a lone surrogate) and model name; with
+    include_usage, `"usage": null` on each (OpenAI's chunks before the usage chunk)."""
     texts = ["", "a", " hello", 'quo"te \\ back', "tab\tnew\nline\r\x00\x1f\x7f", "café Über", "🦊 \u2028",
              "\ud800", "</script>"]
     for model in ("m", 'we"ird\\ módel 🦊'):
-        reply = Reply(model, chat=chat, prompts=1, n=1, stream=True, include_usage=False, want_logprobs=False,
-                      aliases={})
+        reply = Reply(model, chat=chat, prompts=1, n=1, stream=True, include_usage=include_usage,
+                      want_logprobs=False, aliases={})
+        assert ("usage" in reply.chunk([])) == include_usage and reply.chunk([], usage={"x": 1})["usage"] == {"x": 1}
         for index, text, finish in itertools.product((0, 7), texts, (None, "stop", "length")):
             if chat:
                 choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": None,
@@ -391,3 +394,58 @@ def test_chat_logprob_bytes_are_the_tokens_own_bytes(embedded_tokenizer):
     assert b"".join(tokens.raw(i) for i in ids) == text.encode()
     end = embedded_tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert tokens.raw(end) == b"<|im_end|>"
+
+
+def test_completion_logprobs_name_partial_characters_by_their_bytes_and_offset_into_the_text(embedded_tokenizer):
+    """Legacy completions' logprobs over characters split across tokens: a token holding part of
+    one is `bytes:` and its escapes (as OpenAI writes it; U+FFFD would make distinct tokens one
+    key), and text_offset counts characters of the text, never decreasing, each token's text at
+    its offset; split into streamed pieces, the offsets are the whole text's."""
+    text = "Emoji: 🌍🚀🎉🍕 café 日本語 ok"
+    ids = embedded_tokenizer.encode(text)
+    tokens = render.TokenTable(embedded_tokenizer)
+    entries = [TokenLogprobs(logprob=-0.5, rank=1, top_token_ids=[i], top_logprobs=[-0.5]) for i in ids]
+    body = render.completion_logprobs(entries, ids, tokens)
+    names, offsets = body["tokens"], body["text_offset"]
+    partial = [n for n in names if n.startswith("bytes:")]
+    assert partial and "\ufffd" not in "".join(names)  # the case that matters is present
+    assert all(bytes.fromhex(n[len("bytes:"):].replace("\\x", "")) == tokens.raw(i)
+               for n, i in zip(names, ids) if n.startswith("bytes:"))
+    assert [list(top) for top in body["top_logprobs"]] == [[n] for n in names]
+    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] < len(text)
+    for name, offset in zip(names, offsets):
+        assert name.startswith("bytes:") or text.startswith(name, offset), (name, offset)
+    assert render.text_offsets(ids, tokens)[1] == len(text)
+    pieces, start = [], 0
+    for cut in (3, 9, 10, 11, len(ids)):  # cuts inside characters too
+        piece, start = render.text_offsets(ids[len(pieces):cut], tokens, start)
+        pieces += piece
+    assert pieces == offsets
+
+    # An echo: the prompt's tokens from 0, the generated ones after the prompt's text.
+    prompt = "Say 🌍"
+    prompt_ids = embedded_tokenizer.encode(prompt)
+    choice = render.Choice(text="", token_ids=ids, logprobs=entries, prompt_token_ids=prompt_ids,
+                           prompt_logprobs=entries[:len(prompt_ids) - 1])
+    echo = render.echo_logprobs(choice, prompt, tokens)
+    assert echo["text_offset"] == render.text_offsets(prompt_ids, tokens)[0] + [len(prompt) + o for o in offsets]
+    assert render.text_offsets(prompt_ids, tokens)[1] == len(prompt)
+    assert echo["token_logprobs"][0] is None and len(echo["tokens"]) == len(prompt_ids) + len(ids)
+
+
+def test_a_body_sent_as_a_form_is_told_to_say_json():
+    """`curl -d '{...}'` without -H 'Content-Type: application/json' sends a form, which FastAPI
+    does not read as JSON: the 400 says what to send rather than that a dictionary was expected."""
+    async def main():
+        f, _ = await serving_frontend(CharTokenizer())
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(f, None)),
+                                     base_url="http://frontend") as http:
+            form = await http.post("/v1/completions", content=b'{"prompt": "hi"}',
+                                   headers={"Content-Type": "application/x-www-form-urlencoded"})
+            listed = await http.post("/v1/completions", json=["not", "an", "object"])
+            return form, listed
+
+    form, listed = asyncio.run(main())
+    assert form.status_code == 400 and form.json()["error"]["message"] == (
+        "body: send JSON with Content-Type: application/json (got application/x-www-form-urlencoded)")
+    assert listed.status_code == 400 and "Content-Type" not in listed.json()["error"]["message"]  # JSON, not an object

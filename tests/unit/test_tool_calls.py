@@ -100,7 +100,7 @@ def test_tools_and_history_reach_the_chat_input():
     silent = oai.chat_request(chat(messages=history, tools=[WEATHER], tool_choice="none"), "m").prompt
     assert isinstance(silent, Chat) and silent.tools == ""
     legacy = tool_plan(None, None, None, [WEATHER["function"]], "auto")
-    assert legacy == ToolPlan((WEATHER,), "auto", parallel=False)
+    assert legacy == ToolPlan((WEATHER,), "auto", parallel=False, legacy=True)
 
 
 SMOL_LIKE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -308,3 +308,38 @@ def test_http_tool_calls_assemble_to_the_same_message_through_the_openai_client(
     assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
         ("function", "get_weather", {"city": "Oslo"}), ("function", "get_weather", {"city": "Rome", "unit": "c"})]
     assert all(c.id.startswith("call_") for c in calls) and calls[0].id != calls[1].id
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("form", ["parallel_tool_calls_false", "legacy_functions"])
+def test_one_call_at_most_and_the_legacy_shape_through_the_openai_client(stream, form):
+    """parallel_tool_calls false under "auto": the model wrote two calls, the first is the answer
+    (no grammar holds "auto" to one). The legacy `functions` are answered as OpenAI answered them:
+    the message's one function_call, finish_reason "function_call"."""
+    async def main() -> Any:
+        f, scheduler = await serving_frontend(CharTokenizer())
+        client = openai_client(f)
+        body: dict[str, Any] = {"model": "m", "messages": HI, "max_tokens": 200}
+        if form == "legacy_functions":
+            body["functions"] = [WEATHER["function"]]
+        else:
+            body.update(tools=[WEATHER], parallel_tool_calls=False)
+        task = asyncio.create_task(chat_completion(client, body, stream))
+        await scheduler.until_submitted(1)
+        for piece in SCRIPT[:-1]:
+            emit(f, piece)
+        emit(f, SCRIPT[-1], STOP)
+        result = await task
+        await client.close()
+        return result
+
+    choice = asyncio.run(main()).choices[0]
+    assert choice.message.content == "Checking."
+    if form == "legacy_functions":
+        assert choice.finish_reason == "function_call" and not choice.message.tool_calls
+        call = choice.message.function_call
+        assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Oslo"})
+    else:
+        assert choice.finish_reason == "tool_calls" and choice.message.function_call is None
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+            ("get_weather", {"city": "Oslo"})]

@@ -223,3 +223,26 @@ class MarkedCallParser(CallParser):
         self._space, self._raw, self._state = self.content.take_space(), "", "open"
         return True
 
+
+
+class FirstCallOnly:
+    """`parallel_tool_calls: false` where no grammar holds the output to one call ("auto"): the
+    model's text may hold several whatever the prompt asked, and the first is the answer; later
+    calls' deltas are dropped, content around them kept."""
+
+    def __init__(self, parser: ToolCallParser):
+        self.parser = parser
+
+    @property
+    def calls(self) -> int:
+        return min(self.parser.calls, 1)
+
+    def feed(self, text: str) -> list[Delta]:
+        return self._first(self.parser.feed(text))
+
+    def finish(self) -> list[Delta]:
+        return self._first(self.parser.finish())
+
+    @staticmethod
+    def _first(deltas: list[Delta]) -> list[Delta]:
+        return [d for d in deltas if not (isinstance(d, ToolCallDelta) and d.index > 0)]

@@ -19,7 +19,7 @@ from vmesh.services.common.types import SamplingParams
 from vmesh.services.frontend.settings import TOOL_CALL_PARSERS
 from vmesh.services.frontend.tool_calls import ToolPlan
 from vmesh.services.frontend.tool_parsers import hermes, llama3_json, mistral, pythonic
-from vmesh.services.frontend.tool_parsers.base import ToolCallParser
+from vmesh.services.frontend.tool_parsers.base import FirstCallOnly, ToolCallParser
 from vmesh.services.frontend.tool_parsers.forced import JsonToolCallParser
 from vmesh.services.frontend.tool_parsers.format import ToolFormat
 from vmesh.services.frontend.tool_parsers.special_texts import SpecialTextFilter
@@ -44,7 +44,9 @@ class ToolReader:
         if self.plan.forced:
             return JsonToolCallParser()
         parser = self.format.parser(t["function"]["name"] for t in self.plan.tools)
-        return SpecialTextFilter(parser, self.dropped) if self.dropped else parser
+        if self.dropped:
+            parser = SpecialTextFilter(parser, self.dropped)
+        return parser if self.plan.parallel else FirstCallOnly(parser)
 
 
 @dataclass(frozen=True)
