@@ -79,6 +79,7 @@ class GenerationOutput:
     # The first piece of a resumed stream: the text the client already has (a tool-call parser
     # picks up where the client's left off).
     resumed_text: str = ""
+    resumed_token_ids: list[int] = field(default_factory=list)  # ...and the tokens it has (logprobs' offsets)
 
 
 @dataclass

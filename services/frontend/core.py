@@ -384,8 +384,9 @@ class FrontendCore:
                 if not out.error or out.text or out.token_ids:
                     yield GenerationOutput(request_id, out.text, out.token_ids, out.logprobs, out.finish_reason,
                                            out.usage, backend, scored_prompt if out.token_ids else [],
-                                           out.prompt_logprobs, out.embedding, resume_key, resumed_text)
-                    backend, resume_key, resumed_text = "", "", ""  # said once
+                                           out.prompt_logprobs, out.embedding, resume_key, resumed_text,
+                                           resumed)
+                    backend, resume_key, resumed_text, resumed = "", "", "", []  # said once
                     scored_prompt = scored_prompt if not out.token_ids else []
                 if finished:
                     return

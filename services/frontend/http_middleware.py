@@ -116,8 +116,8 @@ def add_error_handlers(app: FastAPI) -> None:
     async def on_invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         content_type = request.headers.get("content-type", "")
-        if tuple(first.get("loc", ())) == ("body",) and "json" not in content_type.lower():
-            # FastAPI reads a body as JSON only when its type says so (`curl -d` sends a form)
+        if tuple(first.get("loc", ())) == ("body",) and content_type and "json" not in content_type.lower():
+            # FastAPI reads a body as JSON when its type says so or it has none (`curl -d` sends a form)
             return error_response(400, f"body: send JSON with Content-Type: application/json "
                                        f"(got {content_type or 'no Content-Type'})", "invalid_request_error")
         if first.get("type") == "json_invalid":  # its location is a character offset, not a field

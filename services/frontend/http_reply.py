@@ -44,6 +44,7 @@ class Reply:
     structured_backend: str = ""  # the grammar backend that constrains the output ("": none)
     echo: render.Echo | None = None  # completions' echo
     want_prompt_logprobs: bool = False  # vLLM's prompt_logprobs
+    skip_special_tokens: bool = True  # the requests' (completions' text_offset counts what the text holds)
     request_id: str = field(init=False)
     created: int = field(init=False)
     choices: list[render.Choice] = field(init=False)

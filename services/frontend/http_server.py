@@ -22,7 +22,7 @@ from vmesh.services.frontend import embeddings_api, http_resume, responses_api, 
 from vmesh.services.frontend import openai_protocol as oai
 from vmesh.services.frontend import openai_responses as render
 from vmesh.services.frontend.core import FrontendCore
-from vmesh.services.frontend.errors import Code, RequestError, refused_as_request_errors
+from vmesh.services.frontend.errors import RequestError, refused_as_request_errors
 from vmesh.services.frontend.fanout import ClientGone, Fanout, FanoutStreamingResponse, until_disconnect
 from vmesh.services.frontend.http_connections import (
     ConnectionGuard,
@@ -149,7 +149,7 @@ class OpenAIRoutes:
                                                 reply.want_logprobs, tokens, reply.tools, reply.want_prompt_logprobs)
                     return render.completion_body(reply.request_id, reply.created, reply.model, reply.choices,
                                                   reply.n, reply.want_logprobs, tokens, reply.echo,
-                                                  reply.want_prompt_logprobs)
+                                                  reply.want_prompt_logprobs, reply.skip_special_tokens)
 
                 view = reply.responses.from_chat if reply.responses is not None else None
                 # Rendering n × max_tokens entries (with logprobs) is long work: a worker thread
@@ -213,14 +213,16 @@ class OpenAIRoutes:
         async for index, out in fanout.events():
             choice = reply.choices[index]
             choice.add(out)
-            if out.resumed_text:  # a resumed stream: offsets go on from the text the client has
-                characters[index] = len(out.resumed_text)
+            if out.resumed_token_ids:  # a resumed stream: offsets go on from the tokens the client has
+                characters[index] = render.text_offsets(out.resumed_token_ids, self.tokens,
+                                                        skip_special=reply.skip_special_tokens)[1]
             if not (out.text or out.finish_reason or out.logprobs):
                 continue
             if not reply.want_logprobs:
                 yield [reply.plain_chunk(index, out.text, render.finish_reason(out.finish_reason))]
                 continue
-            offsets, characters[index] = render.text_offsets(out.token_ids, self.tokens, characters[index])
+            offsets, characters[index] = render.text_offsets(out.token_ids, self.tokens, characters[index],
+                                                             reply.skip_special_tokens)
             logprobs = render.completion_logprobs(out.logprobs, out.token_ids, self.tokens, offsets)
             yield [reply.chunk([{"index": index, "text": out.text, "logprobs": logprobs,
                                  "finish_reason": render.finish_reason(out.finish_reason)}])]
@@ -230,7 +232,7 @@ class OpenAIRoutes:
             return reply.chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
 
         parsers = [make_parser(reply.tools) for _ in reply.choices]
-        legacy = render.legacy_calls(reply.tools)
+        legacy, calls_end = render.legacy_calls(reply.tools), render.calls_end_the_choice(reply.tools)
         if not reply.resuming:  # OpenAI opens every choice with the role (a resumed client has it)
             yield [chunk(index, {"role": "assistant", "content": ""}) for index in range(len(reply.choices))]
         async for index, out in fanout.events():
@@ -255,7 +257,7 @@ class OpenAIRoutes:
                 logprobs = None
             if out.finish_reason:
                 chunks.append(chunk(index, {}, None,
-                                    render.finish_reason(out.finish_reason, parser.calls > 0, legacy)))
+                                    render.finish_reason(out.finish_reason, calls_end and parser.calls > 0, legacy)))
             if chunks:
                 yield chunks
 
@@ -272,7 +274,8 @@ class OpenAIRoutes:
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             want_logprobs=body.logprobs is not None, aliases=oai.param_aliases(body),
             echo=render.echo_of(requests, oai.echo_without_generation(body), self.tokens) if body.echo else None,
-            want_prompt_logprobs=body.prompt_logprobs is not None))
+            want_prompt_logprobs=body.prompt_logprobs is not None,
+            skip_special_tokens=requests[0].sampling.skip_special_tokens if requests else True))
 
     async def chat_completions(self, body: oai.ChatCompletionRequest, request: Request) -> Response:
         model = await self.requested(body.model)
@@ -305,13 +308,13 @@ class OpenAIRoutes:
                                             "max_model_len": limits.max_model_len},
                                            *await adapter_cards(self.frontend, limits.name, self.created)]}
 
-
     async def model(self, model: str) -> dict[str, Any]:
         """One /v1/models entry (OpenAI's GET /v1/models/{model}, the client's models.retrieve)."""
-        for card in (await self.models())["data"]:
+        cards = (await self.models())["data"]
+        for card in cards:
             if card["id"] == model:
                 return card
-        raise RequestError(Code.NOT_FOUND, f"model: the model {model!r} does not exist", "model")
+        raise oai.unknown_model(model, cards[0]["id"])
 
 
 def build_app(frontend: FrontendCore, registry: CollectorRegistry | None,

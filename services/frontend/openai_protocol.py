@@ -178,11 +178,15 @@ def _priority(body: CompletionRequest | ChatCompletionRequest) -> int:
     return _carried("priority", body.priority, "priority") if body.priority is not None else 0
 
 
+def unknown_model(model: str, served: str) -> RequestError:
+    return RequestError(Code.NOT_FOUND, f"model: the model {model!r} does not exist (this server serves {served!r})",
+                        "model")
+
+
 def check_model(model: str | None, served: str) -> None:
     """A request's `model`: unset, or the served model's name."""
     if model is not None and model != served:
-        raise RequestError(Code.NOT_FOUND, f"model: the model {model!r} does not exist "
-                                           f"(this server serves {served!r})", "model")
+        raise unknown_model(model, served)
 
 
 def check_common(body: CompletionRequest | ChatCompletionRequest, served: str) -> None:

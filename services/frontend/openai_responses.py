@@ -74,6 +74,8 @@ class TokenTexts(Protocol):
 
     def raw(self, token_id: int) -> bytes: ...
 
+    def is_special(self, token_id: int) -> bool: ...
+
 
 class TokenTable:
     """Each token id's text and raw bytes, computed at most once per id: rendering logprobs
@@ -87,13 +89,19 @@ class TokenTable:
         self._raw: dict[int, bytes] = {}
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._byte_level = "ByteLevel" in type(getattr(backend, "decoder", None)).__name__
-        self._added = {i for i in (getattr(tokenizer, "added_tokens_decoder", None) or {})}
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self._added = set(added)
+        self._special = {i for i, token in added.items() if getattr(token, "special", False)}
 
     def text(self, token_id: int) -> str:
         text = self._text.get(token_id)
         if text is None:
             text = self._text[token_id] = self.tokenizer.decode([token_id])
         return text
+
+    def is_special(self, token_id: int) -> bool:
+        """A special token: decoding leaves it out of the text unless told to keep it."""
+        return token_id in self._special
 
     def raw(self, token_id: int) -> bytes:
         """The token's own bytes: a token holding part of a UTF-8 character decodes to U+FFFD,
@@ -133,25 +141,27 @@ def _continues_a_character(byte: int) -> bool:
     return 0x80 <= byte < 0xC0  # a UTF-8 continuation byte
 
 
-def text_offsets(token_ids: Sequence[int], tokens: TokenTexts, characters: int = 0) -> tuple[list[int], int]:
+def text_offsets(token_ids: Sequence[int], tokens: TokenTexts, characters: int = 0,
+                 skip_special: bool = True) -> tuple[list[int], int]:
     """Each token's offset in the text its bytes decode to (characters, as Python counts them,
     from `characters`: where the first token's bytes start), and the offset after the last. A
     token starting inside a character (the rest of an emoji) is at that character's offset, so
-    offsets never decrease and each names where its token's text starts."""
+    offsets never decrease and each names where its token's text starts. `skip_special`: the
+    text leaves special tokens out (decoding's default), so they take no room."""
     offsets = []
     for t in token_ids:
-        raw = tokens.raw(t)
+        raw = b"" if skip_special and tokens.is_special(t) else tokens.raw(t)
         offsets.append(max(characters - bool(raw and _continues_a_character(raw[0])), 0))
         characters += sum(not _continues_a_character(b) for b in raw)
     return offsets, characters
 
 
 def completion_logprobs(entries: list[TokenLogprobs], token_ids: list[int], tokens: TokenTexts,
-                        offsets: list[int] | None = None) -> dict[str, Any]:
+                        offsets: list[int] | None = None, skip_special: bool = True) -> dict[str, Any]:
     """OpenAI's legacy completions logprobs; `offsets`: the tokens' text_offset (text_offsets,
     from the choice's start; None: from 0)."""
     if offsets is None:
-        offsets = text_offsets(token_ids, tokens)[0]
+        offsets = text_offsets(token_ids, tokens, skip_special=skip_special)[0]
     return {"tokens": [completion_token(tokens, t) for t in token_ids],
             "token_logprobs": [_lp(e.logprob) for e in entries],
             "top_logprobs": [{completion_token(tokens, t): _lp(lp) for t, lp in zip(e.top_token_ids, e.top_logprobs)}
@@ -196,15 +206,17 @@ def echoed(choice: Choice, prompt: str, echo: Echo) -> Choice:
     return replace(choice, text=prompt + choice.text)
 
 
-def echo_logprobs(choice: Choice, prompt: str, tokens: TokenTexts) -> dict[str, Any]:
+def echo_logprobs(choice: Choice, prompt: str, tokens: TokenTexts, skip_special: bool = True) -> dict[str, Any]:
     """OpenAI's completions logprobs of an echo: the prompt's tokens (the first one's logprob and
     top entries null: nothing scores it), then the generated ones, whose offsets start after the
-    prompt's text."""
-    prompt_offsets = text_offsets(choice.prompt_token_ids, tokens)[0]
+    prompt's text. The prompt's offsets are counted back from its end: a text prompt's tokens
+    may begin with one the tokenizer added (BOS), which the echoed text does not hold."""
+    prompt_offsets, end = text_offsets(choice.prompt_token_ids, tokens, skip_special=False)
+    prompt_offsets = [max(o + len(prompt) - end, 0) for o in prompt_offsets]
     scored = completion_logprobs(choice.prompt_logprobs, choice.prompt_token_ids[1:], tokens, prompt_offsets[1:])
     first = choice.prompt_token_ids[:1]
     generated = completion_logprobs(choice.logprobs, choice.token_ids, tokens,
-                                    text_offsets(choice.token_ids, tokens, len(prompt))[0])
+                                    text_offsets(choice.token_ids, tokens, len(prompt), skip_special)[0])
     return {"tokens": [completion_token(tokens, t) for t in first] + scored["tokens"] + generated["tokens"],
             "token_logprobs": [None] * len(first) + scored["token_logprobs"] + generated["token_logprobs"],
             "top_logprobs": [None] * len(first) + scored["top_logprobs"] + generated["top_logprobs"],
@@ -243,6 +255,12 @@ def legacy_calls(tools: ToolReader | None) -> bool:
     return tools is not None and tools.plan.legacy
 
 
+def calls_end_the_choice(tools: ToolReader | None) -> bool:
+    """Whether calls make finish_reason "tool_calls" ("function_call"): not where the request
+    named the function to call, which OpenAI (and vLLM) answer with "stop"."""
+    return tools is not None and tools.plan.choice in ("auto", "required")
+
+
 def chat_message(choice: Choice, tools: ToolReader | None) -> tuple[dict[str, Any], bool]:
     """The assistant's message for a choice's whole text, and whether it made tool calls: the
     text read by the same parser the streamed deltas go through (tool_parsers)."""
@@ -259,8 +277,10 @@ def chat_message(choice: Choice, tools: ToolReader | None) -> tuple[dict[str, An
 
 
 def completion_body(request_id: str, created: int, model: str, choices: list[Choice], n: int, want_logprobs: bool,
-                    tokens: TokenTexts, echo: Echo | None = None, want_prompt_logprobs: bool = False) -> dict[str, Any]:
-    """`want_prompt_logprobs`: vLLM's prompt_logprobs field, in each choice."""
+                    tokens: TokenTexts, echo: Echo | None = None, want_prompt_logprobs: bool = False,
+                    skip_special: bool = True) -> dict[str, Any]:
+    """`want_prompt_logprobs`: vLLM's prompt_logprobs field, in each choice; `skip_special`: the
+    requests' skip_special_tokens (the text holds no special tokens)."""
     rendered = []
     for i, c in enumerate(choices):
         prompt = echo.prompts[i // n] if echo is not None else ""
@@ -268,8 +288,8 @@ def completion_body(request_id: str, created: int, model: str, choices: list[Cho
             c = choices[i] = echoed(c, prompt, echo)
         logprobs = None
         if want_logprobs:
-            logprobs = echo_logprobs(c, prompt, tokens) if echo is not None else completion_logprobs(
-                c.logprobs, c.token_ids, tokens)
+            logprobs = echo_logprobs(c, prompt, tokens, skip_special) if echo is not None else completion_logprobs(
+                c.logprobs, c.token_ids, tokens, skip_special=skip_special)
         rendered.append({"index": i, "text": c.text, "finish_reason": finish_reason(c.finish_reason),
                          "logprobs": logprobs,
                          **({"prompt_logprobs": prompt_logprobs_body(c, tokens)} if want_prompt_logprobs else {})})
@@ -285,7 +305,8 @@ def chat_body(request_id: str, created: int, model: str, choices: list[Choice], 
     for i, c in enumerate(choices):
         message, made_calls = chat_message(c, tools)
         rendered.append({"index": i, "message": message,
-                         "finish_reason": finish_reason(c.finish_reason, made_calls, legacy_calls(tools)),
+                         "finish_reason": finish_reason(c.finish_reason, made_calls and calls_end_the_choice(tools),
+                                                        legacy_calls(tools)),
                          "logprobs": chat_logprobs(c.logprobs, c.token_ids, tokens) if want_logprobs else None})
     body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
             "choices": rendered, "usage": usage(choices, n)}

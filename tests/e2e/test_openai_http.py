@@ -64,10 +64,10 @@ def test_models_retrieve_usage_nulls_and_emoji_logprobs(mesh, model):
     headers = {"Authorization": f"Bearer {KEY}"}
     body = {"model": model, "messages": CHAT, "max_tokens": 4, "stream": True,
             "stream_options": {"include_usage": True}}
-    with httpx.Client(base_url=mesh.http_url, timeout=60, headers=headers) as http:
-        with http.stream("POST", "/chat/completions", json=body) as events:
-            chunks = [json.loads(line[len("data: "):]) for line in events.iter_lines()
-                      if line.startswith("data: ") and line != "data: [DONE]"]
+    with (httpx.Client(base_url=mesh.http_url, timeout=60, headers=headers) as http,
+          http.stream("POST", "/chat/completions", json=body) as events):
+        chunks = [json.loads(line[len("data: "):]) for line in events.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
     assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["usage"]["completion_tokens"] == 4
 
     prompt = "Emoji: 🌍🚀🎉🍕"

@@ -433,6 +433,32 @@ def test_completion_logprobs_name_partial_characters_by_their_bytes_and_offset_i
     assert echo["token_logprobs"][0] is None and len(echo["tokens"]) == len(prompt_ids) + len(ids)
 
 
+def test_text_offsets_skip_what_the_text_leaves_out(embedded_tokenizer):
+    """A special token takes no room where decoding skipped it (the default) and its text where
+    it was kept; an echoed prompt's offsets count back from its end, so that a token the
+    tokenizer added in front (BOS) leaves the prompt's own tokens where the echoed text has them."""
+    tokens = render.TokenTable(embedded_tokenizer)
+    end = embedded_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert tokens.is_special(end) and not tokens.is_special(embedded_tokenizer.encode("Hi")[0])
+    ids = [*embedded_tokenizer.encode("Hi"), end, *embedded_tokenizer.encode(" there 🌍")]
+    for skip, text in ((True, "Hi there 🌍"), (False, "Hi<|im_end|> there 🌍")):
+        offsets, length = render.text_offsets(ids, tokens, skip_special=skip)
+        assert length == len(text) and offsets == sorted(offsets)
+        for i, offset in zip(ids, offsets):
+            name = render.completion_token(tokens, i)
+            assert name.startswith("bytes:") or (skip and i == end) or text.startswith(name, offset), (name, offset)
+
+    prompt = "Say 🌍 now"
+    prompt_ids = [end, *embedded_tokenizer.encode(prompt)]  # as a tokenizer adding BOS would
+    entries = [TokenLogprobs(logprob=-0.5, rank=1, top_token_ids=[], top_logprobs=[]) for _ in prompt_ids]
+    choice = render.Choice(text="", token_ids=[], logprobs=[], prompt_token_ids=prompt_ids,
+                           prompt_logprobs=entries[1:])
+    echo = render.echo_logprobs(choice, prompt, tokens)
+    assert echo["text_offset"][0] == 0 and echo["text_offset"] == sorted(echo["text_offset"])
+    for name, offset in zip(echo["tokens"][1:], echo["text_offset"][1:]):
+        assert name.startswith("bytes:") or prompt.startswith(name, offset), (name, offset)
+
+
 def test_a_body_sent_as_a_form_is_told_to_say_json():
     """`curl -d '{...}'` without -H 'Content-Type: application/json' sends a form, which FastAPI
     does not read as JSON: the 400 says what to send rather than that a dictionary was expected."""
@@ -443,9 +469,11 @@ def test_a_body_sent_as_a_form_is_told_to_say_json():
             form = await http.post("/v1/completions", content=b'{"prompt": "hi"}',
                                    headers={"Content-Type": "application/x-www-form-urlencoded"})
             listed = await http.post("/v1/completions", json=["not", "an", "object"])
-            return form, listed
+            untyped = await http.post("/v1/completions", content=b'["no", "Content-Type"]')
+            return form, listed, untyped
 
-    form, listed = asyncio.run(main())
+    form, listed, untyped = asyncio.run(main())
+    assert untyped.status_code == 400 and "Content-Type" not in untyped.json()["error"]["message"]  # read as JSON
     assert form.status_code == 400 and form.json()["error"]["message"] == (
         "body: send JSON with Content-Type: application/json (got application/x-www-form-urlencoded)")
     assert listed.status_code == 400 and "Content-Type" not in listed.json()["error"]["message"]  # JSON, not an object

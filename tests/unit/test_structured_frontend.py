@@ -290,11 +290,18 @@ def test_a_compile_past_its_budget_is_a_400_naming_the_budget(embedded_model_dir
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("named", [False, True])
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_forced_tool_choice_is_submitted_with_its_grammar_and_answered_as_tool_calls(compiler, stream: bool):
+def test_a_forced_tool_choice_is_submitted_with_its_grammar_and_answered_as_tool_calls(compiler, stream: bool,
+                                                                                      named: bool):
+    """"required" ends with finish_reason "tool_calls"; a named function with "stop" (OpenAI's and
+    vLLM's answer where the request chose the function)."""
+    ends = "stop" if named else "tool_calls"
+    choice = {"type": "function", "function": {"name": "get_weather"}} if named else "required"
+
     async def main() -> None:
         f, scheduler = await frontend(compiler)
-        call = post(f, "/v1/chat/completions", {"messages": CHAT, "tools": [WEATHER], "tool_choice": "required",
+        call = post(f, "/v1/chat/completions", {"messages": CHAT, "tools": [WEATHER], "tool_choice": choice,
                                                 "stream": stream})
         await scheduler.until_submitted(1)
         finish(f, '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]')
@@ -310,12 +317,12 @@ def test_a_forced_tool_choice_is_submitted_with_its_grammar_and_answered_as_tool
             arguments = "".join(d["tool_calls"][0]["function"].get("arguments", "") for d in deltas
                                 if d.get("tool_calls"))
             assert names == ["get_weather"] and json.loads(arguments) == {"city": "Oslo"}
-            assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+            assert chunks[-1]["choices"][0]["finish_reason"] == ends
         else:
             [tool_call] = response.json()["choices"][0]["message"]["tool_calls"]
             assert tool_call["function"]["name"] == "get_weather"
             assert json.loads(tool_call["function"]["arguments"]) == {"city": "Oslo"}
-            assert response.json()["choices"][0]["finish_reason"] == "tool_calls"
+            assert response.json()["choices"][0]["finish_reason"] == ends
 
     asyncio.run(main())
 

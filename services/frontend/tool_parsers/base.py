@@ -224,7 +224,6 @@ class MarkedCallParser(CallParser):
         return True
 
 
-
 class FirstCallOnly:
     """`parallel_tool_calls: false` where no grammar holds the output to one call ("auto"): the
     model's text may hold several whatever the prompt asked, and the first is the answer; later
