@@ -285,13 +285,14 @@ SCRIPT = ['Checking. <tool', '_call>\n{"name": "get_weather", "argu', 'ments": {
           '\n<tool_call>{"name": "get_weather", "arguments": {"city": "Rome", "unit": "c"}}</tool_call>']
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_http_tool_calls_assemble_to_the_same_message_through_the_openai_client(stream):
+def scripted_chat(body: dict[str, Any], stream: bool) -> tuple[Any, list[int]]:
+    """The chat completion the openai client gets for `body` when the model writes SCRIPT, and
+    the prompt the frontend submitted."""
     async def main() -> tuple[Any, list[int]]:
         f, scheduler = await serving_frontend(CharTokenizer())
         client = openai_client(f)
-        body = {"model": "m", "messages": HI, "tools": [WEATHER], "max_tokens": 200}
-        task = asyncio.create_task(chat_completion(client, body, stream))
+        task = asyncio.create_task(chat_completion(client, {"model": "m", "messages": HI, "max_tokens": 200,
+                                                            **body}, stream))
         await scheduler.until_submitted(1)
         for piece in SCRIPT[:-1]:
             emit(f, piece)
@@ -300,7 +301,12 @@ def test_http_tool_calls_assemble_to_the_same_message_through_the_openai_client(
         await client.close()
         return result, list(scheduler.submitted[0].prompt_token_ids)
 
-    completion, prompt = asyncio.run(main())
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_http_tool_calls_assemble_to_the_same_message_through_the_openai_client(stream):
+    completion, prompt = scripted_chat({"tools": [WEATHER]}, stream)
     assert "<tools>" in "".join(map(chr, prompt))  # CharTokenizer's template knows no tools: the built-in prompt
     choice = completion.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
@@ -316,24 +322,9 @@ def test_one_call_at_most_and_the_legacy_shape_through_the_openai_client(stream,
     """parallel_tool_calls false under "auto": the model wrote two calls, the first is the answer
     (no grammar holds "auto" to one). The legacy `functions` are answered as OpenAI answered them:
     the message's one function_call, finish_reason "function_call"."""
-    async def main() -> Any:
-        f, scheduler = await serving_frontend(CharTokenizer())
-        client = openai_client(f)
-        body: dict[str, Any] = {"model": "m", "messages": HI, "max_tokens": 200}
-        if form == "legacy_functions":
-            body["functions"] = [WEATHER["function"]]
-        else:
-            body.update(tools=[WEATHER], parallel_tool_calls=False)
-        task = asyncio.create_task(chat_completion(client, body, stream))
-        await scheduler.until_submitted(1)
-        for piece in SCRIPT[:-1]:
-            emit(f, piece)
-        emit(f, SCRIPT[-1], STOP)
-        result = await task
-        await client.close()
-        return result
-
-    choice = asyncio.run(main()).choices[0]
+    body: dict[str, Any] = ({"functions": [WEATHER["function"]]} if form == "legacy_functions"
+                            else {"tools": [WEATHER], "parallel_tool_calls": False})
+    choice = scripted_chat(body, stream)[0].choices[0]
     assert choice.message.content == "Checking."
     if form == "legacy_functions":
         assert choice.finish_reason == "function_call" and not choice.message.tool_calls
