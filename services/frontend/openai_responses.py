@@ -3,6 +3,7 @@ token texts they name. Pure functions: no I/O."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Sequence
@@ -77,6 +78,22 @@ class TokenTexts(Protocol):
     def is_special(self, token_id: int) -> bool: ...
 
 
+def word_mark(backend: Any) -> str:
+    """The character a SentencePiece-style vocabulary writes spaces as ("▁"), read from the
+    tokenizer's decoder (Metaspace, or a Replace of it by a space); "" for other vocabularies."""
+    try:
+        decoder = json.loads(backend.to_str()).get("decoder") or {}
+    except (AttributeError, TypeError, ValueError):
+        return ""
+    for d in decoder.get("decoders") or [decoder]:
+        if d.get("type") == "Metaspace":
+            return str(d.get("replacement") or "")
+        pattern = d.get("pattern") or {}
+        if d.get("type") == "Replace" and d.get("content") == " " and isinstance(pattern.get("String"), str):
+            return pattern["String"]
+    return ""
+
+
 class TokenTable:
     """Each token id's text and raw bytes, computed at most once per id: rendering logprobs
     names every sampled and every top token, and decoding them one by one on the event loop
@@ -89,6 +106,7 @@ class TokenTable:
         self._raw: dict[int, bytes] = {}
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._byte_level = "ByteLevel" in type(getattr(backend, "decoder", None)).__name__
+        self._word_mark = word_mark(backend)
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
         self._added = set(added)
         self._special = {i for i, token in added.items() if getattr(token, "special", False)}
@@ -122,6 +140,8 @@ class TokenTable:
                     return bytes([int(piece[3:5], 16)])
                 except ValueError:
                     pass
+            if self._word_mark and self._word_mark in piece:  # decoding a lone token drops its leading space
+                return piece.replace(self._word_mark, " ").encode()
         return self.text(token_id).encode(errors="surrogatepass")
 
 
@@ -131,10 +151,9 @@ def completion_token(tokens: TokenTexts, token_id: int) -> str:
     OpenAI writes them ("bytes:\\xf0\\x9f"): U+FFFD for each would make distinct tokens one key."""
     raw = tokens.raw(token_id)
     try:
-        raw.decode("utf-8")
+        return raw.decode("utf-8")  # its own text, leading space included (what text_offset counts)
     except UnicodeDecodeError:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-    return tokens.text(token_id)
 
 
 def _continues_a_character(byte: int) -> bool:

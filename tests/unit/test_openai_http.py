@@ -477,3 +477,39 @@ def test_a_body_sent_as_a_form_is_told_to_say_json():
     assert form.status_code == 400 and form.json()["error"]["message"] == (
         "body: send JSON with Content-Type: application/json (got application/x-www-form-urlencoded)")
     assert listed.status_code == 400 and "Content-Type" not in listed.json()["error"]["message"]  # JSON, not an object
+
+
+def metaspace_tokenizer() -> Any:
+    """A SentencePiece-style vocabulary (Llama 2, Mistral v0.x): words as "▁"-led pieces, emoji
+    by byte fallback, a decoder that drops a lone token's leading space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["▁The", "▁cat", "▁sat", "▁", *(f"<0x{b:02X}>" for b in "🌍".encode())]
+    model = models.Unigram([("<unk>", 0.0), *((p, -1.0) for p in pieces)], unk_id=0, byte_fallback=True)
+    backend = Tokenizer(model)
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    backend.decoder = decoders.Sequence([decoders.Metaspace(replacement="▁", prepend_scheme="first"),
+                                         decoders.ByteFallback(), decoders.Fuse()])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+
+
+def test_a_sentencepiece_vocabularys_tokens_keep_their_spaces():
+    """Decoding "▁cat" alone gives "cat": its bytes (chat's `bytes`), its completions name and its
+    text_offset must keep the space the text holds."""
+    tokenizer = metaspace_tokenizer()
+    tokens = render.TokenTable(tokenizer)
+    ids = tokenizer.encode("The cat sat 🌍")
+    assert tokenizer.convert_ids_to_tokens(ids)[:3] == ["▁The", "▁cat", "▁sat"] and tokenizer.decode([ids[1]]) == "cat"
+    assert b"".join(tokens.raw(i) for i in ids) == " The cat sat 🌍".encode()  # the one prepended space too
+    generated = ids[1:]  # as a continuation: the text holds each space
+    text = " cat sat 🌍"
+    offsets, end = render.text_offsets(generated, tokens)
+    assert end == len(text) and [render.completion_token(tokens, i) for i in generated[:3]] == [" cat", " sat", " "]
+    for i, offset in zip(generated, offsets):
+        name = render.completion_token(tokens, i)
+        assert name.startswith("bytes:") or text.startswith(name, offset), (name, offset)
+    prompt = "The cat"  # an echo: the space the tokenizer prepended is not in the prompt's text
+    choice = render.Choice(text="", prompt_token_ids=ids[:2], prompt_logprobs=[
+        TokenLogprobs(logprob=-1.0, rank=1, top_token_ids=[], top_logprobs=[])])
+    assert render.echo_logprobs(choice, prompt, tokens)["text_offset"] == [0, 3]
