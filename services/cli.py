@@ -82,7 +82,8 @@ def _service_args(port: int = 0) -> list[AddFlags]:
 
 
 def _serve_args(parser: argparse.ArgumentParser) -> None:
-    add_server_args(parser, port=DEFAULT_PUBLIC_PORT)
+    # --metrics (MeshSettings) gives every service a metrics port; one port cannot serve them all.
+    add_settings_group(parser, "server", {"port": DEFAULT_PUBLIC_PORT}, skip=("metrics_port",))
     add_settings(parser, MeshSettings, "mesh")  # the launcher's own: among the command's plain options
     add_frontend_args(parser, http_port=DEFAULT_HTTP_PORT)
     add_model_args(parser)

@@ -260,9 +260,17 @@ class StopRequested(Exception):
 
 def die_with_launcher() -> None:
     """In a service started by `vmesh serve`: ask Linux for SIGTERM when the launcher dies,
-    however it dies, so that no service outlives it. Exits at once if it is already gone."""
+    however it dies, so that no service outlives it. Exits at once if it is already gone.
+
+    Ctrl-C in a terminal signals the whole foreground process group, the services with the
+    launcher: each would drain at once, the worker before the requests it serves. The launcher
+    stops them in order (frontend first) instead, so a service it started ignores SIGINT
+    (ServiceShell keeps an ignored SIGINT ignored)."""
     parent = os.environ.pop(PARENT_PID_ENV, None)
-    if parent is None or not sys.platform.startswith("linux"):
+    if parent is None:
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not sys.platform.startswith("linux"):
         return
     pr_set_pdeathsig = 1
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)

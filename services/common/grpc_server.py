@@ -132,7 +132,9 @@ class ServiceShell:
             announce(ready_file, Announcement.HEALTH, self.health_address)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stopping.set)
+            # An ignored SIGINT stays ignored (a service of `vmesh serve`, or a shell's background job).
+            if sig != signal.SIGINT or signal.getsignal(sig) is not signal.SIG_IGN:
+                loop.add_signal_handler(sig, self.stopping.set)
         announce(ready_file, Announcement.ADDRESS, self.address)
         warming = asyncio.ensure_future(warm_up())
         stopped = asyncio.ensure_future(self.stopping.wait())

@@ -116,7 +116,9 @@ class FrontendMetrics:
     """What clients see. Token counts are the scheduler's: counting them here too would make
     every sum across services count them twice."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str):
+    def __init__(self, registry: CollectorRegistry, model_name: str, failover_kinds: Sequence[str] = ()):
+        """`failover_kinds`: the services a request can fail over from, exported at 0 from the
+        start, so that a healthy mesh already has the series an alert watches."""
         self.model_name = model_name
         self.ttft = Histogram("vmesh:time_to_first_token_seconds", "Time to first token.", MODEL,
                               buckets=LATENCY_BUCKETS, registry=registry).labels(model_name)
@@ -129,6 +131,8 @@ class FrontendMetrics:
 
         self._failovers = Counter("vmesh:request_failovers", "Requests resubmitted after losing their scheduler "
                                   "or detokenizer replica, by the service lost.", [*MODEL, "kind"], registry=registry)
+        for kind in failover_kinds:
+            self._failovers.labels(model_name, kind)
 
     def request_finished(self, reason: str) -> None:
         self._requests.labels(self.model_name, reason).inc()

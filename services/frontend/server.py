@@ -18,6 +18,7 @@ from vmesh.services.common.wire.public import output_to_public, prompt_from_publ
 from vmesh.services.frontend import schedulers
 from vmesh.services.frontend.core import FrontendCore
 from vmesh.services.frontend.errors import RequestError
+from vmesh.services.frontend.outbox import LostService
 from vmesh.services.frontend.settings import FrontendServiceSettings
 from vmesh.services.frontend.subscriptions import subscribe_over_grpc
 from vmesh.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
@@ -105,7 +106,8 @@ async def serve(settings: FrontendServiceSettings, load_tokenizer: Callable[[], 
 
         registry = CollectorRegistry()
     # model_name is None only for embedders that skip the tokenizer check: an empty label is an absent one.
-    metrics = FrontendMetrics(registry, settings.model_name or "") if registry is not None else None
+    metrics = FrontendMetrics(registry, settings.model_name or "", [kind.value for kind in LostService]) \
+        if registry is not None else None
     core = FrontendCore(settings, metrics=metrics,
                         connect_scheduler=partial(schedulers.connect, identity=server.identity),
                         subscribe=partial(subscribe_over_grpc, identity=server.identity))

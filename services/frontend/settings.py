@@ -76,8 +76,9 @@ class FrontendSettings:
                                help="do not serve the HTTP API")
     api_key: str | None = setting(
         None, section="frontend",
-        help="require 'Authorization: Bearer KEY' on HTTP /v1/* and 'authorization: Bearer KEY' gRPC metadata "
-             "on Generate/Tokenize/GetModelInfo (health checks stay open)")
+        help="require 'Authorization: Bearer KEY' on every HTTP path but /health, /metrics and /openapi.json, "
+             "and 'authorization: Bearer KEY' gRPC metadata on Generate/Tokenize/GetModelInfo (health checks "
+             "stay open)")
     max_prompt_bytes: int = setting(
         DEFAULT_MAX_PROMPT_BYTES, section="frontend",
         help="prompts with more bytes of text are refused (INVALID_ARGUMENT / HTTP 400) before tokenizing")

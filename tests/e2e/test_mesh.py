@@ -289,7 +289,10 @@ def paused(pid: int) -> Iterator[None]:
         os.kill(pid, signal.SIGCONT)
 
 
-def test_sigterm_drains_in_flight_requests():
+@pytest.mark.parametrize("stop", ["sigterm", "ctrl_c"])
+def test_sigterm_drains_in_flight_requests(stop: str):
+    """SIGTERM to the launcher, or Ctrl-C in its terminal (SIGINT to its whole process group, the
+    services too): either way the mesh drains, frontend first, and the request in flight ends."""
     from grpc_health.v1 import health_pb2
 
     mesh = start_mesh()
@@ -306,7 +309,10 @@ def test_sigterm_drains_in_flight_requests():
                     outputs.append(await stream.__anext__())
                 with paused(mesh.services["worker"][1]):
                     stats = await asyncio.to_thread(scheduler_stats, mesh)
-                    mesh.process.send_signal(signal.SIGTERM)
+                    if stop == "sigterm":
+                        mesh.process.send_signal(signal.SIGTERM)
+                    else:  # start_mesh made the launcher a process group's leader, as a shell does
+                        os.killpg(mesh.process.pid, signal.SIGINT)
                     # Draining: health says NOT_SERVING while the request still streams to the end.
                     draining = await asyncio.wait_for(
                         _first_status_besides(mesh.address, health_pb2.HealthCheckResponse.SERVING), BUDGET_S)

@@ -37,6 +37,9 @@ def test_every_service_exports_metrics_that_move():
         assert frontend["vmesh:e2e_request_latency_seconds_count"] == 4
         assert frontend["vmesh:inter_token_latency_seconds_count"] == 4 * 5
         assert frontend['vmesh:request_success_total{finished_reason="length"}'] == 4
+        # A healthy mesh already has the failover series (at 0) that an alert would watch.
+        for kind in ("scheduler", "detokenizer"):
+            assert frontend[f'vmesh:request_failovers_total{{kind="{kind}"}}'] == 0
         # Token counts are the scheduler's alone: a sum across services counts each token once.
         assert "vmesh:generation_tokens_total" not in frontend and "vmesh:prompt_tokens_total" not in frontend
         scheduler = scrape(mesh.metrics["scheduler"])

@@ -106,6 +106,19 @@ def test_every_serve_argument_group_is_forwarded_or_the_launcher_s_own():
     assert titles - launcher_own == set(OWNERS), titles
 
 
+def test_serve_takes_only_the_server_flags_the_launcher_reads(capsys):
+    """Its "server" group is the launcher's own: where the public port listens and the ready
+    file. A service's --metrics-port would do nothing there (--metrics gives each service one),
+    so it is refused rather than dropped."""
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    server = next(g for g in serve._action_groups if g.title == "server")
+    assert {a.dest for a in server._group_actions} == {"host", "port", "ready_file"}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--metrics-port", "9100"])
+    assert "unrecognized arguments: --metrics-port" in capsys.readouterr().err
+    assert build_parser().parse_args(["serve", "--metrics"]).metrics
+
+
 @pytest.mark.parametrize("group", sorted(OWNERS))
 def test_each_forwarded_group_is_exactly_its_settings_dataclass(group):
     """No flag is added to a forwarded group by hand: the launcher forwards what the dataclass
