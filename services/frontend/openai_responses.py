@@ -81,8 +81,8 @@ class TokenTexts(Protocol):
 def word_mark(backend: Any) -> str:
     """The character a SentencePiece-style vocabulary writes spaces as ("▁"), read from the
     tokenizer's decoder (Metaspace, or a Replace of it by a space); "" for other vocabularies."""
-    try:
-        decoder = json.loads(backend.to_str()).get("decoder") or {}
+    try:  # the decoder's own JSON: serializing the whole tokenizer takes a second for a large vocabulary
+        decoder = json.loads(backend.decoder.__getstate__()) or {}
     except (AttributeError, TypeError, ValueError):
         return ""
     for d in decoder.get("decoders") or [decoder]:
