@@ -232,7 +232,7 @@ class OpenAIRoutes:
             return reply.chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
 
         parsers = [make_parser(reply.tools) for _ in reply.choices]
-        legacy, calls_end = render.legacy_calls(reply.tools), render.calls_end_the_choice(reply.tools)
+        legacy, calls_reason = render.legacy_calls(reply.tools), render.calls_finish_reason(reply.tools)
         if not reply.resuming:  # OpenAI opens every choice with the role (a resumed client has it)
             yield [chunk(index, {"role": "assistant", "content": ""}) for index in range(len(reply.choices))]
         async for index, out in fanout.events():
@@ -257,7 +257,7 @@ class OpenAIRoutes:
                 logprobs = None
             if out.finish_reason:
                 chunks.append(chunk(index, {}, None,
-                                    render.finish_reason(out.finish_reason, calls_end and parser.calls > 0, legacy)))
+                                    render.finish_reason(out.finish_reason, calls_reason if parser.calls else None)))
             if chunks:
                 yield chunks
 

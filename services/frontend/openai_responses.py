@@ -261,11 +261,11 @@ def usage(choices: list[Choice], n: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def finish_reason(reason: FinishReason | None, made_calls: bool = False, legacy: bool = False) -> str | None:
-    """`made_calls`: the choice's text held tool calls ("tool_calls" where the model stopped;
-    "function_call" for the legacy `functions`)."""
-    if reason is FinishReason.STOP and made_calls:
-        return "function_call" if legacy else "tool_calls"
+def finish_reason(reason: FinishReason | None, calls_reason: str | None = None) -> str | None:
+    """`calls_reason`: where the choice's text held tool calls, what a choice that stopped then
+    reports (calls_finish_reason)."""
+    if reason is FinishReason.STOP and calls_reason:
+        return calls_reason
     return reason.value if reason in OPENAI_FINISH_REASONS else None
 
 
@@ -274,10 +274,13 @@ def legacy_calls(tools: ToolReader | None) -> bool:
     return tools is not None and tools.plan.legacy
 
 
-def calls_end_the_choice(tools: ToolReader | None) -> bool:
-    """Whether calls make finish_reason "tool_calls" ("function_call"): not where the request
-    named the function to call, which OpenAI (and vLLM) answer with "stop"."""
-    return tools is not None and tools.plan.choice in ("auto", "required")
+def calls_finish_reason(tools: ToolReader | None) -> str | None:
+    """The finish_reason of a choice that made calls and stopped: "tool_calls" ("function_call"
+    for the legacy `functions`); None (so "stop") where the request named the function to call,
+    as OpenAI and vLLM answer it."""
+    if tools is None or tools.plan.choice not in ("auto", "required"):
+        return None
+    return "function_call" if tools.plan.legacy else "tool_calls"
 
 
 def chat_message(choice: Choice, tools: ToolReader | None) -> tuple[dict[str, Any], bool]:
@@ -324,8 +327,8 @@ def chat_body(request_id: str, created: int, model: str, choices: list[Choice], 
     for i, c in enumerate(choices):
         message, made_calls = chat_message(c, tools)
         rendered.append({"index": i, "message": message,
-                         "finish_reason": finish_reason(c.finish_reason, made_calls and calls_end_the_choice(tools),
-                                                        legacy_calls(tools)),
+                         "finish_reason": finish_reason(c.finish_reason,
+                                                        calls_finish_reason(tools) if made_calls else None),
                          "logprobs": chat_logprobs(c.logprobs, c.token_ids, tokens) if want_logprobs else None})
     body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
             "choices": rendered, "usage": usage(choices, n)}
